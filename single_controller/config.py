@@ -1,0 +1,241 @@
+"""The configuration tree: typed, frozen dataclasses with a docstring under every field.
+
+Loaded with OmegaConf (YAML + `key=value` overrides) by `single_controller.config_loader`, which
+rejects unknown keys, reports every problem at once, and runs the cross-field checks. Derived
+values (e.g. the buffer capacity when left unset) are computed in one place: `resolved_capacity`.
+Code reads fields directly; there are no hidden defaults elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "sc-grpo"
+    """Run name; the run directory is `<output_dir>/<name>-<timestamp>`."""
+    output_dir: str = "runs"
+    """Where run directories are created (resolved config, metrics.jsonl, checkpoint, plot)."""
+    max_steps: int = 400
+    """Number of RL steps (= optimizer steps) to train at most."""
+    stop_at_success_rate: Optional[float] = None
+    """Stop early once the moving average of the trained groups' success rate reaches this (null: never)."""
+    success_window: int = 5
+    """Number of steps in the moving average used by `stop_at_success_rate`."""
+    progress_bar: bool = True
+    """Show a progress bar on the console (one log line per step is printed regardless)."""
+    plot: bool = True
+    """Write `curves.png` (reward, staleness, pump waits over time) into the run directory at the end."""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "reverse_digits"
+    """Dataset of prompts: a registered task name (`reverse_digits`, `copy_digits`) or `module:function`
+    returning an iterable of `Prompt`s for (num_prompts, seed)."""
+    reward_fn: str = "single_controller.tasks:positional_match_reward"
+    """Reward function `module:function`, called as fn(prompt, response_text) -> float inside the
+    generation worker."""
+    num_digits: int = 3
+    """Digits per prompt for the built-in digit tasks."""
+    num_prompts: int = 1000
+    """Size of the prompt pool; the dataloader cycles through it in epochs, reshuffled each epoch."""
+    success_reward: float = 1.0
+    """A completion with reward >= this counts as a success (exact match for the built-in tasks)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 64
+    """Hidden size of the embedded tiny transformer."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block."""
+    max_seq_len: int = 32
+    """Longest prompt + response the model accepts (learned absolute positions)."""
+    init_std: float = 0.02
+    """Std of the normal initialisation of weights."""
+    checkpoint: Optional[str] = None
+    """Load initial weights from this directory (safetensors + config.json) instead of random init."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 16
+    """Completions per prompt (G); advantages are normalized within each group. Must be >= 2."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = full vocabulary)."""
+    max_new_tokens: int = 3
+    """Tokens generated per completion at most."""
+    stop_at_eos: bool = False
+    """End a completion at the EOS token (otherwise exactly `max_new_tokens` are generated)."""
+    max_in_flight_groups: int = 32
+    """Prompt groups dispatched to generation workers and not yet returned, at most."""
+    max_batch_groups: int = 16
+    """A generation worker batches up to this many pending groups into one sampling pass."""
+    on_failure: str = "retry"
+    """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
+    max_retries: int = 2
+    """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    normalize_std: bool = True
+    """Divide (r - mean) by (std + eps) within each group; false: only subtract the group mean."""
+    eps: float = 1e-4
+    """Added to the group std before dividing."""
+    drop_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and refill them (DAPO dynamic sampling)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    groups_per_step: int = 16
+    """Prompt groups per RL step (one optimizer step)."""
+    min_groups_per_chunk: int = 4
+    """The train pump sends a microbatch as soon as this many groups of the step are ready (streaming)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this after 1/N scaling (0 disables)."""
+    loss_level: str = "token"
+    """`token`: the step's loss is normalized by its valid tokens; `sequence`: by its sequences."""
+    clip_eps: float = 0.2
+    """PPO-style clip of the ratio pi/pi_gen."""
+    is_truncation: float = 2.0
+    """Cap of the truncated importance weight pi_old/pi_gen for stale samples (0 disables the correction)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the initial (reference) policy; 0 disables it."""
+    max_step_retries: int = 2
+    """Times a train step is aborted and retried after a trainer error before the run fails."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    max_lookahead_versions: int = 1
+    """L: a rollout for step s may start only while s <= policy_version + L (0 = synchronous on-policy)."""
+    order: str = "in_order"
+    """`in_order`: step s trains exactly the groups dispatched for it; `fifo` / `freshest`: any ready
+    groups within the staleness bound, oldest-dispatched or freshest-weights first."""
+    max_staleness_versions: int = 1
+    """A group is never trained with staleness (train step - version that started it) above this; ready
+    groups beyond it are evicted."""
+    abort_stale_in_flight: bool = False
+    """At each weight sync, cancel in-flight rollouts that could only finish above the staleness bound
+    (their prompts are re-dispatched)."""
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    capacity_groups: Optional[int] = None
+    """Prompt groups resident at once (reserved, in flight, stored, training); null: the least that the
+    lookahead needs, (L + 1) * groups_per_step."""
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    drain_policy: str = "keep"
+    """At a weight sync: `drain` waits for in-flight rollouts to finish first; `keep` lets them run on
+    (they carry start and end versions)."""
+    drain_timeout_s: float = 60.0
+    """Deadline for draining in-flight rollouts."""
+
+
+@dataclass(frozen=True)
+class TimeoutConfig:
+    generate_s: float = 120.0
+    """Deadline of one generation request."""
+    train_call_s: float = 120.0
+    """Deadline of each split-API call (begin / microbatch / finish / abort)."""
+    weight_sync_s: float = 120.0
+    """Deadline of publishing and applying one weight snapshot."""
+    storage_s: float = 60.0
+    """Deadline of one row-storage call."""
+    setup_s: float = 180.0
+    """Deadline of starting workers and storage."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    kind: str = "cpu"
+    """`cpu`: embedded torch workers as Ray actors; `sim`: latency-scripted fakes, in-process."""
+    num_generation_workers: int = 1
+    """Generation worker actors."""
+    num_trainer_ranks: int = 1
+    """Data-parallel trainer ranks (gloo DDP on CPU)."""
+    torch_threads: int = 1
+    """torch threads per worker process (oversubscribing 2 cores slowed steps 5x)."""
+    sim_generate_s: float = 0.01
+    """`sim` only: seconds per generation batch."""
+    sim_train_s: float = 0.01
+    """`sim` only: seconds of training per step (spread over its microbatches)."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    kind: str = "tq"
+    """`tq`: TransferQueue on the local (or attached) Ray; `memory`: in-process (sim backend only)."""
+    partition: str = "rollout"
+    """TransferQueue partition holding the rollout rows."""
+    attach: bool = False
+    """Attach to a TransferQueue already running on the Ray cluster instead of starting one."""
+    num_storage_units: int = 1
+    """TransferQueue storage units started (each needs one logical Ray CPU)."""
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: Optional[str] = None
+    """Attach to this Ray cluster (e.g. `ray://host:10001` or `auto`); null starts a local one."""
+    num_cpus: Optional[int] = None
+    """Logical CPUs of a local Ray (null: enough for TQ + workers + controller, whatever the core count)."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    """Serve Prometheus metrics from the controller."""
+    host: str = "127.0.0.1"
+    """Bind address of the metrics endpoint (loopback unless you choose otherwise)."""
+    port: int = 9464
+    """Port of the metrics endpoint (0: any free port; the run prints it)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    """Seed of the model init, the prompt order and sampling."""
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def required_capacity(cfg: Config) -> int:
+    """Groups the lookahead can have resident at once: every live group targets one of the steps
+    v .. v+L, each holding at most groups_per_step, so fewer slots can deadlock a refill."""
+    return (cfg.sampler.max_lookahead_versions + 1) * cfg.train.groups_per_step
+
+
+def resolved_capacity(cfg: Config) -> int:
+    return cfg.buffer.capacity_groups if cfg.buffer.capacity_groups is not None else required_capacity(cfg)

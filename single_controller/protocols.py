@@ -1,0 +1,77 @@
+"""Worker contracts the controller drives. Backends (simulated, embedded CPU, vLLM/Megatron) are
+separate classes that satisfy these Protocols; the controller never imports a backend.
+
+All methods are coroutines on the controller's event loop. The controller wraps every call in a
+deadline (see `single_controller.deadlines`), so implementations need not time out themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from single_controller.types import (
+    GenerationRequest,
+    GenerationResult,
+    LossConfig,
+    Prompt,
+    StepResult,
+    TrainChunk,
+    WeightsHandle,
+)
+
+
+class GenerationFailed(RuntimeError):
+    """A generation worker could not produce a group; the rollout pump retries or drops the prompt."""
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer error inside a step; the train pump aborts the step and retries it."""
+
+
+@runtime_checkable
+class GenerationWorker(Protocol):
+    """Samples a prompt group, scores it with the reward function next to the data, stores the rows
+    under `request.row_keys`, and returns small columns (rewards, lengths, version stamps)."""
+
+    name: str
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def update_weights(self, weights: WeightsHandle) -> None:
+        """Apply a snapshot atomically: no request is served by a half-applied update."""
+        ...
+
+    async def in_flight(self) -> int:
+        """Requests accepted and not yet returned."""
+        ...
+
+
+@runtime_checkable
+class TrainerGroup(Protocol):
+    """The split train API over all data-parallel ranks: one optimizer step per RL step.
+
+    begin -> train_microbatch* -> finish, or begin -> train_microbatch* -> abort (which restores
+    parameters and optimizer state exactly). begin while a step is open, or train_microbatch /
+    finish with none open, raise.
+    """
+
+    async def begin_train_step(self, step: int, loss: LossConfig) -> None: ...
+
+    async def train_microbatch(self, chunk: TrainChunk) -> None: ...
+
+    async def finish_train_step(self) -> StepResult: ...
+
+    async def abort_train_step(self) -> None: ...
+
+    async def export_weights(self, version: int) -> WeightsHandle:
+        """Publish the current weights (after `finish_train_step`) as a versioned snapshot."""
+        ...
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Scores one completion: `reward_fn(prompt, response_text) -> float`. It runs inside the
+    generation worker (next to the tokens, after detokenization); named in configs as
+    `module:function`."""
+
+    def __call__(self, prompt: Prompt, response_text: str) -> float: ...

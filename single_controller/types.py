@@ -1,0 +1,92 @@
+"""Plain records passed between the controller, its pumps and the workers.
+
+Everything here is small (metadata and per-row scalars). Bulk tensors (token ids, logprobs) never
+appear in these records: they live in the row storage under the keys named here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt from the dataloader; `prompt_id` is unique over the whole run."""
+
+    prompt_id: str
+    token_ids: tuple[int, ...]
+    answer: str = ""  # what the reward function needs to score a response (small)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int  # completions per prompt (the group size G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 3
+    stop_token_id: int | None = None  # generation of a row ends after this token
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt group to generate, score and store under `row_keys` (one key per completion)."""
+
+    group_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    row_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What comes back to the controller: small columns only; the rows are already stored."""
+
+    group_id: str
+    rewards: tuple[float, ...]  # [G]
+    response_lengths: tuple[int, ...]  # [G] generated tokens per row (incl. the stop token)
+    prompt_length: int
+    version_start: int  # policy version of the weights that produced the first token
+    version_end: int  # policy version of the weights that produced the last token
+
+
+@dataclass(frozen=True)
+class TrainChunk:
+    """Metadata for one `train_microbatch` call: the trainer group fetches these rows itself."""
+
+    step: int
+    chunk_index: int
+    row_keys: tuple[str, ...]
+    seq_lengths: tuple[int, ...]  # prompt + response tokens per row, for token-balanced DP splits
+    fields: tuple[str, ...]  # fields each rank must read for these rows
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Per-step loss settings handed to `begin_train_step`."""
+
+    level: str = "token"  # "token": normalize by valid tokens; "sequence": by sequences
+    clip_eps: float = 0.2  # PPO-style ratio clip against the generation logprobs
+    is_truncation: float = 2.0  # truncated importance weight cap for stale samples (0 disables)
+    kl_coef: float = 0.0  # KL to the reference policy (0 disables)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What `finish_train_step` returns; `metrics` keys are namespaced (`train/...`)."""
+
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsHandle:
+    """An opaque reference to a published weight snapshot, tagged with its policy version.
+
+    For Ray backends `payload` holds object refs of flat buckets that generation workers read
+    directly from the object store, so weight bytes never pass through the controller.
+    """
+
+    version: int
+    payload: Any = None
+    num_bytes: int = 0
