@@ -25,10 +25,11 @@ async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
     """Await `aw` for at most `seconds` (None: no deadline, for waits bounded by something else)."""
     if seconds is None:
         return await aw
+    timer = asyncio.timeout(seconds)
     try:
-        async with asyncio.timeout(seconds):
+        async with timer:
             return await aw
-    except TimeoutError as e:
-        if isinstance(e, DeadlineExceeded):
-            raise
-        raise DeadlineExceeded(what, seconds) from None
+    except TimeoutError:
+        if timer.expired():
+            raise DeadlineExceeded(what, seconds) from None
+        raise  # a TimeoutError of the callee's own: not ours to rename
