@@ -1,0 +1,108 @@
+"""Advantage pump: committed groups -> (optional logprob passes) -> GRPO advantages -> ready.
+
+Each iteration takes every group committed so far, computes group-normalized advantages from the
+rewards (a small column the controller already has), writes them back to storage as the
+`advantage` column under the same row keys in one put, and marks the groups ready. Groups whose
+rewards are all equal carry no signal: they are counted, and with `advantage.drop_zero_variance`
+dropped (rows cleared, prompt settled `dropped/zero_variance`); the ledger's step accounting then
+refills their step with fresh prompts (DAPO dynamic sampling).
+
+Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in as
+`LogprobPass` objects that write their own columns before the groups become ready.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from replay.ledger import GroupRecord, GroupState
+from replay.storage import row_keys
+from single_controller.deadlines import within
+from single_controller.state import RunState
+
+PUMP = "advantage"
+
+
+def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float) -> tuple[float, ...]:
+    """Group-normalized advantages: (r - mean(r)) / (std(r) + eps), std over the group (population,
+    as in GRPO); without `normalize_std` only the mean is subtracted.
+
+    rewards: [G] -> advantages: [G]
+    """
+    r = torch.tensor(rewards, dtype=torch.float64)  # [G]
+    centered = r - r.mean()  # [G]
+    if normalize_std:
+        centered = centered / (r.std(unbiased=False) + eps)
+    return tuple(float(x) for x in centered)
+
+
+def is_zero_variance(rewards: Sequence[float]) -> bool:
+    return max(rewards) - min(rewards) == 0.0
+
+
+class LogprobPass(Protocol):
+    """Computes and stores extra per-token columns (e.g. reference logprobs) for these groups."""
+
+    name: str
+
+    async def run(self, groups: Sequence[GroupRecord]) -> None: ...
+
+
+async def advantage_pump(state: RunState, logprob_passes: Sequence[LogprobPass] = ()) -> None:
+    cfg = state.cfg.advantage
+    clk = state.pumps[PUMP]
+    try:
+        while True:
+            # Exits: the rollout pump is done and no committed group remains.
+            await state.wait_until(
+                lambda: state.ledger.count(GroupState.COMMITTED) > 0 or state.rollout_done, PUMP, "committed groups"
+            )
+            batch = state.ledger.in_state(GroupState.COMMITTED)
+            if not batch:
+                break
+            await _step(state, batch, logprob_passes, cfg)
+            clk.iterations += 1
+    finally:
+        clk.finished = True
+        state.notify()
+
+
+async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) -> None:
+    G = state.cfg.rollout.group_size
+    clk = state.pumps[PUMP]
+    t0 = state.clock()
+    keep: list[tuple[GroupRecord, tuple[float, ...]]] = []
+    for rec in batch:
+        if is_zero_variance(rec.rewards):
+            state.zero_variance_groups += 1
+            if cfg.drop_zero_variance and not state.stopping:
+                await within(
+                    state.storage.clear_rows(row_keys(rec.group_id, G)),
+                    state.cfg.timeouts.storage_s,
+                    f"storage clear of zero-variance group {rec.group_id}",
+                )
+                state.ledger.drop(rec.group_id, "zero_variance")
+                state.ledger.release(rec.group_id)
+                state.prompts.settle(rec.prompt.prompt_id, "dropped", reason="zero_variance")
+                continue
+        keep.append((rec, grpo_advantages(rec.rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)))
+    if keep:
+        for lp in logprob_passes:
+            await lp.run([rec for rec, _ in keep])
+        keys = [k for rec, _ in keep for k in row_keys(rec.group_id, G)]
+        adv = torch.tensor([a for _, advs in keep for a in advs], dtype=torch.float32)  # [n_groups*G]
+        if not torch.isfinite(adv).all():
+            raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")
+        await within(
+            state.storage.put_rows(keys, {"advantage": adv}),
+            state.cfg.timeouts.storage_s,
+            f"storage put of advantages for {len(keep)} groups",
+        )
+        now = state.clock()
+        for rec, advs in keep:
+            state.ledger.mark_ready(rec.group_id, advs, now)
+    clk.busy_s += state.clock() - t0
+    state.notify()
+

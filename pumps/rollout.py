@@ -1,0 +1,133 @@
+"""Rollout pump: dataloader -> admission gate -> reserve -> generation worker -> commit.
+
+One loop dispatches prompt groups; each dispatched group runs as a child task of the pump's own
+TaskGroup (so a bug in one propagates and stops the run). The reward function runs inside the
+generation worker, next to the tokens; what comes back is small columns plus version stamps.
+
+A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
+attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
+prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). Any other error is a
+bug and ends the run with its cause. The deficit accounting of the ledger refills the step the
+dropped group was meant for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from replay.ledger import GroupRecord, GroupState
+from replay.storage import row_keys
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import GenerationFailed, GenerationWorker
+from single_controller.state import RunState
+from single_controller.types import GenerationRequest, SamplingParams
+
+PUMP = "rollout"
+
+
+def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParams:
+    r = state.cfg.rollout
+    return SamplingParams(r.group_size, r.temperature, r.top_p, r.max_new_tokens, stop_token_id)
+
+
+async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> None:
+    cfg = state.cfg
+    sampling = sampling_params(state, stop_token_id)
+    load = {id(w): 0 for w in state.workers.generators}
+    try:
+        async with asyncio.TaskGroup() as children:
+            while True:
+                # Exits: a stop was requested; every step < max_steps has its groups; or the
+                # dataloader is exhausted with no re-dispatch pending and nothing in flight.
+                await state.wait_until(lambda: _admissible(state) or _finished(state), PUMP, "admission")
+                if _finished(state):
+                    if state.stopping:
+                        _cancel_in_flight(state, "run_ended")
+                    break
+                target = state.ledger.next_target_step()
+                prompt = state.next_prompt()
+                rec = state.ledger.reserve(
+                    prompt,
+                    attempt=len(state.prompts[prompt.prompt_id].attempts),
+                    target_step=target,
+                    policy_version=state.policy_version,
+                    now=state.clock(),
+                )
+                state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
+                worker = min(state.workers.generators, key=lambda w: load[id(w)])
+                load[id(worker)] += 1
+                task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
+                state.in_flight_tasks[rec.group_id] = task
+                task.add_done_callback(lambda _t, w=worker, g=rec.group_id: _done(state, load, w, g))
+                state.pumps[PUMP].iterations += 1
+                state.notify()
+    finally:
+        state.rollout_done = True
+        state.notify()
+
+
+def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str) -> None:
+    load[id(worker)] -= 1
+    state.in_flight_tasks.pop(group_id, None)
+    state.notify()
+
+
+def _cancel_in_flight(state: RunState, reason: str) -> None:
+    for group_id, task in list(state.in_flight_tasks.items()):
+        state.ledger[group_id].abort_reason = reason
+        task.cancel()
+
+
+def _admissible(state: RunState) -> bool:
+    if state.stopping or not state.admission_open:
+        return False
+    if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
+        return False
+    target = state.ledger.next_target_step()
+    if target is None or not state.sampler.may_admit(target, state.policy_version):
+        return False
+    return state.has_prompt()
+
+
+def _finished(state: RunState) -> bool:
+    if state.stopping or state.ledger.next_target_step() is None:
+        return True
+    return not state.has_prompt() and state.in_flight() == 0
+
+
+async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
+    cfg = state.cfg
+    keys = row_keys(rec.group_id, cfg.rollout.group_size)
+    request = GenerationRequest(rec.group_id, rec.prompt, sampling, keys)
+    clk = state.pumps[PUMP]
+    try:
+        t0 = state.clock()
+        result = await within(
+            worker.generate(request), cfg.timeouts.generate_s, f"generation worker {worker.name}: generate({rec.group_id})"
+        )
+        clk.busy_s += state.clock() - t0
+    except asyncio.CancelledError:
+        if rec.state is GroupState.RESERVED and rec.abort_reason:
+            # Cancelled on purpose (stale in-flight rule, or the run is ending): not an error.
+            asyncio.current_task().uncancel()
+            await _discard(state, rec, keys, rec.abort_reason)
+            return
+        raise
+    except (GenerationFailed, DeadlineExceeded) as e:
+        clk.errors += 1
+        await _discard(state, rec, keys, "generation_failed", cause=e)
+        return
+    if result.group_id != rec.group_id:
+        raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {rec.group_id}")
+    state.ledger.commit(rec.group_id, result, state.clock())
+    state.notify()
+
+
+async def _discard(state: RunState, rec: GroupRecord, keys, reason: str, cause: BaseException | None = None) -> None:
+    """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows."""
+    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of {rec.group_id}")
+    state.ledger.drop(rec.group_id, reason)
+    state.ledger.release(rec.group_id)
+    retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" else 0
+    state.requeue_or_settle(rec, reason, max_retries=retries)
+    state.notify()

@@ -1,0 +1,197 @@
+"""Train pump: one iteration = one RL step = one optimizer step.
+
+select ready groups (>= `min_groups_per_chunk`, or whatever is left) -> lazy `begin_train_step` on
+the first chunk -> `train_microbatch(chunk)` for each chunk as groups become ready ->
+`finish_train_step` once the step has `groups_per_step` groups (or no more can arrive) -> clear
+the step's rows and release their slots -> trainer version += 1 -> publish the weights to the
+weight-sync pump through a channel of capacity 1 (so training never runs more than one snapshot
+ahead of the generation workers).
+
+The trainer group fetches the rows itself: a chunk carries keys and lengths, never tensors.
+Before each selection, ready groups the sampler can no longer train are evicted (rows cleared,
+prompts re-dispatched within `rollout.max_retries`, else settled `evicted`).
+
+A trainer error (`TrainerFailed`, or a deadline) inside a step calls `abort_train_step` (which
+restores parameters and optimizer state), re-opens the step and replays the chunks already sent;
+after `train.max_step_retries` retries the run fails with the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from replay.ledger import GroupRecord, GroupState
+from replay.storage import TRAIN_FIELDS, row_keys
+from single_controller.channels import Channel
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import TrainerFailed
+from single_controller.state import RunState
+from single_controller.types import LossConfig, StepResult, TrainChunk, WeightsHandle
+
+PUMP = "train"
+
+
+class TrainStepFailed(RuntimeError):
+    """A train step kept failing after every allowed retry."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    result: StepResult
+    groups: tuple[GroupRecord, ...]
+    chunks: int
+    retries: int
+    t_start: float  # when the step's first chunk was selected
+    t_end: float  # when its rows were cleared and the version bumped
+
+
+def loss_config(state: RunState) -> LossConfig:
+    t = state.cfg.train
+    return LossConfig(t.loss_level, t.clip_eps, t.is_truncation, t.kl_coef)
+
+
+async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: Callable[[StepReport], None]) -> None:
+    clk = state.pumps[PUMP]
+    try:
+        while state.trainer_version < state.cfg.run.max_steps:
+            # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
+            report = await _train_step(state, state.trainer_version)
+            if report is None:
+                break
+            version = report.step + 1
+            handle = await _timed(state, state.workers.trainer.export_weights(version), f"trainer.export_weights(v{version})")
+            # Blocks while the previous snapshot is still being applied: training stays at most one
+            # snapshot ahead of the generation workers.
+            await state.waiting(weights.send(handle), PUMP, "weight sync")
+            clk.iterations += 1
+            on_step(report)
+            if state.stopping:
+                break
+    finally:
+        weights.close()
+        state.train_done = True
+        clk.finished = True
+        state.request_stop(state.stop_reason or "training finished")
+
+
+async def _train_step(state: RunState, step: int) -> StepReport | None:
+    cfg = state.cfg
+    trainer = state.workers.trainer
+    need = cfg.train.groups_per_step
+    groups: list[GroupRecord] = []
+    chunks: list[TrainChunk] = []
+    sent = 0  # chunks sent in the current attempt
+    is_open = False
+    retries = 0
+    t_start = None
+    while True:
+        try:
+            while True:
+                if sent < len(chunks):  # send the newest chunk, or replay after a retry
+                    if not is_open:
+                        await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
+                        is_open = True
+                    await _timed(state, trainer.train_microbatch(chunks[sent]), f"trainer.train_microbatch(step {step}, chunk {sent})")
+                    sent += 1
+                    continue
+                if len(groups) >= need:
+                    break
+                picked = await _wait_selectable(state, step, need - len(groups))
+                if not picked:
+                    break
+                now = state.clock()
+                t_start = t_start if t_start is not None else now
+                sel = state.ledger.select([g.group_id for g in picked], step, now)
+                state.sampler.record_selected(sel, step)
+                groups.extend(sel)
+                chunks.append(_chunk(state, step, len(chunks), sel))
+                state.notify()
+            if not chunks:
+                return None
+            result = await _timed(state, trainer.finish_train_step(), f"trainer.finish_train_step({step})")
+            break
+        except (TrainerFailed, DeadlineExceeded) as e:
+            state.pumps[PUMP].errors += 1
+            await _timed(state, trainer.abort_train_step(), f"trainer.abort_train_step({step})")
+            state.aborted_steps += 1
+            is_open, sent = False, 0
+            retries += 1
+            if retries > cfg.train.max_step_retries:
+                raise TrainStepFailed(f"train step {step} failed {retries} times; last error: {e}") from e
+            state.step_retries += 1
+    await _finish_groups(state, step, groups)
+    state.trainer_version = step + 1
+    state.notify()
+    return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock())
+
+
+def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
+    G = state.cfg.rollout.group_size
+    keys = tuple(k for g in groups for k in row_keys(g.group_id, G))
+    lengths = tuple(n for g in groups for n in g.seq_lengths())
+    return TrainChunk(step, index, keys, lengths, TRAIN_FIELDS)
+
+
+async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:
+    """Wait for at least min(min_groups_per_chunk, need) selectable groups, or for none to be able to
+    arrive (then return what there is, possibly nothing). Evicts what can never train first."""
+    want = min(state.cfg.train.min_groups_per_chunk, need)
+    waited_from = None
+    while True:
+        ready = state.ledger.in_state(GroupState.READY)
+        stale = state.sampler.evictable(ready, step)
+        if stale:
+            await _evict(state, stale, step)
+            continue
+        picked = state.sampler.select(ready, step, need)
+        if len(picked) >= want or _no_more_can_arrive(state):
+            if waited_from is not None and picked:
+                newest = max(g.t_committed for g in picked)
+                state.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
+            return picked
+        waited_from = state.clock()
+        await state.wait_until(
+            lambda: len(state.sampler.select(state.ledger.in_state(GroupState.READY), step, need)) >= want
+            or bool(state.sampler.evictable(state.ledger.in_state(GroupState.READY), step))
+            or _no_more_can_arrive(state),
+            PUMP,
+            "ready groups",
+        )
+
+
+def _no_more_can_arrive(state: RunState) -> bool:
+    return state.rollout_done and state.ledger.count(GroupState.RESERVED) == 0 and state.ledger.count(GroupState.COMMITTED) == 0
+
+
+async def _evict(state: RunState, groups: list[GroupRecord], step: int) -> None:
+    G = state.cfg.rollout.group_size
+    keys = [k for g in groups for k in row_keys(g.group_id, G)]
+    for g in groups:
+        state.ledger.evict(g.group_id, "stale")
+    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of {len(groups)} evicted groups")
+    for g in groups:
+        state.ledger.release(g.group_id)
+        state.requeue_or_settle(g, "stale", max_retries=state.cfg.rollout.max_retries, fate="evicted")
+    state.sampler.record_evicted(len(groups))
+    state.notify()
+
+
+async def _finish_groups(state: RunState, step: int, groups: list[GroupRecord]) -> None:
+    G = state.cfg.rollout.group_size
+    for g in groups:
+        state.ledger.mark_trained(g.group_id, step)
+        state.prompts.settle(g.prompt.prompt_id, "trained", step=step)
+    keys = [k for g in groups for k in row_keys(g.group_id, G)]
+    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of step {step} rows")
+    for g in groups:
+        state.ledger.release(g.group_id)
+
+
+async def _timed(state: RunState, aw, what: str):
+    t0 = state.clock()
+    try:
+        return await within(aw, state.cfg.timeouts.train_call_s, what)
+    finally:
+        state.pumps[PUMP].busy_s += state.clock() - t0

@@ -1,0 +1,118 @@
+"""The staleness sampler: one policy with orthogonal knobs, deciding from version stamps only.
+
+Knobs (`SamplerConfig`):
+- admission gate `max_lookahead_versions` L: a rollout for step s may start only while
+  s <= policy_version + L. L = 0 is synchronous on-policy.
+- selection `order`: `in_order` trains at step k exactly the groups dispatched for k; `fifo` and
+  `freshest` take any ready group within the staleness bound, by dispatch order or by newest
+  weights first.
+- eviction `max_staleness_versions` S: staleness = train step - the version that started the
+  group. Ready groups above S are evicted; `select` never returns one, so select and evict can
+  never claim the same group.
+- `abort_stale_in_flight`: at a weight sync, in-flight rollouts that could only ever train above S
+  are cancelled (their prompts are re-dispatched).
+
+`select` never waits. Waiting belongs to `replay.buffer.ReplayBuffer`, woken by commits and
+version bumps.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from replay.ledger import GroupRecord
+from single_controller.config import SamplerConfig
+
+ORDERS = ("in_order", "fifo", "freshest")
+
+
+@dataclass(frozen=True)
+class SamplerStatistics:
+    max_lookahead_versions: int
+    max_staleness_versions: int
+    trained_staleness: dict[int, int]  # staleness (versions) -> trained groups
+    selected_total: int
+    evicted_total: int
+    aborted_in_flight_total: int
+
+
+class StalenessSampler:
+    def __init__(self, cfg: SamplerConfig):
+        if cfg.order not in ORDERS:
+            raise ValueError(f"sampler.order must be one of {ORDERS}, got {cfg.order!r}")
+        if cfg.max_lookahead_versions < 0 or cfg.max_staleness_versions < 0:
+            raise ValueError("sampler lookahead and staleness bounds must be >= 0")
+        self.cfg = cfg
+        self.lookahead = cfg.max_lookahead_versions
+        self.max_staleness = cfg.max_staleness_versions
+        self._trained_staleness: Counter[int] = Counter()
+        self._selected = self._evicted = self._aborted = 0
+
+    @property
+    def in_order(self) -> bool:
+        return self.cfg.order == "in_order"
+
+    def required_capacity(self, groups_per_step: int) -> int:
+        return (self.lookahead + 1) * groups_per_step
+
+    def may_admit(self, target_step: int, policy_version: int) -> bool:
+        return target_step <= policy_version + self.lookahead
+
+    @staticmethod
+    def staleness(group: GroupRecord, train_step: int) -> int:
+        return train_step - group.version
+
+    def _eligible(self, group: GroupRecord, train_step: int) -> bool:
+        if self.staleness(group, train_step) > self.max_staleness:
+            return False
+        return group.target_step == train_step if self.in_order else True
+
+    def select(self, ready: Sequence[GroupRecord], train_step: int, max_groups: int) -> list[GroupRecord]:
+        """Ready groups step `train_step` may train now, best first, at most `max_groups`."""
+        chosen = [g for g in ready if self._eligible(g, train_step)]
+        if self.cfg.order == "freshest":
+            chosen.sort(key=lambda g: (-g.version, g.seq))
+        else:
+            chosen.sort(key=lambda g: g.seq)
+        return chosen[: max(0, max_groups)]
+
+    def evictable(self, ready: Sequence[GroupRecord], train_step: int) -> list[GroupRecord]:
+        """Ready groups that can never be trained from `train_step` on."""
+        out = []
+        for g in ready:
+            if self.staleness(g, train_step) > self.max_staleness:
+                out.append(g)
+            elif self.in_order and g.target_step < train_step:
+                out.append(g)  # its step is over
+        return out
+
+    def should_abort_in_flight(self, group: GroupRecord, train_step: int) -> bool:
+        """True if an in-flight group could only be trained above the staleness bound."""
+        if not self.cfg.abort_stale_in_flight:
+            return False
+        earliest = max(train_step, group.target_step) if self.in_order else train_step
+        return earliest - group.version_reserved > self.max_staleness
+
+    # -- bookkeeping for statistics ------------------------------------------------------------
+    def record_selected(self, groups: Sequence[GroupRecord], train_step: int) -> None:
+        self._selected += len(groups)
+        for g in groups:
+            self._trained_staleness[self.staleness(g, train_step)] += 1
+
+    def record_evicted(self, n: int) -> None:
+        self._evicted += n
+
+    def record_aborted(self, n: int) -> None:
+        self._aborted += n
+
+    def statistics(self) -> SamplerStatistics:
+        return SamplerStatistics(
+            self.lookahead,
+            self.max_staleness,
+            dict(self._trained_staleness),
+            self._selected,
+            self._evicted,
+            self._aborted,
+        )

@@ -1,0 +1,197 @@
+"""Simulated backend: latency-scripted fake workers that satisfy the worker Protocols.
+
+They run the whole control plane in milliseconds, in-process, on any row storage. The generation
+worker is serial (one group at a time, `group_s` each), writes real rows with deterministic
+rewards, and stamps the version it serves; the trainer group checks the split-API state machine,
+fetches every row it trains (so a missing row fails the step), and logs what each step trained.
+
+Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
+trainer failures at given (step, chunk, attempt), and a stall gate (`gate`) that blocks all
+generation until set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from replay.storage import TRAIN_FIELDS, RowStorage
+from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.types import (
+    GenerationRequest,
+    GenerationResult,
+    LossConfig,
+    Prompt,
+    StepResult,
+    TrainChunk,
+    WeightsHandle,
+)
+
+
+@dataclass
+class Faults:
+    gen_fail: set[tuple[str, int]] = field(default_factory=set)  # (prompt_id, attempt) -> GenerationFailed
+    gen_stall: set[tuple[str, int]] = field(default_factory=set)  # (prompt_id, attempt) -> never returns
+    train_fail: set[tuple[int, int, int]] = field(default_factory=set)  # (step, chunk, attempt) -> TrainerFailed
+    gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
+
+
+def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
+    """Deterministic prompts p000000, p000001, ... (endless when n is None)."""
+    i = 0
+    while n is None or i < n:
+        yield Prompt(f"p{i:06d}", tuple((i + j) % 10 + 3 for j in range(prompt_len)), str(i))
+        i += 1
+
+
+def sim_rewards(prompt_id: str, attempt: int, group_size: int) -> tuple[float, ...]:
+    """Deterministic rewards in [0, 1] from (prompt, attempt): the same data on every run."""
+    out = []
+    for i in range(group_size):
+        h = hashlib.blake2b(f"{prompt_id}/{attempt}/{i}".encode(), digest_size=4).digest()
+        out.append(int.from_bytes(h, "little") % 5 / 4.0)
+    return tuple(out)
+
+
+class SimGenerationWorker:
+    def __init__(self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None):
+        self.name = name
+        self.storage = storage
+        self.group_s = group_s
+        self.faults = faults or Faults()
+        self.version = 0
+        self.generated: list[str] = []
+        self._lock = asyncio.Lock()  # serial: one group at a time, weight updates between groups
+        self._in_flight = 0
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        attempt = int(request.group_id.rsplit("-a", 1)[1])
+        fault_key = (request.prompt.prompt_id, attempt)
+        self._in_flight += 1
+        try:
+            if self.faults.gate is not None:
+                await self.faults.gate.wait()
+            if fault_key in self.faults.gen_stall:
+                await asyncio.Event().wait()  # a wedged engine: only the deadline ends this
+            async with self._lock:
+                version = self.version
+                if self.group_s:
+                    await asyncio.sleep(self.group_s)  # simulated compute, not a poll
+                if fault_key in self.faults.gen_fail:
+                    raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
+                result = await self._store(request, attempt, version)
+                self.generated.append(request.group_id)
+                return result
+        finally:
+            self._in_flight -= 1
+
+    async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
+        G, T = request.sampling.n, request.sampling.max_new_tokens
+        rewards = sim_rewards(request.prompt.prompt_id, attempt, G)
+        prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
+        columns = {
+            "prompt_ids": [prompt] * G,
+            "response_ids": [torch.full((T,), i % 7 + 3, dtype=torch.int64) for i in range(G)],
+            "gen_logprobs": [torch.full((T,), -1.0) for _ in range(G)],
+            "response_mask": [torch.ones(T, dtype=torch.bool) for _ in range(G)],
+            "reward": torch.tensor(rewards, dtype=torch.float32),
+        }
+        tags = [{"group_id": request.group_id, "version_start": version, "version_end": version}] * G
+        await self.storage.put_rows(request.row_keys, columns, tags)
+        return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
+
+    async def update_weights(self, weights: WeightsHandle) -> None:
+        async with self._lock:
+            if weights.version <= self.version:
+                raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
+            self.version = weights.version
+
+    async def in_flight(self) -> int:
+        return self._in_flight
+
+
+class SimTrainerGroup:
+    def __init__(
+        self,
+        storage: RowStorage,
+        *,
+        group_s: float = 0.0,
+        finish_s: float = 0.0,
+        faults: Faults | None = None,
+        fetch_rows: bool = True,
+    ):
+        self.storage = storage
+        self.group_s = group_s
+        self.finish_s = finish_s
+        self.faults = faults or Faults()
+        self.fetch_rows = fetch_rows
+        self.version = 0
+        self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
+        self.attempts: dict[int, int] = {}
+        self.aborts = 0
+        self._open: list[str] | None = None
+        self._step: int | None = None
+        self.bytes_read = 0
+
+    async def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
+        if step != self.version:
+            raise RuntimeError(f"begin_train_step({step}) but the trainer is at version {self.version}")
+        self._open, self._step = [], step
+        self.attempts[step] = self.attempts.get(step, -1) + 1
+
+    async def train_microbatch(self, chunk: TrainChunk) -> None:
+        if self._open is None:
+            raise RuntimeError("train_microbatch with no step open")
+        if chunk.step != self._step:
+            raise RuntimeError(f"chunk of step {chunk.step} in step {self._step}")
+        if self.fetch_rows:
+            rows = await self.storage.get_rows(chunk.row_keys, TRAIN_FIELDS)
+            self.bytes_read += sum(t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col]))
+        if self.group_s:
+            n_groups = max(1, len({k.rsplit("_g", 1)[0] for k in chunk.row_keys}))
+            await asyncio.sleep(self.group_s * n_groups)  # simulated compute
+        if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
+            raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
+        self._open.extend(chunk.row_keys)
+
+    async def finish_train_step(self) -> StepResult:
+        if self._open is None:
+            raise RuntimeError("finish_train_step with no step open")
+        if self.finish_s:
+            await asyncio.sleep(self.finish_s)
+        step, keys = self._step, self._open
+        if len(set(keys)) != len(keys):
+            raise RuntimeError(f"step {step} trained a row twice")
+        self.trained[step] = keys
+        self._open = self._step = None
+        self.version += 1
+        return StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+
+    async def abort_train_step(self) -> None:
+        if self._open is not None:
+            self.aborts += 1
+        self._open = self._step = None
+
+    async def export_weights(self, version: int) -> WeightsHandle:
+        if version != self.version:
+            raise RuntimeError(f"export_weights(v{version}) but the trainer is at v{self.version}")
+        return WeightsHandle(version, payload=None, num_bytes=0)
+
+
+def sim_workers(
+    storage: RowStorage,
+    *,
+    num_generators: int = 1,
+    gen_group_s: float = 0.0,
+    train_group_s: float = 0.0,
+    faults: Faults | None = None,
+) -> tuple[Sequence[SimGenerationWorker], SimTrainerGroup]:
+    faults = faults or Faults()
+    gens = [SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults) for i in range(num_generators)]
+    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults)

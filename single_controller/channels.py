@@ -1,0 +1,82 @@
+"""Event-driven waiting primitives: no polling, no sentinels.
+
+- `Signal`: state owners call `notify()` after every mutation; waiters `await wait_until(pred)`,
+  which re-checks `pred` once per notification and never on a timer.
+- `Channel`: bounded and closable. `send` blocks while full (backpressure on the producer);
+  `async for` receives until the channel is closed and empty. Sending on a closed channel raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Signal:
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._event.wait()
+
+
+class ChannelClosed(RuntimeError):
+    """send() on a closed channel."""
+
+
+@dataclass(frozen=True)
+class ChannelStatistics:
+    capacity: int
+    size: int
+    sent: int
+    closed: bool
+
+
+class Channel(Generic[T]):
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("channel capacity must be >= 1")
+        self.capacity = capacity
+        self._items: collections.deque[T] = collections.deque()
+        self._closed = False
+        self._sent = 0
+        self._changed = Signal()
+
+    async def send(self, item: T) -> None:
+        await self._changed.wait_until(lambda: self._closed or len(self._items) < self.capacity)
+        if self._closed:
+            raise ChannelClosed("send on a closed channel")
+        self._items.append(item)
+        self._sent += 1
+        self._changed.notify()
+
+    def close(self) -> None:
+        self._closed = True
+        self._changed.notify()
+
+    async def receive(self) -> T:
+        """Next item; raises StopAsyncIteration once closed and drained."""
+        await self._changed.wait_until(lambda: self._closed or bool(self._items))
+        if not self._items:
+            raise StopAsyncIteration
+        item = self._items.popleft()
+        self._changed.notify()
+        return item
+
+    def __aiter__(self) -> "Channel[T]":
+        return self
+
+    async def __anext__(self) -> T:
+        return await self.receive()
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(self.capacity, len(self._items), self._sent, self._closed)
