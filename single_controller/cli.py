@@ -1,0 +1,199 @@
+"""The `sc-grpo` command line: run, check a config, benchmark, inspect a live run.
+
+Contract: `main(argv=None) -> int` never prints a traceback for a user error. An invalid configuration
+prints the `ConfigError` report to stderr and returns 2; a command whose implementation is not
+installed prints which entry point is missing and returns 1. Implementations are imported lazily,
+inside each command, so `sc-grpo config` and `--help` work with nothing but the config modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's code for usage errors; also used for invalid configurations
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+# `sc-grpo bench NAME` -> "module:function", each `main(argv: list[str]) -> int`
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "overlap": (
+        "single_controller.bench:main_overlap",
+        "how much the async pipeline overlaps generation and training (vs synchronous)",
+    ),
+    "reference": (
+        "single_controller.backends.cpu.reference:main",
+        "the embedded CPU backend against a plain single-process reference loop",
+    ),
+    "storage": (
+        "replay.tq_bench:main",
+        "TransferQueue row storage put/get throughput",
+    ),
+}
+
+
+class EntryPointMissing(Exception):
+    """The module or function implementing a command is not part of this installation."""
+
+
+def _load_entry_point(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # only "the module itself (or a parent package) does not exist" is a missing entry point; a
+        # missing dependency inside an existing module is a real error and keeps its traceback
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise EntryPointMissing(f"{spec} is not available: no module named {e.name!r}") from None
+        raise
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise EntryPointMissing(f"{spec} is not available: {module_name} has no {attr!r}") from None
+
+
+def _load(args: argparse.Namespace):
+    from single_controller.config_loader import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    run_from_config = _load_entry_point("single_controller.launch:run_from_config")
+    return int(run_from_config(cfg))
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from single_controller.config_loader import config_reference_markdown, config_to_yaml
+
+    if args.reference:
+        sys.stdout.write(config_reference_markdown())
+        return EXIT_OK
+    if args.config is None:
+        raise _UsageError("sc-grpo config: give a CONFIG file (or --reference)")
+    sys.stdout.write(config_to_yaml(_load(args)))
+    return EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    spec, _ = BENCHMARKS[args.name]
+    fn = _load_entry_point(spec)
+    return int(fn(list(args.args)))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.status:main")
+    return int(fn(["--url", args.url] if args.url else []))
+
+
+class _UsageError(Exception):
+    pass
+
+
+_EXAMPLES = """\
+commands:
+  run      train with a config:      sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100
+  config   validate and print it:    sc-grpo config configs/embedded_sync.yaml sampler.order=fifo
+  bench    run a benchmark:          sc-grpo bench overlap --help
+  status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
+
+Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
+The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
+or printed by `sc-grpo config --reference`.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sc-grpo",
+        description="Asynchronous GRPO with a single asyncio controller.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def with_config(p: argparse.ArgumentParser, required: bool = True) -> None:
+        p.add_argument("config", metavar="CONFIG", nargs=None if required else "?",
+                       help="YAML config file, e.g. configs/embedded.yaml")
+        p.add_argument("overrides", metavar="KEY=VALUE", nargs="*",
+                       help="override a field, e.g. train.lr=3e-4 (applied in order, after the file)")
+
+    p = sub.add_parser(
+        "run",
+        help="train with a config",
+        description="Validate the config, then run asynchronous GRPO: the run directory "
+        "(<run.output_dir>/<run.name>-<timestamp>) gets the resolved config.yaml, metrics.jsonl and "
+        "curves.png. Ctrl-C stops the run cleanly; a second Ctrl-C forces it.",
+        epilog="example:\n  sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    with_config(p)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "config",
+        help="validate a config and print it resolved",
+        description="Load CONFIG with the overrides, report every problem at once (exit 2), or print "
+        "the complete resolved configuration as YAML (exit 0).",
+        epilog="examples:\n  sc-grpo config configs/embedded.yaml rollout.group_size=8\n"
+        "  sc-grpo config --reference > reference.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    with_config(p, required=False)
+    p.add_argument("--reference", action="store_true",
+                   help="print the markdown reference of every config field instead")
+    p.set_defaults(func=_cmd_config, subparser=p)
+
+    bench_lines = "\n".join(f"  {name:<10} {desc}" for name, (_, desc) in BENCHMARKS.items())
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
+        description="Run a benchmark; the arguments after NAME are passed to it unchanged.\n\n"
+        f"benchmarks:\n{bench_lines}",
+        epilog="example:\n  sc-grpo bench overlap --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", metavar="NAME", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "status",
+        help="show the state of a running controller",
+        description="Read a running controller's metrics endpoint and summarize its state.",
+        epilog="example:\n  sc-grpo status --url http://127.0.0.1:9464",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own)")
+    p.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from single_controller.config_loader import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with usage on bad arguments, 0 on --help
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _UsageError as e:
+        getattr(args, "subparser", parser).print_usage(sys.stderr)
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except EntryPointMissing as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"sc-grpo {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
