@@ -37,8 +37,8 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
     try:
         async with asyncio.TaskGroup() as children:
             while True:
-                # Exits: a stop was requested; every step < max_steps has its groups; or the
-                # dataloader is exhausted with no re-dispatch pending and nothing in flight.
+                # Exits: a stop was requested (the train pump requests one when it ends); or the
+                # dataloader is exhausted, no re-dispatch is pending and no group could still need one.
                 await state.wait_until(lambda: _admissible(state) or _finished(state), PUMP, "admission")
                 if _finished(state):
                     if state.stopping:
@@ -90,9 +90,14 @@ def _admissible(state: RunState) -> bool:
 
 
 def _finished(state: RunState) -> bool:
-    if state.stopping or state.ledger.next_target_step() is None:
+    # With every step full the pump keeps waiting: a group dropped or evicted later (zero
+    # variance, staleness) must still be refilled. The train pump's end requests the stop.
+    if state.stopping:
         return True
-    return not state.has_prompt() and state.in_flight() == 0
+    if state.has_prompt():
+        return False
+    led = state.ledger  # source dry: done once nothing can come back for a re-dispatch
+    return state.in_flight() == 0 and led.count(GroupState.COMMITTED) == 0 and led.count(GroupState.READY) == 0
 
 
 async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:

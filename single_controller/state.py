@@ -156,6 +156,7 @@ class RunState:
             self.retry_queue.appendleft(self.prompts.take(next(self._dataloader)).prompt)
         except StopIteration:
             self.dataloader_exhausted = True
+            self.notify()  # the train pump may be waiting to learn that nothing more will come
             return False
         return True
 
@@ -168,7 +169,7 @@ class RunState:
         Returns True if requeued."""
         attempts = len(self.prompts[rec.prompt.prompt_id].attempts)
         if not self.stopping and attempts <= max_retries:
-            self.retry_queue.append(rec.prompt)
+            self.retry_queue.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
             return True
         self.prompts.settle(rec.prompt.prompt_id, fate, reason=reason)

@@ -38,6 +38,7 @@ class Faults:
     gen_stall: set[tuple[str, int]] = field(default_factory=set)  # (prompt_id, attempt) -> never returns
     train_fail: set[tuple[int, int, int]] = field(default_factory=set)  # (step, chunk, attempt) -> TrainerFailed
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
+    gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
 
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
@@ -77,6 +78,8 @@ class SimGenerationWorker:
                 await self.faults.gate.wait()
             if fault_key in self.faults.gen_stall:
                 await asyncio.Event().wait()  # a wedged engine: only the deadline ends this
+            if fault_key in self.faults.gen_delay:
+                await asyncio.sleep(self.faults.gen_delay[fault_key])  # out-of-order completion
             async with self._lock:
                 version = self.version
                 if self.group_s:

@@ -1,0 +1,54 @@
+"""STYLE #3: nothing blocks the controller's event loop. No `ray.get`, `time.sleep` or sleep-polling
+loops inside `async def` bodies anywhere in our packages (checked on the syntax tree)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("single_controller", "pumps", "samplers", "replay")
+
+
+def _async_bodies():
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.AsyncFunctionDef):
+                    yield path.relative_to(ROOT), node
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    return "?"
+
+
+def test_no_blocking_calls_in_async_code():
+    bad = []
+    for path, fn in _async_bodies():
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and _dotted(node.func) in {"ray.get", "time.sleep", "ray.wait"}:
+                bad.append(f"{path}:{node.lineno} {fn.name}: {_dotted(node.func)}")
+    assert not bad, "blocking calls inside async code:\n" + "\n".join(bad)
+
+
+def test_no_sleep_polling_loops_in_async_code():
+    """A `while` loop in async code that awaits asyncio.sleep is a poll: waits must be event-driven."""
+    bad = []
+    for path, fn in _async_bodies():
+        for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.While, ast.For))):
+            for node in ast.walk(loop):
+                if isinstance(node, ast.Await) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "asyncio.sleep":
+                    bad.append(f"{path}:{node.lineno} {fn.name}")
+    assert not bad, "sleep-polling loops in async code:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_a_violation():
+    src = "async def f():\n    while True:\n        await asyncio.sleep(0.1)\n        ray.get(x)\n"
+    fn = ast.parse(src).body[0]
+    calls = {_dotted(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+    assert {"asyncio.sleep", "ray.get"} <= calls

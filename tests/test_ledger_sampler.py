@@ -1,0 +1,257 @@
+"""Layer (a): the group ledger, the prompt ledger and the staleness sampler, with no asyncio.
+
+The state machine test drives arbitrary interleavings of dispatch / commit / ready / select /
+evict / drop / version bumps / failures and checks the invariants after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pumps.advantage import grpo_advantages, is_zero_variance
+from replay.ledger import TERMINAL, CapacityError, GroupLedger, GroupState, LedgerError, PromptLedger
+from samplers.staleness import StalenessSampler
+from single_controller.config import SamplerConfig
+from single_controller.types import GenerationResult, Prompt
+
+
+def prompt(i: int) -> Prompt:
+    return Prompt(f"p{i}", (1, 2, 3), "x")
+
+
+def result(group_id: str, version: int, G: int = 2) -> GenerationResult:
+    return GenerationResult(group_id, (0.0, 1.0)[:G] + (0.5,) * max(0, G - 2), (3,) * G, 4, version, version)
+
+
+# -- GRPO math: values derived by hand --------------------------------------------------------
+def test_grpo_advantages_by_hand():
+    # rewards [0, 1, 1, 0]: mean 0.5, population std 0.5 -> [-1, 1, 1, -1] (eps 0)
+    assert grpo_advantages([0, 1, 1, 0], normalize_std=True, eps=0.0) == pytest.approx((-1, 1, 1, -1))
+    # [1, 2, 3]: mean 2, std sqrt(2/3)=0.8165 -> (-1.2247, 0, 1.2247)
+    assert grpo_advantages([1, 2, 3], normalize_std=True, eps=0.0) == pytest.approx((-1.224745, 0, 1.224745), abs=1e-6)
+    # mean only: [1, 2, 3] -> (-1, 0, 1)
+    assert grpo_advantages([1, 2, 3], normalize_std=False, eps=1e-4) == pytest.approx((-1, 0, 1))
+    # all equal: zero advantages, no division blow-up thanks to eps
+    assert grpo_advantages([0.5] * 4, normalize_std=True, eps=1e-4) == (0.0,) * 4
+    assert is_zero_variance([0.5] * 4) and not is_zero_variance([0.5, 0.25])
+
+
+# -- ledger transitions ---------------------------------------------------------------------
+def test_capacity_counts_resident_rows_until_release():
+    led = GroupLedger(capacity=2, group_size=2, groups_per_step=2, max_steps=5)
+    a = led.reserve(prompt(0), attempt=0, target_step=0, policy_version=0, now=0)
+    b = led.reserve(prompt(1), attempt=0, target_step=0, policy_version=0, now=0)
+    with pytest.raises(CapacityError):
+        led.reserve(prompt(2), attempt=0, target_step=1, policy_version=0, now=0)
+    for g in (a, b):
+        led.commit(g.group_id, result(g.group_id, 0), 1)
+        led.mark_ready(g.group_id, (0.0, 0.0), 2)
+    led.select([a.group_id, b.group_id], 0, 3)
+    assert not led.has_capacity(), "selected groups still hold their rows"
+    led.mark_trained(a.group_id, 0)
+    assert not led.has_capacity(), "trained but not yet cleared still holds the slot"
+    led.release(a.group_id)
+    assert led.has_capacity()
+    with pytest.raises(LedgerError):
+        led.release(a.group_id)
+    with pytest.raises(LedgerError):
+        led.release(b.group_id)  # not terminal: its rows may still be needed
+
+
+def test_refill_targets_the_step_a_dropped_group_was_meant_for():
+    led = GroupLedger(capacity=10, group_size=2, groups_per_step=2, max_steps=3)
+    gs = [led.reserve(prompt(i), attempt=0, target_step=led.next_target_step(), policy_version=0, now=0) for i in range(4)]
+    assert [g.target_step for g in gs] == [0, 0, 1, 1]
+    assert led.next_target_step() == 2
+    led.drop(gs[1].group_id, "generation_failed")
+    assert led.next_target_step() == 0
+    g = led.reserve(prompt(9), attempt=0, target_step=0, policy_version=0, now=0)
+    assert g.target_step == 0 and led.next_target_step() == 2
+    led.reserve(prompt(10), attempt=0, target_step=2, policy_version=0, now=0)
+    led.reserve(prompt(11), attempt=0, target_step=2, policy_version=0, now=0)
+    assert led.next_target_step() is None  # every step < max_steps is full
+
+
+def test_illegal_transitions_raise():
+    led = GroupLedger(capacity=4, group_size=2, groups_per_step=2, max_steps=2)
+    g = led.reserve(prompt(0), attempt=0, target_step=0, policy_version=0, now=0)
+    with pytest.raises(LedgerError):
+        led.mark_ready(g.group_id, (0.0, 0.0), 0)  # not committed
+    with pytest.raises(LedgerError):
+        led.select([g.group_id], 0, 0)
+    with pytest.raises(LedgerError):
+        led.commit(g.group_id, result(g.group_id, 0, G=3), 0)  # wrong group size
+    with pytest.raises(LedgerError):
+        led.reserve(prompt(0), attempt=0, target_step=0, policy_version=0, now=0)  # same attempt twice
+    led.drop(g.group_id, "x")
+    with pytest.raises(LedgerError):
+        led.drop(g.group_id, "again")
+
+
+def test_prompt_ledger_is_exactly_once_and_serializable():
+    pl = PromptLedger()
+    pl.take(prompt(0))
+    pl.take(prompt(1))
+    with pytest.raises(LedgerError):
+        pl.take(prompt(0))
+    pl.add_attempt("p0", "p0-a0")
+    pl.add_attempt("p0", "p0-a1")
+    pl.settle("p0", "trained", step=3)
+    with pytest.raises(LedgerError):
+        pl.settle("p0", "dropped", reason="x")
+    with pytest.raises(LedgerError):
+        pl.add_attempt("p0", "p0-a2")
+    assert pl.unsettled() == ["p1"]
+    back = PromptLedger.from_dict(pl.to_dict())
+    assert back.to_dict() == pl.to_dict()
+    s = back.statistics()
+    assert (s.taken, s.settled, s.trained, s.retries) == (2, 1, 1, 1)
+
+
+# -- sampler --------------------------------------------------------------------------------
+def test_admission_gate():
+    s = StalenessSampler(SamplerConfig(max_lookahead_versions=0, max_staleness_versions=0))
+    assert s.may_admit(0, 0) and not s.may_admit(1, 0) and s.may_admit(1, 1)
+    s2 = StalenessSampler(SamplerConfig(max_lookahead_versions=2, max_staleness_versions=2))
+    assert s2.may_admit(2, 0) and not s2.may_admit(3, 0)
+    assert s2.required_capacity(16) == 48
+
+
+def _ready_group(led, i, target, version):
+    g = led.reserve(prompt(i), attempt=0, target_step=target, policy_version=version, now=i)
+    led.commit(g.group_id, result(g.group_id, version), i)
+    return led.mark_ready(g.group_id, (0.0, 0.0), i)
+
+
+@pytest.mark.parametrize("order", ["in_order", "fifo", "freshest"])
+def test_select_orders(order):
+    led = GroupLedger(capacity=10, group_size=2, groups_per_step=3, max_steps=10)
+    gs = [_ready_group(led, 0, 2, 0), _ready_group(led, 1, 2, 2), _ready_group(led, 2, 3, 1), _ready_group(led, 3, 2, 1)]
+    s = StalenessSampler(SamplerConfig(order=order, max_lookahead_versions=1, max_staleness_versions=1))
+    picked = [g.prompt.prompt_id for g in s.select(led.in_state(GroupState.READY), 2, 10)]
+    # staleness at step 2: p0 -> 2 (excluded everywhere), p1 -> 0, p2 -> 1, p3 -> 1
+    expected = {"in_order": ["p1", "p3"], "fifo": ["p1", "p2", "p3"], "freshest": ["p1", "p2", "p3"]}[order]
+    assert picked == expected
+    assert [g.prompt.prompt_id for g in s.evictable(led.in_state(GroupState.READY), 2)] == ["p0"]
+    assert len(s.select(led.in_state(GroupState.READY), 2, 1)) == 1
+
+
+# -- arbitrary interleavings ------------------------------------------------------------------
+class LedgerMachine(RuleBasedStateMachine):
+    @initialize(
+        L=st.integers(0, 2),
+        extra=st.integers(0, 2),
+        P=st.integers(1, 3),
+        order=st.sampled_from(["in_order", "fifo", "freshest"]),
+        spare=st.integers(0, 3),
+    )
+    def setup(self, L, extra, P, order, spare):
+        self.S = L + extra
+        self.sampler = StalenessSampler(SamplerConfig(max_lookahead_versions=L, max_staleness_versions=self.S, order=order))
+        self.P = P
+        self.ledger = GroupLedger(capacity=self.sampler.required_capacity(P) + spare, group_size=2, groups_per_step=P, max_steps=8)
+        self.policy = 0  # generation weights version
+        self.step = 0  # trainer version: the step being assembled
+        self.n = 0
+        self.terminal_seen: dict[str, GroupState] = {}
+        self.selected_this_step: list[str] = []
+
+    def _ready(self):
+        return self.ledger.in_state(GroupState.READY)
+
+    @rule()
+    def dispatch(self):
+        target = self.ledger.next_target_step()
+        if target is None or not self.sampler.may_admit(target, self.policy):
+            return
+        if not self.ledger.has_capacity():
+            with pytest.raises(CapacityError):
+                self.ledger.reserve(prompt(self.n), attempt=0, target_step=target, policy_version=self.policy, now=0)
+            return
+        self.ledger.reserve(prompt(self.n), attempt=0, target_step=target, policy_version=self.policy, now=0)
+        self.n += 1
+
+    @precondition(lambda self: self.ledger.count(GroupState.RESERVED) > 0)
+    @rule(data=st.data(), lag=st.integers(0, 1))
+    def commit(self, data, lag):
+        g = data.draw(st.sampled_from(self.ledger.in_state(GroupState.RESERVED)))
+        version = max(g.version_reserved, self.policy - lag)  # finished on the reserved or a later version
+        self.ledger.commit(g.group_id, result(g.group_id, version), 0)
+
+    @precondition(lambda self: self.ledger.count(GroupState.COMMITTED) > 0)
+    @rule(data=st.data())
+    def make_ready(self, data):
+        g = data.draw(st.sampled_from(self.ledger.in_state(GroupState.COMMITTED)))
+        self.ledger.mark_ready(g.group_id, (0.0, 0.0), 0)
+
+    @precondition(lambda self: self.ledger.count(GroupState.RESERVED) + self.ledger.count(GroupState.COMMITTED) > 0)
+    @rule(data=st.data())
+    def fail(self, data):
+        g = data.draw(st.sampled_from(self.ledger.in_state(GroupState.RESERVED) + self.ledger.in_state(GroupState.COMMITTED)))
+        self.ledger.drop(g.group_id, "generation_failed")
+        self.ledger.release(g.group_id)
+
+    @rule(n=st.integers(1, 3))
+    def select(self, n):
+        ready = self._ready()
+        picked = self.sampler.select(ready, self.step, n)
+        evict = self.sampler.evictable(ready, self.step)
+        assert not {g.group_id for g in picked} & {g.group_id for g in evict}, "select and evict claimed one group"
+        picked = picked[: self.P - len(self.selected_this_step)]
+        for g in picked:
+            assert self.sampler.staleness(g, self.step) <= self.S
+        self.ledger.select([g.group_id for g in picked], self.step, 0)
+        self.selected_this_step += [g.group_id for g in picked]
+
+    @rule()
+    def evict(self):
+        for g in self.sampler.evictable(self._ready(), self.step):
+            self.ledger.evict(g.group_id, "stale")
+            self.ledger.release(g.group_id)
+
+    @precondition(lambda self: len(self.selected_this_step) > 0)
+    @rule()
+    def finish_step(self):
+        for gid in self.selected_this_step:
+            self.ledger.mark_trained(gid, self.step)
+            self.ledger.release(gid)
+        self.selected_this_step = []
+        self.step += 1
+
+    @precondition(lambda self: self.policy < self.step)
+    @rule()
+    def sync(self):
+        self.policy = self.step
+
+    @invariant()
+    def invariants(self):
+        if not hasattr(self, "ledger"):
+            return
+        assert self.ledger.resident() <= self.ledger.capacity
+        for g in self.ledger.all_records():
+            if g.state in TERMINAL:
+                prev = self.terminal_seen.setdefault(g.group_id, g.state)
+                assert prev is g.state, f"{g.group_id} changed terminal state {prev} -> {g.state}"
+            if g.state is GroupState.SELECTED:
+                assert self.sampler.staleness(g, g.trained_step) <= self.S
+        # live groups per step never exceed groups_per_step
+        for s in range(8):
+            assert self.ledger.live(s) <= self.P
+
+    def teardown(self):
+        if not hasattr(self, "ledger"):
+            return
+        for g in list(self.ledger.all_records()):
+            if g.state not in TERMINAL:
+                self.ledger.drop(g.group_id, "run_ended")
+            if g.resident:
+                self.ledger.release(g.group_id)
+        assert all(g.state in TERMINAL and not g.resident for g in self.ledger.all_records())
+        assert self.ledger.resident() == 0
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
