@@ -1,0 +1,141 @@
+"""The controller's host: builds storage, workers and the dataloader from a config, runs the
+Controller, serves its Prometheus metrics, and streams one record per step to whoever drives it.
+
+`ControllerService` is a plain class with async methods. `launch` runs it as a CPU-only Ray actor
+(`ray.remote(num_cpus=0, num_gpus=0)`) for the `cpu` backend, or in-process for the `sim` backend
+and tests. Its own lifecycle: `setup()` -> `run()` (while the driver calls `next_records`) ->
+`close()` (always, also after a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from dataclasses import asdict
+from typing import Any, Iterator
+
+from single_controller.config import Config
+from single_controller.controller import Controller, RunSummary, check_capacity
+from single_controller.deadlines import within
+from single_controller.state import Workers
+from single_controller.types import Prompt
+
+
+def make_dataloader(cfg: Config) -> Iterator[Prompt]:
+    """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
+    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on."""
+    from single_controller.tasks import load_task
+
+    pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+    rng = random.Random(cfg.seed)
+    epoch = 0
+    while True:
+        order = list(range(len(pool)))
+        rng.shuffle(order)
+        for i in order:
+            p = pool[i]
+            yield Prompt(f"e{epoch}-{p.prompt_id}", p.token_ids, p.answer)
+        epoch += 1
+
+
+class ControllerService:
+    def __init__(self, cfg: Config):
+        check_capacity(cfg)
+        self.cfg = cfg
+        self.controller: Controller | None = None
+        self.records: list[dict] = []
+        self._changed = asyncio.Event()
+        self._finished = False
+        self._metrics_server = None
+        self._workers: tuple[Any, Any] | None = None
+        self.metrics_port: int | None = None
+
+    async def setup(self) -> dict:
+        cfg = self.cfg
+        if cfg.backend.kind == "sim":
+            storage, gens, trainer = self._sim_workers()
+        else:
+            storage, gens, trainer = await self._cpu_workers()
+        from single_controller.tasks import TOKENIZER
+
+        stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
+        self.controller = Controller(
+            cfg, make_dataloader(cfg), storage, Workers(gens, trainer), stop_token_id=stop, on_step=self._on_step
+        )
+        if cfg.metrics.enabled:
+            from single_controller.metrics import start_metrics_server
+
+            self._metrics_server, self.metrics_port = start_metrics_server(
+                self.controller.statistics, host=cfg.metrics.host, port=cfg.metrics.port
+            )
+        return {"metrics_port": self.metrics_port}
+
+    def _sim_workers(self):
+        from replay.storage import InMemoryRowStorage
+        from single_controller.backends.sim import sim_workers
+
+        b, P = self.cfg.backend, self.cfg.train.groups_per_step
+        storage = InMemoryRowStorage()
+        gens, trainer = sim_workers(
+            storage, num_generators=b.num_generation_workers, gen_group_s=b.sim_generate_s / P, train_group_s=b.sim_train_s / P
+        )
+        return storage, gens, trainer
+
+    async def _cpu_workers(self):
+        from replay.tq_storage import TQRowStorage
+        from single_controller.backends.cpu.ray_workers import create_cpu_workers
+
+        cfg = self.cfg
+        # attach blocks on Ray lookups: keep it off the event loop
+        storage = await asyncio.to_thread(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+        factory = functools.partial(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+        gens, trainer = await within(create_cpu_workers(cfg, factory), cfg.timeouts.setup_s, "starting the CPU workers")
+        self._workers = (gens, trainer)
+        return storage, gens, trainer
+
+    def _on_step(self, record: dict) -> None:
+        self.records.append(record)
+        self._changed.set()
+
+    async def run(self) -> dict:
+        try:
+            summary: RunSummary = await self.controller.run()
+        finally:
+            self._finished = True
+            self._changed.set()
+        st = self.controller.statistics()
+        return {
+            "steps": summary.steps,
+            "stop_reason": summary.stop_reason,
+            "wall_s": summary.wall_s,
+            "prompts": asdict(st.prompts),
+            "storage": asdict(st.storage),
+        }
+
+    async def next_records(self, cursor: int) -> tuple[list[dict], bool]:
+        """Records from `cursor` on, waiting until there is one or the run has finished."""
+        while len(self.records) <= cursor and not self._finished:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.records[cursor:], self._finished and len(self.records) <= cursor
+
+    async def save_checkpoint(self, directory: str) -> str:
+        if self._workers is None:
+            return ""
+        _, trainer = self._workers
+        return await within(trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save")
+
+    async def prompt_ledger(self) -> dict:
+        return self.controller.state.prompts.to_dict()
+
+    async def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
+        if self._workers is not None:
+            from single_controller.backends.cpu.ray_workers import shutdown_cpu_workers
+
+            gens, trainer = self._workers
+            self._workers = None
+            await within(shutdown_cpu_workers(gens, trainer), 30, "shutting down the CPU workers")
