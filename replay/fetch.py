@@ -1,0 +1,120 @@
+"""Trainer-side reads: rows go from row storage straight to the rank that trains them (one hop).
+
+Contract:
+  * `fetch_rows(storage, keys, fields)` reads `fields` of `keys` through the storage's sync twin
+    (trainer ranks are worker processes) and validates the result again with `validate_read`, so a
+    trainer never trains on a short batch whatever the storage implementation.
+  * `fetch_and_broadcast(storage, keys, fields, group, src_rank)` is the model-parallel hook: only
+    `src_rank` (a global rank in `group`) reads from storage; it sends the rows to the other ranks
+    of `group` with two `torch.distributed.broadcast`s (a header of row lengths, then every field's
+    bytes in one buffer). All ranks of `group` must call it with the same keys and fields. If the
+    source's read fails, every rank raises `StorageReadError` (the source re-raises its own
+    error), so no sibling is left waiting in a collective.
+
+Both return what `RowStorage.get_rows` returns: jagged fields as a list of 1-D tensors, scalar
+fields as a 1-D tensor [B], rows in the order of `keys`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import torch
+
+from replay.storage import ROLLOUT_SCHEMA, Column, FieldSpec, StorageError, StorageReadError, validate_read
+
+
+class SyncRowReader(Protocol):
+    """What a trainer rank needs from row storage (`TQRowStorage`, `InMemoryRowStorage`)."""
+
+    schema: Mapping[str, FieldSpec]
+
+    def get_rows_sync(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]: ...
+
+
+def fetch_rows(storage: SyncRowReader, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
+    unknown = [f for f in fields if f not in storage.schema]
+    if unknown:
+        raise StorageReadError(f"unknown fields {unknown} (schema: {sorted(storage.schema)})")
+    got = storage.get_rows_sync(keys, fields)
+    validate_read(storage.schema, keys, fields, got, len(keys))  # per-field row counts and dtypes
+    return {f: got[f] for f in fields}
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+def fetch_and_broadcast(
+    storage: SyncRowReader | None,
+    keys: Sequence[str],
+    fields: Sequence[str],
+    group: Any,
+    src_rank: int,
+    *,
+    schema: Mapping[str, FieldSpec] | None = None,
+) -> dict[str, Column]:
+    """Read on `src_rank` only and broadcast to `group` (None: the default group).
+
+    Ranks other than `src_rank` may pass `storage=None`; they then need `schema` (default: the
+    storage's, else `ROLLOUT_SCHEMA`) to know each field's dtype and shape.
+    """
+    import torch.distributed as dist
+
+    schema = dict(schema if schema is not None else storage.schema if storage is not None else ROLLOUT_SCHEMA)
+    unknown = [f for f in fields if f not in schema]
+    if unknown:
+        raise StorageReadError(f"unknown fields {unknown} (schema: {sorted(schema)})")
+    n = len(keys)
+    jagged = [f for f in fields if schema[f].jagged]
+    is_src = dist.get_rank() == src_rank
+
+    # Header: [status, lengths of every jagged field's rows...]  # [1 + len(jagged) * B]
+    header = torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
+    got: dict[str, Column] = {}
+    error: StorageError | None = None
+    if is_src:
+        if storage is None:
+            raise ValueError(f"rank {src_rank} is the source and needs a storage")
+        try:
+            got = fetch_rows(storage, keys, fields)
+        except StorageError as e:
+            error = e
+            header[0] = 1
+        else:
+            for j, f in enumerate(jagged):
+                header[1 + j * n : 1 + (j + 1) * n] = torch.tensor([t.numel() for t in got[f]], dtype=torch.int64)
+    dist.broadcast(header, src=src_rank, group=group)
+
+    if header[0].item() != 0:
+        message = [str(error) if error is not None else None]
+        dist.broadcast_object_list(message, src=src_rank, group=group)
+        if error is not None:
+            raise error
+        raise StorageReadError(f"rank {src_rank} could not read the {n} rows to broadcast: {message[0]}")
+
+    lengths = {f: header[1 + j * n : 1 + (j + 1) * n] for j, f in enumerate(jagged)}  # [B] each
+    numels = {f: int(lengths[f].sum()) if schema[f].jagged else n for f in fields}
+    nbytes = {f: numels[f] * torch.empty(0, dtype=_wire_dtype(schema[f].dtype)).element_size() for f in fields}
+    payload = torch.empty(sum(nbytes.values()), dtype=torch.uint8)  # every field's bytes, in `fields` order
+    if is_src:
+        offset = 0
+        for f in fields:
+            if nbytes[f]:  # (torch.cat of no rows would raise)
+                flat = torch.cat(list(got[f])) if schema[f].jagged else got[f]
+                payload[offset : offset + nbytes[f]] = flat.to(_wire_dtype(schema[f].dtype)).contiguous().view(torch.uint8)
+            offset += nbytes[f]
+    if payload.numel():
+        dist.broadcast(payload, src=src_rank, group=group)
+    if is_src:
+        return got
+
+    out: dict[str, Column] = {}
+    offset = 0
+    for f in fields:
+        spec = schema[f]
+        # clone: a fresh, aligned buffer before reinterpreting the bytes
+        flat = payload[offset : offset + nbytes[f]].clone().view(_wire_dtype(spec.dtype)).to(spec.dtype)
+        offset += nbytes[f]
+        out[f] = list(torch.split(flat, lengths[f].tolist())) if spec.jagged else flat
+    return out

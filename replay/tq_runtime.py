@@ -1,0 +1,325 @@
+"""Start, attach to and stop TransferQueue (TQ) on a Ray cluster.
+
+Contract:
+  * `configure_env()` must run before `ray` or `transfer_queue` is imported: both read their knobs
+    at import time (`TQ_NUM_THREADS`, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`), and Ray workers inherit
+    the driver's environment when `ray.init` starts a local cluster. It only sets variables the user
+    has not set. `replay.tq_storage` calls it on import, so importing that module first is enough.
+  * `start_tq()` (embedded mode) creates the TQ controller and storage units on the Ray this
+    process is connected to. It refuses, with a clear error, to start when Ray lacks the logical
+    CPUs TQ reserves (`tq.init` would otherwise hang forever, printing nothing), and puts a
+    deadline on `tq.init` itself.
+  * `attach_tq()` (cluster mode, and every worker process) connects this process's TQ client to a
+    controller some other process started, with a deadline; it never starts one.
+  * `stop_tq()` is idempotent and safe in `finally:`. Only the process that created TQ closes it
+    (`tq.close()` in any other process kills the shared controller, after which every client hangs
+    forever); elsewhere it only drops this process's client. `ray.shutdown()` after `stop_tq()`
+    leaves no TQ process behind.
+
+Ray is imported lazily so that importing this module does not freeze Ray's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from single_controller.config import StorageConfig, TimeoutConfig
+from single_controller.deadlines import DeadlineExceeded
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CONTROLLER_NAME = "TransferQueueController"
+CONTROLLER_NAMESPACE = "transfer_queue"
+STORAGE_UNIT_NAME = "TransferQueueStorageUnit#{}"  # in the creating driver's namespace
+
+
+class TQRuntimeError(RuntimeError):
+    """TransferQueue could not be started, attached to, or stopped."""
+
+
+@dataclass(frozen=True)
+class TQRuntimeInfo:
+    created: bool  # True: this process started TQ (and is the only one allowed to close it)
+    num_storage_units: int  # storage units of the running TQ (-1: unknown, attached)
+    startup_s: float  # seconds `start_tq` / `attach_tq` took
+
+
+# Process-local state: whether this process created the running TQ.
+_lock = threading.Lock()
+_owned: TQRuntimeInfo | None = None
+
+
+def default_num_threads() -> int:
+    """TQ compares its thread target with the *physical* core count and warns on every call above it."""
+    import psutil
+
+    physical = psutil.cpu_count(logical=False) or 1
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(physical, usable, 16))
+
+
+def configure_env(num_threads: int | None = None) -> dict[str, str]:
+    """Set TQ's and Ray's environment knobs (only those not already set); returns the values in effect.
+
+    * `TQ_NUM_THREADS=<cores>`: otherwise TQ logs a thread warning on every put/get, in every process.
+    * `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: Ray (and so TQ's ZMQ sockets, which carry pickles) binds
+      to 127.0.0.1 instead of the first NIC.
+    """
+    wanted = {
+        "TQ_NUM_THREADS": str(num_threads if num_threads is not None else default_num_threads()),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
+    newly_set = [name for name in wanted if name not in os.environ]
+    for name in newly_set:
+        os.environ[name] = wanted[name]
+    late = [m for m in ("ray", "transfer_queue") if m in sys.modules]
+    if newly_set and late:
+        log.warning(
+            "replay.tq_runtime.configure_env() set %s after importing %s: this process keeps the old "
+            "values (call it before importing ray)",
+            newly_set,
+            late,
+        )
+    return {name: os.environ[name] for name in wanted}
+
+
+def _call_with_deadline(fn: Callable[[], T], seconds: float, what: str) -> T:
+    """Run blocking `fn` in a daemon thread and give up after `seconds` (tq.init's ray.get calls have
+    no timeout). On a deadline the thread is abandoned; the caller cleans up what it may have started."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"tq-deadline:{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise DeadlineExceeded(what, seconds)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _controller() -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _client_connected() -> bool:
+    import transfer_queue as tq
+
+    try:
+        tq.get_client()
+    except AssertionError:
+        return False
+    return True
+
+
+def _require_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        raise TQRuntimeError("Ray is not initialized in this process: call ray.init(...) before starting TransferQueue")
+
+
+def check_ray_cpus(num_storage_units: int, available_cpus: float) -> None:
+    """TQ's controller and each storage unit are `num_cpus=1` actors: with fewer free logical CPUs,
+    `tq.init` waits forever for them to be placed."""
+    if num_storage_units < 1:
+        raise TQRuntimeError(f"num_storage_units must be >= 1, got {num_storage_units}")
+    needed = 1 + num_storage_units
+    if available_cpus < needed:
+        raise TQRuntimeError(
+            f"TransferQueue needs {needed} free logical Ray CPUs (1 controller + {num_storage_units} storage "
+            f"unit(s)) but Ray has {available_cpus:g} available; tq.init would hang silently. Give Ray more "
+            f"logical CPUs (ray.init(num_cpus=...); these actors are mostly idle) or use fewer storage units."
+        )
+
+
+def start_tq(
+    num_storage_units: int = 1,
+    *,
+    storage_capacity: int | None = None,
+    timeout_s: float = 180.0,
+) -> TQRuntimeInfo:
+    """Create TQ (controller + `num_storage_units` SimpleStorage units) on the connected Ray.
+
+    Idempotent within the creating process. Raises `TQRuntimeError` if Ray is not initialized, lacks
+    CPUs, or another process already runs TQ on this cluster (use `attach_tq` there), and
+    `DeadlineExceeded` if `tq.init` does not finish in `timeout_s` (what it started is killed).
+    """
+    global _owned
+    _require_ray()
+    import ray
+
+    with _lock:
+        if _owned is not None:
+            if _owned.num_storage_units != num_storage_units:
+                raise TQRuntimeError(
+                    f"TransferQueue already started here with {_owned.num_storage_units} storage units, "
+                    f"asked for {num_storage_units}"
+                )
+            return _owned
+        if _controller() is not None:
+            raise TQRuntimeError(
+                "a TransferQueue controller already runs on this Ray cluster (started by another process): "
+                "use attach_tq() / storage.attach=true"
+            )
+        check_ray_cpus(num_storage_units, ray.available_resources().get("CPU", 0.0))
+
+        import transfer_queue as tq
+
+        conf = {
+            # KV API only; polling mode keeps a starving low-level fetch from stalling the controller.
+            "controller": {"polling_mode": True},
+            "backend": {
+                "storage_backend": "SimpleStorage",
+                "SimpleStorage": {"num_data_storage_units": num_storage_units, "total_storage_size": storage_capacity},
+            },
+            "metrics": {"enabled": False},
+        }
+        t0 = time.perf_counter()
+        try:
+            _call_with_deadline(lambda: tq.init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
+        except BaseException:
+            _kill_tq_actors(num_storage_units)
+            _reset_tq_globals()
+            raise
+        _owned = TQRuntimeInfo(True, num_storage_units, time.perf_counter() - t0)
+        log.info("replay/tq started: %d storage unit(s) in %.1fs", num_storage_units, _owned.startup_s)
+        return _owned
+
+
+def attach_tq(timeout_s: float = 60.0) -> TQRuntimeInfo:
+    """Connect this process's TQ client to the controller another process started (Ray workers,
+    cluster mode). Never starts TQ. No-op if this process is already connected."""
+    _require_ray()
+    if _owned is not None:
+        return _owned
+    if _client_connected():
+        return TQRuntimeInfo(False, -1, 0.0)
+    import ray
+    import transfer_queue as tq
+
+    t0 = time.perf_counter()
+    controller = _controller()
+    if controller is None:
+        raise TQRuntimeError(
+            f"no TransferQueue controller ({CONTROLLER_NAMESPACE}/{CONTROLLER_NAME}) on this Ray cluster: "
+            "start it with replay.tq_runtime.start_tq() in the driver first"
+        )
+    # The controller gets its config only at the end of tq.init: wait for it here, with a deadline
+    # (tq.init() would poll it forever).
+    while True:
+        left = timeout_s - (time.perf_counter() - t0)
+        if left <= 0:
+            raise DeadlineExceeded("the TransferQueue controller's config (is its creator still in tq.init?)", timeout_s)
+        try:
+            conf = ray.get(controller.get_config.remote(), timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            continue
+        if conf is not None:
+            break
+        time.sleep(min(0.2, max(left, 0.0)))
+    left = max(timeout_s - (time.perf_counter() - t0), 0.1)
+    _call_with_deadline(tq.init, left, "tq.init() attaching to the running controller")
+    info = TQRuntimeInfo(False, -1, time.perf_counter() - t0)
+    log.info("replay/tq attached in %.1fs", info.startup_s)
+    return info
+
+
+def stop_tq(timeout_s: float = 60.0) -> None:
+    """Close TQ if this process created it, else drop this process's client. Idempotent; never raises
+    for "nothing to stop" or "Ray already shut down" (safe in `finally:`)."""
+    global _owned
+    if "transfer_queue" not in sys.modules:
+        return  # never used here
+    import ray
+    import transfer_queue as tq
+
+    with _lock:
+        owned, _owned = _owned, None
+        if owned is not None and ray.is_initialized():
+            try:
+                _call_with_deadline(tq.close, timeout_s, "tq.close()")
+            except DeadlineExceeded:
+                log.error("replay/tq: tq.close() timed out after %gs; killing TQ actors", timeout_s)
+                _kill_tq_actors(owned.num_storage_units)
+            _reset_tq_globals()
+        else:
+            # Attached (must not kill the shared controller), or Ray is gone (and TQ's actors with it):
+            # drop this process's client only, so a later start/attach builds a fresh one.
+            _drop_client()
+
+
+def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig):  # -> TQRowStorage
+    """Start or attach (per `cfg.attach`) and return the row storage of `cfg.partition`."""
+    from replay.tq_storage import TQRowStorage
+
+    if cfg.attach:
+        attach_tq(timeouts.setup_s)
+    else:
+        start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s)
+    return TQRowStorage(cfg.partition, timeout_s=timeouts.storage_s)
+
+
+def _drop_client() -> None:
+    import transfer_queue.interface as tqi
+
+    client = getattr(tqi, "_TQ_CLIENT", None)
+    if client is not None:
+        try:
+            client.close()
+        except Exception as e:  # best effort: the peers may already be gone
+            log.warning("replay/tq: closing the TQ client failed: %r", e)
+    _reset_tq_globals()
+
+
+def _reset_tq_globals() -> None:
+    """Forget TQ's process-wide handles (TQ keeps them in module globals and would reuse stale ones
+    after a failed init or a Ray restart)."""
+    import transfer_queue.interface as tqi
+
+    for name in ("_TQ_CLIENT", "_TQ_STORAGE", "_TQ_CONTROLLER"):
+        if hasattr(tqi, name):
+            setattr(tqi, name, None)
+
+
+def _kill_tq_actors(num_storage_units: int) -> None:
+    """Best-effort kill of what a failed or hung tq.init/close may have left (this process created them)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    handles = []
+    for name, ns in [(CONTROLLER_NAME, CONTROLLER_NAMESPACE)] + [
+        (STORAGE_UNIT_NAME.format(i), None) for i in range(num_storage_units)
+    ]:
+        try:
+            handles.append(ray.get_actor(name, namespace=ns))
+        except ValueError:
+            pass
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception as e:
+            log.warning("replay/tq: ray.kill of a TQ actor failed: %r", e)

@@ -1,0 +1,340 @@
+"""`RowStorage` on TransferQueue's KV API: one partition, one key per row.
+
+Contract (on top of `replay.storage.RowStorage`):
+  * Every put is checked completely with `validate_put` BEFORE anything reaches TQ: TQ registers
+    keys before it looks at the data, so a put it rejects (duplicate keys, tag-count mismatch)
+    leaves orphan keys; and TQ accepts a dtype change for a field, then silently casts mixed reads.
+    The schema fixes each field's dtype, so such puts are refused here (`StorageWriteError`).
+  * Every get is checked with `validate_read`. TQ answers missing keys with fewer rows and an absent
+    field by leaving the column out, both without an error; we raise `StorageReadError` naming the
+    missing keys and fields. The hot path costs nothing extra: the key lookup (`kv_list`) runs only
+    when a read came back short.
+  * Columns: jagged fields are a list of 1-D tensors (sent as one jagged NestedTensor), scalar
+    fields a 1-D tensor [B]; tags a list of dicts. Reads return the same shapes, rows in `keys` order.
+  * Every TQ call has a deadline (`TimeoutConfig.storage_s`): TQ's controller RPCs have none, and a
+    dead controller would hang the caller forever. Errors name the operation and partition.
+  * Async methods run on the caller's loop. The `*_sync` twins (for worker processes and sync
+    actors) run the very same coroutines on one private event-loop thread per process, so the
+    deadline, validation and accounting are shared; they block the calling thread and must not be
+    called from that private loop. A deadline cancels the TQ call; a put cut short may leave its
+    keys registered without data, which later reads report as an error (never as a short read).
+  * `statistics()` counts what THIS client moved (puts/gets/clears, rows, tensor bytes); with
+    `track_resident`, `resident_rows` counts keys this client put and has not cleared.
+
+Importing this module calls `replay.tq_runtime.configure_env()` before it imports TQ (TQ reads
+`TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import warnings
+from typing import Any, Awaitable, Mapping, NoReturn, Sequence, TypeVar
+
+import torch
+
+from replay.tq_runtime import attach_tq, configure_env
+
+configure_env()
+
+import transfer_queue as tq  # noqa: E402  (after configure_env: TQ reads its env at import)
+from tensordict import TensorDict  # noqa: E402
+
+from replay.storage import (  # noqa: E402
+    ROLLOUT_SCHEMA,
+    Column,
+    Columns,
+    FieldSpec,
+    StorageError,
+    StorageReadError,
+    StorageStatistics,
+    column_nbytes,
+    validate_put,
+    validate_read,
+)
+from single_controller.deadlines import DeadlineExceeded, within  # noqa: E402
+
+warnings.filterwarnings("ignore", message=r"The PyTorch API of nested tensors is in prototype stage", category=UserWarning)
+
+
+class _DropFxTracingNotice(logging.Filter):
+    """torch.nested.nested_tensor_from_jagged logs a one-off is_fx_tracing deprecation notice, in every process."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
+
+T = TypeVar("T")
+
+_SYNC_GRACE_S = 5.0  # the sync twin's backstop beyond the coroutine's own deadline
+_MAX_PROBED_KEYS = 64  # error path: keys probed one by one to name those registered without data
+
+
+# ---------------------------------------------------------------- conversion (pure)
+def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Columns) -> TensorDict:
+    """Validated columns -> the TensorDict TQ stores: jagged -> jagged NestedTensor, scalar -> [B]."""
+    data: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, col in columns.items():
+            data[name] = _jagged(list(col)) if schema[name].jagged else col.detach()
+    return TensorDict(data, batch_size=[num_rows])
+
+
+def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    # values + offsets: about 2x cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    lengths = torch.tensor([t.numel() for t in rows], dtype=torch.int64)  # [B]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)  # [B+1]
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets=offsets)
+
+
+def _rows(value: torch.Tensor) -> list[torch.Tensor]:
+    """A batch of 1-D rows -> list of 1-D tensors (views)."""
+    if value.is_nested and value.layout == torch.jagged and value._lengths is None:
+        offsets = value.offsets()  # [B+1]; torch.split is ~2x cheaper than NestedTensor.unbind
+        values = value.values()[int(offsets[0]) : int(offsets[-1])]
+        return list(torch.split(values, offsets.diff().tolist()))
+    return list(value.unbind(0))  # strided nested (mixed-layout reads) or dense [B, L]
+
+
+def from_tensordict(schema: Mapping[str, FieldSpec], fields: Sequence[str], td: TensorDict) -> dict[str, Column]:
+    """What TQ returned -> columns (fields TQ left out stay absent, for validate_read to name)."""
+    present = set(td.keys())
+    out: dict[str, Column] = {}
+    for name in fields:
+        if name not in present:
+            continue
+        value = td.get(name)
+        if schema[name].jagged:
+            out[name] = _rows(value)  # B x [L_i]
+        elif value.is_nested:
+            out[name] = torch.stack(value.unbind(0)).reshape(-1)  # [B]
+        else:
+            out[name] = value  # [B]
+    return out
+
+
+def empty_columns(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> dict[str, Column]:
+    return {f: [] if schema[f].jagged else torch.empty(0, dtype=schema[f].dtype) for f in fields}
+
+
+# ---------------------------------------------------------------- sync twins' loop
+class _SyncLoop:
+    """One daemon event-loop thread per process, started on first use, for the `*_sync` twins.
+
+    TQ keys its socket pools by event loop, so one long-lived loop reuses connections; a fresh
+    `asyncio.run` per call would reconnect every time.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or not self._thread or not self._thread.is_alive():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="tq-rows-sync", daemon=True)
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def run(self, aw: Awaitable[T], seconds: float, what: str) -> T:
+        loop = self._ensure()
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{what}: a *_sync storage method was called from its own loop thread")
+        future = asyncio.run_coroutine_threadsafe(aw, loop)  # type: ignore[arg-type]
+        try:
+            return future.result(seconds + _SYNC_GRACE_S)
+        except TimeoutError:
+            if future.done():
+                raise  # the coroutine's own DeadlineExceeded
+            future.cancel()
+            raise DeadlineExceeded(what, seconds) from None
+
+
+_SYNC = _SyncLoop()
+
+
+# ---------------------------------------------------------------- the storage
+class TQRowStorage:
+    """Rows of one TQ partition. Construct it after `start_tq()`/`attach_tq()`, or use `attach()`."""
+
+    def __init__(
+        self,
+        partition: str = "rollout",
+        *,
+        schema: Mapping[str, FieldSpec] = ROLLOUT_SCHEMA,
+        timeout_s: float = 60.0,
+        track_resident: bool = True,
+    ):
+        self.schema = dict(schema)
+        self.partition = partition
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # the async methods and the sync twins run on different threads
+        self._counts = dict(puts=0, gets=0, clears=0, rows_put=0, rows_read=0, bytes_put=0, bytes_read=0)
+        self._resident: set[str] | None = set() if track_resident else None
+
+    @classmethod
+    def attach(
+        cls,
+        partition: str = "rollout",
+        *,
+        schema: Mapping[str, FieldSpec] = ROLLOUT_SCHEMA,
+        timeout_s: float = 60.0,
+        attach_timeout_s: float = 60.0,
+        track_resident: bool = True,
+    ) -> "TQRowStorage":
+        """For any process on the Ray cluster (e.g. inside a Ray actor's `__init__`): connect this
+        process's TQ client to the running controller (never starts one), then open `partition`.
+        Blocking; never call `tq.close()` / `stop_tq()` expecting to stop TQ from such a process."""
+        attach_tq(attach_timeout_s)
+        return cls(partition, schema=schema, timeout_s=timeout_s, track_resident=track_resident)
+
+    def _what(self, op: str, n: int) -> str:
+        return f"TQ {op} of {n} rows in partition {self.partition!r}"
+
+    async def _call(self, aw: Awaitable[T], what: str) -> T:
+        """Deadline on one TQ call; TQ's own errors become `StorageError`s naming the operation."""
+        try:
+            return await within(aw, self.timeout_s, what)
+        except (DeadlineExceeded, StorageError):
+            raise
+        except Exception as e:
+            raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------------ async API (caller's loop)
+    async def put_rows(
+        self, keys: Sequence[str], columns: Columns, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        keys = list(keys)
+        validate_put(self.schema, keys, columns, tags)  # before TQ registers a single key
+        td = to_tensordict(self.schema, len(keys), columns)
+        tag_list = [dict(t) for t in tags] if tags is not None else None
+        await self._call(
+            tq.async_kv_batch_put(keys=keys, partition_id=self.partition, fields=td, tags=tag_list),
+            self._what("put", len(keys)),
+        )
+        nbytes = sum(column_nbytes(c) for c in columns.values())
+        with self._lock:
+            self._counts["puts"] += 1
+            self._counts["rows_put"] += len(keys)
+            self._counts["bytes_put"] += nbytes
+            if self._resident is not None:
+                self._resident.update(keys)
+
+    async def get_rows(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
+        keys, fields = list(keys), list(fields)
+        unknown = [f for f in fields if f not in self.schema]
+        if unknown:
+            raise StorageReadError(f"unknown fields {unknown} (schema: {sorted(self.schema)})")
+        if not keys:
+            got = empty_columns(self.schema, fields)
+        else:
+            what = self._what("get", len(keys))
+            try:
+                td = await within(
+                    tq.async_kv_batch_get(keys=keys, partition_id=self.partition, select_fields=fields),
+                    self.timeout_s,
+                    what,
+                )
+            except ValueError as e:  # TQ: "keys or partition were not found!" / "Some fields are not ready ..."
+                await self._raise_short_read(keys, fields, None, e)
+            except DeadlineExceeded:
+                raise
+            except Exception as e:
+                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+            got_rows = td.batch_size[0] if td.batch_dims else 0
+            got = from_tensordict(self.schema, fields, td)
+            if got_rows != len(keys) or len(got) != len(fields):
+                await self._raise_short_read(keys, fields, td, None)
+            validate_read(self.schema, keys, fields, got, got_rows)  # dtypes and per-field row counts
+        nbytes = sum(column_nbytes(c) for c in got.values())
+        with self._lock:
+            self._counts["gets"] += 1
+            self._counts["rows_read"] += len(keys)
+            self._counts["bytes_read"] += nbytes
+        return got
+
+    async def clear_rows(self, keys: Sequence[str]) -> None:
+        keys = list(keys)
+        if keys:  # TQ: clearing unknown keys is a no-op
+            await self._call(tq.async_kv_clear(keys=keys, partition_id=self.partition), self._what("clear", len(keys)))
+        with self._lock:
+            self._counts["clears"] += 1
+            if self._resident is not None:
+                self._resident.difference_update(keys)
+
+    async def list_rows(self) -> dict[str, dict[str, Any]]:
+        """Every key in the partition (put by any client) with its tags."""
+        listing = await self._call(tq.async_kv_list(partition_id=self.partition), f"TQ kv_list({self.partition!r})")
+        return dict(listing.get(self.partition, {}))
+
+    async def resident_keys(self) -> set[str]:
+        return set(await self.list_rows())
+
+    def statistics(self) -> StorageStatistics:
+        with self._lock:
+            resident = len(self._resident) if self._resident is not None else -1
+            return StorageStatistics(resident_rows=resident, **self._counts)
+
+    # ------------------------------------------------------------ sync twins (worker processes)
+    def put_rows_sync(
+        self, keys: Sequence[str], columns: Columns, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        _SYNC.run(self.put_rows(keys, columns, tags), self.timeout_s, self._what("put", len(keys)))
+
+    def get_rows_sync(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
+        # The error path may take a few more calls, each under its own deadline: allow for them.
+        return _SYNC.run(self.get_rows(keys, fields), 3 * self.timeout_s, self._what("get", len(keys)))
+
+    def clear_rows_sync(self, keys: Sequence[str]) -> None:
+        _SYNC.run(self.clear_rows(keys), self.timeout_s, self._what("clear", len(keys)))
+
+    def list_rows_sync(self) -> dict[str, dict[str, Any]]:
+        return _SYNC.run(self.list_rows(), self.timeout_s, f"TQ kv_list({self.partition!r})")
+
+    def resident_keys_sync(self) -> set[str]:
+        return set(self.list_rows_sync())
+
+    # ------------------------------------------------------------ error path of a get
+    async def _raise_short_read(
+        self, keys: list[str], fields: list[str], td: TensorDict | None, cause: Exception | None
+    ) -> NoReturn:
+        """Name what is missing (one kv_list, plus per-key probes only when TQ refused the read)."""
+        resident = await self.list_rows()
+        missing = [k for k in dict.fromkeys(keys) if k not in resident]
+        if td is not None:
+            got, got_rows = from_tensordict(self.schema, fields, td), (td.batch_size[0] if td.batch_dims else 0)
+        else:
+            got, got_rows = empty_columns(self.schema, fields), 0  # TQ returned nothing at all
+            if not missing:  # every key exists, yet TQ refused: some have no data for these fields
+                unready = await self._unready_keys(list(dict.fromkeys(keys)), fields)
+                raise StorageReadError(
+                    f"short or incomplete read of {len(keys)} keys: keys {unready[:10]} are registered in "
+                    f"partition {self.partition!r} without data for {fields} (a put in flight or cut short); "
+                    f"TQ said: {cause}"
+                )
+        validate_read(self.schema, keys, fields, got, got_rows, missing)
+        # Not reached unless the partition changed between the two calls; still never silently short.
+        raise StorageReadError(
+            f"short or incomplete read of {len(keys)} keys in partition {self.partition!r} "
+            f"(got {got_rows} rows, fields {sorted(got)}; TQ said: {cause})"
+        )
+
+    async def _unready_keys(self, keys: list[str], fields: list[str]) -> list[str]:
+        unready = []
+        for key in keys[:_MAX_PROBED_KEYS]:
+            try:
+                await self._call(
+                    tq.async_kv_batch_get(keys=[key], partition_id=self.partition, select_fields=fields),
+                    self._what("probe get", 1),
+                )
+            except StorageError:
+                unready.append(key)
+        return unready

@@ -1,0 +1,394 @@
+"""Row storage against a real TransferQueue on a local Ray, and the same behaviour on InMemoryRowStorage.
+
+One module-scoped Ray + TQ (ray.init ~5 s, tq.init ~7 s); every test uses its own partition.
+Storage-agnostic tests are parametrized over `memory` and `tq`: both must validate identically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay.storage import (
+    GENERATION_FIELDS,
+    ROLLOUT_SCHEMA,
+    TRAIN_FIELDS,
+    InMemoryRowStorage,
+    StorageReadError,
+    StorageWriteError,
+    column_nbytes,
+    row_keys,
+)
+from single_controller.deadlines import DeadlineExceeded
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tq_cluster():
+    from replay.tq_runtime import configure_env
+
+    configure_env()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from replay.tq_runtime import start_tq, stop_tq
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield start_tq(num_storage_units=1)
+    finally:
+        stop_tq()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()  # one long-lived loop, like the controller's (TQ pools sockets per loop)
+    yield loop
+    loop.close()
+
+
+def new_tq_storage(**kw):
+    from replay.tq_storage import TQRowStorage
+
+    return TQRowStorage(f"test-{uuid.uuid4().hex[:8]}", **kw)
+
+
+@pytest.fixture(params=["memory", pytest.param("tq", marks=pytest.mark.tq)])
+def storage(request):
+    if request.param == "memory":
+        return InMemoryRowStorage()
+    request.getfixturevalue("tq_cluster")
+    return new_tq_storage(timeout_s=30.0)
+
+
+# ---------------------------------------------------------------- helpers
+def make_rows(group_id: str, group_size: int = 4, seed: int = 0):
+    """Rows with every schema dtype; response lengths 0..7 (a 0-length row is the jagged edge case)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = list(row_keys(group_id, group_size))
+    resp = [(i * 3) % 8 for i in range(group_size)]  # 0, 3, 6, 1, ...
+    cols = {
+        "prompt_ids": [torch.randint(0, 2**40, (5,), generator=g) for _ in keys],  # beyond int32
+        "response_ids": [torch.randint(0, 2**40, (n,), generator=g) for n in resp],
+        "gen_logprobs": [-torch.rand(n, generator=g) * 30 for n in resp],
+        "response_mask": [torch.rand(n, generator=g) > 0.5 for n in resp],
+        "reward": torch.rand(group_size, generator=g),
+    }
+    tags = [{"group": group_id, "i": i, "version": 3} for i in range(group_size)]
+    return keys, cols, tags
+
+
+def assert_columns_equal(got, want, order):
+    """`got` rows are `want` rows permuted by `order`, exactly (values and dtypes)."""
+    for name, col in want.items():
+        spec = ROLLOUT_SCHEMA[name]
+        if spec.jagged:
+            assert len(got[name]) == len(order)
+            for g, i in zip(got[name], order):
+                assert g.dtype == spec.dtype and g.dim() == 1
+                assert torch.equal(g, col[i]), name
+        else:
+            assert got[name].dtype == spec.dtype and got[name].shape == (len(order),)
+            assert torch.equal(got[name], col[order]), name
+
+
+def run(loop, aw):
+    return loop.run_until_complete(aw)
+
+
+def read_tags(loop, storage, keys):
+    if isinstance(storage, InMemoryRowStorage):
+        return [storage.tags(k) for k in keys]
+    listing = run(loop, storage.list_rows())
+    return [listing[k] for k in keys]
+
+
+def resident(loop, storage):
+    return run(loop, storage.resident_keys())
+
+
+# ---------------------------------------------------------------- behaviour, both storages
+def test_round_trip_exact_in_keys_order(storage, loop):
+    keys, cols, tags = make_rows("rt", 6)
+    run(loop, storage.put_rows(keys, cols, tags))
+    order = [4, 0, 5, 2, 1, 3]
+    got = run(loop, storage.get_rows([keys[i] for i in order], GENERATION_FIELDS))
+    assert list(got) == list(GENERATION_FIELDS)
+    assert_columns_equal(got, cols, order)
+    assert read_tags(loop, storage, keys) == tags
+
+    # advantages are written back later under the same keys: a new column, tags merged
+    adv = torch.tensor([0.5, -1.0, 0.0, 2.0, -0.25, 1e-7])
+    run(loop, storage.put_rows(keys, {"advantage": adv}, [{"step": 7}] * 6))
+    got = run(loop, storage.get_rows(keys[::-1], TRAIN_FIELDS))
+    assert torch.equal(got["advantage"], adv.flip(0))
+    assert_columns_equal({k: v for k, v in got.items() if k != "advantage"}, {k: cols[k] for k in TRAIN_FIELDS if k in cols}, list(range(5, -1, -1)))
+    assert read_tags(loop, storage, keys[:1]) == [{**tags[0], "step": 7}]
+
+
+def test_sync_twins_round_trip(storage, loop):
+    keys, cols, tags = make_rows("sync", 5, seed=1)
+    storage.put_rows_sync(keys, cols, tags)
+    got = storage.get_rows_sync(keys[::-1], GENERATION_FIELDS)
+    assert_columns_equal(got, cols, [4, 3, 2, 1, 0])
+    storage.clear_rows_sync(keys)
+    assert resident(loop, storage) == set()
+
+
+def test_short_read_names_missing_keys(storage, loop):
+    keys, cols, _ = make_rows("short", 3)
+    run(loop, storage.put_rows(keys, cols))
+    with pytest.raises(StorageReadError, match=r"missing keys \['nope_g0', 'nope_g1'\] \(2 of 4\)"):
+        run(loop, storage.get_rows([keys[0], "nope_g0", keys[2], "nope_g1"], ["reward", "response_ids"]))
+    with pytest.raises(StorageReadError, match=r"missing keys \['nope_g0'\] \(1 of 1\)"):
+        run(loop, storage.get_rows(["nope_g0"], ["reward"]))
+
+
+def test_short_read_names_missing_fields(storage, loop):
+    keys, cols, _ = make_rows("field", 3)
+    run(loop, storage.put_rows(keys, cols))
+    with pytest.raises(StorageReadError, match=r"missing fields \['advantage'\]"):
+        run(loop, storage.get_rows(keys, ["reward", "advantage"]))
+    # a field only some rows have is absent too
+    run(loop, storage.put_rows(keys[:1], {"advantage": torch.tensor([1.0])}))
+    with pytest.raises(StorageReadError, match=r"missing fields \['advantage'\]") as e:
+        run(loop, storage.get_rows(keys, ["advantage"]))
+    assert "missing keys" not in str(e.value)
+    with pytest.raises(StorageReadError, match=r"unknown fields \['logits'\]"):
+        run(loop, storage.get_rows(keys, ["logits"]))
+
+
+def test_clear_leaves_zero_keys(storage, loop):
+    keys, cols, tags = make_rows("clear", 8)
+    run(loop, storage.put_rows(keys, cols, tags))
+    assert resident(loop, storage) == set(keys)
+    assert storage.statistics().resident_rows == 8
+    run(loop, storage.clear_rows(keys[:3]))
+    assert resident(loop, storage) == set(keys[3:])
+    run(loop, storage.clear_rows(keys[3:] + ["never_put_g0"]))  # unknown keys: no-op
+    assert resident(loop, storage) == set()
+    assert storage.statistics().resident_rows == 0
+    with pytest.raises(StorageReadError, match="missing keys"):
+        run(loop, storage.get_rows(keys[:1], ["reward"]))
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("reward", lambda c: c["reward"].double()),
+        ("response_ids", lambda c: [t.int() for t in c["response_ids"]]),
+        ("response_mask", lambda c: [t.to(torch.uint8) for t in c["response_mask"]]),
+    ],
+)
+def test_dtype_change_refused_before_the_store(storage, loop, field, bad):
+    keys, cols, _ = make_rows("dtype", 3)
+    cols = {**cols, field: bad(cols)}
+    with pytest.raises(StorageWriteError, match=rf"field '{field}' dtype .* != schema"):
+        run(loop, storage.put_rows(keys, cols))
+    assert resident(loop, storage) == set()  # the store never saw the keys
+    assert storage.statistics().puts == 0
+
+
+def test_bad_puts_register_nothing(storage, loop):
+    keys, cols, tags = make_rows("bad", 3)
+    dup = [keys[0], keys[1], keys[0]]
+    with pytest.raises(StorageWriteError, match="duplicate keys"):
+        run(loop, storage.put_rows(dup, cols, tags))
+    with pytest.raises(StorageWriteError, match="2 tags for 3 keys"):
+        run(loop, storage.put_rows(keys, cols, tags[:2]))
+    with pytest.raises(StorageWriteError, match="field 'reward' has 2 rows for 3 keys"):
+        run(loop, storage.put_rows(keys, {**cols, "reward": cols["reward"][:2]}))
+    with pytest.raises(StorageWriteError, match="must be one 1-D tensor per row"):
+        run(loop, storage.put_rows(keys, {"prompt_ids": [t.view(1, -1) for t in cols["prompt_ids"]]}))
+    with pytest.raises(StorageWriteError, match="unknown field 'logits'"):
+        run(loop, storage.put_rows(keys, {"logits": cols["reward"]}))
+    assert resident(loop, storage) == set()
+
+
+def test_statistics_count_this_clients_bytes(storage, loop):
+    keys, cols, _ = make_rows("stats", 4)
+    run(loop, storage.put_rows(keys, cols))
+    run(loop, storage.get_rows(keys, ["response_ids", "reward"]))
+    run(loop, storage.clear_rows(keys))
+    s = storage.statistics()
+    assert (s.puts, s.gets, s.clears, s.rows_put, s.rows_read) == (1, 1, 1, 4, 4)
+    assert s.bytes_put == sum(column_nbytes(c) for c in cols.values())
+    assert s.bytes_read == column_nbytes(cols["response_ids"]) + 4 * 4  # int64 rows + 4 float32 rewards
+    assert s.resident_rows == 0
+
+
+# ---------------------------------------------------------------- TQ only
+@pytest.mark.tq
+def test_tq_and_memory_raise_identical_errors(tq_cluster, loop):
+    tq_store, mem = new_tq_storage(), InMemoryRowStorage()
+    keys, cols, tags = make_rows("same", 4)
+    for s in (tq_store, mem):
+        run(loop, s.put_rows(keys, cols, tags))
+    cases = [
+        lambda s: s.get_rows([keys[1], "x_g9", keys[0]], ["reward", "prompt_ids"]),
+        lambda s: s.get_rows(["x_g9"], ["reward"]),
+        lambda s: s.get_rows(keys, ["advantage", "reward"]),
+        lambda s: s.put_rows(keys, {**cols, "reward": cols["reward"].half()}),
+        lambda s: s.put_rows(keys + keys[:1], cols, tags),
+    ]
+    for case in cases:
+        messages = []
+        for s in (tq_store, mem):
+            with pytest.raises((StorageReadError, StorageWriteError)) as e:
+                run(loop, case(s))
+            messages.append((type(e.value), str(e.value)))
+        assert messages[0] == messages[1]
+
+
+@pytest.mark.tq
+def test_tq_deadline_names_the_call_and_client_survives(tq_cluster, loop):
+    keys, cols, _ = make_rows("deadline", 2)
+    fast = new_tq_storage(timeout_s=1e-6)  # expires at the first network await
+    with pytest.raises(DeadlineExceeded, match=rf"TQ put of 2 rows in partition '{fast.partition}'"):
+        run(loop, fast.put_rows(keys, cols))
+    with pytest.raises(DeadlineExceeded, match="TQ get of 2 rows"):
+        fast.get_rows_sync(keys, ["reward"])
+    # cancelled calls poison only their own sockets: a normal client on the same loops still works
+    ok = new_tq_storage(timeout_s=30.0)
+    run(loop, ok.put_rows(keys, cols))
+    assert torch.equal(ok.get_rows_sync(keys, ["reward"])["reward"], cols["reward"])
+    assert torch.equal(run(loop, ok.get_rows(keys, ["reward"]))["reward"], cols["reward"])
+
+
+@pytest.mark.tq
+def test_tq_put_cut_short_is_an_error_on_read_not_a_short_read(tq_cluster, loop):
+    import transfer_queue as tq
+
+    storage = new_tq_storage(timeout_s=30.0)
+    keys, cols, _ = make_rows("orphan", 2)
+    run(loop, storage.put_rows(keys, cols))
+    # What a put cancelled between TQ's key registration and its data write leaves: keys, no data.
+    run(loop, tq.get_client().async_kv_retrieve_meta(keys=["orphan_g9"], partition_id=storage.partition, create=True))
+    with pytest.raises(StorageReadError, match=r"keys \['orphan_g9'\] are registered .* without data"):
+        run(loop, storage.get_rows([keys[0], "orphan_g9"], ["reward"]))
+
+
+@pytest.mark.tq
+def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
+    import ray
+
+    from replay.fetch import fetch_rows
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def __init__(self, repo: str, partition: str):
+            sys.path.insert(0, repo)
+            from replay.tq_storage import TQRowStorage
+
+            self.storage = TQRowStorage.attach(partition, timeout_s=30.0)
+
+        def read(self, keys, fields):
+            from replay.fetch import fetch_rows
+
+            got = fetch_rows(self.storage, keys, fields)
+            return {f: [t.tolist() for t in v] if isinstance(v, list) else v.tolist() for f, v in got.items()}
+
+        def put_group(self, keys, seed):
+            import torch
+
+            g = torch.Generator().manual_seed(seed)
+            cols = {"prompt_ids": [torch.randint(0, 9, (n + 1,), generator=g) for n in range(len(keys))], "reward": torch.rand(len(keys), generator=g)}
+            self.storage.put_rows_sync(keys, cols, [{"by": "worker"}] * len(keys))
+            return {"prompt_ids": [t.tolist() for t in cols["prompt_ids"]], "reward": cols["reward"].tolist()}
+
+        def stats(self):
+            return self.storage.statistics()
+
+    storage = new_tq_storage(timeout_s=30.0)
+    keys, cols, tags = make_rows("hop", 4)
+    run(loop, storage.put_rows(keys, cols, tags))
+    worker = Worker.remote(REPO, storage.partition)
+    try:
+        got = ray.get(worker.read.remote(keys[::-1], ["response_ids", "gen_logprobs", "reward"]), timeout=60)
+        assert got["response_ids"] == [t.tolist() for t in cols["response_ids"][::-1]]
+        assert got["gen_logprobs"] == [t.tolist() for t in cols["gen_logprobs"][::-1]]
+        assert got["reward"] == cols["reward"].flip(0).tolist()
+        # and the other way: the worker puts (generation path), the driver reads
+        wkeys = list(row_keys("hop-w", 3))
+        sent = ray.get(worker.put_group.remote(wkeys, 5), timeout=60)
+        back = fetch_rows(storage, wkeys, ["prompt_ids", "reward"])
+        assert [t.tolist() for t in back["prompt_ids"]] == sent["prompt_ids"]
+        assert back["reward"].tolist() == sent["reward"]
+        wstats = ray.get(worker.stats.remote(), timeout=60)
+        assert (wstats.gets, wstats.rows_read, wstats.puts, wstats.rows_put) == (1, 4, 1, 3)
+    finally:
+        ray.kill(worker)
+
+
+LEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from replay.tq_runtime import configure_env, start_tq, stop_tq, TQRuntimeError
+    configure_env()
+    import psutil, ray, torch
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        start_tq(num_storage_units=2)  # needs 3 CPUs: must refuse, not hang
+    except TQRuntimeError as e:
+        out["refused"] = str(e)
+    out["refuse_s"] = time.perf_counter() - t0
+    start_tq(num_storage_units=1)
+    from replay.tq_storage import TQRowStorage
+    s = TQRowStorage("leak", timeout_s=30)
+    s.put_rows_sync(["k_g0"], {"reward": torch.tensor([0.5])})
+    out["read"] = s.get_rows_sync(["k_g0"], ["reward"])["reward"].tolist()
+    me = psutil.Process()
+    out["pids"] = {p.pid: " ".join(p.cmdline()) for p in me.children(recursive=True)}
+    stop_tq(); stop_tq()          # idempotent
+    ray.shutdown()
+    stop_tq()                     # safe after ray.shutdown too
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.tq
+def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes(tmp_path):
+    import psutil
+
+    script = tmp_path / "leak.py"
+    script.write_text(LEAK_SCRIPT)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(script), REPO], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert "needs 3 free logical Ray CPUs" in out["refused"] and out["refuse_s"] < 5
+    assert out["read"] == [0.5]
+    cmdlines = out["pids"].values()
+    assert any("TransferQueueController" in c for c in cmdlines), cmdlines  # we did see TQ's processes
+    assert any("SimpleStorageUnit" in c for c in cmdlines), cmdlines
+    deadline = time.monotonic() + 10  # ray.shutdown reaps asynchronously
+    while True:
+        alive = []
+        for pid, cmd in out["pids"].items():
+            try:
+                p = psutil.Process(int(pid))
+                if p.status() != psutil.STATUS_ZOMBIE and " ".join(p.cmdline()) == cmd:
+                    alive.append(cmd)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert alive == [], f"left running: {alive}"
