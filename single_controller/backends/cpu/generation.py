@@ -1,0 +1,288 @@
+"""Generation: sample prompt groups, score them next to the tokens, store the rows.
+
+`GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
+per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
+function, and writes ALL rows of the batch to the row storage in ONE put (fields GENERATION_FIELDS,
+keys `request.row_keys`, tags {group_id, version_start, version_end}). The response text given to
+the reward function excludes a final stop token. It stamps results with `version`, the policy
+version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
+
+`GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
+directly in a test): concurrent `generate()` calls queue up; one batching loop takes up to
+`max_batch_groups` of them, runs the core in a thread (`asyncio.to_thread`) and resolves each call's
+future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
+token, so a batch never sees a half-applied update and version_start == version_end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from single_controller.backends.cpu.sampling import sample
+from single_controller.backends.cpu.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
+from single_controller.config import ModelConfig
+from single_controller.protocols import GenerationFailed
+from single_controller.tasks import TOKENIZER, CharTokenizer, load_callable
+from single_controller.types import GenerationRequest, GenerationResult, SamplingParams, WeightsHandle
+
+
+@dataclass(frozen=True)
+class GenerationStatistics:
+    version: int | None
+    batches: int
+    groups: int
+    rows: int
+    tokens: int
+    pending: int  # queued, not yet in a batch (actor only)
+    running: int  # in the batch being sampled (actor only)
+    weight_updates: int
+    last_batch_s: float
+
+
+class GenerationCore:
+    def __init__(
+        self,
+        policy: nn.Module,
+        storage: Any,
+        reward_fn: Callable | str,
+        *,
+        tokenizer: CharTokenizer = TOKENIZER,
+        seed: int = 0,
+        version: int | None = None,
+    ):
+        self.policy = policy
+        self.storage = storage  # has put_rows_sync(keys, columns, tags)
+        self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        self.tokenizer = tokenizer
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
+        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0)
+        self._last_batch_s = 0.0
+
+    def load_weights(self, snapshot: WeightSnapshot) -> None:
+        """Apply a resolved snapshot (numpy buckets) and take its version."""
+        v = snapshot.manifest.version
+        if self.version is not None and v < self.version:
+            raise ValueError(f"weights v{v} are older than the loaded v{self.version}")
+        load_snapshot(self.policy, snapshot)
+        self.version = v
+        self._counts["weight_updates"] += 1
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        started = time.perf_counter()
+        if self.version is None:
+            raise GenerationFailed("no weights loaded yet (update_weights first)")
+        for r in requests:
+            if len(r.row_keys) != r.sampling.n:
+                raise ValueError(f"group {r.group_id}: {len(r.row_keys)} row keys for n={r.sampling.n}")
+        version = self.version
+        # One sampling pass per (prompt length, settings): rows of a pass share their prompt length.
+        passes: dict[tuple, list[int]] = collections.defaultdict(list)
+        for i, r in enumerate(requests):
+            s = r.sampling
+            passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_id)].append(i)
+        responses: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
+        for (_, temperature, top_p, max_new, stop), idx in passes.items():
+            prompt_ids = torch.tensor(
+                [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
+            )  # [sum n, Tp]
+            out = sample(
+                self.policy,
+                prompt_ids,
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_id=stop,
+                pad_id=self.tokenizer.pad_id,
+                generator=self.generator,
+            )
+            row = 0
+            for i in idx:
+                for _ in range(requests[i].sampling.n):
+                    responses[i].append(out.row(row))
+                    row += 1
+
+        keys, tags, results = [], [], []
+        cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
+        for r, rows in zip(requests, responses):
+            prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
+            rewards = []
+            for ids, logprobs in rows:
+                rewards.append(float(self.reward_fn(r.prompt, self._response_text(ids, r.sampling))))
+                cols["prompt_ids"].append(prompt)
+                cols["response_ids"].append(ids)
+                cols["gen_logprobs"].append(logprobs.float())
+                cols["response_mask"].append(torch.ones(len(ids), dtype=torch.bool))
+            cols["reward"].extend(rewards)
+            keys.extend(r.row_keys)
+            tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)
+            results.append(
+                GenerationResult(
+                    group_id=r.group_id,
+                    rewards=tuple(rewards),
+                    response_lengths=tuple(len(ids) for ids, _ in rows),
+                    prompt_length=len(prompt),
+                    version_start=version,
+                    version_end=version,
+                )
+            )
+        columns: dict[str, Any] = dict(cols)
+        columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
+        self.storage.put_rows_sync(keys, columns, tags)
+        self._counts["batches"] += 1
+        self._counts["groups"] += len(requests)
+        self._counts["rows"] += len(keys)
+        self._counts["tokens"] += sum(len(t) for t in cols["response_ids"])
+        self._last_batch_s = time.perf_counter() - started
+        return results
+
+    def _response_text(self, ids: torch.Tensor, sampling: SamplingParams) -> str:
+        if sampling.stop_token_id is not None and len(ids) and int(ids[-1]) == sampling.stop_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids.tolist())
+
+    def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
+        return GenerationStatistics(
+            version=self.version, pending=pending, running=running, last_batch_s=self._last_batch_s, **self._counts
+        )
+
+
+class GenerationActor:
+    """Batches concurrent `generate` calls over one `GenerationCore`. Run it as a Ray async actor
+    (`ray.remote(GenerationActor)`) or on a local event loop; `storage_factory` is a picklable
+    zero-arg callable returning an object with `put_rows_sync`."""
+
+    def __init__(
+        self,
+        name: str,
+        model_cfg: ModelConfig,
+        storage_factory: Callable[[], Any],
+        reward_fn: str | Callable,
+        *,
+        seed: int = 0,
+        torch_threads: int = 1,
+        max_batch_groups: int = 16,
+        policy: nn.Module | None = None,
+    ):
+        from single_controller.backends.cpu.model import TinyGPT
+
+        torch.set_num_threads(torch_threads)
+        if max_batch_groups < 1:
+            raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")
+        self.name = name
+        self.max_batch_groups = max_batch_groups
+        # Weights arrive with the first update_weights (version 0 from the trainer); until then the
+        # parameters are placeholders and generate() refuses to run.
+        if policy is None:
+            policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
+        self._core = GenerationCore(policy.requires_grad_(False), storage_factory(), reward_fn, seed=seed)
+        self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
+        self._has_pending: asyncio.Event | None = None
+        self._weights_lock: asyncio.Lock | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._running = 0
+        self._closed = False
+
+    def _start(self) -> None:
+        # Created on first use: the event loop is running by then (Ray builds async actors outside it).
+        if self._loop_task is None:
+            self._has_pending = asyncio.Event()
+            self._weights_lock = asyncio.Lock()
+            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name=f"{self.name}.batch_loop")
+            self._loop_task.add_done_callback(self._on_loop_done)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        # The loop only ends by close() or a bug; either way no queued call may wait forever.
+        cause = None if task.cancelled() else task.exception()
+        self._closed = True
+        while self._pending:
+            req, fut = self._pending.popleft()
+            if not fut.done():
+                err = GenerationFailed(f"{self.name}: batching loop stopped before serving group {req.group_id}")
+                err.__cause__ = cause
+                fut.set_exception(err)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((request, fut))
+        self._has_pending.set()
+        return await fut  # cancelling the call cancels fut; the loop then skips it
+
+    async def update_weights(self, weights: WeightsHandle) -> int:
+        """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        snapshot = await resolve_snapshot(weights.payload)
+        if snapshot.manifest.version != weights.version:
+            raise ValueError(f"handle v{weights.version} carries a snapshot of v{snapshot.manifest.version}")
+        async with self._weights_lock:
+            # Synchronous on the loop: nothing can cancel it halfway.
+            self._core.load_weights(snapshot)
+        return self._core.version
+
+    async def in_flight(self) -> int:
+        return sum(1 for _, f in self._pending if not f.done()) + self._running
+
+    async def version(self) -> int | None:
+        return self._core.version
+
+    async def statistics(self) -> GenerationStatistics:
+        return self._core.statistics(pending=await self.in_flight() - self._running, running=self._running)
+
+    async def get_weights(self) -> dict[str, Any]:
+        """Copies of the parameters as numpy arrays (for checks)."""
+        return {n: p.detach().clone().numpy() for n, p in self._core.policy.named_parameters()}
+
+    async def close(self) -> None:
+        """Stop the batching loop and fail every queued request."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait([self._loop_task])  # its CancelledError stays with it; _on_loop_done fails the queue
+
+    async def _batch_loop(self) -> None:
+        while True:
+            # Exits: cancelled by close(). A failing batch fails its own requests, not the loop.
+            await self._has_pending.wait()
+            batch = self._take_batch()
+            if batch:
+                await self._serve(batch)
+
+    def _take_batch(self) -> list[tuple[GenerationRequest, asyncio.Future]]:
+        batch = []
+        while self._pending and len(batch) < self.max_batch_groups:
+            req, fut = self._pending.popleft()
+            if not fut.done():  # skip calls cancelled while queued
+                batch.append((req, fut))
+        if not self._pending:
+            self._has_pending.clear()
+        return batch
+
+    async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
+        self._running = len(batch)
+        try:
+            async with self._weights_lock:
+                results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
+        except Exception as e:  # delivered to every caller of the batch
+            for req, fut in batch:
+                if not fut.done():
+                    err = GenerationFailed(f"{self.name}: generating group {req.group_id} failed: {e!r}")
+                    err.__cause__ = e
+                    fut.set_exception(err)
+        else:
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)
+        finally:
+            self._running = 0

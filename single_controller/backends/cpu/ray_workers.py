@@ -1,0 +1,293 @@
+"""The embedded CPU backend on Ray: trainer-rank and generation actors, and the controller-side
+adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
+
+* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group (MASTER_ADDR=127.0.0.1, a free
+  port picked by rank 0). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
+  the actor); the controller only sends keys.
+* `CpuTrainerGroup` splits each `TrainChunk` across ranks, balanced by sequence length, one
+  microbatch per rank per chunk (so every rank runs the same number of microbatches); finish returns
+  rank 0's metrics plus the bytes all ranks read; `export_weights` has rank 0 `ray.put` its buckets
+  and returns a `WeightsHandle` whose payload is a `WeightSnapshot` holding the bucket ObjectRefs
+  (refs nested in a container are not resolved by Ray; generation workers await them), so weight
+  bytes never pass through the controller.
+* `CpuGenerationClient` forwards to a `generation.GenerationActor` run as a Ray async actor.
+* `create_cpu_workers(cfg, storage_factory)` starts everything per config and syncs version 0 (rank
+  0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
+
+Adapters are coroutines that `await` object refs; nothing here calls `ray.get` on the event loop.
+Errors: a failing remote call surfaces as `TrainerFailed` / `GenerationFailed` chained to the remote
+error; `TrainStepStateError` (split API called out of order) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import socket
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+
+from single_controller.backends.cpu.generation import GenerationActor
+from single_controller.backends.cpu.model import build_tinygpt
+from single_controller.backends.cpu.trainer import TrainerCore, TrainStepStateError, WeightSnapshot
+from single_controller.config import Config
+from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.tasks import TOKENIZER
+from single_controller.types import (
+    GenerationRequest,
+    GenerationResult,
+    LossConfig,
+    StepResult,
+    TrainChunk,
+    WeightsHandle,
+)
+from replay.storage import column_nbytes
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerRankActor:
+    """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
+    one at a time in the actor's process)."""
+
+    def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
+        torch.set_num_threads(cfg.backend.torch_threads)
+        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        self.dtype = _DTYPES[dtype]
+        self.storage = storage_factory()
+        self.core: TrainerCore | None = None
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def setup(self, master_port: int | None, timeout_s: float) -> int:
+        """Join the gloo group (all ranks call this concurrently) and build the policy; returns the parameter count."""
+        pg = None
+        if self.world_size > 1:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(master_port)
+            dist.init_process_group(
+                "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            pg = dist.group.WORLD
+        policy = build_tinygpt(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
+        self.core = TrainerCore(policy, self.cfg.train, temperature=self.cfg.rollout.temperature, process_group=pg)
+        return sum(p.numel() for p in policy.parameters())
+
+    def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        self.core.begin_train_step(step, loss)
+
+    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> int:
+        """Fetch this rank's rows and accumulate their gradients; returns the bytes read."""
+        if not self.core.step_open:  # before touching storage
+            raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
+        if keys:
+            rows = self.storage.get_rows_sync(list(keys), list(fields))
+            nbytes = sum(column_nbytes(c) for c in rows.values())
+        else:
+            rows, nbytes = {"prompt_ids": []}, 0
+        self.core.train_microbatch(rows, bytes_read=nbytes)
+        return nbytes
+
+    def finish_train_step(self) -> dict[str, float]:
+        return self.core.finish_train_step()
+
+    def abort_train_step(self) -> None:
+        self.core.abort_train_step()
+
+    def export_weights(self, version: int) -> WeightSnapshot:
+        snap = self.core.publish_weights(version)
+        return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
+
+    def get_weights(self) -> dict[str, Any]:
+        return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
+
+    def get_grads(self) -> dict[str, Any]:
+        """The gradient the last finished step applied (for checks)."""
+        return {n: p.grad.detach().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def split_balanced(seq_lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Row indices per rank: longest rows first, each to the rank with the fewest tokens so far (ties:
+    fewer rows, then lower rank); each rank's indices keep their original order."""
+    load = [(0, 0, r) for r in range(num_ranks)]  # (tokens, rows, rank)
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(seq_lengths)), key=lambda i: (-seq_lengths[i], i)):
+        tokens, rows, r = min(load)
+        shares[r].append(i)
+        load[r] = (tokens + seq_lengths[i], rows + 1, r)
+    return [sorted(s) for s in shares]
+
+
+async def _trainer_call(what: str, refs: list) -> list:
+    try:
+        return await asyncio.gather(*refs)
+    except (TrainStepStateError, TrainerFailed):
+        raise
+    except Exception as e:
+        raise TrainerFailed(f"trainer {what} failed: {e}") from e
+
+
+class CpuTrainerGroup:
+    """`TrainerGroup` over `TrainerRankActor` handles (rank order)."""
+
+    def __init__(self, rank_handles: Sequence[Any]):
+        if not rank_handles:
+            raise ValueError("need at least one trainer rank")
+        self.ranks = list(rank_handles)
+        self._step: int | None = None
+        self._bytes_read = 0
+
+    async def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        await _trainer_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        self._step, self._bytes_read = step, 0
+
+    async def train_microbatch(self, chunk: TrainChunk) -> None:
+        if self._step != chunk.step:
+            raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
+        if len(chunk.seq_lengths) != len(chunk.row_keys):
+            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+        shares = split_balanced(chunk.seq_lengths, len(self.ranks))
+        refs = [
+            r.train_microbatch_keys.remote([chunk.row_keys[i] for i in share], list(chunk.fields))
+            for r, share in zip(self.ranks, shares)
+        ]
+        self._bytes_read += sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+
+    async def finish_train_step(self) -> StepResult:
+        step = self._step
+        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote() for r in self.ranks])
+        self._step = None
+        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._bytes_read)})
+
+    async def abort_train_step(self) -> None:
+        await _trainer_call("abort_train_step", [r.abort_train_step.remote() for r in self.ranks])
+        self._step = None
+
+    async def export_weights(self, version: int) -> WeightsHandle:
+        (snapshot,) = await _trainer_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
+        return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
+
+    async def shutdown(self) -> None:
+        await _kill_all(self.ranks)
+
+
+class CpuGenerationClient:
+    """`GenerationWorker` over one `GenerationActor` run as a Ray async actor."""
+
+    def __init__(self, name: str, actor_handle: Any):
+        self.name = name
+        self.actor = actor_handle
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        ref = self.actor.generate.remote(request)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # the actor drops the queued request (or ignores its finished result)
+            raise
+        except GenerationFailed:
+            raise
+        except ray.exceptions.RayError as e:
+            raise GenerationFailed(f"{self.name}: generate({request.group_id}) failed: {e}") from e
+
+    async def update_weights(self, weights: WeightsHandle) -> None:
+        await self.actor.update_weights.remote(weights)
+
+    async def in_flight(self) -> int:
+        return await self.actor.in_flight.remote()
+
+    async def version(self) -> int | None:
+        return await self.actor.version.remote()
+
+    async def statistics(self):
+        return await self.actor.statistics.remote()
+
+    async def shutdown(self) -> None:
+        await _kill_all([self.actor])
+
+
+async def _kill_all(handles: Sequence[Any]) -> None:
+    """Close each actor cleanly (stop loops, leave the gloo group), then end its process."""
+    refs = [h.close.remote() for h in handles]
+    first_error: Exception | None = None
+    for ref in refs:
+        try:
+            await ref
+        except ray.exceptions.RayActorError:
+            continue  # already dead: nothing left to close
+        except Exception as e:  # still kill every actor, then report the first failure
+            first_error = first_error or e
+    for h in handles:
+        ray.kill(h)
+    if first_error is not None:
+        raise first_error
+
+
+async def create_cpu_workers(
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    generation_options: dict | None = None,
+    trainer_options: dict | None = None,
+    dtype: str = "float32",
+) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
+    """Start `backend.num_trainer_ranks` trainer ranks and `backend.num_generation_workers` generation
+    actors, and load version 0 into every generation worker. `*_options` go to `.options()` (defaults:
+    num_cpus=0, since TransferQueue may hold every logical CPU)."""
+    world = cfg.backend.num_trainer_ranks
+    t_opts = {"num_cpus": 0, **(trainer_options or {})}
+    g_opts = {"num_cpus": 0, **(generation_options or {})}
+    rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
+    ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
+    group = CpuTrainerGroup(ranks)
+    clients: list[CpuGenerationClient] = []
+    try:
+        port = await ranks[0].free_port.remote() if world > 1 else None
+        await asyncio.gather(*(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks))
+        for i in range(cfg.backend.num_generation_workers):
+            name = f"gen{i}"
+            actor = gen_cls.options(**g_opts).remote(
+                name,
+                cfg.model,
+                storage_factory,
+                cfg.task.reward_fn,
+                seed=cfg.seed * 1000 + i,
+                torch_threads=cfg.backend.torch_threads,
+                max_batch_groups=cfg.rollout.max_batch_groups,
+            )
+            clients.append(CpuGenerationClient(name, actor))
+        handle = await group.export_weights(0)
+        await asyncio.gather(*(c.update_weights(handle) for c in clients))
+    except BaseException:
+        await asyncio.shield(shutdown_cpu_workers(clients, group))
+        raise
+    return clients, group
+
+
+async def shutdown_cpu_workers(clients: Sequence[CpuGenerationClient], group: CpuTrainerGroup) -> None:
+    await _kill_all([c.actor for c in clients] + list(group.ranks))
+
+
+__all__ = [
+    "TrainerRankActor",
+    "CpuTrainerGroup",
+    "CpuGenerationClient",
+    "create_cpu_workers",
+    "shutdown_cpu_workers",
+    "split_balanced",
+]
