@@ -1,0 +1,172 @@
+"""Run directory, metrics log, curves and console lines, fed with synthetic step records."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from single_controller.config_loader import load_config
+from single_controller.run_output import (
+    ConsoleReporter,
+    RunDirectory,
+    format_step_line,
+    plot_metrics,
+    pump_wait_keys,
+    read_metrics,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NOW = datetime(2026, 3, 4, 5, 6, 7)
+
+
+def cfg_in(tmp_path: Path, *overrides: str):
+    return load_config(None, [f"run.output_dir={tmp_path / 'runs'}", "run.name=demo", *overrides])
+
+
+def synthetic(steps: int, pumps=("rollout", "train", "advantage", "sync")) -> list[dict]:
+    out = []
+    for s in range(steps):
+        success = s / max(1, steps - 1)
+        record = {
+            "step": s,
+            "time/wall_s": 1.5 * (s + 1),
+            "rollout/reward_mean": 0.2 + 0.7 * success,
+            "rollout/success_rate": success,
+            "train/staleness_mean": 0.5,
+            "train/staleness_max": 1,
+            "time/step_s": 1.5,
+            "throughput/train_tokens_per_s": 1000.0 + s,
+        }
+        record.update({f"pump/{p}_wait_s": 0.01 * (i + 1) for i, p in enumerate(pumps)})
+        out.append(record)
+    return out
+
+
+def assert_png(path: Path, min_width: int = 600) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(path)
+    height, width = image.shape[:2]
+    assert width >= min_width and height >= min_width // 2
+    assert image.std() > 0.01  # not a blank canvas
+
+
+def test_run_directory_layout_and_resolved_config(tmp_path):
+    cfg = cfg_in(tmp_path, "train.lr=3e-4")
+    with RunDirectory(cfg, now=NOW) as run:
+        assert run.path == tmp_path / "runs" / "demo-20260304-050607"
+        assert run.config_path.name == "config.yaml"
+        assert load_config(str(run.config_path), []) == cfg  # resolved: reloads to the same config
+
+
+def test_two_runs_in_the_same_second_get_distinct_directories(tmp_path):
+    cfg = cfg_in(tmp_path)
+    with RunDirectory(cfg, now=NOW) as a, RunDirectory(cfg, now=NOW) as b:
+        assert a.path != b.path
+        assert b.path.name == "demo-20260304-050607-2"
+
+
+def test_metrics_are_one_flushed_json_object_per_line(tmp_path):
+    with RunDirectory(cfg_in(tmp_path), now=NOW) as run:
+        for record in synthetic(3):
+            run.append_metrics(record)
+        # readable while the run is still going (flushed, not buffered until close)
+        lines = run.metrics_path.read_text().splitlines()
+        assert len(lines) == 3
+        assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+        assert json.loads(lines[2]) == synthetic(3)[2]
+
+
+def test_metrics_values_are_made_json_safe(tmp_path):
+    with RunDirectory(cfg_in(tmp_path), now=NOW) as run:
+        run.append_metrics({
+            "step": np.int64(4),
+            "train/loss": torch.tensor(0.25),
+            "train/grad_norm": float("nan"),
+            "rollout/reward_mean": np.float32(0.5),
+            "note": Path("x"),
+        })
+        (record,) = read_metrics(run.metrics_path)
+    assert record["step"] == 4 and record["train/loss"] == 0.25 and record["rollout/reward_mean"] == 0.5
+    assert record["train/grad_norm"] is None  # strict JSON has no NaN
+    assert record["note"] == "x"
+    assert record["time/wall_s"] >= 0  # stamped when the record has none
+    with pytest.raises(ValueError):
+        run.append_metrics({"step": 5})  # closed
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rollo')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+
+
+def test_save_plot_writes_a_valid_png(tmp_path):
+    with RunDirectory(cfg_in(tmp_path), now=NOW) as run:
+        for record in synthetic(20):
+            run.append_metrics(record)
+        path = run.save_plot()
+    assert path == run.path / "curves.png"
+    assert_png(path)
+
+
+def test_plot_with_missing_keys_or_no_records_still_renders(tmp_path):
+    sparse = [{"step": s, "rollout/reward_mean": 0.1 * s} for s in range(5)]
+    assert_png(plot_metrics(sparse, tmp_path / "sparse.png"))
+    assert_png(plot_metrics([], tmp_path / "empty.png"))
+
+
+def test_pump_wait_keys_are_whatever_exists():
+    records = synthetic(2, pumps=("rollout", "train")) + [{"pump/sync_wait_s": 0.1, "pump/train_busy_s": 2}]
+    assert pump_wait_keys(records) == ["pump/rollout_wait_s", "pump/sync_wait_s", "pump/train_wait_s"]
+
+
+def test_step_line_has_every_known_field_in_order():
+    record = synthetic(11)[10]
+    line = format_step_line(record, max_steps=400)
+    assert line == (
+        "step  10/400 | reward 0.900 | success 1.000 | staleness 0.50 | step_time 1.50s | tokens/s 1,010"
+    )
+
+
+def test_step_line_omits_missing_fields():
+    assert format_step_line({"step": 3, "time/step_s": 0.5}, max_steps=9) == "step 3/9 | step_time 0.50s"
+    assert format_step_line({"rollout/success_rate": math.nan}, step=2) == "step 2"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_reporter_prints_lines_without_a_bar_when_not_a_tty():
+    stream = io.StringIO()
+    with ConsoleReporter(3, progress_bar=True, stream=stream) as reporter:
+        assert not reporter.bar_enabled
+        for record in synthetic(3):
+            reporter.report(record)
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 0/3", "step 1/3", "step 2/3"]
+
+
+def test_console_reporter_shows_a_bar_on_a_tty_unless_disabled():
+    stream = FakeTTY()
+    with ConsoleReporter(4, progress_bar=True, stream=stream) as reporter:
+        assert reporter.bar_enabled
+        for record in synthetic(2):
+            reporter.report(record)
+        assert reporter._bar.n == 2
+    out = stream.getvalue()
+    assert "step 0/4 | reward" in out and "step 1/4 | reward" in out
+    assert "0/4 [" in out and "1/4 [" in out  # the bar's own counter, redrawn under each line
+    with ConsoleReporter(4, progress_bar=False, stream=FakeTTY()) as reporter:
+        assert not reporter.bar_enabled
