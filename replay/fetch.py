@@ -8,8 +8,8 @@ Contract:
     `src_rank` (a global rank in `group`) reads from storage; it sends the rows to the other ranks
     of `group` with two `torch.distributed.broadcast`s (a header of row lengths, then every field's
     bytes in one buffer). All ranks of `group` must call it with the same keys and fields. If the
-    source's read fails, every rank raises `StorageReadError` (the source re-raises its own
-    error), so no sibling is left waiting in a collective.
+    source's read fails (short read, deadline, ...), the source re-raises its own error and every
+    other rank raises `StorageReadError` quoting it, so no sibling is left waiting in a collective.
 
 Both return what `RowStorage.get_rows` returns: jagged fields as a list of 1-D tensors, scalar
 fields as a 1-D tensor [B], rows in the order of `keys`.
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
-from replay.storage import ROLLOUT_SCHEMA, Column, FieldSpec, StorageError, StorageReadError, validate_read
+from replay.storage import ROLLOUT_SCHEMA, Column, FieldSpec, StorageReadError, validate_read
 
 
 class SyncRowReader(Protocol):
@@ -72,13 +72,13 @@ def fetch_and_broadcast(
     # Header: [status, lengths of every jagged field's rows...]  # [1 + len(jagged) * B]
     header = torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
     got: dict[str, Column] = {}
-    error: StorageError | None = None
+    error: Exception | None = None
     if is_src:
         if storage is None:
             raise ValueError(f"rank {src_rank} is the source and needs a storage")
         try:
             got = fetch_rows(storage, keys, fields)
-        except StorageError as e:
+        except Exception as e:  # incl. a storage deadline: siblings must not wait in the broadcast
             error = e
             header[0] = 1
         else:

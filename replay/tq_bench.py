@@ -48,6 +48,12 @@ def _percentiles(samples_s: Sequence[float]) -> dict[str, float]:
     return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean())}
 
 
+def _record(times: dict[str, list[float]], t0: float, t1: float, t2: float, t3: float) -> None:
+    times["put"].append(t1 - t0)
+    times["get"].append(t2 - t1)
+    times["clear"].append(t3 - t2)
+
+
 def _shapes(args) -> list[tuple[str, int]]:
     return [("group", 1), ("step", args.groups_per_step)]
 
@@ -67,7 +73,7 @@ async def _bench_async(storage, args, fields) -> list[dict[str, Any]]:
             await storage.clear_rows(keys)
             t3 = time.perf_counter()
             if rep >= args.warmup:
-                times["put"].append(t1 - t0), times["get"].append(t2 - t1), times["clear"].append(t3 - t2)
+                _record(times, t0, t1, t2, t3)
         rows += _summarize("async", label, len(keys), columns, times)
     return rows
 
@@ -87,7 +93,7 @@ def _bench_sync(storage, args, fields) -> list[dict[str, Any]]:
             storage.clear_rows_sync(keys)
             t3 = time.perf_counter()
             if rep >= args.warmup:
-                times["put"].append(t1 - t0), times["get"].append(t2 - t1), times["clear"].append(t3 - t2)
+                _record(times, t0, t1, t2, t3)
         rows += _summarize("sync", label, len(keys), columns, times)
     return rows
 

@@ -124,7 +124,8 @@ def _controller() -> Any | None:
         return None
 
 
-def _client_connected() -> bool:
+def client_connected() -> bool:
+    """Whether this process has a TQ client (after `start_tq` / `attach_tq`)."""
     import transfer_queue as tq
 
     try:
@@ -215,7 +216,7 @@ def attach_tq(timeout_s: float = 60.0) -> TQRuntimeInfo:
     _require_ray()
     if _owned is not None:
         return _owned
-    if _client_connected():
+    if client_connected():
         return TQRuntimeInfo(False, -1, 0.0)
     import ray
     import transfer_queue as tq

@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Mapping, NoReturn, Sequence, TypeVar
 
 import torch
 
-from replay.tq_runtime import attach_tq, configure_env
+from replay.tq_runtime import TQRuntimeError, client_connected, attach_tq, configure_env
 
 configure_env()
 
@@ -173,6 +173,11 @@ class TQRowStorage:
         timeout_s: float = 60.0,
         track_resident: bool = True,
     ):
+        if not client_connected():
+            raise TQRuntimeError(
+                "no TransferQueue client in this process: call replay.tq_runtime.start_tq() (driver) or "
+                "attach_tq() first, or use TQRowStorage.attach() (any process on the Ray cluster)"
+            )
         self.schema = dict(schema)
         self.partition = partition
         self.timeout_s = timeout_s

@@ -24,6 +24,7 @@ from replay.storage import (
     ROLLOUT_SCHEMA,
     TRAIN_FIELDS,
     InMemoryRowStorage,
+    RowStorage,
     StorageReadError,
     StorageWriteError,
     column_nbytes,
@@ -36,7 +37,24 @@ REPO = str(Path(__file__).resolve().parents[1])
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def tq_cluster():
+def leak_probe(tmp_path_factory):
+    """The start/stop leak check runs in its own process (its own Ray). It is launched before this
+    module's Ray so that the two startups, mostly spent waiting on process spawns, overlap."""
+    script = tmp_path_factory.mktemp("leak") / "leak.py"
+    script.write_text(LEAK_SCRIPT)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), REPO], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:  # the test did not wait for it (deselected or failed early)
+            proc.communicate(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tq_cluster(leak_probe):
     from replay.tq_runtime import configure_env
 
     configure_env()
@@ -122,6 +140,7 @@ def resident(loop, storage):
 
 # ---------------------------------------------------------------- behaviour, both storages
 def test_round_trip_exact_in_keys_order(storage, loop):
+    assert isinstance(storage, RowStorage)
     keys, cols, tags = make_rows("rt", 6)
     run(loop, storage.put_rows(keys, cols, tags))
     order = [4, 0, 5, 2, 1, 3]
@@ -348,8 +367,12 @@ LEAK_SCRIPT = textwrap.dedent(
     except TQRuntimeError as e:
         out["refused"] = str(e)
     out["refuse_s"] = time.perf_counter() - t0
-    start_tq(num_storage_units=1)
     from replay.tq_storage import TQRowStorage
+    try:
+        TQRowStorage("leak")  # no client in this process yet
+    except TQRuntimeError as e:
+        out["no_client"] = str(e)
+    start_tq(num_storage_units=1)
     s = TQRowStorage("leak", timeout_s=30)
     s.put_rows_sync(["k_g0"], {"reward": torch.tensor([0.5])})
     out["read"] = s.get_rows_sync(["k_g0"], ["reward"])["reward"].tolist()
@@ -364,17 +387,15 @@ LEAK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.tq
-def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes(tmp_path):
+def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes(leak_probe):
     import psutil
 
-    script = tmp_path / "leak.py"
-    script.write_text(LEAK_SCRIPT)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, str(script), REPO], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    stdout, stderr = leak_probe.communicate(timeout=120)
+    assert leak_probe.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.split("RESULT", 1)[1])
     assert "needs 3 free logical Ray CPUs" in out["refused"] and out["refuse_s"] < 5
     assert out["read"] == [0.5]
+    assert "no TransferQueue client in this process" in out["no_client"]
     cmdlines = out["pids"].values()
     assert any("TransferQueueController" in c for c in cmdlines), cmdlines  # we did see TQ's processes
     assert any("SimpleStorageUnit" in c for c in cmdlines), cmdlines
