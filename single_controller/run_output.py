@@ -7,8 +7,8 @@ Contract:
   finished step). Records use namespaced keys (`rollout/...`, `train/...`, `pump/...`, `time/...`);
   `time/wall_s` (seconds since the directory was created) is stamped on records that lack it.
 - `save_plot()` renders `curves.png` from metrics.jsonl (matplotlib, Agg, no display needed).
-- `ConsoleReporter(max_steps)` prints one line per step from the same records, plus a progress bar
-  when the stream is a terminal and `run.progress_bar` is true.
+- `ConsoleReporter(cfg)` prints one line per step (`step(record)`) from the same records, plus a
+  progress bar over `run.max_steps` when stdout is a terminal and `run.progress_bar` is true.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ class RunDirectory:
         self.config_path.write_text(config_to_yaml(cfg), encoding="utf-8")
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
+
+    @classmethod
+    def create(cls, cfg: Config, *, now: datetime | None = None) -> RunDirectory:
+        """Same as `RunDirectory(cfg)`."""
+        return cls(cfg, now=now)
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """Write `obj` (made JSON-safe like metrics) as `<run dir>/<name>`, pretty-printed."""
+        path = self.path / name
+        path.write_text(json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        return path
 
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         """Append one step's record as a JSON line (non-finite numbers become null) and flush it."""
@@ -256,11 +267,27 @@ def format_step_line(record: Mapping[str, Any], max_steps: int | None = None, st
 
 
 class ConsoleReporter:
-    """One line per step, and a tqdm bar over max_steps when `stream` is a terminal."""
+    """One line per step, and a tqdm bar over max_steps when `stream` is a terminal.
 
-    def __init__(self, max_steps: int, *, progress_bar: bool = True, stream: TextIO | None = None):
+    `ConsoleReporter(cfg)` takes max_steps and the bar switch from `cfg.run`; `ConsoleReporter(n,
+    progress_bar=...)` sets them directly.
+    """
+
+    def __init__(
+        self,
+        run: Config | int,
+        *,
+        progress_bar: bool | None = None,
+        stream: TextIO | None = None,
+    ):
         from tqdm import tqdm
 
+        if isinstance(run, Config):
+            max_steps = run.run.max_steps
+            progress_bar = run.run.progress_bar if progress_bar is None else progress_bar
+        else:
+            max_steps = int(run)
+            progress_bar = True if progress_bar is None else progress_bar
         self.max_steps = max_steps
         self.stream = stream if stream is not None else sys.stdout
         is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -269,7 +296,7 @@ class ConsoleReporter:
         self._bar = tqdm(total=max_steps, file=self.stream, disable=not self.bar_enabled,
                          unit="step", dynamic_ncols=True, leave=False)
 
-    def report(self, record: Mapping[str, Any]) -> str:
+    def step(self, record: Mapping[str, Any]) -> str:
         """Print the step's line (above the bar) and advance the bar; returns the line."""
         self._reported += 1
         line = format_step_line(record, self.max_steps, step=self._reported)

@@ -153,7 +153,7 @@ def test_console_reporter_prints_lines_without_a_bar_when_not_a_tty():
     with ConsoleReporter(3, progress_bar=True, stream=stream) as reporter:
         assert not reporter.bar_enabled
         for record in synthetic(3):
-            reporter.report(record)
+            reporter.step(record)
     lines = stream.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["step 0/3", "step 1/3", "step 2/3"]
 
@@ -163,10 +163,25 @@ def test_console_reporter_shows_a_bar_on_a_tty_unless_disabled():
     with ConsoleReporter(4, progress_bar=True, stream=stream) as reporter:
         assert reporter.bar_enabled
         for record in synthetic(2):
-            reporter.report(record)
+            reporter.step(record)
         assert reporter._bar.n == 2
     out = stream.getvalue()
     assert "step 0/4 | reward" in out and "step 1/4 | reward" in out
     assert "0/4 [" in out and "1/4 [" in out  # the bar's own counter, redrawn under each line
     with ConsoleReporter(4, progress_bar=False, stream=FakeTTY()) as reporter:
         assert not reporter.bar_enabled
+
+
+def test_console_reporter_from_config(tmp_path):
+    cfg = cfg_in(tmp_path, "run.max_steps=7", "run.progress_bar=false")
+    with ConsoleReporter(cfg, stream=FakeTTY()) as reporter:
+        assert reporter.max_steps == 7 and not reporter.bar_enabled
+        assert reporter.step({"step": 1}) == "step 1/7"
+    with ConsoleReporter(cfg_in(tmp_path, "run.max_steps=7"), stream=FakeTTY()) as reporter:
+        assert reporter.bar_enabled
+
+
+def test_write_json_and_create(tmp_path):
+    with RunDirectory.create(cfg_in(tmp_path), now=NOW) as run:
+        path = run.write_json("summary.json", {"steps": np.int64(3), "wall_s": float("inf"), "ok": True})
+        assert json.loads(path.read_text()) == {"steps": 3, "wall_s": None, "ok": True}
