@@ -198,8 +198,10 @@ class SimRun:
                 pass  # the loop closed in between: the run is over
         self.thread.join(30)
         assert not self.thread.is_alive(), "the simulated run did not stop"
-        if self.error is not None and exc[0] is None:
-            raise self.error
+        if self.error is not None:
+            if exc[1] is None:
+                raise self.error
+            exc[1].add_note(f"the simulated run failed: {self.error!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +234,11 @@ class Prometheus:
     def __enter__(self) -> "Prometheus":
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_for(lambda: self._ready(), 30, "Prometheus to become ready")
+        try:
+            self.wait_for(lambda: self._ready(), 30, "Prometheus to become ready")
+        except BaseException:
+            self.__exit__(None, None, None)  # __exit__ is not called when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
