@@ -63,6 +63,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                 state.notify()
     finally:
         state.rollout_done = True
+        state.pumps[PUMP].finished = True
         state.notify()
 
 
@@ -125,6 +126,7 @@ async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRec
     if result.group_id != rec.group_id:
         raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {rec.group_id}")
     state.ledger.commit(rec.group_id, result, state.clock())
+    state.tokens_generated += sum(result.response_lengths)
     state.notify()
 
 

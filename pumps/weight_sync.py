@@ -65,6 +65,7 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
     rec.total_s += rec.last_s
     rec.last_drain_s = t_drained - t0
     rec.last_bytes = handle.num_bytes
+    rec.last_t = state.clock()
     state.pumps[PUMP].busy_s += rec.last_s
 
 

@@ -9,8 +9,9 @@ Contract (on top of `replay.storage.RowStorage`):
     field by leaving the column out, both without an error; we raise `StorageReadError` naming the
     missing keys and fields. The hot path costs nothing extra: the key lookup (`kv_list`) runs only
     when a read came back short.
-  * Columns: jagged fields are a list of 1-D tensors (sent as one jagged NestedTensor), scalar
-    fields a 1-D tensor [B]; tags a list of dicts. Reads return the same shapes, rows in `keys` order.
+  * Columns: jagged fields are a list of 1-D tensors (sent as one jagged NestedTensor, or as a dense
+    [B, L] tensor when all rows have one length: TQ's fast path), scalar fields a 1-D tensor [B];
+    tags a list of dicts. Reads return the same shapes, rows in `keys` order.
   * Every TQ call has a deadline (`TimeoutConfig.storage_s`): TQ's controller RPCs have none, and a
     dead controller would hang the caller forever. Errors name the operation and partition.
   * Async methods run on the caller's loop. The `*_sync` twins (for worker processes and sync
@@ -85,8 +86,15 @@ def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Colum
 
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of one jagged field -> what TQ stores. Equal-length rows go as a dense [B, L] tensor: TQ
+    puts those ~3x faster than a NestedTensor (one frame, not one per row), keeps every row's shape
+    and dtype, and returns them as a jagged NestedTensor like any other (mixing both kinds of puts
+    in one partition reads back exactly)."""
+    sizes = [t.numel() for t in rows]
+    if min(sizes) == max(sizes):
+        return torch.stack(rows)  # [B, L]
     # values + offsets: about 2x cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    lengths = torch.tensor([t.numel() for t in rows], dtype=torch.int64)  # [B]
+    lengths = torch.tensor(sizes, dtype=torch.int64)  # [B]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)  # [B+1]
     torch.cumsum(lengths, 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(torch.cat(rows), offsets=offsets)

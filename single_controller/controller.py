@@ -106,7 +106,7 @@ class Controller:
         self.on_step = on_step
         self.history: list[dict] = []
         self._success = collections.deque(maxlen=cfg.run.success_window)
-        self._tokens_generated = self._tokens_trained = 0
+        self._tokens_trained = 0
         self._t0 = self.state.clock()
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
@@ -140,7 +140,6 @@ class Controller:
         stale = [st.sampler.staleness(g, report.step) for g in report.groups]
         gen_tokens = sum(n for g in report.groups for n in g.response_lengths)
         seq_tokens = sum(n for g in report.groups for n in g.seq_lengths())
-        self._tokens_generated += gen_tokens
         self._tokens_trained += seq_tokens
         step_s = report.t_end - self._last_step_end
         self._last_step_end = report.t_end
@@ -222,7 +221,7 @@ class Controller:
             aborted_steps=st.aborted_steps,
             step_retries=st.step_retries,
             steps=st.trainer_version,
-            tokens_generated=self._tokens_generated,
+            tokens_generated=st.tokens_generated,
             tokens_trained=self._tokens_trained,
             last_step_s=last.get("time/step_s", 0.0),
             last_reward_mean=last.get("rollout/reward_mean", 0.0),

@@ -165,7 +165,7 @@ def families(s: ControllerStatistics) -> list[Metric]:
     gauge("step_last_duration", "Wall time of the last RL step (end of previous step to end of this one).", s.last_step_s, unit="seconds")
     counter("train_step_aborts", "abort_train_step calls after trainer errors.", s.aborted_steps)
     counter("train_step_retries", "Train steps re-run after an abort.", s.step_retries)
-    counter("tokens_generated", "Response tokens of trained groups.", s.tokens_generated)
+    counter("tokens_generated", "Response tokens generated (every committed group, trained or not).", s.tokens_generated)
     counter("tokens_trained", "Prompt + response tokens of trained groups.", s.tokens_trained)
     gauge("last_step_reward_mean", "Mean reward of the completions trained in the last step.", s.last_reward_mean)
     gauge("last_step_success_rate", "Fraction of the last step's completions with reward >= task.success_reward.", s.last_success_rate)

@@ -207,7 +207,7 @@ def plot_metrics(records: list[Mapping[str, Any]], path: str | Path, *, title: s
                     drawstyle="steps-mid", linestyle="--")
     if got_mean or got_max:
         ax_stale.set_ylim(bottom=0)
-        ax_stale.legend(loc="upper left")
+        ax_stale.legend(loc="best")
     else:
         no_data(ax_stale, "train/staleness_mean, train/staleness_max")
 
@@ -215,7 +215,7 @@ def plot_metrics(records: list[Mapping[str, Any]], path: str | Path, *, title: s
     ax_wait.set_xlabel("step")
     wait_keys = pump_wait_keys(records)
     if lines(ax_wait, STEP_KEY, [(k, k.removeprefix("pump/")) for k in wait_keys]):
-        ax_wait.legend(loc="upper left", fontsize="small")
+        ax_wait.legend(loc="best", fontsize="small")
     else:
         no_data(ax_wait, "pump/*wait*")
 

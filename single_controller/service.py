@@ -131,8 +131,8 @@ class ControllerService:
 
     async def close(self) -> None:
         if self._metrics_server is not None:
-            self._metrics_server.stop()
-            self._metrics_server = None
+            server, self._metrics_server = self._metrics_server, None
+            await asyncio.to_thread(server.stop)  # blocks up to 0.5 s
         if self._workers is not None:
             from single_controller.backends.cpu.ray_workers import shutdown_cpu_workers
 

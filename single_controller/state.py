@@ -75,6 +75,7 @@ class SyncRecord:
     last_s: float = 0.0
     last_drain_s: float = 0.0
     last_bytes: int = 0
+    last_t: float | None = None  # controller clock at the end of the last sync
     aborted_in_flight: int = 0
 
 
@@ -118,6 +119,7 @@ class RunState:
         self.train_done = False
 
         self.zero_variance_groups = 0
+        self.tokens_generated = 0  # response tokens of every committed group (trained or not)
         self.aborted_steps = 0  # abort_train_step calls after trainer errors
         self.step_retries = 0
         self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from replay.dp_split import balanced_partition
 from single_controller.backends.cpu.losses import grpo_loss
 from single_controller.backends.cpu.model import TinyGPT, pad_right, token_logprobs
-from single_controller.backends.cpu.ray_workers import split_balanced
 from single_controller.backends.cpu.trainer import (
     TrainerCore,
     TrainStepStateError,
@@ -247,7 +247,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         core.begin_train_step(0, LossConfig(level=level))
         for chunk in CHUNKINGS[ci]:
             sub = take(rows, chunk)
-            mine = split_balanced(seq_lengths(sub), world)[rank]
+            mine = balanced_partition(seq_lengths(sub), world)[rank]  # what CpuTrainerGroup does
             core.train_microbatch(take(sub, mine))
         core.finish_train_step()
         results[(level, ci)] = ([p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params])

@@ -158,6 +158,20 @@ def test_round_trip_exact_in_keys_order(storage, loop):
     assert read_tags(loop, storage, keys[:1]) == [{**tags[0], "step": 7}]
 
 
+def test_equal_length_and_ragged_groups_read_back_together(storage, loop):
+    # TQRowStorage sends a jagged field whose rows share one length as a dense [B, L] tensor, and
+    # varying lengths as a NestedTensor; rows of both kinds must read back exactly, interleaved.
+    keys_a, cols_a, _ = make_rows("even", 3, seed=2)
+    cols_a = {**cols_a, "response_ids": [torch.arange(3) * (i + 1) for i in range(3)]}
+    keys_b, cols_b, _ = make_rows("ragged", 3, seed=3)
+    run(loop, storage.put_rows(keys_a, cols_a))
+    run(loop, storage.put_rows(keys_b, cols_b))
+    keys = [keys_b[2], keys_a[0], keys_b[0], keys_a[2], keys_a[1], keys_b[1]]
+    got = run(loop, storage.get_rows(keys, GENERATION_FIELDS))
+    both = {f: (list(cols_a[f]) + list(cols_b[f])) if ROLLOUT_SCHEMA[f].jagged else torch.cat([cols_a[f], cols_b[f]]) for f in cols_a}
+    assert_columns_equal(got, both, [5, 0, 3, 2, 1, 4])
+
+
 def test_sync_twins_round_trip(storage, loop):
     keys, cols, tags = make_rows("sync", 5, seed=1)
     storage.put_rows_sync(keys, cols, tags)

@@ -187,6 +187,7 @@ class GenerationActor:
         self._has_pending: asyncio.Event | None = None
         self._weights_lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task | None = None
+        self._current: list[tuple[GenerationRequest, asyncio.Future]] = []  # the batch being sampled
         self._running = 0
         self._closed = False
 
@@ -202,8 +203,10 @@ class GenerationActor:
         # The loop only ends by close() or a bug; either way no queued call may wait forever.
         cause = None if task.cancelled() else task.exception()
         self._closed = True
-        while self._pending:
-            req, fut = self._pending.popleft()
+        unserved = self._current + list(self._pending)
+        self._current, self._running = [], 0
+        self._pending.clear()
+        for req, fut in unserved:
             if not fut.done():
                 err = GenerationFailed(f"{self.name}: batching loop stopped before serving group {req.group_id}")
                 err.__cause__ = cause
@@ -270,7 +273,7 @@ class GenerationActor:
         return batch
 
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
-        self._running = len(batch)
+        self._current, self._running = batch, len(batch)
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
@@ -285,4 +288,4 @@ class GenerationActor:
                 if not fut.done():
                     fut.set_result(res)
         finally:
-            self._running = 0
+            self._current, self._running = [], 0

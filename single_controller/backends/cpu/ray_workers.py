@@ -4,8 +4,8 @@ adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
 * `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group (MASTER_ADDR=127.0.0.1, a free
   port picked by rank 0). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
   the actor); the controller only sends keys.
-* `CpuTrainerGroup` splits each `TrainChunk` across ranks, balanced by sequence length, one
-  microbatch per rank per chunk (so every rank runs the same number of microbatches); finish returns
+* `CpuTrainerGroup` splits each `TrainChunk` across ranks with `replay.dp_split` (balanced by
+  tokens), one microbatch per rank per chunk (so every rank runs the same number of microbatches); finish returns
   rank 0's metrics plus the bytes all ranks read; `export_weights` has rank 0 `ray.put` its buckets
   and returns a `WeightsHandle` whose payload is a `WeightSnapshot` holding the bucket ObjectRefs
   (refs nested in a container are not resolved by Ray; generation workers await them), so weight
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.cpu.generation import GenerationActor
-from single_controller.backends.cpu.model import build_tinygpt
+from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
 from single_controller.backends.cpu.trainer import TrainerCore, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
 from single_controller.protocols import GenerationFailed, TrainerFailed
@@ -45,6 +45,8 @@ from single_controller.types import (
     TrainChunk,
     WeightsHandle,
 )
+from replay.dp_split import split_chunk
+from replay.fetch import fetch_rows
 from replay.storage import column_nbytes
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -92,7 +94,7 @@ class TrainerRankActor:
         if not self.core.step_open:  # before touching storage
             raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
         if keys:
-            rows = self.storage.get_rows_sync(list(keys), list(fields))
+            rows = fetch_rows(self.storage, list(keys), list(fields))
             nbytes = sum(column_nbytes(c) for c in rows.values())
         else:
             rows, nbytes = {"prompt_ids": []}, 0
@@ -109,6 +111,11 @@ class TrainerRankActor:
         snap = self.core.publish_weights(version)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
+    def save_checkpoint(self, directory: str) -> str:
+        if self.core.step_open:
+            raise TrainStepStateError("save_checkpoint while a train step is open")
+        return str(save_tinygpt(self.core.policy, directory))
+
     def get_weights(self) -> dict[str, Any]:
         return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
 
@@ -119,18 +126,6 @@ class TrainerRankActor:
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def split_balanced(seq_lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
-    """Row indices per rank: longest rows first, each to the rank with the fewest tokens so far (ties:
-    fewer rows, then lower rank); each rank's indices keep their original order."""
-    load = [(0, 0, r) for r in range(num_ranks)]  # (tokens, rows, rank)
-    shares: list[list[int]] = [[] for _ in range(num_ranks)]
-    for i in sorted(range(len(seq_lengths)), key=lambda i: (-seq_lengths[i], i)):
-        tokens, rows, r = min(load)
-        shares[r].append(i)
-        load[r] = (tokens + seq_lengths[i], rows + 1, r)
-    return [sorted(s) for s in shares]
 
 
 async def _trainer_call(what: str, refs: list) -> list:
@@ -161,11 +156,8 @@ class CpuTrainerGroup:
             raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
         if len(chunk.seq_lengths) != len(chunk.row_keys):
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
-        shares = split_balanced(chunk.seq_lengths, len(self.ranks))
-        refs = [
-            r.train_microbatch_keys.remote([chunk.row_keys[i] for i in share], list(chunk.fields))
-            for r, share in zip(self.ranks, shares)
-        ]
+        split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
+        refs = [r.train_microbatch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
         self._bytes_read += sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
 
     async def finish_train_step(self) -> StepResult:
@@ -181,6 +173,11 @@ class CpuTrainerGroup:
     async def export_weights(self, version: int) -> WeightsHandle:
         (snapshot,) = await _trainer_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
+
+    async def save_checkpoint(self, directory: str) -> str:
+        """Rank 0 writes its policy (safetensors + config.json, loadable as `model.checkpoint`); returns the path."""
+        (path,) = await _trainer_call(f"save_checkpoint({directory})", [self.ranks[0].save_checkpoint.remote(directory)])
+        return path
 
     async def shutdown(self) -> None:
         await _kill_all(self.ranks)
@@ -289,5 +286,4 @@ __all__ = [
     "CpuGenerationClient",
     "create_cpu_workers",
     "shutdown_cpu_workers",
-    "split_balanced",
 ]
