@@ -187,7 +187,6 @@ class GenerationActor:
         self._has_pending: asyncio.Event | None = None
         self._weights_lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task | None = None
-        self._current: list[tuple[GenerationRequest, asyncio.Future]] = []  # the batch being sampled
         self._running = 0
         self._closed = False
 
@@ -203,8 +202,7 @@ class GenerationActor:
         # The loop only ends by close() or a bug; either way no queued call may wait forever.
         cause = None if task.cancelled() else task.exception()
         self._closed = True
-        unserved = self._current + list(self._pending)
-        self._current, self._running = [], 0
+        unserved = list(self._pending)
         self._pending.clear()
         for req, fut in unserved:
             if not fut.done():
@@ -273,7 +271,7 @@ class GenerationActor:
         return batch
 
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
-        self._current, self._running = batch, len(batch)
+        self._running = len(batch)
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
@@ -288,4 +286,7 @@ class GenerationActor:
                 if not fut.done():
                     fut.set_result(res)
         finally:
-            self._current, self._running = [], 0
+            self._running = 0
+            for req, fut in batch:  # only when cancelled by close(): nothing else would answer them
+                if not fut.done():
+                    fut.set_exception(GenerationFailed(f"{self.name} closed while sampling group {req.group_id}"))
