@@ -171,6 +171,11 @@ def test_generate_train_sync_abort(workers, loop):
         await group.abort_train_step()
 
     run(loop, begin_and_abort())
+    st = group.statistics()
+    assert (st.open_step, st.steps_finished, st.steps_aborted, st.num_ranks) == (None, 1, 1, 2)
+    assert st.bytes_read_total > result.metrics["train/bytes_read"]  # step 0 plus the aborted chunk
+    rank_stats = run(loop, group.ranks[1].statistics.remote())
+    assert (rank_stats.rank, rank_stats.steps_done, rank_stats.aborts, rank_stats.open_step) == (1, 1, 1, None)
     for rank in range(2):
         assert_same_weights(run(loop, rank_weights(group, rank)), after)
     with pytest.raises(TrainStepStateError):

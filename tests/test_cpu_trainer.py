@@ -151,6 +151,7 @@ def test_abort_restores_params_and_optimizer_bit_identically():
     _assert_bit_identical(_state(t), before)
     t.abort_train_step()  # idempotent
     _assert_bit_identical(_state(t), before)
+    assert (t.statistics().steps_done, t.statistics().aborts, t.statistics().open_step) == (1, 1, None)
     # The retried step gives exactly what a trainer that never saw the aborted microbatches gives.
     for tr in (t, twin):
         tr.begin_train_step(1, LossConfig())

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from single_controller.config import ModelConfig
 
@@ -168,11 +169,12 @@ class HFCausalLMPolicy(nn.Module):
 
 def pad_right(rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Stack 1-D tensors of any lengths into [B, max_len], padding on the right with `value`."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), value, dtype=dtype or (rows[0].dtype if rows else torch.float32))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
+    if not rows:
+        return torch.zeros(0, 0, dtype=dtype or torch.float32)
+    rows = [r if dtype is None else r.to(dtype) for r in rows]
+    if rows[0].dtype == torch.bool:  # pad_sequence has no bool kernel
+        return pad_sequence([r.to(torch.uint8) for r in rows], batch_first=True, padding_value=int(value)).bool()
+    return pad_sequence(rows, batch_first=True, padding_value=value)
 
 
 def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

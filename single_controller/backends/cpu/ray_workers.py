@@ -25,6 +25,7 @@ import asyncio
 import datetime
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
-from single_controller.backends.cpu.trainer import TrainerCore, TrainStepStateError, WeightSnapshot
+from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
 from single_controller.protocols import GenerationFailed, TrainerFailed
 from single_controller.tasks import TOKENIZER
@@ -119,6 +120,9 @@ class TrainerRankActor:
     def get_weights(self) -> dict[str, Any]:
         return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
 
+    def statistics(self) -> TrainerStatistics:
+        return self.core.statistics()
+
     def get_grads(self) -> dict[str, Any]:
         """The gradient the last finished step applied (for checks)."""
         return {n: p.grad.detach().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
@@ -137,6 +141,17 @@ async def _trainer_call(what: str, refs: list) -> list:
         raise TrainerFailed(f"trainer {what} failed: {e}") from e
 
 
+@dataclass(frozen=True)
+class TrainerGroupStatistics:
+    num_ranks: int
+    open_step: int | None
+    steps_finished: int
+    steps_aborted: int
+    chunks_in_open_step: int
+    bytes_read_open_step: int  # row bytes the ranks read for the open step
+    bytes_read_total: int
+
+
 class CpuTrainerGroup:
     """`TrainerGroup` over `TrainerRankActor` handles (rank order)."""
 
@@ -146,10 +161,21 @@ class CpuTrainerGroup:
         self.ranks = list(rank_handles)
         self._step: int | None = None
         self._bytes_read = 0
+        self._chunks = 0
+        self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
+
+    def statistics(self) -> TrainerGroupStatistics:
+        return TrainerGroupStatistics(
+            num_ranks=len(self.ranks),
+            open_step=self._step,
+            chunks_in_open_step=self._chunks,
+            bytes_read_open_step=self._bytes_read,
+            **self._counts,
+        )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         await _trainer_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
-        self._step, self._bytes_read = step, 0
+        self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
         if self._step != chunk.step:
@@ -158,16 +184,22 @@ class CpuTrainerGroup:
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
         refs = [r.train_microbatch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
-        self._bytes_read += sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+        nbytes = sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+        self._bytes_read += nbytes
+        self._counts["bytes_read_total"] += nbytes
+        self._chunks += 1
 
     async def finish_train_step(self) -> StepResult:
         step = self._step
         metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote() for r in self.ranks])
         self._step = None
+        self._counts["steps_finished"] += 1
         return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._bytes_read)})
 
     async def abort_train_step(self) -> None:
         await _trainer_call("abort_train_step", [r.abort_train_step.remote() for r in self.ranks])
+        if self._step is not None:
+            self._counts["steps_aborted"] += 1
         self._step = None
 
     async def export_weights(self, version: int) -> WeightsHandle:

@@ -162,7 +162,27 @@ class _OpenStep:
     started: float = 0.0
 
 
+@dataclass(frozen=True)
+class TrainerStatistics:
+    rank: int
+    world_size: int
+    steps_done: int
+    aborts: int
+    open_step: int | None
+    open_microbatches: int  # local, in the open step
+    open_tokens: int  # local valid tokens in the open step
+
+
 STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl")
+
+
+def _clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """A deep copy of `optimizer.state_dict()` (tensors cloned), ~10x faster than copy.deepcopy."""
+    sd = optimizer.state_dict()
+    return {
+        "state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in sd["state"].items()},
+        "param_groups": copy.deepcopy(sd["param_groups"]),
+    }
 
 
 class TrainerCore:
@@ -186,7 +206,9 @@ class TrainerCore:
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         if process_group is not None:
-            self._forward = nn.parallel.DistributedDataParallel(policy, process_group=process_group)
+            # broadcast_buffers=False: buffers (e.g. HF rotary tables) are constants here, and a
+            # per-forward buffer broadcast would be a collective per microbatch.
+            self._forward = nn.parallel.DistributedDataParallel(policy, process_group=process_group, broadcast_buffers=False)
         else:
             self._forward = policy
         self.params = [p for p in policy.parameters() if p.requires_grad]
@@ -195,10 +217,23 @@ class TrainerCore:
         self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
         self._open: _OpenStep | None = None
         self.steps_done = 0
+        self.aborts = 0
 
     @property
     def step_open(self) -> bool:
         return self._open is not None
+
+    def statistics(self) -> "TrainerStatistics":
+        st = self._open
+        return TrainerStatistics(
+            rank=self.rank,
+            world_size=self.world_size,
+            steps_done=self.steps_done,
+            aborts=self.aborts,
+            open_step=None if st is None else st.step,
+            open_microbatches=0 if st is None else st.microbatches,
+            open_tokens=0 if st is None else st.tokens,
+        )
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         if self._open is not None:
@@ -212,7 +247,7 @@ class TrainerCore:
             step=step,
             loss=loss,
             params=[p.detach().clone() for p in self.params],
-            optim_state=copy.deepcopy(self.optimizer.state_dict()),
+            optim_state=_clone_optimizer_state(self.optimizer),
             stats=dict.fromkeys(STAT_KEYS, 0.0),
             started=time.perf_counter(),
         )
@@ -225,6 +260,12 @@ class TrainerCore:
         n = len(rows["prompt_ids"])
         if n == 0:
             return 0
+        bad = [
+            i for i, (r, g, m) in enumerate(zip(rows["response_ids"], rows["gen_logprobs"], rows["response_mask"]))
+            if not len(r) == len(g) == len(m)
+        ]
+        if bad:
+            raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
         dtype = self.params[0].dtype
         ctx = self._forward.no_sync() if self.pg is not None else contextlib.nullcontext()
         with ctx:
@@ -296,6 +337,7 @@ class TrainerCore:
         self.optimizer.load_state_dict(st.optim_state)
         self.optimizer.zero_grad(set_to_none=True)
         self._open = None
+        self.aborts += 1
 
     def publish_weights(self, version: int) -> WeightSnapshot:
         if self._open is not None:
