@@ -123,3 +123,27 @@ def test_hf_causal_lm_adapter():
     lp, valid = token_logprobs(policy, list(_prompts(16)), [ids for ids, _ in rows], 0.8)
     assert valid.all()
     assert (lp - out.logprobs).abs().max() < 1e-5
+
+    # The same worker contract end to end: generate + store, train one step, sync the weights.
+    from replay.storage import TRAIN_FIELDS, InMemoryRowStorage, row_keys
+    from single_controller.backends.cpu.generation import GenerationCore
+    from single_controller.backends.cpu.trainer import TrainerCore, load_snapshot, pack_weights
+    from single_controller.config import TrainConfig
+    from single_controller.types import GenerationRequest, LossConfig, SamplingParams
+
+    storage = InMemoryRowStorage()
+    gen = GenerationCore(policy, storage, "single_controller.tasks:positional_match_reward", version=0)
+    prompts = reverse_digits(4, 3, seed=0)
+    reqs = [GenerationRequest(f"h{i}", p, SamplingParams(n=4), row_keys(f"h{i}", 4)) for i, p in enumerate(prompts)]
+    gen.generate(reqs)
+    keys = [k for r in reqs for k in r.row_keys]
+    storage.put_rows_sync(keys, {"advantage": torch.randn(16)})
+    torch.manual_seed(0)
+    trainer = TrainerCore(HFCausalLMPolicy(transformers.LlamaForCausalLM(cfg)), TrainConfig())
+    trainer.load_weights(pack_weights(policy, 0))
+    trainer.begin_train_step(0, LossConfig())
+    trainer.train_microbatch(storage.get_rows_sync(keys, TRAIN_FIELDS))
+    metrics = trainer.finish_train_step()
+    assert metrics["train/tokens"] == 48 and metrics["train/gen_logprob_gap"] < 1e-5  # same weights: on-policy
+    load_snapshot(policy, trainer.publish_weights(1))
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), trainer.policy.parameters()))
