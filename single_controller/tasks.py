@@ -60,7 +60,8 @@ class CharTokenizer:
             raise ValueError(f"characters {bad} are not in the vocabulary {self.alphabet!r}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.alphabet[int(i)] for i in ids)
+        alphabet = self.alphabet
+        return "".join([alphabet[i] for i in ids])
 
 
 # PAD, BOS, EOS, the ten digits and a few symbols: 19 tokens.

@@ -30,7 +30,7 @@ from single_controller.backends.cpu.trainer import WeightSnapshot, load_snapshot
 from single_controller.config import ModelConfig
 from single_controller.protocols import GenerationFailed
 from single_controller.tasks import TOKENIZER, CharTokenizer, load_callable
-from single_controller.types import GenerationRequest, GenerationResult, SamplingParams, WeightsHandle
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,9 @@ class GenerationCore:
         for i, r in enumerate(requests):
             s = r.sampling
             passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_id)].append(i)
-        responses: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
+        # Per request: (token ids [n], logprobs [n], mask [n], response text) of each row. The tensors
+        # are views into the pass's [B, N] outputs; every storage copies what it is given.
+        responses: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]] = [[] for _ in requests]
         for (_, temperature, top_p, max_new, stop), idx in passes.items():
             prompt_ids = torch.tensor(
                 [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
@@ -103,23 +105,26 @@ class GenerationCore:
                 pad_id=self.tokenizer.pad_id,
                 generator=self.generator,
             )
+            token_lists, lengths = out.tokens.tolist(), out.lengths.tolist()
             row = 0
             for i in idx:
                 for _ in range(requests[i].sampling.n):
-                    responses[i].append(out.row(row))
+                    n = lengths[row]
+                    # The reward sees the text without a final stop token.
+                    text_ids = token_lists[row][: n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n]
+                    view = (out.tokens[row, :n], out.logprobs[row, :n], out.mask[row, :n], self.tokenizer.decode(text_ids))
+                    responses[i].append(view)
                     row += 1
 
         keys, tags, results = [], [], []
         cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
         for r, rows in zip(requests, responses):
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
-            rewards = []
-            for ids, logprobs in rows:
-                rewards.append(float(self.reward_fn(r.prompt, self._response_text(ids, r.sampling))))
-                cols["prompt_ids"].append(prompt)
-                cols["response_ids"].append(ids)
-                cols["gen_logprobs"].append(logprobs.float())
-                cols["response_mask"].append(torch.ones(len(ids), dtype=torch.bool))
+            rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
+            cols["prompt_ids"].extend(prompt for _ in rows)
+            cols["response_ids"].extend(ids for ids, *_ in rows)
+            cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
+            cols["response_mask"].extend(mask for _, _, mask, _ in rows)
             cols["reward"].extend(rewards)
             keys.extend(r.row_keys)
             tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)
@@ -127,7 +132,7 @@ class GenerationCore:
                 GenerationResult(
                     group_id=r.group_id,
                     rewards=tuple(rewards),
-                    response_lengths=tuple(len(ids) for ids, _ in rows),
+                    response_lengths=tuple(len(ids) for ids, *_ in rows),
                     prompt_length=len(prompt),
                     version_start=version,
                     version_end=version,
@@ -142,11 +147,6 @@ class GenerationCore:
         self._counts["tokens"] += sum(len(t) for t in cols["response_ids"])
         self._last_batch_s = time.perf_counter() - started
         return results
-
-    def _response_text(self, ids: torch.Tensor, sampling: SamplingParams) -> str:
-        if sampling.stop_token_id is not None and len(ids) and int(ids[-1]) == sampling.stop_token_id:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids.tolist())
 
     def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
         return GenerationStatistics(

@@ -2,7 +2,7 @@
 
 Contract (`CausalPolicy`): a module with `vocab_size`, `max_seq_len` and
   * `forward(input_ids [B, T]) -> logits [B, T, V]` (causal, positions 0..T-1; what the trainer uses),
-  * `new_cache(batch_size) -> cache` and `forward_cached(input_ids [B, t], cache) -> logits [B, t, V]`,
+  * `new_cache(batch_size, max_len=None) -> cache` and `forward_cached(input_ids [B, t], cache) -> logits [B, t, V]`,
     which appends the t tokens to the cache (what sampling uses: one prefill, then one token at a time).
 Both paths compute the same function, so generation logprobs and trainer logprobs agree to float
 rounding. `token_logprobs` is the one place logprobs of given tokens are computed for training.
@@ -36,7 +36,7 @@ class CausalPolicy(Protocol):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def new_cache(self, batch_size: int) -> Any: ...
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> Any: ...
 
     def forward_cached(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
@@ -115,8 +115,9 @@ class TinyGPT(nn.Module):
     def _run(self, input_ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
-        if start + T > self.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.max_seq_len}")
+        limit = self.max_seq_len if cache is None else cache.k.shape[3]
+        if start + T > limit:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.max_seq_len} (or the cache's length {limit})")
         pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
         for i, block in enumerate(self.blocks):
@@ -128,9 +129,11 @@ class TinyGPT(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._run(input_ids, None)
 
-    def new_cache(self, batch_size: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """A cache for `max_len` positions (default max_seq_len)."""
+        length = self.max_seq_len if max_len is None else min(max_len, self.max_seq_len)
         ref = self.tok_emb.weight
-        return KVCache(len(self.blocks), batch_size, self.cfg.n_heads, self.max_seq_len, self.cfg.d_model // self.cfg.n_heads, ref)
+        return KVCache(len(self.blocks), batch_size, self.cfg.n_heads, length, self.cfg.d_model // self.cfg.n_heads, ref)
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self._run(input_ids, cache)
@@ -158,7 +161,7 @@ class HFCausalLMPolicy(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
-    def new_cache(self, batch_size: int) -> _HFCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> _HFCache:
         return _HFCache()
 
     def forward_cached(self, input_ids: torch.Tensor, cache: _HFCache) -> torch.Tensor:
@@ -168,13 +171,15 @@ class HFCausalLMPolicy(nn.Module):
 
 
 def pad_right(rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Stack 1-D tensors of any lengths into [B, max_len], padding on the right with `value`."""
+    """Stack 1-D tensors of any lengths (one dtype) into [B, max_len], padded on the right with
+    `value`, then cast to `dtype` if given."""
     if not rows:
         return torch.zeros(0, 0, dtype=dtype or torch.float32)
-    rows = [r if dtype is None else r.to(dtype) for r in rows]
     if rows[0].dtype == torch.bool:  # pad_sequence has no bool kernel
-        return pad_sequence([r.to(torch.uint8) for r in rows], batch_first=True, padding_value=int(value)).bool()
-    return pad_sequence(rows, batch_first=True, padding_value=value)
+        out = pad_sequence([r.view(torch.uint8) for r in rows], batch_first=True, padding_value=int(value)).bool()
+    else:
+        out = pad_sequence(list(rows), batch_first=True, padding_value=value)
+    return out if dtype is None else out.to(dtype)
 
 
 def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -73,7 +73,7 @@ def sample(
     logprobs = torch.zeros(B, max_new_tokens)
     mask = torch.zeros(B, max_new_tokens, dtype=torch.bool)
     alive = torch.ones(B, dtype=torch.bool)  # [B] rows that have not emitted the stop token
-    cache = policy.new_cache(B)
+    cache = policy.new_cache(B, Tp + max_new_tokens)
     logits = policy.forward_cached(prompt_ids, cache)[:, -1]  # [B, V]
     for t in range(max_new_tokens):
         # Exits: max_new_tokens drawn, or every row has stopped.

@@ -270,8 +270,8 @@ class TrainerCore:
         ctx = self._forward.no_sync() if self.pg is not None else contextlib.nullcontext()
         with ctx:
             logp, valid = token_logprobs(self._forward, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            mask = pad_right([m.bool() for m in rows["response_mask"]], False, torch.bool) & valid  # [B, R]
-            gen = pad_right([g.to(dtype) for g in rows["gen_logprobs"]], 0.0, dtype)  # [B, R]
+            mask = pad_right(rows["response_mask"], False, torch.bool) & valid  # [B, R]
+            gen = pad_right(rows["gen_logprobs"], 0.0, dtype)  # [B, R]
             ref = None
             if st.loss.kl_coef > 0:
                 with torch.no_grad():
