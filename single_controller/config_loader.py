@@ -25,6 +25,7 @@ import inspect
 import math
 import os
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -156,9 +157,19 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _indent_bullet(text: str) -> str:
-    first, *rest = text.splitlines() or [""]
-    return "\n".join([f"  - {first}"] + [f"    {line}" for line in rest])
+def _indent_bullet(text: str, width: int = 100) -> str:
+    """`  - text`, wrapped at `width` with continuation lines indented under the text."""
+    out: list[str] = []
+    for i, line in enumerate(text.splitlines() or [""]):
+        out += textwrap.wrap(
+            line,
+            width=width,
+            initial_indent="  - " if i == 0 else "    ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or ["    "]
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_invalid_config_exits_2_with_every_problem_and_no_traceback(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "2 problems" in captured.err
-    assert "did you mean 'train.lr'?" in captured.err
+    assert "did you mean 'train.lr'?" in " ".join(captured.err.split())
     assert "sampler.order" in captured.err
     assert "Traceback" not in captured.err
 
