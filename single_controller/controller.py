@@ -107,6 +107,7 @@ class Controller:
         self.history: list[dict] = []
         self._success = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
+        self._last_controller_bytes = 0
         self._t0 = self.state.clock()
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
@@ -162,6 +163,13 @@ class Controller:
             "sync/last_s": st.sync.last_s,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
+        # bytes the controller moved through storage this step vs bytes the trainers read
+        moved = st.storage.statistics()
+        moved_bytes = moved.bytes_put + moved.bytes_read
+        rec["replay/controller_bytes"] = moved_bytes - self._last_controller_bytes
+        self._last_controller_bytes = moved_bytes
+        if rec.get("train/bytes_read"):
+            rec["replay/controller_bytes_ratio"] = rec["replay/controller_bytes"] / rec["train/bytes_read"]
         now = st.clock()
         for name, clk in st.pumps.items():
             total = sum(clk.statistics(now).wait_s_by_reason.values())
