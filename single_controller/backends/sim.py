@@ -145,7 +145,7 @@ class SimTrainerGroup:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:
             raise RuntimeError(f"begin_train_step({step}) but the trainer is at version {self.version}")
-        self._open, self._step = [], step
+        self._open, self._step, self.bytes_read = [], step, 0
         self.attempts[step] = self.attempts.get(step, -1) + 1
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
