@@ -251,16 +251,24 @@ class CpuGenerationClient:
 
 
 async def _kill_all(handles: Sequence[Any]) -> None:
-    """Close each actor cleanly (stop loops, leave the gloo group), then end its process."""
-    refs = [h.close.remote() for h in handles]
+    """Close each actor (stop loops, leave the gloo group), let it exit after that, and wait for the
+    exit; ray.kill remains as a backstop. After this returns every call to these handles fails."""
+    closes = [h.close.remote() for h in handles]
     first_error: Exception | None = None
-    for ref in refs:
+    for ref in closes:
         try:
             await ref
         except ray.exceptions.RayActorError:
             continue  # already dead: nothing left to close
-        except Exception as e:  # still kill every actor, then report the first failure
+        except Exception as e:  # still stop every actor, then report the first failure
             first_error = first_error or e
+    # Queued behind close(): the actor exits itself, so no call can slip in before its death.
+    exits = [h.__ray_terminate__.remote() for h in handles]
+    for ref in exits:
+        try:
+            await ref
+        except ray.exceptions.RayActorError:
+            continue  # the expected outcome: the actor is gone
     for h in handles:
         ray.kill(h)
     if first_error is not None:
