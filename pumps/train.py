@@ -18,6 +18,7 @@ after `train.max_step_retries` retries the run fails with the cause.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,20 +56,9 @@ def loss_config(state: RunState) -> LossConfig:
 async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: Callable[[StepReport], None]) -> None:
     clk = state.pumps[PUMP]
     try:
-        while state.trainer_version < state.cfg.run.max_steps:
-            # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-            report = await _train_step(state, state.trainer_version)
-            if report is None:
-                break
-            version = report.step + 1
-            handle = await _timed(state, state.workers.trainer.export_weights(version), f"trainer.export_weights(v{version})")
-            # Blocks while the previous snapshot is still being applied: training stays at most one
-            # snapshot ahead of the generation workers.
-            await state.waiting(weights.send(handle), PUMP, "weight sync")
-            clk.iterations += 1
-            on_step(report)
-            if state.stopping:
-                break
+        # Clearing a trained step's rows runs beside the next step (its slots free when it is done).
+        async with asyncio.TaskGroup() as clears:
+            await _train_loop(state, weights, on_step, clears)
     finally:
         weights.close()
         state.train_done = True
@@ -76,7 +66,25 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
         state.request_stop(state.stop_reason or "training finished")
 
 
-async def _train_step(state: RunState, step: int) -> StepReport | None:
+async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
+    clk = state.pumps[PUMP]
+    while state.trainer_version < state.cfg.run.max_steps:
+        # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
+        report = await _train_step(state, state.trainer_version, clears)
+        if report is None:
+            break
+        version = report.step + 1
+        handle = await _timed(state, state.workers.trainer.export_weights(version), f"trainer.export_weights(v{version})")
+        # Blocks while the previous snapshot is still being applied: training stays at most one
+        # snapshot ahead of the generation workers.
+        await state.waiting(weights.send(handle), PUMP, "weight sync")
+        clk.iterations += 1
+        on_step(report)
+        if state.stopping:
+            break
+
+
+async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> StepReport | None:
     cfg = state.cfg
     trainer = state.workers.trainer
     need = cfg.train.groups_per_step
@@ -121,7 +129,7 @@ async def _train_step(state: RunState, step: int) -> StepReport | None:
             if retries > cfg.train.max_step_retries:
                 raise TrainStepFailed(f"train step {step} failed {retries} times; last error: {e}") from e
             state.step_retries += 1
-    await _finish_groups(state, step, groups)
+    _finish_groups(state, step, groups, clears)
     state.trainer_version = step + 1
     state.notify()
     return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock())
@@ -181,15 +189,45 @@ async def _evict(state: RunState, groups: list[GroupRecord], step: int) -> None:
     state.notify()
 
 
-async def _finish_groups(state: RunState, step: int, groups: list[GroupRecord]) -> None:
-    G = state.cfg.rollout.group_size
+def _finish_groups(state: RunState, step: int, groups: list[GroupRecord], clears: asyncio.TaskGroup) -> None:
     for g in groups:
         state.ledger.mark_trained(g.group_id, step)
         state.prompts.settle(g.prompt.prompt_id, "trained", step=step)
+    clears.create_task(_clear_trained(state, step, groups))
+
+
+async def _clear_trained(state: RunState, step: int, groups: list[GroupRecord]) -> None:
+    G = state.cfg.rollout.group_size
     keys = [k for g in groups for k in row_keys(g.group_id, G)]
     await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of step {step} rows")
     for g in groups:
         state.ledger.release(g.group_id)
+    state.notify()
+
+
+async def prefetch_pump(state: RunState) -> None:
+    """Hints the trainer group to read the next step's rows as soon as they are ready, so the read
+    overlaps the current step's compute instead of starting when the step does. Never waits on the
+    read itself; hints are best effort (a hinted group may still be trained later or evicted)."""
+    hinted: set[str] = set()
+    while True:
+        # Exits: the train pump has finished.
+        await state.changed.wait_until(lambda: state.train_done or bool(_unhinted(state, hinted)))
+        if state.train_done:
+            return
+        step = state.trainer_version + 1
+        groups = _unhinted(state, hinted)
+        hinted.update(g.group_id for g in groups)
+        chunk = _chunk(state, step, -1, groups)
+        await within(state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})")
+
+
+def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
+    if state.trainer_version + 1 >= state.cfg.run.max_steps:
+        return []
+    ready = state.ledger.in_state(GroupState.READY)
+    nxt = state.sampler.select(ready, state.trainer_version + 1, state.cfg.train.groups_per_step)
+    return [g for g in nxt if g.group_id not in hinted]
 
 
 async def _timed(state: RunState, aw, what: str):

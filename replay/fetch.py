@@ -118,3 +118,64 @@ def fetch_and_broadcast(
         offset += nbytes[f]
         out[f] = list(torch.split(flat, lengths[f].tolist())) if spec.jagged else flat
     return out
+
+
+class RowPrefetcher:
+    """Trainer-side read-ahead: `prefetch(keys, fields)` starts reading rows on a background thread;
+    `fetch(keys, fields)` returns them (waiting for a read in progress), reading whatever was not
+    prefetched directly. Rows are immutable once they are ready for training, so a prefetched row is
+    exactly what a fresh read returns. A failed prefetch is forgotten and the rows are read again (so
+    the error, if real, surfaces from `fetch`). Entries not consumed within `keep_batches` later
+    prefetches are dropped, bounding memory when a hinted group is never trained here.
+    """
+
+    def __init__(self, storage: SyncRowReader, keep_batches: int = 8):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.storage = storage
+        self.keep_batches = keep_batches
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._entries: dict[str, tuple[int, Any, int, tuple[str, ...]]] = {}  # key -> (batch, future, index, fields)
+        self._batch = 0
+        self.hits = self.misses = 0
+
+    def prefetch(self, keys: Sequence[str], fields: Sequence[str]) -> None:
+        keys = [k for k in keys if k not in self._entries]
+        if not keys:
+            return
+        self._batch += 1
+        fut = self._pool.submit(fetch_rows, self.storage, list(keys), list(fields))
+        for i, k in enumerate(keys):
+            self._entries[k] = (self._batch, fut, i, tuple(fields))
+        stale = [k for k, (b, *_rest) in self._entries.items() if b <= self._batch - self.keep_batches]
+        for k in stale:
+            del self._entries[k]
+
+    def fetch(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
+        rows: dict[str, dict[str, Any]] = {}
+        for k in keys:
+            entry = self._entries.pop(k, None)
+            if entry is None or not set(fields) <= set(entry[3]):
+                continue
+            _, fut, i, _ = entry
+            try:
+                got = fut.result()
+            except Exception:
+                continue  # read again below; a real error will surface there
+            rows[k] = {f: got[f][i] for f in fields}
+        missing = [k for k in keys if k not in rows]
+        self.hits += len(rows)
+        self.misses += len(missing)
+        if missing:
+            got = fetch_rows(self.storage, missing, fields)
+            for i, k in enumerate(missing):
+                rows[k] = {f: got[f][i] for f in fields}
+        schema = self.storage.schema
+        return {
+            f: [rows[k][f] for k in keys] if schema[f].jagged else torch.stack([rows[k][f] for k in keys])
+            for f in fields
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._entries.clear()

@@ -249,3 +249,22 @@ class InMemoryRowStorage:
 
     def statistics(self) -> StorageStatistics:
         return StorageStatistics(resident_rows=len(self._rows), **self._counts)
+
+
+class LazyRowStorage:
+    """Defers building a worker's storage client until first use (or `connect()`), so worker
+    processes can be started while the storage service itself is still starting."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._storage = None
+
+    def connect(self):
+        if self._storage is None:
+            self._storage = self._factory()
+        return self._storage
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.connect(), name)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from pumps.advantage import advantage_pump
 from pumps.rollout import rollout_pump
-from pumps.train import StepReport, train_pump
+from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
@@ -124,6 +124,7 @@ class Controller:
                 tasks["advantage"] = pumps.create_task(advantage_pump(st))
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
+                tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
         except BaseException as e:
             await self._teardown(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:

@@ -1,7 +1,7 @@
 """`sc-grpo run`: from a validated config to a finished run directory.
 
-cpu backend: start (or attach to) Ray with resources that fit the machine, start TransferQueue in
-this driver, start the controller as a CPU-only Ray actor (which starts the workers), stream one
+cpu backend: start (or attach to) Ray with resources that fit the machine, start the controller as
+a CPU-only Ray actor (which starts TransferQueue and the workers side by side), stream one
 record per step into the run directory and the console, save the final policy, and tear
 everything down on success, error and Ctrl-C. sim backend: the same controller in-process.
 
@@ -40,7 +40,6 @@ def run_from_config(cfg: Config) -> int:
 
 
 def _run_on_ray(cfg: Config, run_dir, t_start: float) -> int:
-    from replay.tq_runtime import attach_tq, start_tq, stop_tq
     from single_controller.ray_runtime import ray_session, worker_env
 
     b = cfg.backend
@@ -48,17 +47,9 @@ def _run_on_ray(cfg: Config, run_dir, t_start: float) -> int:
     # never oversubscribes the real cores (one torch thread per worker process does that job).
     min_cpus = 1 + cfg.storage.num_storage_units + 1
     with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads)) as session:
-        t_ray = time.perf_counter()
-        if cfg.storage.attach:
-            attach_tq(cfg.timeouts.setup_s)
-        else:
-            start_tq(cfg.storage.num_storage_units, timeout_s=cfg.timeouts.setup_s)
-        try:
-            print(f"sc-grpo: ray {t_ray - t_start:.1f}s, transferqueue {time.perf_counter() - t_ray:.1f}s", flush=True)
-            return session.run(_drive_actor(cfg, run_dir, t_start))
-        finally:
-            if not cfg.storage.attach:
-                stop_tq()
+        print(f"sc-grpo: ray {time.perf_counter() - t_start:.1f}s", flush=True)
+        # TransferQueue is started by the controller actor, beside the workers' own start-up.
+        return session.run(_drive_actor(cfg, run_dir, t_start))
 
 
 async def _drive_actor(cfg: Config, run_dir, t_start: float) -> int:
@@ -100,7 +91,8 @@ async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Await
         t_ready = time.perf_counter()
         if info.get("metrics_port"):
             print(f"sc-grpo: metrics on http://{cfg.metrics.host}:{info['metrics_port']}/metrics", flush=True)
-        print(f"sc-grpo: started in {t_ready - t_start:.1f}s; training", flush=True)
+        parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
+        print(f"sc-grpo: started in {t_ready - t_start:.1f}s ({parts}); training", flush=True)
         run = asyncio.ensure_future(call("run"))
         cursor = 0
         try:

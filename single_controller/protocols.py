@@ -67,6 +67,11 @@ class TrainerGroup(Protocol):
         """Publish the current weights (after `finish_train_step`) as a versioned snapshot."""
         ...
 
+    async def prefetch(self, chunk: TrainChunk) -> None:
+        """A hint: these rows will probably be trained soon; start reading them. Must return without
+        waiting for the read, and must not change what a later `train_microbatch` computes."""
+        ...
+
 
 @runtime_checkable
 class RewardFunction(Protocol):

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import time
 from dataclasses import asdict
 from typing import Any, Iterator
 
 from single_controller.config import Config
-from single_controller.controller import Controller, RunSummary, check_capacity
 from single_controller.deadlines import within
-from single_controller.state import Workers
 from single_controller.types import Prompt
+
+# Heavy modules (torch, TransferQueue, the backends) are imported inside methods, which run in the
+# controller's own process: the driver that only starts the actor stays light and starts fast.
 
 
 def make_dataloader(cfg: Config) -> Iterator[Prompt]:
@@ -41,17 +43,24 @@ def make_dataloader(cfg: Config) -> Iterator[Prompt]:
 
 class ControllerService:
     def __init__(self, cfg: Config):
+        from single_controller.controller import check_capacity
+
         check_capacity(cfg)
         self.cfg = cfg
-        self.controller: Controller | None = None
+        self.controller = None
         self.records: list[dict] = []
         self._changed = asyncio.Event()
         self._finished = False
         self._metrics_server = None
         self._workers: tuple[Any, Any] | None = None
         self.metrics_port: int | None = None
+        self._started_tq = False
+        self.setup_times: dict[str, float] = {}
 
     async def setup(self) -> dict:
+        from single_controller.controller import Controller
+        from single_controller.state import Workers
+
         cfg = self.cfg
         if cfg.backend.kind == "sim":
             storage, gens, trainer = self._sim_workers()
@@ -69,7 +78,7 @@ class ControllerService:
             self._metrics_server, self.metrics_port = start_metrics_server(
                 self.controller.statistics, host=cfg.metrics.host, port=cfg.metrics.port
             )
-        return {"metrics_port": self.metrics_port}
+        return {"metrics_port": self.metrics_port, **self.setup_times}
 
     def _sim_workers(self):
         from replay.storage import InMemoryRowStorage
@@ -83,16 +92,32 @@ class ControllerService:
         return storage, gens, trainer
 
     async def _cpu_workers(self):
+        """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
+        from replay.tq_runtime import attach_tq, start_tq
         from replay.tq_storage import TQRowStorage
         from single_controller.backends.cpu.ray_workers import create_cpu_workers
 
         cfg = self.cfg
-        # attach blocks on Ray lookups: keep it off the event loop
-        storage = await asyncio.to_thread(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+
+        t0 = time.perf_counter()
+
+        def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
+            if cfg.storage.attach:
+                attach_tq(cfg.timeouts.setup_s)
+            else:
+                start_tq(cfg.storage.num_storage_units, timeout_s=cfg.timeouts.setup_s)
+                self._started_tq = True
+            self.setup_times["transferqueue_s"] = time.perf_counter() - t0
+            return TQRowStorage(cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+
+        storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
         factory = functools.partial(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
-        gens, trainer = await within(create_cpu_workers(cfg, factory), cfg.timeouts.setup_s, "starting the CPU workers")
+        gens, trainer = await within(
+            create_cpu_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, "starting TransferQueue and the CPU workers"
+        )
         self._workers = (gens, trainer)
-        return storage, gens, trainer
+        self.setup_times["workers_s"] = time.perf_counter() - t0
+        return await storage, gens, trainer
 
     def _on_step(self, record: dict) -> None:
         self.records.append(record)
@@ -100,7 +125,7 @@ class ControllerService:
 
     async def run(self) -> dict:
         try:
-            summary: RunSummary = await self.controller.run()
+            summary = await self.controller.run()
         finally:
             self._finished = True
             self._changed.set()
@@ -139,3 +164,8 @@ class ControllerService:
             gens, trainer = self._workers
             self._workers = None
             await within(shutdown_cpu_workers(gens, trainer), 30, "shutting down the CPU workers")
+        if self._started_tq:
+            from replay.tq_runtime import stop_tq
+
+            self._started_tq = False
+            await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it

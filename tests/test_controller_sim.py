@@ -92,6 +92,9 @@ def test_async_overlaps_with_bounded_staleness():
     ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=8, L=1, chunk=1), gen_s=0.002, train_s=0.002)
     assert err is None and summary.steps == 8
     assert max(h["train/staleness_max"] for h in summary.history) == 1  # it really ran ahead
+    # the next step's rows were hinted to the trainer before their step began, and only rows it trained later
+    trained_keys = {k for keys in trainer.trained.values() for k in keys}
+    assert trainer.prefetched and set(trainer.prefetched) <= trained_keys
     assert_clean_end(ctl, trainer, storage)
 
 

@@ -139,6 +139,7 @@ class SimTrainerGroup:
         self._open: list[str] | None = None
         self._step: int | None = None
         self.bytes_read = 0
+        self.prefetched: list[str] = []
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         if self._open is not None:
@@ -180,6 +181,9 @@ class SimTrainerGroup:
         if self._open is not None:
             self.aborts += 1
         self._open = self._step = None
+
+    async def prefetch(self, chunk: TrainChunk) -> None:
+        self.prefetched.extend(chunk.row_keys)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         if version != self.version:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from replay.storage import LazyRowStorage
 from single_controller.backends.cpu.sampling import sample
 from single_controller.backends.cpu.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.config import ModelConfig
@@ -182,8 +183,10 @@ class GenerationActor:
         # parameters are placeholders and generate() refuses to run.
         if policy is None:
             policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
-        self._core = GenerationCore(policy.requires_grad_(False), storage_factory(), reward_fn, seed=seed)
+        # The storage client connects on first use (or connect()): storage may still be starting.
+        self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
+        self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
         self._has_pending: asyncio.Event | None = None
         self._weights_lock: asyncio.Lock | None = None
         self._loop_task: asyncio.Task | None = None
@@ -219,6 +222,43 @@ class GenerationActor:
         self._has_pending.set()
         return await fut  # cancelling the call cancels fut; the loop then skips it
 
+    async def generate_many(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | GenerationFailed]:
+        """Several requests in one call (the client coalesces what the controller sends in one tick);
+        each entry is its request's result, or the GenerationFailed that ended it."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        loop = asyncio.get_running_loop()
+        futs = []
+        for req in requests:
+            fut = loop.create_future()
+            self._pending.append((req, fut))
+            self._by_group[req.group_id] = fut
+            futs.append(fut)
+        self._has_pending.set()
+        try:
+            done = await asyncio.gather(*futs, return_exceptions=True)
+        finally:
+            for req in requests:
+                self._by_group.pop(req.group_id, None)
+        out: list[GenerationResult | GenerationFailed] = []
+        for req, res in zip(requests, done):
+            if isinstance(res, GenerationResult | GenerationFailed):
+                out.append(res)
+            elif isinstance(res, asyncio.CancelledError):
+                out.append(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+            else:
+                raise res  # a bug, not a generation failure: let it surface
+        return out
+
+    async def cancel(self, group_id: str) -> bool:
+        """Drop a queued request of `generate_many` (a running batch finishes; its result is ignored)."""
+        fut = self._by_group.get(group_id)
+        if fut is None or fut.done():
+            return False
+        fut.cancel()
+        return True
+
     async def update_weights(self, weights: WeightsHandle) -> int:
         """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
         if self._closed:
@@ -231,6 +271,10 @@ class GenerationActor:
             # Synchronous on the loop: nothing can cancel it halfway.
             self._core.load_weights(snapshot)
         return self._core.version
+
+    async def connect(self) -> None:
+        """Connect the storage client now rather than on the first batch."""
+        await asyncio.to_thread(self._core.storage.connect)
 
     async def in_flight(self) -> int:
         return sum(1 for _, f in self._pending if not f.done()) + self._running

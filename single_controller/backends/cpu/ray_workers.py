@@ -26,7 +26,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 import torch
@@ -47,8 +47,8 @@ from single_controller.types import (
     WeightsHandle,
 )
 from replay.dp_split import split_chunk
-from replay.fetch import fetch_rows
-from replay.storage import column_nbytes
+from replay.fetch import RowPrefetcher
+from replay.storage import LazyRowStorage, column_nbytes
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -67,14 +67,17 @@ class TrainerRankActor:
         torch.set_num_threads(cfg.backend.torch_threads)
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.dtype = _DTYPES[dtype]
-        self.storage = storage_factory()
+        self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
+        self.prefetcher = RowPrefetcher(self.storage)
         self.core: TrainerCore | None = None
 
     def free_port(self) -> int:
         return free_port()
 
     def setup(self, master_port: int | None, timeout_s: float) -> int:
-        """Join the gloo group (all ranks call this concurrently) and build the policy; returns the parameter count."""
+        """Connect to storage, join the gloo group (all ranks call this concurrently) and build the
+        policy; returns the parameter count."""
+        self.storage.connect()
         pg = None
         if self.world_size > 1:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -95,15 +98,23 @@ class TrainerRankActor:
         if not self.core.step_open:  # before touching storage
             raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
         if keys:
-            rows = fetch_rows(self.storage, list(keys), list(fields))
+            rows = self.prefetcher.fetch(list(keys), list(fields))
             nbytes = sum(column_nbytes(c) for c in rows.values())
         else:
             rows, nbytes = {"prompt_ids": []}, 0
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
+    def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
+        """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
+        self.prefetcher.prefetch(list(keys), list(fields))
+
     def finish_train_step(self) -> dict[str, float]:
-        return self.core.finish_train_step()
+        metrics = self.core.finish_train_step()
+        pf = self.prefetcher
+        metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
+        pf.hits = pf.misses = 0
+        return metrics
 
     def abort_train_step(self) -> None:
         self.core.abort_train_step()
@@ -128,6 +139,7 @@ class TrainerRankActor:
         return {n: p.grad.detach().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
 
     def close(self) -> None:
+        self.prefetcher.close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -189,6 +201,12 @@ class CpuTrainerGroup:
         self._counts["bytes_read_total"] += nbytes
         self._chunks += 1
 
+    async def prefetch(self, chunk: TrainChunk) -> None:
+        """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
+        split = split_chunk(chunk, len(self.ranks))
+        refs = [r.prefetch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
+        await _trainer_call(f"prefetch(step={chunk.step})", refs)
+
     async def finish_train_step(self) -> StepResult:
         step = self._step
         metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote() for r in self.ranks])
@@ -216,23 +234,60 @@ class CpuTrainerGroup:
 
 
 class CpuGenerationClient:
-    """`GenerationWorker` over one `GenerationActor` run as a Ray async actor."""
+    """`GenerationWorker` over one `GenerationActor` run as a Ray async actor.
+
+    Requests issued in the same event-loop tick (the rollout pump dispatches a wave of groups at
+    once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
+    per group, which on a small machine is most of the generation worker's CPU otherwise."""
 
     def __init__(self, name: str, actor_handle: Any):
         self.name = name
         self.actor = actor_handle
+        self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._deliveries: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        ref = self.actor.generate.remote(request)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._queue:
+            loop.call_soon(self._flush)
+        self._queue.append((request, fut))
         try:
-            return await ref
+            return await fut
         except asyncio.CancelledError:
-            ray.cancel(ref)  # the actor drops the queued request (or ignores its finished result)
+            self.actor.cancel.remote(request.group_id)  # fire and forget: a late result is ignored
             raise
-        except GenerationFailed:
-            raise
-        except ray.exceptions.RayError as e:
-            raise GenerationFailed(f"{self.name}: generate({request.group_id}) failed: {e}") from e
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, []
+        live = [(r, f) for r, f in batch if not f.done()]
+        if not live:
+            return
+        ref = self.actor.generate_many.remote([r for r, _ in live])
+        task = asyncio.get_running_loop().create_task(self._deliver(ref, live))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, ref: Any, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
+        """Hand each result to its caller; every caller gets an answer, whatever happens."""
+        try:
+            results = await ref
+        except BaseException as e:
+            for req, fut in batch:
+                if not fut.done():
+                    err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {e}")
+                    err.__cause__ = e
+                    fut.set_exception(err)
+            if not isinstance(e, Exception):
+                raise
+            return
+        for (_, fut), res in zip(batch, results):
+            if fut.done():
+                continue  # its caller was cancelled
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
 
     async def update_weights(self, weights: WeightsHandle) -> None:
         await self.actor.update_weights.remote(weights)
@@ -279,35 +334,44 @@ async def create_cpu_workers(
     cfg: Config,
     storage_factory: Callable[[], Any],
     *,
+    storage_ready: Awaitable[Any] | None = None,
     generation_options: dict | None = None,
     trainer_options: dict | None = None,
     dtype: str = "float32",
 ) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
     """Start `backend.num_trainer_ranks` trainer ranks and `backend.num_generation_workers` generation
-    actors, and load version 0 into every generation worker. `*_options` go to `.options()` (defaults:
-    num_cpus=0, since TransferQueue may hold every logical CPU)."""
+    actors, and load version 0 into every generation worker. Every actor process is started at once
+    (each spends seconds importing torch), before `storage_ready` is awaited, so their start-up
+    overlaps the storage service's own. `*_options` go to `.options()` (defaults: num_cpus=0, since
+    TransferQueue may hold every logical CPU)."""
     world = cfg.backend.num_trainer_ranks
     t_opts = {"num_cpus": 0, **(trainer_options or {})}
     g_opts = {"num_cpus": 0, **(generation_options or {})}
     rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
     ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
     group = CpuTrainerGroup(ranks)
-    clients: list[CpuGenerationClient] = []
-    try:
-        port = await ranks[0].free_port.remote() if world > 1 else None
-        await asyncio.gather(*(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks))
-        for i in range(cfg.backend.num_generation_workers):
-            name = f"gen{i}"
-            actor = gen_cls.options(**g_opts).remote(
-                name,
+    clients = [
+        CpuGenerationClient(
+            f"gen{i}",
+            gen_cls.options(**g_opts).remote(
+                f"gen{i}",
                 cfg.model,
                 storage_factory,
                 cfg.task.reward_fn,
                 seed=cfg.seed * 1000 + i,
                 torch_threads=cfg.backend.torch_threads,
                 max_batch_groups=cfg.rollout.max_batch_groups,
-            )
-            clients.append(CpuGenerationClient(name, actor))
+            ),
+        )
+        for i in range(cfg.backend.num_generation_workers)
+    ]
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        port = await ranks[0].free_port.remote() if world > 1 else None
+        await asyncio.gather(
+            *(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks), *(c.actor.connect.remote() for c in clients)
+        )
         handle = await group.export_weights(0)
         await asyncio.gather(*(c.update_weights(handle) for c in clients))
     except BaseException:
