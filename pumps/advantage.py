@@ -13,6 +13,7 @@ Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in a
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, Sequence
 
 import torch
@@ -27,15 +28,18 @@ PUMP = "advantage"
 
 def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float) -> tuple[float, ...]:
     """Group-normalized advantages: (r - mean(r)) / (std(r) + eps), std over the group (population,
-    as in GRPO); without `normalize_std` only the mean is subtracted.
+    as in GRPO); without `normalize_std` only the mean is subtracted. Plain Python: a group is a
+    handful of floats, where tensor ops would cost more than the arithmetic.
 
     rewards: [G] -> advantages: [G]
     """
-    r = torch.tensor(rewards, dtype=torch.float64)  # [G]
-    centered = r - r.mean()  # [G]
-    if normalize_std:
-        centered = centered / (r.std(unbiased=False) + eps)
-    return tuple(float(x) for x in centered)
+    G = len(rewards)
+    mean = math.fsum(rewards) / G
+    centered = [r - mean for r in rewards]  # [G]
+    if not normalize_std:
+        return tuple(centered)
+    std = math.sqrt(math.fsum(c * c for c in centered) / G)
+    return tuple(c / (std + eps) for c in centered)
 
 
 def is_zero_variance(rewards: Sequence[float]) -> bool:
@@ -92,9 +96,10 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
         for lp in logprob_passes:
             await lp.run([rec for rec, _ in keep])
         keys = [k for rec, _ in keep for k in row_keys(rec.group_id, G)]
-        adv = torch.tensor([a for _, advs in keep for a in advs], dtype=torch.float32)  # [n_groups*G]
-        if not torch.isfinite(adv).all():
+        flat = [a for _, advs in keep for a in advs]
+        if not all(map(math.isfinite, flat)):
             raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")
+        adv = torch.tensor(flat, dtype=torch.float32)  # [n_groups*G]
         await within(
             state.storage.put_rows(keys, {"advantage": adv}),
             state.cfg.timeouts.storage_s,

@@ -26,7 +26,7 @@ from replay.ledger import GroupRecord, GroupState
 from replay.storage import TRAIN_FIELDS, row_keys
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import TrainerFailed
+from single_controller.protocols import Prefetching, TrainerFailed
 from single_controller.state import RunState
 from single_controller.types import LossConfig, StepResult, TrainChunk, WeightsHandle
 
@@ -208,7 +208,10 @@ async def _clear_trained(state: RunState, step: int, groups: list[GroupRecord]) 
 async def prefetch_pump(state: RunState) -> None:
     """Hints the trainer group to read the next step's rows as soon as they are ready, so the read
     overlaps the current step's compute instead of starting when the step does. Never waits on the
-    read itself; hints are best effort (a hinted group may still be trained later or evicted)."""
+    read itself; hints are best effort (a hinted group may still be trained later or evicted).
+    Trainer groups without the `Prefetching` capability get no hints (the pump ends at once)."""
+    if not isinstance(state.workers.trainer, Prefetching):
+        return
     hinted: set[str] = set()
     while True:
         # Exits: the train pump has finished.

@@ -67,8 +67,13 @@ class TrainerGroup(Protocol):
         """Publish the current weights (after `finish_train_step`) as a versioned snapshot."""
         ...
 
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """Optional capability of a TrainerGroup that reads rows itself: read ahead on a hint."""
+
     async def prefetch(self, chunk: TrainChunk) -> None:
-        """A hint: these rows will probably be trained soon; start reading them. Must return without
+        """These rows will probably be trained soon; start reading them. Must return without
         waiting for the read, and must not change what a later `train_microbatch` computes."""
         ...
 

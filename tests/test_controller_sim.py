@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.storage import InMemoryRowStorage
-from single_controller.backends.sim import Faults, sim_prompts, sim_rewards, sim_workers
+from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config import (
     AdvantageConfig,
     BufferConfig,
@@ -92,9 +92,29 @@ def test_async_overlaps_with_bounded_staleness():
     ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=8, L=1, chunk=1), gen_s=0.002, train_s=0.002)
     assert err is None and summary.steps == 8
     assert max(h["train/staleness_max"] for h in summary.history) == 1  # it really ran ahead
-    # the next step's rows were hinted to the trainer before their step began, and only rows it trained later
-    trained_keys = {k for keys in trainer.trained.values() for k in keys}
-    assert trainer.prefetched and set(trainer.prefetched) <= trained_keys
+    assert_clean_end(ctl, trainer, storage)
+
+
+def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
+    class PrefetchingTrainer(SimTrainerGroup):
+        def __init__(self, storage):
+            super().__init__(storage, group_s=0.002)
+            self.hints: list[tuple[int, tuple[str, ...]]] = []  # (trainer version when hinted, keys)
+
+        async def prefetch(self, chunk):
+            self.hints.append((self.version, chunk.row_keys))
+
+    storage = InMemoryRowStorage()
+    gens, _ = sim_workers(storage, gen_group_s=0.001)
+    trainer = PrefetchingTrainer(storage)
+    ctl = Controller(make_cfg(steps=8, L=1, chunk=1), sim_prompts(), storage, Workers(gens, trainer))
+    asyncio.run(asyncio.wait_for(ctl.run(), 20))
+    assert trainer.hints, "no prefetch hint was sent"
+    step_of = {k: s for s, keys in trainer.trained.items() for k in keys}
+    for version, keys in trainer.hints:
+        for k in keys:
+            assert step_of[k] == version + 1, "hinted rows must be those of the step after the current one"
+    assert_clean_end(ctl, trainer, storage)
     assert_clean_end(ctl, trainer, storage)
 
 

@@ -1,8 +1,9 @@
 """Simulated backend: latency-scripted fake workers that satisfy the worker Protocols.
 
 They run the whole control plane in milliseconds, in-process, on any row storage. The generation
-worker is serial (one group at a time, `group_s` each), writes real rows with deterministic
-rewards, and stamps the version it serves; the trainer group checks the split-API state machine,
+worker is serial (one group at a time, `group_s` each; a weight update lands after the group in
+progress, ahead of queued ones), writes real rows with deterministic rewards, and stamps the version
+it serves; the trainer group checks the split-API state machine,
 fetches every row it trains (so a missing row fails the step), and logs what each step trained.
 
 Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
@@ -67,6 +68,9 @@ class SimGenerationWorker:
         self.version = 0
         self.generated: list[str] = []
         self._lock = asyncio.Lock()  # serial: one group at a time, weight updates between groups
+        self._row_cache: dict[tuple[int, int], dict] = {}
+        self._busy = False
+        self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -81,37 +85,59 @@ class SimGenerationWorker:
             if fault_key in self.faults.gen_delay:
                 await asyncio.sleep(self.faults.gen_delay[fault_key])  # out-of-order completion
             async with self._lock:
-                version = self.version
-                if self.group_s:
-                    await asyncio.sleep(self.group_s)  # simulated compute, not a poll
-                if fault_key in self.faults.gen_fail:
-                    raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
-                result = await self._store(request, attempt, version)
-                self.generated.append(request.group_id)
-                return result
+                self._busy = True
+                try:
+                    version = self.version
+                    if self.group_s:
+                        await asyncio.sleep(self.group_s)  # simulated compute, not a poll
+                    if fault_key in self.faults.gen_fail:
+                        raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
+                    result = await self._store(request, attempt, version)
+                    self.generated.append(request.group_id)
+                    return result
+                finally:
+                    self._busy = False
+                    self._apply_pending_update()
         finally:
             self._in_flight -= 1
 
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         G, T = request.sampling.n, request.sampling.max_new_tokens
         rewards = sim_rewards(request.prompt.prompt_id, attempt, G)
+        rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
-        columns = {
-            "prompt_ids": [prompt] * G,
-            "response_ids": [torch.full((T,), i % 7 + 3, dtype=torch.int64) for i in range(G)],
-            "gen_logprobs": [torch.full((T,), -1.0) for _ in range(G)],
-            "response_mask": [torch.ones(T, dtype=torch.bool) for _ in range(G)],
-            "reward": torch.tensor(rewards, dtype=torch.float32),
-        }
+        columns = {**rows, "prompt_ids": [prompt] * G, "reward": torch.tensor(rewards, dtype=torch.float32)}
         tags = [{"group_id": request.group_id, "version_start": version, "version_end": version}] * G
         await self.storage.put_rows(request.row_keys, columns, tags)
         return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
 
+    def _rows(self, G: int, T: int) -> dict:
+        if (G, T) not in self._row_cache:
+            self._row_cache[(G, T)] = {
+                "response_ids": [torch.full((T,), i % 7 + 3, dtype=torch.int64) for i in range(G)],
+                "gen_logprobs": [torch.full((T,), -1.0) for _ in range(G)],
+                "response_mask": [torch.ones(T, dtype=torch.bool) for _ in range(G)],
+            }
+        return self._row_cache[(G, T)]
+
     async def update_weights(self, weights: WeightsHandle) -> None:
-        async with self._lock:
-            if weights.version <= self.version:
-                raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
+        """Applied between groups, like a real worker between batches: after the group being
+        generated, ahead of groups still queued."""
+        if weights.version <= self.version:
+            raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
+        if not self._busy:
             self.version = weights.version
+            return
+        applied = asyncio.get_running_loop().create_future()
+        self._pending_update = (weights.version, applied)
+        await applied
+
+    def _apply_pending_update(self) -> None:
+        if self._pending_update is not None:
+            (version, applied), self._pending_update = self._pending_update, None
+            self.version = version
+            if not applied.done():
+                applied.set_result(None)
 
     async def in_flight(self) -> int:
         return self._in_flight
@@ -139,7 +165,6 @@ class SimTrainerGroup:
         self._open: list[str] | None = None
         self._step: int | None = None
         self.bytes_read = 0
-        self.prefetched: list[str] = []
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         if self._open is not None:
@@ -181,9 +206,6 @@ class SimTrainerGroup:
         if self._open is not None:
             self.aborts += 1
         self._open = self._step = None
-
-    async def prefetch(self, chunk: TrainChunk) -> None:
-        self.prefetched.extend(chunk.row_keys)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         if version != self.version:
