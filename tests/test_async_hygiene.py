@@ -52,3 +52,18 @@ def test_the_checker_sees_a_violation():
     fn = ast.parse(src).body[0]
     calls = {_dotted(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
     assert {"asyncio.sleep", "ray.get"} <= calls
+
+
+CONTROL_PLANE = ("pumps", "samplers", "single_controller/controller.py", "single_controller/state.py", "single_controller/service.py")
+
+
+def test_control_plane_never_reads_rows():
+    """The controller moves keys and small columns; reading rows is the trainers' job (1 hop)."""
+    bad = []
+    for entry in CONTROL_PLANE:
+        root = ROOT / entry
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("get_rows"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "row reads in the control plane:\n" + "\n".join(bad)
