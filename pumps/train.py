@@ -172,7 +172,7 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
 def _no_more_can_arrive(state: RunState) -> bool:
     """No group that is not ready now can become ready: nothing in flight or awaiting advantages,
     and no prompt left to dispatch (the dataloader is dry, or the run is stopping)."""
-    source_dry = state.stopping or state.rollout_done or (state.dataloader_exhausted and not state.retry_queue)
+    source_dry = state.stopping or state.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
     return source_dry and state.ledger.count(GroupState.RESERVED) == 0 and state.ledger.count(GroupState.COMMITTED) == 0
 
 

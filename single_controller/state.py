@@ -108,7 +108,7 @@ class RunState:
         self.prompts = PromptLedger()
         self._dataloader = dataloader
         self.dataloader_exhausted = False
-        self.retry_queue: collections.deque[Prompt] = collections.deque()
+        self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
 
         self.policy_version = 0
         self.trainer_version = 0
@@ -150,12 +150,12 @@ class RunState:
 
     # -- prompts ---------------------------------------------------------------------------------
     def has_prompt(self) -> bool:
-        if self.retry_queue:
+        if self.pending_prompts:
             return True
         if self.dataloader_exhausted:
             return False
         try:
-            self.retry_queue.appendleft(self.prompts.take(next(self._dataloader)).prompt)
+            self.pending_prompts.appendleft(self.prompts.take(next(self._dataloader)).prompt)
         except StopIteration:
             self.dataloader_exhausted = True
             self.notify()  # the train pump may be waiting to learn that nothing more will come
@@ -164,14 +164,14 @@ class RunState:
 
     def next_prompt(self) -> Prompt:
         """A prompt to dispatch: re-dispatches first, then fresh ones (call `has_prompt` first)."""
-        return self.retry_queue.popleft()
+        return self.pending_prompts.popleft()
 
     def requeue_or_settle(self, rec: GroupRecord, reason: str, *, max_retries: int, fate: str = "dropped") -> bool:
         """After a failed or discarded attempt: re-dispatch its prompt if retries remain, else settle it.
         Returns True if requeued."""
         attempts = len(self.prompts[rec.prompt.prompt_id].attempts)
         if not self.stopping and attempts <= max_retries:
-            self.retry_queue.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
+            self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
             return True
         self.prompts.settle(rec.prompt.prompt_id, fate, reason=reason)
