@@ -220,7 +220,10 @@ def sim_workers(
     gen_group_s: float = 0.0,
     train_group_s: float = 0.0,
     faults: Faults | None = None,
+    trainer_reads_rows: bool = True,
 ) -> tuple[Sequence[SimGenerationWorker], SimTrainerGroup]:
+    """`trainer_reads_rows=False`: the fake trainer skips reading its rows (which it would otherwise do
+    on the controller's own thread, unlike a real trainer in its own process)."""
     faults = faults or Faults()
     gens = [SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults) for i in range(num_generators)]
-    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults)
+    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows)
