@@ -21,6 +21,8 @@ Ray is imported lazily so that importing this module does not freeze Ray's envir
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import sys
@@ -200,7 +202,8 @@ def start_tq(
         }
         t0 = time.perf_counter()
         try:
-            _call_with_deadline(lambda: tq.init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
+            with _gets_off_the_loop():
+                _call_with_deadline(lambda: tq.init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
         except BaseException:
             _kill_tq_actors(num_storage_units)
             _reset_tq_globals()
@@ -210,9 +213,30 @@ def start_tq(
         return _owned
 
 
+@contextlib.contextmanager
+def _gets_off_the_loop():
+    """Our blocking Ray calls here run on a worker thread (callers in async actors use
+    asyncio.to_thread), never on an event loop: Ray's one-time warning about `ray.get` inside an
+    async actor would be a false alarm, printed into every run's console."""
+    old = os.environ.get("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC")
+    os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", None)
+        else:
+            os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = old
+
+
 def attach_tq(timeout_s: float = 60.0) -> TQRuntimeInfo:
     """Connect this process's TQ client to the controller another process started (Ray workers,
     cluster mode). Never starts TQ. No-op if this process is already connected."""
+    with _gets_off_the_loop():
+        return _attach_tq(timeout_s)
+
+
+def _attach_tq(timeout_s: float) -> TQRuntimeInfo:
     _require_ray()
     if _owned is not None:
         return _owned
@@ -261,7 +285,8 @@ def stop_tq(timeout_s: float = 60.0) -> None:
         owned, _owned = _owned, None
         if owned is not None and ray.is_initialized():
             try:
-                _call_with_deadline(tq.close, timeout_s, "tq.close()")
+                with _gets_off_the_loop():
+                    _call_with_deadline(tq.close, timeout_s, "tq.close()")
             except DeadlineExceeded:
                 log.error("replay/tq: tq.close() timed out after %gs; killing TQ actors", timeout_s)
                 _kill_tq_actors(owned.num_storage_units)

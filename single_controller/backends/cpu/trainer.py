@@ -27,6 +27,7 @@ import contextlib
 import copy
 import inspect
 import math
+import warnings
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -138,7 +139,9 @@ def load_snapshot(module: nn.Module, snapshot: WeightSnapshot) -> None:
             problems.append(f"{e.name}: shape {tuple(p.shape)} != snapshot {e.shape}")
     if problems:
         raise ValueError(f"weight snapshot v{m.version} does not fit the model: " + "; ".join(problems))
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Buckets read from Ray's object store are read-only; they are only copied from here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for e in m.entries:
             src = torch.from_numpy(np.asarray(snapshot.buckets[e.bucket][e.offset : e.offset + e.numel]))
             params[e.name].copy_(src.view(e.shape))
