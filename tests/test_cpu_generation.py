@@ -190,3 +190,29 @@ def test_actor_cancel_failure_and_close():
         gate.release.set()
 
     asyncio.run(main())
+
+
+def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_resume():
+    async def main():
+        storage = InMemoryRowStorage()
+        actor = make_actor(storage, max_batch_groups=1)
+        await actor.update_weights(handle(0, seed=0))
+        gate = GatedCore(actor._core)
+        running = asyncio.create_task(actor.generate(request(0)))
+        await asyncio.to_thread(gate.started.wait, 10)
+        pause = asyncio.create_task(actor.pause())
+        queued = asyncio.create_task(actor.generate(request(1)))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not pause.done(), "pause returned while a batch was still sampling"
+        gate.release.set()
+        assert (await running).group_id == "grp0"
+        assert await pause == 1  # grp1 is queued, not served
+        await asyncio.sleep(0.3)  # real time for a (wrongly) unpaused loop to sample grp1 on its thread
+        assert not queued.done() and gate.batches == [["grp0"]]
+        await actor.resume()
+        assert (await asyncio.wait_for(queued, 10)).group_id == "grp1"
+        assert gate.batches == [["grp0"], ["grp1"]]
+        await actor.close()
+
+    asyncio.run(main())

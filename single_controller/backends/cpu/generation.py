@@ -198,6 +198,10 @@ class GenerationActor:
         if self._loop_task is None:
             self._has_pending = asyncio.Event()
             self._weights_lock = asyncio.Lock()
+            self._serving = asyncio.Event()  # cleared by pause(): no new batch starts
+            self._serving.set()
+            self._idle = asyncio.Event()  # set while no batch is being sampled
+            self._idle.set()
             self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name=f"{self.name}.batch_loop")
             self._loop_task.add_done_callback(self._on_loop_done)
 
@@ -272,6 +276,18 @@ class GenerationActor:
             self._core.load_weights(snapshot)
         return self._core.version
 
+    async def pause(self) -> int:
+        """Stop starting batches (requests keep queueing) and return once the batch being sampled,
+        if any, has finished: the engine is then idle until `resume()`. Returns the queued count."""
+        self._start()
+        self._serving.clear()
+        await self._idle.wait()
+        return await self.in_flight()
+
+    async def resume(self) -> None:
+        self._start()
+        self._serving.set()
+
     async def connect(self) -> None:
         """Connect the storage client now rather than on the first batch."""
         await asyncio.to_thread(self._core.storage.connect)
@@ -300,6 +316,7 @@ class GenerationActor:
         while True:
             # Exits: cancelled by close(). A failing batch fails its own requests, not the loop.
             await self._has_pending.wait()
+            await self._serving.wait()
             batch = self._take_batch()
             if batch:
                 await self._serve(batch)
@@ -316,6 +333,7 @@ class GenerationActor:
 
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         self._running = len(batch)
+        self._idle.clear()
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
@@ -331,6 +349,7 @@ class GenerationActor:
                     fut.set_result(res)
         finally:
             self._running = 0
+            self._idle.set()
             for req, fut in batch:  # only when cancelled by close(): nothing else would answer them
                 if not fut.done():
                     fut.set_exception(GenerationFailed(f"{self.name} closed while sampling group {req.group_id}"))

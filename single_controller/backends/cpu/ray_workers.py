@@ -295,6 +295,13 @@ class CpuGenerationClient:
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
 
+    async def pause(self) -> int:
+        """Idle the engine after its current batch (requests queue); returns the queued count."""
+        return await self.actor.pause.remote()
+
+    async def resume(self) -> None:
+        await self.actor.resume.remote()
+
     async def version(self) -> int | None:
         return await self.actor.version.remote()
 
