@@ -3,7 +3,7 @@
 select ready groups (>= `min_groups_per_chunk`, or whatever is left) -> lazy `begin_train_step` on
 the first chunk -> `train_microbatch(chunk)` for each chunk as groups become ready ->
 `finish_train_step` once the step has `groups_per_step` groups (or no more can arrive) -> clear
-the step's rows and release their slots -> trainer version += 1 -> publish the weights to the
+the step's rows (in the background; slots free once cleared) -> trainer version += 1 -> publish the weights to the
 weight-sync pump through a channel of capacity 1 (so training never runs more than one snapshot
 ahead of the generation workers).
 
@@ -45,7 +45,7 @@ class StepReport:
     chunks: int
     retries: int
     t_start: float  # when the step's first chunk was selected
-    t_end: float  # when its rows were cleared and the version bumped
+    t_end: float  # when it finished and the trainer version was bumped (its rows clear in the background)
 
 
 def loss_config(state: RunState) -> LossConfig:
