@@ -241,18 +241,25 @@ class GenerationActor:
             futs.append(fut)
         self._has_pending.set()
         try:
-            done = await asyncio.gather(*futs, return_exceptions=True)
+            if futs:
+                await asyncio.wait(futs)  # every request's own outcome is read below
+        except asyncio.CancelledError:
+            for fut in futs:
+                fut.cancel()  # the batching loop skips cancelled requests: nothing samples for nobody
+            raise
         finally:
             for req in requests:
                 self._by_group.pop(req.group_id, None)
         out: list[GenerationResult | GenerationFailed] = []
-        for req, res in zip(requests, done):
-            if isinstance(res, GenerationResult | GenerationFailed):
-                out.append(res)
-            elif isinstance(res, asyncio.CancelledError):
+        for req, fut in zip(requests, futs):
+            if fut.cancelled():
                 out.append(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+            elif isinstance(fut.exception(), GenerationFailed):
+                out.append(fut.exception())
+            elif fut.exception() is not None:
+                raise fut.exception()  # a bug, not a generation failure: let it surface
             else:
-                raise res  # a bug, not a generation failure: let it surface
+                out.append(fut.result())
         return out
 
     async def cancel(self, group_id: str) -> bool:
