@@ -142,10 +142,6 @@ class GroupLedger:
         self._min_short_step = s
         return s if s < self.max_steps else None
 
-    def step_can_still_fill(self, step: int) -> int:
-        """Groups of `step` that exist and are not terminal-dropped: trained, selected, ready or on the way."""
-        return self._live_by_step[step]
-
     def all_records(self) -> Iterable[GroupRecord]:
         return self._groups.values()
 

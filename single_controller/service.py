@@ -93,22 +93,18 @@ class ControllerService:
 
     async def _cpu_workers(self):
         """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
-        from replay.tq_runtime import attach_tq, start_tq
+        from replay.tq_runtime import open_tq_storage
         from replay.tq_storage import TQRowStorage
         from single_controller.backends.cpu.ray_workers import create_cpu_workers
 
         cfg = self.cfg
-
         t0 = time.perf_counter()
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
-            if cfg.storage.attach:
-                attach_tq(cfg.timeouts.setup_s)
-            else:
-                start_tq(cfg.storage.num_storage_units, timeout_s=cfg.timeouts.setup_s)
-                self._started_tq = True
+            storage = open_tq_storage(cfg.storage, cfg.timeouts)  # starts TQ, or attaches per storage.attach
+            self._started_tq = not cfg.storage.attach
             self.setup_times["transferqueue_s"] = time.perf_counter() - t0
-            return TQRowStorage(cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+            return storage
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
         factory = functools.partial(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
