@@ -132,9 +132,7 @@ async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRec
 
 async def _discard(state: RunState, rec: GroupRecord, keys, reason: str, cause: BaseException | None = None) -> None:
     """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows."""
-    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of {rec.group_id}")
     state.ledger.drop(rec.group_id, reason)
-    state.ledger.release(rec.group_id)
     retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" else 0
     state.requeue_or_settle(rec, reason, max_retries=retries)
-    state.notify()
+    await state.clear_groups([rec], f"storage clear of {rec.group_id}")

@@ -92,6 +92,10 @@ class AdvantageConfig:
     """Added to the group std before dividing."""
     drop_zero_variance: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and refill them (DAPO dynamic sampling)."""
+    max_zero_variance_drops_per_step: int = 16
+    """With `drop_zero_variance`: zero-variance groups dropped (and refilled) for one step at most; past
+    it they are kept and trained (with zero advantage), so a solved or hopeless task cannot refill
+    forever (`rollout/zero_variance_kept` counts them)."""
 
 
 @dataclass(frozen=True)

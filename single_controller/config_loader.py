@@ -94,6 +94,7 @@ BOUNDS: dict[str, _Bound] = {
     "rollout.max_batch_groups": _AT_LEAST_1,
     "rollout.max_retries": _AT_LEAST_0,
     "advantage.eps": _POSITIVE,
+    "advantage.max_zero_variance_drops_per_step": _AT_LEAST_0,
     "train.groups_per_step": _AT_LEAST_1,
     "train.min_groups_per_chunk": _AT_LEAST_1,
     "train.lr": _POSITIVE,

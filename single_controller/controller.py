@@ -189,7 +189,8 @@ class Controller:
         reason = "run_failed" if failed else "run_ended"
         if failed and any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
             try:  # the step is open on the trainer: leave its state as it was before begin
-                await within(st.workers.trainer.abort_train_step(), self.cfg.timeouts.train_call_s, "trainer.abort_train_step (teardown)")
+                step = st.trainer_version  # the open step is always the next one
+                await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
         active = [g for g in st.ledger.all_records() if g.resident]

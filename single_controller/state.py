@@ -19,16 +19,24 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
-from replay.storage import RowStorage
+from replay.storage import RowStorage, row_keys
 from samplers.staleness import StalenessSampler
 from single_controller.channels import Signal
 from single_controller.config import Config, resolved_capacity
+from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorker, TrainerGroup
 from single_controller.types import Prompt
 
 T = TypeVar("T")
 
 PUMPS = ("rollout", "advantage", "train", "weight_sync")
+
+CLEAR_ATTEMPTS = 3  # tries of one storage clear before the run stops with StorageFailed
+CLEAR_BACKOFF_S = 0.5  # first pause between tries (doubles)
+
+
+class StorageFailed(RuntimeError):
+    """The row storage kept failing (deadline or error) on the same request after every retry."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,12 @@ class RunState:
         self.train_done = False
 
         self.zero_variance_groups = 0
+        self.zero_variance_drops: collections.Counter[int] = collections.Counter()  # target step -> dropped
+        self.zero_variance_kept = 0  # zero-variance groups trained because their step hit the drop cap
         self.tokens_generated = 0  # response tokens of every committed group (trained or not)
         self.aborted_steps = 0  # abort_train_step calls after trainer errors
+        self.late_finishes = 0  # finishes that landed after their deadline (recorded result taken)
+        self.storage_retries = 0  # storage clears retried after a deadline or error
         self.step_retries = 0
         self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.sync = SyncRecord()
@@ -147,6 +159,27 @@ class RunState:
         finally:
             clk.wait_s[on] += self.clock() - clk.wait_started
             clk.waiting_on = None
+
+    # -- storage ---------------------------------------------------------------------------------
+    async def clear_groups(self, groups: Sequence[GroupRecord], what: str) -> None:
+        """Clear terminal groups' rows, then release their slots. Retries a failing clear (a slot is
+        freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
+        `what` when the storage stays down."""
+        keys = [k for g in groups for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
+        pause = CLEAR_BACKOFF_S
+        for attempt in range(1, CLEAR_ATTEMPTS + 1):
+            try:
+                await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)
+                break
+            except Exception as e:
+                if attempt == CLEAR_ATTEMPTS:
+                    raise StorageFailed(f"{what} failed {attempt} times; last error: {e}") from e
+                self.storage_retries += 1
+                await asyncio.sleep(pause)  # back off before the next try (not a poll)
+                pause *= 2
+        for g in groups:
+            self.ledger.release(g.group_id)
+        self.notify()
 
     # -- prompts ---------------------------------------------------------------------------------
     def has_prompt(self) -> bool:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config import (
@@ -40,10 +41,25 @@ def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capac
     return replace(cfg, **{k: replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
-def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0):
-    storage = InMemoryRowStorage()
+class HangingClearStorage(InMemoryRowStorage):
+    """In-memory storage whose `clear_rows` hangs (until cancelled by its deadline) when
+    `hang(controller, keys)` says so."""
+
+    def __init__(self, hang):
+        super().__init__()
+        self.hang, self.ctl = hang, None
+
+    async def clear_rows(self, keys):
+        if self.hang(self.ctl, list(keys)):
+            await asyncio.Event().wait()
+        await super().clear_rows(keys)
+
+
+def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None):
+    storage = InMemoryRowStorage() if hang_clear is None else HangingClearStorage(hang_clear)
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, prompts if prompts is not None else sim_prompts(), storage, Workers(gens, trainer))
+    storage.ctl = ctl
 
     async def go():
         return await asyncio.wait_for(ctl.run(), timeout)
@@ -296,4 +312,64 @@ def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chun
         assert len(groups) == P
         for gid in groups:
             assert ctl.state.sampler.staleness(ctl.state.ledger[gid], step) <= S
+    assert_clean_end(ctl, trainer, storage)
+
+
+# -- issue 9: defects of durable runs (each test failed before its fix) ------------------------
+def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
+    # The trainer's finish takes 0.2 s, its deadline is 0.1 s: the call keeps running remotely after
+    # the controller stops waiting. The controller must ask where the trainer stands and take the
+    # recorded result, not abort (a no-op on a finished step) and replay (a second optimizer step).
+    monkeypatch.setattr(SimTrainerGroup, "__init__", _with_finish_s(SimTrainerGroup.__init__, 0.2))
+    cfg = make_cfg(steps=3, P=2, G=2, L=1, timeouts={"train_call_s": 0.1})
+    ctl, trainer, storage, summary, err = run_sim(cfg)
+    assert err is None, err
+    assert summary.steps == 3
+    assert trainer.optimizer_steps == 3 == trainer.version
+    assert ctl.state.late_finishes == 3 and ctl.state.aborted_steps == 0
+    assert_clean_end(ctl, trainer, storage)
+
+
+def _with_finish_s(init, finish_s):
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.finish_s = finish_s
+
+    return patched
+
+
+def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure():
+    # L=1 with staleness bound 0: groups made for step s+1 on version s are stale when trained, so
+    # every step evicts. The first clear of evicted rows hangs past the storage deadline.
+    cfg = make_cfg(steps=4, P=2, G=2, L=1, S=0, timeouts={"storage_s": 0.1})
+    hung = []
+
+    def hang_first_evicted_clear(ctl, keys):
+        groups = {k.rsplit("_g", 1)[0] for k in keys}
+        evicting = any(ctl.state.ledger[g].state is GroupState.EVICTED for g in groups)
+        if evicting and not hung:
+            hung.append(keys)
+            return True
+        return False
+
+    ctl, trainer, storage, summary, err = run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
+    assert err is None, err
+    assert hung, "the scenario never evicted"
+    assert ctl.state.aborted_steps == 0 and ctl.state.step_retries == 0
+    assert ctl.state.storage_retries >= 1
+    assert summary.steps == 4
+    assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
+
+
+def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
+    # Every group scores 1.0 for every sample: all zero-variance. Without a cap the step would be
+    # refilled forever and no step would ever finish.
+    faults = Faults(rewards=lambda prompt_id, attempt, G: (1.0,) * G)
+    cfg = make_cfg(steps=3, P=2, G=2, L=1, advantage={"drop_zero_variance": True, "max_zero_variance_drops_per_step": 3})
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, timeout=10)
+    assert err is None, err
+    assert summary.steps == 3
+    assert all(len(keys) == 2 * 2 for keys in trainer.trained.values())
+    assert sum(ctl.state.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
+    assert ctl.state.zero_variance_kept >= 3 * 2
     assert_clean_end(ctl, trainer, storage)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from single_controller.types import (
     Prompt,
     StepResult,
     TrainChunk,
+    TrainStatus,
     WeightsHandle,
 )
 
@@ -40,6 +41,7 @@ class Faults:
     train_fail: set[tuple[int, int, int]] = field(default_factory=set)  # (step, chunk, attempt) -> TrainerFailed
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
+    rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
 
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
@@ -103,7 +105,7 @@ class SimGenerationWorker:
 
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         G, T = request.sampling.n, request.sampling.max_new_tokens
-        rewards = sim_rewards(request.prompt.prompt_id, attempt, G)
+        rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
         columns = {**rows, "prompt_ids": [prompt] * G, "reward": torch.tensor(rewards, dtype=torch.float32)}
@@ -144,6 +146,11 @@ class SimGenerationWorker:
 
 
 class SimTrainerGroup:
+    """Like a Ray actor, every call runs to completion on the "remote" side even if the caller
+    stops waiting (a deadline): calls execute one at a time as tasks the caller only awaits
+    through `asyncio.shield`. So a finish that outlives its deadline still applies its step, and
+    `train_status` (queued behind it) reports that it did."""
+
     def __init__(
         self,
         storage: RowStorage,
@@ -158,23 +165,45 @@ class SimTrainerGroup:
         self.finish_s = finish_s
         self.faults = faults or Faults()
         self.fetch_rows = fetch_rows
-        self.version = 0
+        self.version = 0  # optimizer steps applied = the next step begin accepts
+        self.optimizer_steps = 0
         self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
         self.attempts: dict[int, int] = {}
         self.aborts = 0
         self._open: list[str] | None = None
         self._step: int | None = None
+        self._last: StepResult | None = None
         self.bytes_read = 0
+        self._serial = asyncio.Lock()
+        self._remote: set[asyncio.Task] = set()
+
+    async def _call(self, coro):
+        """Run `coro` as the remote side would: serially, and to completion whatever the caller does."""
+
+        async def serially():
+            async with self._serial:
+                return await coro
+
+        task = asyncio.ensure_future(serially())
+        self._remote.add(task)
+        task.add_done_callback(self._remote.discard)
+        return await asyncio.shield(task)
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        await self._call(self._begin(step))
+
+    async def _begin(self, step: int) -> None:
         if self._open is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:
-            raise RuntimeError(f"begin_train_step({step}) but the trainer is at version {self.version}")
+            raise RuntimeError(f"begin_train_step({step}) but the trainer's next step is {self.version}")
         self._open, self._step, self.bytes_read = [], step, 0
         self.attempts[step] = self.attempts.get(step, -1) + 1
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
+        await self._call(self._microbatch(chunk))
+
+    async def _microbatch(self, chunk: TrainChunk) -> None:
         if self._open is None:
             raise RuntimeError("train_microbatch with no step open")
         if chunk.step != self._step:
@@ -189,23 +218,39 @@ class SimTrainerGroup:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
         self._open.extend(chunk.row_keys)
 
-    async def finish_train_step(self) -> StepResult:
-        if self._open is None:
-            raise RuntimeError("finish_train_step with no step open")
+    async def finish_train_step(self, step: int) -> StepResult:
+        return await self._call(self._finish(step))
+
+    async def _finish(self, step: int) -> StepResult:
+        if self._open is None and self._last is not None and self._last.step == step:
+            return self._last  # a retried finish: the step was applied once already
+        if self._open is None or self._step != step:
+            raise RuntimeError(f"finish_train_step({step}) but the open step is {self._step}")
         if self.finish_s:
             await asyncio.sleep(self.finish_s)
-        step, keys = self._step, self._open
+        keys = self._open
         if len(set(keys)) != len(keys):
             raise RuntimeError(f"step {step} trained a row twice")
         self.trained[step] = keys
         self._open = self._step = None
         self.version += 1
-        return StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+        self.optimizer_steps += 1
+        self._last = StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+        return self._last
 
-    async def abort_train_step(self) -> None:
-        if self._open is not None:
+    async def abort_train_step(self, step: int) -> None:
+        await self._call(self._abort(step))
+
+    async def _abort(self, step: int) -> None:
+        if self._open is not None and self._step == step:
             self.aborts += 1
-        self._open = self._step = None
+            self._open = self._step = None
+
+    async def train_status(self) -> TrainStatus:
+        return await self._call(self._status())
+
+    async def _status(self) -> TrainStatus:
+        return TrainStatus(self.version, self._step, None if self._last is None else self._last.step)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         if version != self.version:

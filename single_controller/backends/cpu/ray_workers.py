@@ -36,7 +36,7 @@ from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
-from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainerRankDied
 from single_controller.tasks import TOKENIZER
 from single_controller.types import (
     GenerationRequest,
@@ -44,6 +44,7 @@ from single_controller.types import (
     LossConfig,
     StepResult,
     TrainChunk,
+    TrainStatus,
     WeightsHandle,
 )
 from replay.dp_split import split_chunk
@@ -70,6 +71,7 @@ class TrainerRankActor:
         self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
         self.prefetcher = RowPrefetcher(self.storage)
         self.core: TrainerCore | None = None
+        self._last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
     def free_port(self) -> int:
         return free_port()
@@ -109,15 +111,23 @@ class TrainerRankActor:
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
         self.prefetcher.prefetch(list(keys), list(fields))
 
-    def finish_train_step(self) -> dict[str, float]:
-        metrics = self.core.finish_train_step()
-        pf = self.prefetcher
-        metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
-        pf.hits = pf.misses = 0
+    def finish_train_step(self, step: int) -> dict[str, float]:
+        fresh = self.core.step_open
+        metrics = self.core.finish_train_step(step)
+        if fresh:
+            pf = self.prefetcher
+            metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
+            pf.hits = pf.misses = 0
+            self._last_extra = {"train/prefetch_hit_rate": metrics["train/prefetch_hit_rate"]}
+        else:
+            metrics.update(self._last_extra)
         return metrics
 
-    def abort_train_step(self) -> None:
-        self.core.abort_train_step()
+    def abort_train_step(self, step: int) -> None:
+        self.core.abort_train_step(step)
+
+    def train_status(self) -> dict[str, int | None]:
+        return self.core.status()
 
     def export_weights(self, version: int) -> WeightSnapshot:
         snap = self.core.publish_weights(version)
@@ -145,12 +155,25 @@ class TrainerRankActor:
 
 
 async def _trainer_call(what: str, refs: list) -> list:
-    try:
-        return await asyncio.gather(*refs)
-    except (TrainStepStateError, TrainerFailed):
-        raise
-    except Exception as e:
-        raise TrainerFailed(f"trainer {what} failed: {e}") from e
+    """Await one call on every rank (rank order). A rank whose process is gone raises
+    `TrainerRankDied` naming it; other remote errors become `TrainerFailed`."""
+    results = []
+    for rank, ref in enumerate(refs):
+        try:
+            results.append(await ref)
+        except (TrainStepStateError, TrainerFailed):
+            raise
+        except ray.exceptions.ActorDiedError as e:
+            raise TrainerRankDied(f"trainer rank {rank} died during {what}: {_short(e)}") from e
+        except Exception as e:
+            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {_short(e)}") from e
+    return results
+
+
+def _short(e: BaseException) -> str:
+    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 @dataclass(frozen=True)
@@ -173,6 +196,7 @@ class CpuTrainerGroup:
         self.ranks = list(rank_handles)
         self._step: int | None = None
         self._bytes_read = 0
+        self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
 
@@ -207,18 +231,25 @@ class CpuTrainerGroup:
         refs = [r.prefetch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
         await _trainer_call(f"prefetch(step={chunk.step})", refs)
 
-    async def finish_train_step(self) -> StepResult:
-        step = self._step
-        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote() for r in self.ranks])
-        self._step = None
-        self._counts["steps_finished"] += 1
-        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._bytes_read)})
+    async def finish_train_step(self, step: int) -> StepResult:
+        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
+            self._step = None
+            self._counts["steps_finished"] += 1
+            self._last_bytes = self._bytes_read
+        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
-    async def abort_train_step(self) -> None:
-        await _trainer_call("abort_train_step", [r.abort_train_step.remote() for r in self.ranks])
-        if self._step is not None:
+    async def abort_train_step(self, step: int) -> None:
+        await _trainer_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
             self._counts["steps_aborted"] += 1
-        self._step = None
+            self._step = None
+
+    async def train_status(self) -> TrainStatus:
+        statuses = await _trainer_call("train_status", [r.train_status.remote() for r in self.ranks])
+        if any(s != statuses[0] for s in statuses[1:]):
+            raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
+        return TrainStatus(**statuses[0])
 
     async def export_weights(self, version: int) -> WeightsHandle:
         (snapshot,) = await _trainer_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
