@@ -89,6 +89,8 @@ async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGro
         await state.waiting(weights.send(handle), PUMP, "weight sync")
         clk.iterations += 1
         on_step(report)
+        if state.after_step is not None:
+            await state.after_step()  # a periodic checkpoint, when one is due
         if state.stopping:
             break
 
@@ -106,6 +108,10 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
     while True:
         try:
             while True:
+                if state.abandon_open_step:  # interrupted: stop on the last finished step
+                    if is_open:
+                        await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
+                    return None
                 if sent < len(chunks):  # send the newest chunk, or replay after a retry
                     if not is_open:
                         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
@@ -116,6 +122,8 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
                 if len(groups) >= need:
                     break
                 picked = await _wait_selectable(state, step, need - len(groups))
+                if state.abandon_open_step:
+                    continue
                 if not picked:
                     break
                 now = state.clock()
@@ -125,7 +133,9 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
                 groups.extend(sel)
                 chunks.append(_chunk(state, step, len(chunks), sel))
                 state.notify()
-            if not chunks:
+            if not chunks or state.abandon_open_step:
+                if is_open:
+                    await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
                 return None
             result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step})")
             break
@@ -180,6 +190,8 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
     want = min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
+        if state.abandon_open_step:
+            return []
         ready = state.ledger.in_state(GroupState.READY)
         stale = state.sampler.evictable(ready, step)
         if stale:
@@ -195,7 +207,8 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
         await state.wait_until(
             lambda: len(state.sampler.select(state.ledger.in_state(GroupState.READY), step, need)) >= want
             or bool(state.sampler.evictable(state.ledger.in_state(GroupState.READY), step))
-            or _no_more_can_arrive(state),
+            or _no_more_can_arrive(state)
+            or state.abandon_open_step,
             PUMP,
             "ready groups",
         )

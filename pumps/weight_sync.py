@@ -56,6 +56,7 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
                 fanout.create_task(
                     within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{handle.version})")
                 )
+        state.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
         state.set_admission(True)

@@ -98,7 +98,7 @@ class LedgerStatistics:
 
 
 class GroupLedger:
-    def __init__(self, *, capacity: int, group_size: int, groups_per_step: int, max_steps: int):
+    def __init__(self, *, capacity: int, group_size: int, groups_per_step: int, max_steps: int, first_step: int = 0):
         if capacity < 1 or group_size < 1 or groups_per_step < 1:
             raise ValueError("capacity, group_size and groups_per_step must be >= 1")
         self.capacity = capacity
@@ -108,7 +108,7 @@ class GroupLedger:
         self._groups: dict[str, GroupRecord] = {}
         self._active: dict[str, GroupRecord] = {}  # resident groups (non-terminal, or terminal awaiting clear)
         self._live_by_step: Counter[int] = Counter()
-        self._min_short_step = 0
+        self._min_short_step = first_step  # steps before it are done (a resumed run)
         self._seq = 0
         self._trained = 0
         self._dropped: Counter[str] = Counter()

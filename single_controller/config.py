@@ -170,6 +170,18 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 20
+    """Write a checkpoint every this many optimizer steps (0: never by step count)."""
+    every_s: float = 0.0
+    """Also write one when this many seconds passed since the last (0: never by time)."""
+    keep: int = 2
+    """Checkpoints kept in `<run dir>/checkpoints/` (the newest ones; 0 keeps all)."""
+    at_exit: bool = True
+    """Write one when the run ends: finished, stopped by SIGTERM/SIGINT, or failed with a live trainer."""
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     kind: str = "cpu"
     """`cpu`: embedded torch workers as Ray actors; `sim`: latency-scripted fakes, in-process."""
@@ -229,6 +241,7 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -104,6 +104,26 @@ class Prefetching(Protocol):
 
 
 @runtime_checkable
+class Checkpointable(Protocol):
+    """A TrainerGroup whose state can be saved and restored for resume: policy, optimizer state,
+    RNG states and the next step. Called only between steps (no step open)."""
+
+    async def save_state(self, directory: str) -> None: ...
+
+    async def load_state(self, directory: str) -> int:
+        """Restore what `save_state` wrote; returns the trainer's next step."""
+        ...
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """A GenerationWorker that can replace its dead process: `restart(weights)` starts a new one and
+    applies `weights` before it takes work (the rollout pump routes nothing to it until then)."""
+
+    async def restart(self, weights: WeightsHandle | None) -> None: ...
+
+
+@runtime_checkable
 class RewardFunction(Protocol):
     """Scores one completion: `reward_fn(prompt, response_text) -> float`. It runs inside the
     generation worker (next to the tokens, after detokenization); named in configs as

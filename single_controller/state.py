@@ -25,7 +25,7 @@ from single_controller.channels import Signal
 from single_controller.config import Config, resolved_capacity
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorker, TrainerGroup
-from single_controller.types import Prompt
+from single_controller.types import Prompt, WeightsHandle
 
 T = TypeVar("T")
 
@@ -101,6 +101,7 @@ class RunState:
         storage: RowStorage,
         workers: Workers,
         clock: Callable[[], float] = time.monotonic,
+        first_step: int = 0,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -112,17 +113,20 @@ class RunState:
             group_size=cfg.rollout.group_size,
             groups_per_step=cfg.train.groups_per_step,
             max_steps=cfg.run.max_steps,
+            first_step=first_step,
         )
         self.prompts = PromptLedger()
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
 
-        self.policy_version = 0
-        self.trainer_version = 0
+        self.policy_version = first_step
+        self.trainer_version = first_step
         self.admission_open = True
         self.stopping = False  # no new rollouts: early stop or shutdown
         self.stop_reason: str | None = None
+        self.abandon_open_step = False  # an interrupt: abort the step in progress instead of finishing it
+        self.after_step: Callable[[], Awaitable[None]] | None = None  # the controller's checkpoint hook
         self.rollout_done = False  # the rollout pump has exited: nothing new will be committed
         self.train_done = False
 
@@ -133,6 +137,9 @@ class RunState:
         self.aborted_steps = 0  # abort_train_step calls after trainer errors
         self.late_finishes = 0  # finishes that landed after their deadline (recorded result taken)
         self.storage_retries = 0  # storage clears retried after a deadline or error
+        self.checkpoints_written = 0
+        self.latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
+        self.last_checkpoint_s = 0.0  # seconds the last checkpoint took to write
         self.step_retries = 0
         self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.sync = SyncRecord()
@@ -221,9 +228,12 @@ class RunState:
         self.policy_version = version
         self.notify()
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, *, abandon_open_step: bool = False) -> None:
+        """No new rollouts. `abandon_open_step` (an interrupt): the step in progress is aborted, not
+        finished with fewer groups, so the run stops on the last finished step (its checkpoint)."""
         if not self.stopping:
             self.stopping, self.stop_reason = True, reason
+        self.abandon_open_step = self.abandon_open_step or abandon_open_step
         self.notify()
 
     def in_flight(self) -> int:

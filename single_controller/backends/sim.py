@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -256,6 +258,23 @@ class SimTrainerGroup:
         if version != self.version:
             raise RuntimeError(f"export_weights(v{version}) but the trainer is at v{self.version}")
         return WeightsHandle(version, payload=None, num_bytes=0)
+
+    async def save_state(self, directory: str) -> None:
+        await self._call(self._save(directory))
+
+    async def _save(self, directory: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"save_state while step {self._step} is open")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "sim_trainer.json"), "w", encoding="utf-8") as f:
+            json.dump({"version": self.version, "optimizer_steps": self.optimizer_steps}, f)
+
+    async def load_state(self, directory: str) -> int:
+        with open(os.path.join(directory, "sim_trainer.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        self.version, self.optimizer_steps = saved["version"], saved["optimizer_steps"]
+        self._open = self._step = self._last = None
+        return self.version
 
 
 def sim_workers(
