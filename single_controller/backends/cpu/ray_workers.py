@@ -138,6 +138,23 @@ class TrainerRankActor:
             raise TrainStepStateError("save_checkpoint while a train step is open")
         return str(save_tinygpt(self.core.policy, directory))
 
+    def save_state(self, directory: str) -> None:
+        """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
+        all-reduce) and a loadable policy; every rank writes its own RNG state."""
+        os.makedirs(directory, exist_ok=True)
+        state = self.core.state_dict()
+        torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
+        if self.rank == 0:
+            torch.save(state, os.path.join(directory, "trainer.pt"))
+            save_tinygpt(self.core.policy, os.path.join(directory, "policy"))
+
+    def load_state(self, directory: str) -> int:
+        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
+        state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
+        self.core.load_state_dict(state)
+        return self.core.next_step
+
     def get_weights(self) -> dict[str, Any]:
         return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
 
@@ -259,6 +276,15 @@ class CpuTrainerGroup:
         """Rank 0 writes its policy (safetensors + config.json, loadable as `model.checkpoint`); returns the path."""
         (path,) = await _trainer_call(f"save_checkpoint({directory})", [self.ranks[0].save_checkpoint.remote(directory)])
         return path
+
+    async def save_state(self, directory: str) -> None:
+        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
+
+    async def load_state(self, directory: str) -> int:
+        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
+        if len(set(steps)) != 1:
+            raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
+        return steps[0]
 
     async def shutdown(self) -> None:
         await _kill_all(self.ranks)

@@ -360,6 +360,28 @@ class TrainerCore:
         self._open = None
         self.aborts += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs of this rank (between steps): policy, optimizer, RNG, next step."""
+        if self._open is not None:
+            raise TrainStepStateError(f"state_dict while step {self._open.step} is open")
+        return {
+            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "next_step": self.next_step,
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._open is not None:
+            raise TrainStepStateError("load_state_dict while a step is open")
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.next_step = int(state["next_step"])
+        self.steps_done = int(state["steps_done"])
+        self._last_finished = None
+
     def publish_weights(self, version: int) -> WeightSnapshot:
         if self._open is not None:
             raise TrainStepStateError(f"publish_weights({version}) while step {self._open.step} is open")
