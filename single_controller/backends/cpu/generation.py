@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -66,6 +67,26 @@ class GenerationCore:
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
         self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0)
         self._last_batch_s = 0.0
+        # Cancel vs. write: a cancelled group's rows must never be written after its cancel returns.
+        # Both take this lock; the write skips groups cancelled before it.
+        self._write_lock = threading.Lock()
+        self.running_ids: set[str] = set()  # groups of the batch being sampled (set on the actor's loop)
+        self._cancelled: set[str] = set()  # running groups cancelled: not to be written
+        self._written: set[str] = set()  # running groups whose rows are already stored
+
+    def end_batch(self) -> None:
+        with self._write_lock:
+            self.running_ids, self._cancelled, self._written = set(), set(), set()
+
+    def cancel(self, group_id: str) -> bool:
+        """After this returns no row of `group_id` is written; True if its rows were already stored
+        (the caller clears them)."""
+        with self._write_lock:
+            if group_id in self._written:
+                return True
+            if group_id in self.running_ids:
+                self._cancelled.add(group_id)
+            return False
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         """Apply a resolved snapshot (numpy buckets) and take its version."""
@@ -76,7 +97,8 @@ class GenerationCore:
         self.version = v
         self._counts["weight_updates"] += 1
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | None]:
+        """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not stored)."""
         started = time.perf_counter()
         if self.version is None:
             raise GenerationFailed("no weights loaded yet (update_weights first)")
@@ -117,9 +139,18 @@ class GenerationCore:
                     responses[i].append(view)
                     row += 1
 
+        with self._write_lock:
+            return self._score_and_store(requests, responses, version, started)
+
+    def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
+        """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
         keys, tags, results = [], [], []
         cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
+        cancelled = self._cancelled
         for r, rows in zip(requests, responses):
+            if r.group_id in cancelled:
+                results.append(None)  # cancelled while sampling: no result wanted, no row stored
+                continue
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
             rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
             cols["prompt_ids"].extend(prompt for _ in rows)
@@ -141,9 +172,11 @@ class GenerationCore:
             )
         columns: dict[str, Any] = dict(cols)
         columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
-        self.storage.put_rows_sync(keys, columns, tags)
+        if keys:
+            self.storage.put_rows_sync(keys, columns, tags)
+        self._written.update(res.group_id for res in results if res is not None)
         self._counts["batches"] += 1
-        self._counts["groups"] += len(requests)
+        self._counts["groups"] += sum(res is not None for res in results)
         self._counts["rows"] += len(keys)
         self._counts["tokens"] += sum(len(t) for t in cols["response_ids"])
         self._last_batch_s = time.perf_counter() - started
@@ -263,12 +296,15 @@ class GenerationActor:
         return out
 
     async def cancel(self, group_id: str) -> bool:
-        """Drop a queued request of `generate_many` (a running batch finishes; its result is ignored)."""
+        """Cancel a request of `generate_many`: a queued one is dropped; one being sampled is not
+        stored. Returns once no row of the group can be written any more; True if its rows were
+        already stored (the caller clears them)."""
         fut = self._by_group.get(group_id)
-        if fut is None or fut.done():
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if group_id not in self._core.running_ids:
             return False
-        fut.cancel()
-        return True
+        return await asyncio.to_thread(self._core.cancel, group_id)  # waits out a write in progress
 
     async def update_weights(self, weights: WeightsHandle) -> int:
         """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
@@ -341,6 +377,7 @@ class GenerationActor:
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         self._running = len(batch)
         self._idle.clear()
+        self._core.running_ids = {r.group_id for r, _ in batch}  # on the loop: before any cancel can look
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
@@ -351,10 +388,14 @@ class GenerationActor:
                     err.__cause__ = e
                     fut.set_exception(err)
         else:
-            for (_, fut), res in zip(batch, results):
+            for (req, fut), res in zip(batch, results):
                 if not fut.done():
-                    fut.set_result(res)
+                    if res is None:
+                        fut.set_exception(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+                    else:
+                        fut.set_result(res)
         finally:
+            self._core.end_batch()
             self._running = 0
             self._idle.set()
             for req, fut in batch:  # only when cancelled by close(): nothing else would answer them

@@ -36,6 +36,7 @@ from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
+from single_controller.deadlines import within
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainerRankDied
 from single_controller.tasks import TOKENIZER
 from single_controller.types import (
@@ -52,6 +53,7 @@ from replay.fetch import RowPrefetcher
 from replay.storage import LazyRowStorage, column_nbytes
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write on the actor
 
 
 def free_port() -> int:
@@ -312,8 +314,17 @@ class CpuGenerationClient:
         try:
             return await fut
         except asyncio.CancelledError:
-            self.actor.cancel.remote(request.group_id)  # fire and forget: a late result is ignored
+            # The caller clears the group's keys next: first make sure the actor will not write them
+            # afterwards (a batch may be sampling this group right now).
+            if not any(f is fut for _, f in self._queue):  # sent already: the actor may be sampling it
+                await self._cancel_remote(request.group_id)
             raise
+
+    async def _cancel_remote(self, group_id: str) -> None:
+        try:
+            await within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, f"generation worker {self.name}: cancel({group_id})")
+        except ray.exceptions.RayActorError:
+            pass  # the actor is gone: it writes nothing any more
 
     def _flush(self) -> None:
         batch, self._queue = self._queue, []
