@@ -262,6 +262,7 @@ class PromptRecord:
     prompt: Prompt
     order: int  # position in which it was taken from the dataloader
     attempts: list[str] = field(default_factory=list)
+    uncharged: int = 0  # attempts lost through no fault of the prompt (a worker died): not retries
     fate: str | None = None  # "trained" | "dropped" | "evicted"
     step: int | None = None  # for "trained"
     reason: str | None = None  # for "dropped" / "evicted"
@@ -315,6 +316,11 @@ class PromptLedger:
             raise ValueError("a trained prompt needs its step")
         rec.fate, rec.step, rec.reason = fate, step, reason
 
+    def charged_attempts(self, prompt_id: str) -> int:
+        """Attempts that count against the retry budget."""
+        rec = self._prompts[prompt_id]
+        return len(rec.attempts) - rec.uncharged
+
     def unsettled(self) -> list[str]:
         return [pid for pid, r in self._prompts.items() if r.fate is None]
 
@@ -331,6 +337,7 @@ class PromptLedger:
                     "answer": r.prompt.answer,
                     "order": r.order,
                     "attempts": list(r.attempts),
+                    "uncharged": r.uncharged,
                     "fate": r.fate,
                     "step": r.step,
                     "reason": r.reason,
@@ -345,6 +352,7 @@ class PromptLedger:
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
             rec = led.take(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]))
             rec.attempts = list(d["attempts"])
+            rec.uncharged = d.get("uncharged", 0)
             rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]
         return led
 

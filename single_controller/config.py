@@ -82,6 +82,9 @@ class RolloutConfig:
     """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
     max_retries: int = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
+    max_worker_restarts: int = 3
+    """Times one dead generation worker is restarted (its prompts re-dispatched, uncharged) before it
+    stays out of routing; with no worker left the run stops with `NoGenerationWorkers`."""
 
 
 @dataclass(frozen=True)

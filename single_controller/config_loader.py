@@ -93,6 +93,7 @@ BOUNDS: dict[str, _Bound] = {
     "rollout.max_in_flight_groups": _AT_LEAST_1,
     "rollout.max_batch_groups": _AT_LEAST_1,
     "rollout.max_retries": _AT_LEAST_0,
+    "rollout.max_worker_restarts": _AT_LEAST_0,
     "advantage.eps": _POSITIVE,
     "advantage.max_zero_variance_drops_per_step": _AT_LEAST_0,
     "train.groups_per_step": _AT_LEAST_1,

@@ -74,6 +74,14 @@ class ControllerStatistics:
     last_step_s: float
     last_reward_mean: float
     last_success_rate: float
+    generation_workers: int = 0
+    generation_workers_down: int = 0  # dead or restarting: out of routing
+    worker_deaths: int = 0
+    worker_restarts: int = 0
+    late_finishes: int = 0
+    storage_retries: int = 0
+    checkpoints_written: int = 0
+    last_checkpoint_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,9 @@ class Controller:
         tasks: dict[str, asyncio.Task] = {}
         if self._resumed:
             await self._sync_resumed_weights()
+        else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
+            v = st.trainer_version
+            st.latest_weights = await within(st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})")
         try:
             async with asyncio.TaskGroup() as pumps:
                 tasks["rollout"] = pumps.create_task(rollout_pump(st, stop_token_id=self.stop_token_id))
@@ -286,6 +297,9 @@ class Controller:
             "replay/resident_groups": st.ledger.resident(),
             "sync/policy_version": st.policy_version,
             "sync/last_s": st.sync.last_s,
+            "rollout/workers_routable": len(st.routable()),
+            "rollout/worker_deaths": st.worker_deaths,
+            "rollout/worker_restarts": st.worker_restarts,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -360,6 +374,14 @@ class Controller:
             last_step_s=last.get("time/step_s", 0.0),
             last_reward_mean=last.get("rollout/reward_mean", 0.0),
             last_success_rate=last.get("rollout/success_rate", 0.0),
+            generation_workers=len(st.workers.generators),
+            generation_workers_down=len(st.down_workers),
+            worker_deaths=st.worker_deaths,
+            worker_restarts=st.worker_restarts,
+            late_finishes=st.late_finishes,
+            storage_retries=st.storage_retries,
+            checkpoints_written=st.checkpoints_written,
+            last_checkpoint_s=st.last_checkpoint_s,
         )
 
     def select_latency_percentiles(self) -> tuple[float, float]:

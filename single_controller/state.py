@@ -145,6 +145,12 @@ class RunState:
         self.sync = SyncRecord()
         self.teardown_errors: list[str] = []
         self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
+        self.down_workers: dict[str, str] = {}  # generation worker name -> why it is out of routing
+        self.restarting: set[str] = set()
+        self.given_up: set[str] = set()  # dead workers that will not be restarted again
+        self.restarts_of: collections.Counter[str] = collections.Counter()
+        self.worker_deaths = 0
+        self.worker_restarts = 0
 
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS}
@@ -206,10 +212,16 @@ class RunState:
         """A prompt to dispatch: re-dispatches first, then fresh ones (call `has_prompt` first)."""
         return self.pending_prompts.popleft()
 
-    def requeue_or_settle(self, rec: GroupRecord, reason: str, *, max_retries: int, fate: str = "dropped") -> bool:
+    def requeue_or_settle(
+        self, rec: GroupRecord, reason: str, *, max_retries: int, fate: str = "dropped", charge: bool = True
+    ) -> bool:
         """After a failed or discarded attempt: re-dispatch its prompt if retries remain, else settle it.
-        Returns True if requeued."""
-        attempts = len(self.prompts[rec.prompt.prompt_id].attempts)
+        `charge=False`: the attempt was lost through no fault of the prompt (its worker died) and does
+        not count against the retry budget. Returns True if requeued."""
+        pid = rec.prompt.prompt_id
+        if not charge:
+            self.prompts[pid].uncharged += 1
+        attempts = self.prompts.charged_attempts(pid)
         if not self.stopping and attempts <= max_retries:
             self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
@@ -238,3 +250,15 @@ class RunState:
 
     def in_flight(self) -> int:
         return self.ledger.count(GroupState.RESERVED)
+
+    # -- generation worker health ------------------------------------------------------------------
+    def routable(self) -> list[GenerationWorker]:
+        """Generation workers that take work: not known dead, not restarting."""
+        return [w for w in self.workers.generators if w.name not in self.down_workers]
+
+    def worker_down(self, worker: GenerationWorker, why: str) -> None:
+        """Take a dead worker out of routing (the rollout pump restarts it)."""
+        if worker.name not in self.down_workers:
+            self.down_workers[worker.name] = why
+            self.worker_deaths += 1
+            self.notify()

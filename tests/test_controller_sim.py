@@ -444,3 +444,34 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkey
     (tmp_path / "checkpoints" / "step_000006.tmp" / "trainer").mkdir(parents=True)
     assert latest_checkpoint(tmp_path) == good
     assert read_controller_state(good)["step"] == 4
+
+
+# -- issue 9: generation worker death -----------------------------------------------------------
+@pytest.mark.parametrize("restart_ok", [True, False])
+def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(restart_ok):
+    faults = Faults(die_after={"sim-gen-0": 5}, restart_fails=set() if restart_ok else {"sim-gen-0"})
+    cfg = make_cfg(steps=8, P=4, G=2, L=1, rollout={"max_retries": 0})
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.003)
+    assert err is None, err
+    assert summary.steps == 8
+    gens = ctl.state.workers.generators
+    assert gens[0].restarts == int(restart_ok) and ctl.state.worker_restarts == int(restart_ok)
+    assert ctl.state.worker_deaths == 1
+    # Out of routing from its first failed call: at most what was already in flight hit the corpse.
+    assert gens[0].calls_while_dead <= cfg.rollout.max_in_flight_groups
+    # With max_retries=0 any charged failure would drop a prompt: none was dropped or lost.
+    fates = Counter(r.fate for r in ctl.state.prompts.records())
+    assert fates["dropped"] == 0 or all(r.reason == "run_ended" for r in ctl.state.prompts.records() if r.fate == "dropped")
+    died = [r for r in ctl.state.prompts.records() if r.uncharged]
+    assert died and all(r.fate == "trained" for r in died if r.reason != "run_ended")
+    assert_clean_end(ctl, trainer, storage)
+
+
+def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
+    faults = Faults(die_after={"sim-gen-0": 3, "sim-gen-1": 3}, restart_fails={"sim-gen-0", "sim-gen-1"})
+    cfg = make_cfg(steps=50, P=4, G=2, L=1)
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, timeout=20)
+    assert err is not None and err.pump == "rollout"
+    assert type(err.__cause__).__name__ == "NoGenerationWorkers", err
+    assert "no generation worker is left" in str(err.__cause__)
+    assert asyncio.run(storage.resident_keys()) == set() and ctl.state.prompts.unsettled() == []

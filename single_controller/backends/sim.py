@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from replay.storage import TRAIN_FIELDS, RowStorage
-from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.types import (
     GenerationRequest,
     GenerationResult,
@@ -44,6 +44,8 @@ class Faults:
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
     rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
+    die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
+    restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
 
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
@@ -76,8 +78,47 @@ class SimGenerationWorker:
         self._busy = False
         self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
+        self.dead = False
+        self._death: asyncio.Event | None = None  # created lazily on the running loop
+        self.calls_while_dead = 0  # requests routed to this worker while it was dead
+        self.restarts = 0
+
+    def _died(self) -> asyncio.Event:
+        if self._death is None:
+            self._death = asyncio.Event()
+        return self._death
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            self.calls_while_dead += 1
+            raise GenerationWorkerDied(f"{self.name}: the worker process died")
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self._check_alive()
+        death = asyncio.ensure_future(self._died().wait())
+        work = asyncio.ensure_future(self._generate(request))
+        try:
+            await asyncio.wait([death, work], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            death.cancel()
+        if not work.done():  # died mid-request: like a killed process, the call fails
+            work.cancel()
+            raise GenerationWorkerDied(f"{self.name}: the worker process died while generating {request.group_id}")
+        return work.result()
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        if self.name in self.faults.restart_fails:
+            raise GenerationFailed(f"{self.name}: restart failed")
+        self.dead, self._death = False, None
+        self.version = weights.version if weights is not None else 0
+        self._lock = asyncio.Lock()
+        self._busy, self._pending_update = False, None
+        self.restarts += 1
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
         attempt = int(request.group_id.rsplit("-a", 1)[1])
         fault_key = (request.prompt.prompt_id, attempt)
         self._in_flight += 1
@@ -98,6 +139,9 @@ class SimGenerationWorker:
                         raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
                     result = await self._store(request, attempt, version)
                     self.generated.append(request.group_id)
+                    if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
+                        self.dead = True  # every call in flight on it fails now, and every new one
+                        self._died().set()
                     return result
                 finally:
                     self._busy = False
@@ -127,6 +171,7 @@ class SimGenerationWorker:
     async def update_weights(self, weights: WeightsHandle) -> None:
         """Applied between groups, like a real worker between batches: after the group being
         generated, ahead of groups still queued."""
+        self._check_alive()
         if weights.version <= self.version:
             raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
         if not self._busy:
@@ -134,7 +179,13 @@ class SimGenerationWorker:
             return
         applied = asyncio.get_running_loop().create_future()
         self._pending_update = (weights.version, applied)
-        await applied
+        death = asyncio.ensure_future(self._died().wait())
+        try:
+            await asyncio.wait([applied, death], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+        if not applied.done():
+            raise GenerationWorkerDied(f"{self.name}: the worker process died before applying v{weights.version}")
 
     def _apply_pending_update(self) -> None:
         if self._pending_update is not None:

@@ -299,9 +299,10 @@ class CpuGenerationClient:
     once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
     per group, which on a small machine is most of the generation worker's CPU otherwise."""
 
-    def __init__(self, name: str, actor_handle: Any):
+    def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
         self.name = name
         self.actor = actor_handle
+        self._spawn = spawn  # starts a replacement actor (restart after a death)
         self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._deliveries: set[asyncio.Task] = set()
 
@@ -341,9 +342,13 @@ class CpuGenerationClient:
         try:
             results = await ref
         except BaseException as e:
+            died = isinstance(e, ray.exceptions.RayActorError)
             for req, fut in batch:
                 if not fut.done():
-                    err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {e}")
+                    if died:
+                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {_short(e)}")
+                    else:
+                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {_short(e)}")
                     err.__cause__ = e
                     fut.set_exception(err)
             if not isinstance(e, Exception):
@@ -358,7 +363,19 @@ class CpuGenerationClient:
                 fut.set_result(res)
 
     async def update_weights(self, weights: WeightsHandle) -> None:
-        await self.actor.update_weights.remote(weights)
+        try:
+            await self.actor.update_weights.remote(weights)
+        except ray.exceptions.RayActorError as e:
+            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {_short(e)}") from e
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""
+        if self._spawn is None or weights is None:
+            raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
+        ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
+        self.actor = self._spawn()
+        await self.actor.connect.remote()
+        await self.update_weights(weights)
 
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
@@ -425,10 +442,9 @@ async def create_cpu_workers(
     rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
     ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
     group = CpuTrainerGroup(ranks)
-    clients = [
-        CpuGenerationClient(
-            f"gen{i}",
-            gen_cls.options(**g_opts).remote(
+    def spawner(i: int) -> Callable[[], Any]:
+        def spawn() -> Any:
+            return gen_cls.options(**g_opts).remote(
                 f"gen{i}",
                 cfg.model,
                 storage_factory,
@@ -436,10 +452,12 @@ async def create_cpu_workers(
                 seed=cfg.seed * 1000 + i,
                 torch_threads=cfg.backend.torch_threads,
                 max_batch_groups=cfg.rollout.max_batch_groups,
-            ),
-        )
-        for i in range(cfg.backend.num_generation_workers)
-    ]
+            )
+
+        return spawn
+
+    spawns = [spawner(i) for i in range(cfg.backend.num_generation_workers)]
+    clients = [CpuGenerationClient(f"gen{i}", spawn(), spawn) for i, spawn in enumerate(spawns)]
     try:
         if storage_ready is not None:
             await storage_ready
