@@ -210,8 +210,14 @@ class ControllerService:
             self._finished = True
             self._changed.set()
         st = self.controller.statistics()
+        try:  # every key in the partition, whoever wrote it: a clean run leaves none
+            left = sorted(await within(self.controller.state.storage.resident_keys(), self.cfg.timeouts.storage_s, "storage listing after the run"))
+        except Exception as e:
+            left = [f"<listing failed: {type(e).__name__}: {e}>"]
         return {
             "steps": steps,
+            "storage_keys_left": len(left),
+            "storage_keys_left_sample": left[:10],
             "stop_reason": reason,
             "wall_s": time.perf_counter() - t0,
             "failure": failure,
