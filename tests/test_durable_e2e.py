@@ -164,12 +164,12 @@ def test_kill_9_of_the_whole_run_then_resume_loses_and_repeats_nothing(tmp_path)
     print(json.dumps({"crashes": report, "final_resume_s": time.monotonic() - t0}))
 
 
-def _all_generation_actor_pids() -> list[int]:
+def _generation_actor_pids(session: int) -> list[int]:
+    """The run's generation actor processes (its session only: other runs may be on this machine)."""
     out = []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in _session_procs(session):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if cmd.startswith("ray::GenerationActor") or (p.info["name"] or "").startswith("ray::GenerationA"):
+            if " ".join(p.cmdline()).startswith("ray::GenerationActor") or p.name().startswith("ray::GenerationA"):
                 out.append(p.pid)
         except psutil.NoSuchProcess:
             continue
@@ -177,11 +177,10 @@ def _all_generation_actor_pids() -> list[int]:
 
 
 def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
-    before = set(_all_generation_actor_pids())
     proc = _start(_cmd(tmp_path, "run.max_steps=14", "backend.num_generation_workers=2", "rollout.max_retries=0"), tmp_path)
     try:
         _wait_for_step(proc, 5)
-        victims = sorted(set(_all_generation_actor_pids()) - before)
+        victims = _generation_actor_pids(proc.pid)
         assert len(victims) == 2, victims
         os.kill(victims[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=400)
@@ -196,4 +195,6 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
     assert not [p for p in by_id.values() if p["fate"] == "dropped" and p["reason"] != "run_ended"]
     assert any(p["uncharged"] for p in by_id.values()), "no prompt was re-dispatched from the dead worker"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["rollout/worker_deaths"] == 1 and records[-1]["rollout/worker_restarts"] == 1
+    assert records[-1]["rollout/worker_deaths"] == 1
+    assert min(r["rollout/workers_routable"] for r in records) == 1  # the dip is visible in the metrics
+    # (the restart itself is tested in test_cpu_ray.py: a new process takes seconds to import torch)
