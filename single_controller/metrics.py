@@ -170,6 +170,20 @@ def families(s: ControllerStatistics) -> list[Metric]:
     gauge("last_step_reward_mean", "Mean reward of the completions trained in the last step.", s.last_reward_mean)
     gauge("last_step_success_rate", "Fraction of the last step's completions with reward >= task.success_reward.", s.last_success_rate)
 
+    # -- training-inference mismatch ------------------------------------------------------------
+    gauge("mismatch_kl_bound", "Configured bound on train_mismatch_kl (metrics.mismatch_kl_bound).", s.mismatch_kl_bound)
+    if "train/mismatch_kl" in s.mismatch:  # absent until a step trains tokens sampled with its own weights
+        gauge(
+            "train_mismatch_kl",
+            "KL(generation || trainer) estimate (k3) on the last measured step's tokens sampled with the trainer's weights.",
+            s.mismatch["train/mismatch_kl"],
+        )
+        gauge(
+            "train_mismatch_abs_logprob",
+            "Mean |trainer logprob - generation logprob| on the same tokens.",
+            s.mismatch["train/mismatch_abs_logprob"],
+        )
+
     # -- storage ------------------------------------------------------------------------------
     st = s.storage
     ops = counter("storage_operations", "Row-storage calls by operation.", labels=["op"])

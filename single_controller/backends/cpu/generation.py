@@ -119,7 +119,9 @@ class GenerationCore:
                     row += 1
 
         keys, tags, results = [], [], []
-        cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
+        cols: dict[str, list] = {
+            "prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "token_versions": [], "reward": []
+        }
         for r, rows in zip(requests, responses):
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
             rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
@@ -127,6 +129,7 @@ class GenerationCore:
             cols["response_ids"].extend(ids for ids, *_ in rows)
             cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
             cols["response_mask"].extend(mask for _, _, mask, _ in rows)
+            cols["token_versions"].extend(torch.full((len(ids),), version, dtype=torch.int64) for ids, *_ in rows)
             cols["reward"].extend(rewards)
             keys.extend(r.row_keys)
             tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)

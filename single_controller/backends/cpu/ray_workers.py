@@ -88,7 +88,13 @@ class TrainerRankActor:
             )
             pg = dist.group.WORLD
         policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
-        self.core = TrainerCore(policy, self.cfg.train, temperature=self.cfg.rollout.temperature, process_group=pg)
+        self.core = TrainerCore(
+            policy,
+            self.cfg.train,
+            temperature=self.cfg.rollout.temperature,
+            process_group=pg,
+            bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
+        )
         return sum(p.numel() for p in policy.parameters())
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss
+from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
 from single_controller.backends.cpu.model import pad_right, state_module, token_logprobs
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
@@ -176,7 +176,7 @@ class TrainerStatistics:
     open_tokens: int  # local valid tokens in the open step
 
 
-STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl")
+STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
 
 
 def _clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -281,6 +281,13 @@ class TrainerCore:
                     ref, _ = token_logprobs(self.reference, rows["prompt_ids"], rows["response_ids"], self.temperature)
             out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]), mask, st.loss, ref_logprobs=ref)
             out.loss_sum.backward()
+        if rows.get("token_versions") is not None:
+            # Tokens sampled with the weights this step trains (version == step): their logprob gap
+            # is the generation engine's mismatch, free of staleness.
+            versions = pad_right(rows["token_versions"], -1, torch.long)  # [B, R]
+            st_mm = mismatch_stats(logp, gen, mask & (versions == st.step))
+            for k, v in st_mm.items():
+                st.stats[k] += v
         st.tokens += out.num_tokens
         st.sequences += out.num_sequences
         st.loss_sum += float(out.loss_sum.detach())
@@ -328,6 +335,11 @@ class TrainerCore:
         }
         if st.loss.kl_coef > 0:
             metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
+        mm_tokens = stat_sums["mm_tokens"]
+        metrics["train/mismatch_tokens"] = mm_tokens
+        if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
+            metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
+            metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
         return metrics
 
     def abort_train_step(self) -> None:
