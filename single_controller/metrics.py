@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import ipaddress
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -172,17 +173,17 @@ def families(s: ControllerStatistics) -> list[Metric]:
 
     # -- training-inference mismatch ------------------------------------------------------------
     gauge("mismatch_kl_bound", "Configured bound on train_mismatch_kl (metrics.mismatch_kl_bound).", s.mismatch_kl_bound)
-    if "train/mismatch_kl" in s.mismatch:  # absent until a step trains tokens sampled with its own weights
-        gauge(
-            "train_mismatch_kl",
-            "KL(generation || trainer) estimate (k3) on the last measured step's tokens sampled with the trainer's weights.",
-            s.mismatch["train/mismatch_kl"],
-        )
-        gauge(
-            "train_mismatch_abs_logprob",
-            "Mean |trainer logprob - generation logprob| on the same tokens.",
-            s.mismatch["train/mismatch_abs_logprob"],
-        )
+    # NaN until a step trains tokens that were sampled with its own weights (unknown, never "0").
+    gauge(
+        "train_mismatch_kl",
+        "KL(generation || trainer) estimate (k3) on the last measured step's tokens sampled with the trainer's weights.",
+        s.mismatch.get("train/mismatch_kl", math.nan),
+    )
+    gauge(
+        "train_mismatch_abs_logprob",
+        "Mean |trainer logprob - generation logprob| on the same tokens.",
+        s.mismatch.get("train/mismatch_abs_logprob", math.nan),
+    )
 
     # -- storage ------------------------------------------------------------------------------
     st = s.storage

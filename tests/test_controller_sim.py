@@ -247,6 +247,21 @@ def test_drain_policy_syncs_with_nothing_in_flight():
     assert seen and set(seen) == {0}
 
 
+def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatches_it():
+    # p000003 (for step 1, dispatched ahead with L=1) is slow: it is still in flight at the first weight
+    # sync, which aborts it (partial group discarded); the prompt is generated again on the new
+    # weights and trained.
+    cfg = make_cfg(steps=5, P=2, L=1, chunk=1, sync={"drain_policy": "abort"})
+    faults = Faults(gen_delay={("p000003", 0): 0.5})
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
+    assert err is None
+    rec = ctl.state.prompts["p000003"]
+    assert rec.attempts[0] == "p000003-a0" and len(rec.attempts) >= 2 and rec.fate == "trained"
+    assert ctl.state.ledger["p000003-a0"].reason == "sync_abort"
+    assert ctl.state.sync.aborted_in_flight >= 1
+    assert_clean_end(ctl, trainer, storage)
+
+
 def test_abort_stale_in_flight_redispatches_the_prompt():
     # Window mode: p000000's first attempt is slow; by the time it could finish it is too stale.
     cfg = make_cfg(steps=6, P=2, L=1, S=1, chunk=1, order="fifo", sampler={"abort_stale_in_flight": True})

@@ -27,6 +27,9 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Head sizes vLLM's CPU attention backend runs (measured: head_dim 16 fails with "Unsupported CPU
 # attention configuration"); any head size runs on a GPU.
+# RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
+# dimensions barely turn over 10 positions, leaving the model little positional signal.
+ROPE_THETA = 100.0
 VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, *range(160, 513, 16)})
 
 
@@ -126,6 +129,7 @@ def init_model(
     max_positions: int = 32,
     seed: int = 0,
     init_std: float = 0.02,
+    rope_theta: float = ROPE_THETA,
 ) -> Path:
     """Write a random-init LlamaForCausalLM (untied embeddings, float32) and the character tokenizer
     into `directory` (created; existing files are overwritten). Returns the directory."""
@@ -148,6 +152,7 @@ def init_model(
         max_position_embeddings=max_positions,
         initializer_range=init_std,
         tie_word_embeddings=False,
+        rope_theta=rope_theta,
         pad_token_id=TOKENIZER.pad_id,
         bos_token_id=TOKENIZER.bos_id,
         eos_token_id=TOKENIZER.eos_id,
@@ -221,6 +226,7 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
     parser.add_argument("--max-positions", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA)
     args = parser.parse_args(argv)
     path = init_model(
         args.dir,
@@ -229,6 +235,7 @@ def main_init_model(argv: list[str] | None = None) -> int:
         head_dim=args.head_dim,
         max_positions=args.max_positions,
         seed=args.seed,
+        rope_theta=args.rope_theta,
     )
     cfg = read_config(path)
     print(

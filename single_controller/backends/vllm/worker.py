@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,6 +442,10 @@ class VllmGenerationActor:
 
     async def in_flight(self) -> int:
         return sum(1 for g in self._groups.values() if not g.future.done())
+
+    async def pid(self) -> int:
+        """The process the engine runs in (in-process engine: the actor's own)."""
+        return os.getpid()
 
     async def version_of_engine(self) -> str:
         return self.engine.get_weight_version()
