@@ -191,6 +191,8 @@ class BackendConfig:
     """Generation worker actors."""
     num_trainer_ranks: int = 1
     """Data-parallel trainer ranks (gloo DDP on CPU)."""
+    trainer_device: str = "cpu"
+    """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
     torch_threads: int = 1
     """torch threads per worker process (oversubscribing 2 cores slowed steps 5x)."""
     sim_generate_s: float = 0.01

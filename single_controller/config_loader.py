@@ -62,6 +62,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sampler.order": ("in_order", "fifo", "freshest"),
     "sync.drain_policy": ("drain", "keep", "abort"),
     "vllm.device": ("cpu", "cuda"),
+    "backend.trainer_device": ("cpu", "cuda"),
     "backend.generation": ("torch", "vllm", "sim"),
     "backend.trainer": ("torch", "megatron", "sim"),
     "storage.kind": ("tq", "memory"),

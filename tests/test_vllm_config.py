@@ -79,6 +79,6 @@ def test_shipped_vllm_configs_select_vllm():
     cpu = load_config(str(ROOT / "configs/vllm_cpu.yaml"))
     gpu = load_config(str(ROOT / "configs/vllm_gpu.yaml"))
     assert (cpu.backend.generation, cpu.backend.trainer, cpu.vllm.device) == ("vllm", "torch", "cpu")
-    assert (gpu.backend.generation, gpu.vllm.device) == ("vllm", "cuda")
+    assert (gpu.backend.generation, gpu.vllm.device, gpu.backend.trainer_device) == ("vllm", "cuda", "cuda")
     assert cpu.model.create and cpu.model.d_model // cpu.model.n_heads == 32  # vLLM CPU attention's head size
     assert cpu.task.name == "reverse_digits" and cpu.run.stop_at_success_rate == 0.9

@@ -205,8 +205,8 @@ def test_ctrl_c_of_a_vllm_run_leaves_no_process(tmp_path, model_dir):
 @pytest.mark.gpu
 def test_vllm_gpu_config_runs(tmp_path, model_dir):
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"configs/vllm_gpu.yaml needs 2 CUDA GPUs (vLLM + trainer); found {torch.cuda.device_count()}")
     proc = _start(tmp_path, model_dir, "configs/vllm_gpu.yaml", "run.max_steps=3", "run.stop_at_success_rate=null")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]

@@ -201,14 +201,15 @@ def token_logprobs(
     The distribution is log_softmax(logits / temperature), exactly as `sampling.sample` reports it.
     `policy` may be a DDP wrapper: it is only called, never inspected.
     """
-    lp = torch.tensor([len(p) for p in prompt_ids])  # [B]
-    lr = torch.tensor([len(r) for r in response_ids])  # [B]
+    device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
+    lp = torch.tensor([len(p) for p in prompt_ids], device=device)  # [B]
+    lr = torch.tensor([len(r) for r in response_ids], device=device)  # [B]
     if (lp < 1).any():
         raise ValueError("every row needs at least one prompt token")
     seqs = [torch.cat([p, r]) for p, r in zip(prompt_ids, response_ids)]
-    input_ids = pad_right(seqs, 0, torch.long)  # [B, L]
+    input_ids = pad_right(seqs, 0, torch.long).to(device)  # [B, L]
     R = int(lr.max()) if len(lr) else 0
-    j = torch.arange(R)  # [R]
+    j = torch.arange(R, device=device)  # [R]
     valid = j[None, :] < lr[:, None]  # [B, R]
     # Response token j of row b sits at position lp[b] + j; the logits predicting it at lp[b] + j - 1.
     pos = (lp[:, None] + j[None, :] - 1).clamp(max=input_ids.shape[1] - 1)  # [B, R]
@@ -230,7 +231,7 @@ def save_tinygpt(model: TinyGPT, directory: str | Path) -> Path:
     """Write `model.safetensors` and `config.json` (ModelConfig fields + vocab_size) into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE))
     meta = {"architecture": "TinyGPT", "vocab_size": model.vocab_size, **dataclasses.asdict(model.cfg)}
     meta["checkpoint"] = None

@@ -87,7 +87,8 @@ class TrainerRankActor:
                 "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
             )
             pg = dist.group.WORLD
-        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
+        device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(device=device, dtype=self.dtype)
         self.core = TrainerCore(
             policy,
             self.cfg.train,
@@ -136,14 +137,14 @@ class TrainerRankActor:
         return str(save_policy(self.core.policy, directory, self.cfg.model))
 
     def get_weights(self) -> dict[str, Any]:
-        return {n: p.detach().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
+        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
 
     def statistics(self) -> TrainerStatistics:
         return self.core.statistics()
 
     def get_grads(self) -> dict[str, Any]:
         """The gradient the last finished step applied (for checks)."""
-        return {n: p.grad.detach().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
+        return {n: p.grad.detach().cpu().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
 
     def close(self) -> None:
         self.prefetcher.close()
@@ -385,7 +386,8 @@ async def start_torch_trainer(
     (the `registry` starter contract)."""
     world = cfg.backend.num_trainer_ranks
     rank_cls = ray.remote(TrainerRankActor)
-    ranks = [rank_cls.options(**{"num_cpus": 0, **(options or {})}).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
+    res = {"num_cpus": 0, "num_gpus": 1} if cfg.backend.trainer_device == "cuda" else {"num_cpus": 0}
+    ranks = [rank_cls.options(**{**res, **(options or {})}).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
     group = CpuTrainerGroup(ranks)
     try:
         if storage_ready is not None:

@@ -102,7 +102,7 @@ def pack_weights(module: nn.Module, version: int, bucket_bytes: int = 4 << 20) -
             for name, p in group:
                 entries.append(WeightEntry(name, tuple(p.shape), b, offset, p.numel()))
                 offset += p.numel()
-            buckets.append(torch.cat([p.detach().reshape(-1) for _, p in group]).numpy())
+            buckets.append(torch.cat([p.detach().reshape(-1) for _, p in group]).cpu().numpy())
     manifest = WeightManifest(
         version=version,
         dtype=str(buckets[0].dtype),
@@ -273,18 +273,19 @@ class TrainerCore:
         ctx = self._forward.no_sync() if self.pg is not None else contextlib.nullcontext()
         with ctx:
             logp, valid = token_logprobs(self._forward, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            mask = pad_right(rows["response_mask"], False, torch.bool) & valid  # [B, R]
-            gen = pad_right(rows["gen_logprobs"], 0.0, dtype)  # [B, R]
+            dev = valid.device
+            mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
+            gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
             ref = None
             if st.loss.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = token_logprobs(self.reference, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]), mask, st.loss, ref_logprobs=ref)
+            out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
             out.loss_sum.backward()
         if rows.get("token_versions") is not None:
             # Tokens sampled with the weights this step trains (version == step): their logprob gap
             # is the generation engine's mismatch, free of staleness.
-            versions = pad_right(rows["token_versions"], -1, torch.long)  # [B, R]
+            versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
             st_mm = mismatch_stats(logp, gen, mask & (versions == st.step))
             for k, v in st_mm.items():
                 st.stats[k] += v
