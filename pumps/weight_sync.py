@@ -2,7 +2,8 @@
 
 Receives weight snapshots from the train pump's channel. For each: new rollouts stop being
 admitted; with `sync.drain_policy=drain` the pump waits (with a deadline) until no rollout is in
-flight, with `keep` in-flight rollouts run on and carry their start/end versions; in-flight
+flight, with `keep` in-flight rollouts run on and carry their start/end versions, with `abort`
+every in-flight rollout is cancelled (its partial group discarded, its prompt re-dispatched); in-flight
 rollouts that the sampler says could only train above the staleness bound are cancelled (their
 prompts re-dispatched); every generation worker applies the snapshot; then the policy version is
 bumped and admission reopens. Admission reopens even if the sync fails, but the failure ends the
@@ -50,6 +51,8 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
                 cfg.sync.drain_timeout_s,
                 f"in-flight rollouts to drain before weight sync v{handle.version}",
             )
+        elif cfg.sync.drain_policy == "abort":
+            _abort_in_flight(state, "sync_abort", lambda rec: True)
         t_drained = state.clock()
         _abort_stale_in_flight(state, handle.version)
         async with asyncio.TaskGroup() as fanout:
@@ -77,11 +80,17 @@ async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
 
 
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
+    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.trainer_version))
+
+
+def _abort_in_flight(state: RunState, reason: str, which) -> None:
+    """Cancel the in-flight rollouts `which(rec)` selects; the rollout pump discards what they
+    wrote and re-dispatches their prompts."""
     aborted = 0
     for group_id, task in list(state.in_flight_tasks.items()):
         rec = state.ledger[group_id]
-        if rec.state is GroupState.RESERVED and state.sampler.should_abort_in_flight(rec, state.trainer_version):
-            rec.abort_reason = "stale_in_flight"
+        if rec.state is GroupState.RESERVED and not rec.abort_reason and which(rec):
+            rec.abort_reason = reason
             task.cancel()
             aborted += 1
     state.sampler.record_aborted(aborted)

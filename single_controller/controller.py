@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import statistics as pystats
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pumps.advantage import advantage_pump
@@ -82,6 +82,10 @@ class ControllerStatistics:
     storage_retries: int = 0
     checkpoints_written: int = 0
     last_checkpoint_s: float = 0.0
+    # Latest measured training-inference mismatch (`train/mismatch_*` of the last step that had
+    # tokens sampled with its own weights; empty before the first) and its configured bound.
+    mismatch: dict[str, float] = field(default_factory=dict)
+    mismatch_kl_bound: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Controller:
         self.stop_token_id = stop_token_id
         self.on_step = on_step
         self.history: list[dict] = []
+        self._mismatch: dict[str, float] = {}
         self._success = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
         self._last_controller_bytes = 0
@@ -315,6 +320,8 @@ class Controller:
             rec[f"pump/{name}_wait_s"] = total - self._last_wait.get(name, 0.0)
             self._last_wait[name] = total
         self.history.append(rec)
+        if "train/mismatch_kl" in rec:
+            self._mismatch = {k: rec[k] for k in ("train/mismatch_kl", "train/mismatch_abs_logprob") if k in rec}
         if self.on_step is not None:
             self.on_step(rec)
         target = cfg.run.stop_at_success_rate
@@ -382,6 +389,8 @@ class Controller:
             storage_retries=st.storage_retries,
             checkpoints_written=st.checkpoints_written,
             last_checkpoint_s=st.last_checkpoint_s,
+            mismatch=dict(self._mismatch),
+            mismatch_kl_bound=self.cfg.metrics.mismatch_kl_bound,
         )
 
     def select_latency_percentiles(self) -> tuple[float, float]:

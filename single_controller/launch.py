@@ -1,9 +1,10 @@
 """`sc-grpo run`: from a validated config to a finished run directory.
 
-cpu backend: start (or attach to) Ray with resources that fit the machine, start the controller as
-a CPU-only Ray actor (which starts TransferQueue and the workers side by side), stream one
-record per step into the run directory and the console, and tear everything down on success,
-error and Ctrl-C. sim backend: the same controller in-process.
+Ray backends (`backend.generation` / `backend.trainer`: torch, vllm, megatron): start (or attach
+to) Ray with resources that fit the machine, start the controller as a CPU-only Ray actor (which
+starts TransferQueue and the workers side by side), stream one record per step into the run
+directory and the console, save the final policy, and tear everything down on success, error and
+Ctrl-C. sim backends: the same controller in-process.
 
 Every exit writes its records: `metrics.jsonl` (streamed), `summary.json` (with the stop reason),
 `prompt_ledger.json`, and on failure `error.log` (the full traceback) beside one short paragraph on
@@ -34,8 +35,16 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
+    """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
+    from single_controller.config_loader import check_environment
     from single_controller.run_output import RunDirectory
 
+    check_environment(cfg)
+    if cfg.model.path is not None and cfg.model.create:
+        from single_controller.backends.hf_model import prepare_model_dir
+
+        if prepare_model_dir(cfg.model, cfg.seed):
+            print(f"sc-grpo: wrote a random-init model to {cfg.model.path}", flush=True)
     t_start = time.perf_counter()
     if resume_dir is not None:
         step = _check_resumable(cfg, resume_dir)  # before anything starts
@@ -45,7 +54,7 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         run_dir = RunDirectory.create(cfg)
         print(f"sc-grpo: run directory {run_dir.path}", flush=True)
     try:
-        if cfg.backend.kind == "sim":
+        if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
             code = asyncio.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
         else:
             code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)

@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import ipaddress
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -177,6 +178,20 @@ def families(s: ControllerStatistics) -> list[Metric]:
     counter("tokens_trained", "Prompt + response tokens of trained groups.", s.tokens_trained)
     gauge("last_step_reward_mean", "Mean reward of the completions trained in the last step.", s.last_reward_mean)
     gauge("last_step_success_rate", "Fraction of the last step's completions with reward >= task.success_reward.", s.last_success_rate)
+
+    # -- training-inference mismatch ------------------------------------------------------------
+    gauge("mismatch_kl_bound", "Configured bound on train_mismatch_kl (metrics.mismatch_kl_bound).", s.mismatch_kl_bound)
+    # NaN until a step trains tokens that were sampled with its own weights (unknown, never "0").
+    gauge(
+        "train_mismatch_kl",
+        "KL(generation || trainer) estimate (k3) on the last measured step's tokens sampled with the trainer's weights.",
+        s.mismatch.get("train/mismatch_kl", math.nan),
+    )
+    gauge(
+        "train_mismatch_abs_logprob",
+        "Mean |trainer logprob - generation logprob| on the same tokens.",
+        s.mismatch.get("train/mismatch_abs_logprob", math.nan),
+    )
 
     # -- storage ------------------------------------------------------------------------------
     st = s.storage

@@ -88,3 +88,17 @@ def test_errors():
         grpo_loss(x, x, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), LossConfig(level="batch"))
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(x, x, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), LossConfig(kl_coef=0.1))
+
+
+def test_mismatch_stats_by_hand():
+    from single_controller.backends.cpu.losses import mismatch_stats
+
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, 0.0]])
+    gen = torch.tensor([[-1.5, -2.0, -1.0], [-0.25, -9.0, 0.0]])
+    same = torch.tensor([[True, True, False], [True, False, False]])  # token (0,2) and (1,1): other weights
+    # d = logp - gen on the counted tokens: 0.5, 0.0, -0.25
+    got = mismatch_stats(logp, gen, same)
+    assert got["mm_tokens"] == 3
+    assert got["mm_abs"] == pytest.approx(0.75)
+    # k3 = e^d - 1 - d: (e^0.5 - 1.5) + 0 + (e^-0.25 - 0.75) = 0.148721 + 0.028801
+    assert got["mm_kl"] == pytest.approx(math.exp(0.5) - 1.5 + math.exp(-0.25) - 0.75, rel=1e-12)

@@ -208,6 +208,23 @@ def test_families_of_a_handmade_record():
     assert "sc_grpo_storage_resident_rows" not in m
 
 
+def test_mismatch_gauges_and_their_bound():
+    import dataclasses
+    import math
+
+    unmeasured = family_samples(handmade_statistics())
+    assert math.isnan(value(unmeasured, "sc_grpo_train_mismatch_kl"))  # unknown, not 0
+    measured = dataclasses.replace(
+        handmade_statistics(),
+        mismatch={"train/mismatch_kl": 2e-3, "train/mismatch_abs_logprob": 0.05},
+        mismatch_kl_bound=1e-3,
+    )
+    got = family_samples(measured)
+    assert value(got, "sc_grpo_train_mismatch_kl") == 2e-3
+    assert value(got, "sc_grpo_train_mismatch_abs_logprob") == 0.05
+    assert value(got, "sc_grpo_mismatch_kl_bound") == 1e-3
+
+
 def test_only_the_exporter_imports_prometheus_client():
     importers = []
     for pkg in ("single_controller", "pumps", "samplers", "replay"):

@@ -103,6 +103,7 @@ def make_rows(group_id: str, group_size: int = 4, seed: int = 0):
         "response_ids": [torch.randint(0, 2**40, (n,), generator=g) for n in resp],
         "gen_logprobs": [-torch.rand(n, generator=g) * 30 for n in resp],
         "response_mask": [torch.rand(n, generator=g) > 0.5 for n in resp],
+        "token_versions": [torch.randint(0, 2**40, (n,), generator=g) for n in resp],
         "reward": torch.rand(group_size, generator=g),
     }
     tags = [{"group": group_id, "i": i, "version": 3} for i in range(group_size)]

@@ -154,7 +154,8 @@ class SimGenerationWorker:
         rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
-        columns = {**rows, "prompt_ids": [prompt] * G, "reward": torch.tensor(rewards, dtype=torch.float32)}
+        versions = [torch.full((T,), version, dtype=torch.int64)] * G
+        columns = {**rows, "prompt_ids": [prompt] * G, "token_versions": versions, "reward": torch.tensor(rewards, dtype=torch.float32)}
         tags = [{"group_id": request.group_id, "version_start": version, "version_end": version}] * G
         await self.storage.put_rows(request.row_keys, columns, tags)
         return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)

@@ -109,3 +109,26 @@ def grpo_loss(
         num_sequences=int((tokens_per_row > 0).sum()),
         token_stats=stats,
     )
+
+
+def mismatch_stats(
+    logprobs: torch.Tensor,  # [B, T] the trainer's recomputation (any grad state; read detached)
+    gen_logprobs: torch.Tensor,  # [B, T] what the generation engine reported for the same tokens
+    same_weights: torch.Tensor,  # [B, T] bool: valid tokens the engine sampled with the trainer's current weights
+) -> dict[str, float]:
+    """Training-inference mismatch sums over the tokens both sides computed with the same weights
+    (where any difference is the engines', not staleness). With d = log pi_train - log pi_gen:
+
+      mm_abs    = sum |d|                      (mean |delta logprob| once divided by mm_tokens)
+      mm_kl     = sum exp(d) - 1 - d           (k3: unbiased, >= 0, estimates KL(pi_gen || pi_train)
+                                                from tokens sampled by pi_gen)
+      mm_tokens = number of such tokens
+    """
+    with torch.no_grad():
+        m = same_weights.bool()
+        d = torch.where(m, logprobs.detach().double() - gen_logprobs.double(), torch.zeros((), dtype=torch.float64))
+        return {
+            "mm_abs": float(d.abs().sum()),
+            "mm_kl": float((torch.expm1(d) - d).sum()),
+            "mm_tokens": float(m.sum()),
+        }

@@ -11,8 +11,9 @@ adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
   (refs nested in a container are not resolved by Ray; generation workers await them), so weight
   bytes never pass through the controller.
 * `CpuGenerationClient` forwards to a `generation.GenerationActor` run as a Ray async actor.
-* `create_cpu_workers(cfg, storage_factory)` starts everything per config and syncs version 0 (rank
-  0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
+* `start_torch_generation` / `start_torch_trainer` start one role each (the starters named in
+  `backends.registry`); `create_cpu_workers(cfg, storage_factory)` starts both and syncs version 0
+  (rank 0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
 
 Adapters are coroutines that `await` object refs; nothing here calls `ray.get` on the event loop.
 Errors: a failing remote call surfaces as `TrainerFailed` / `GenerationFailed` chained to the remote
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.cpu.generation import GenerationActor
-from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
+from single_controller.backends.cpu.model import build_policy, save_policy, state_module
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
 from single_controller.deadlines import within
@@ -90,8 +91,15 @@ class TrainerRankActor:
                 "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
             )
             pg = dist.group.WORLD
-        policy = build_tinygpt(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
-        self.core = TrainerCore(policy, self.cfg.train, temperature=self.cfg.rollout.temperature, process_group=pg)
+        device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(device=device, dtype=self.dtype)
+        self.core = TrainerCore(
+            policy,
+            self.cfg.train,
+            temperature=self.cfg.rollout.temperature,
+            process_group=pg,
+            bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
+        )
         return sum(p.numel() for p in policy.parameters())
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
@@ -138,7 +146,7 @@ class TrainerRankActor:
     def save_checkpoint(self, directory: str) -> str:
         if self.core.step_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
-        return str(save_tinygpt(self.core.policy, directory))
+        return str(save_policy(self.core.policy, directory, self.cfg.model))
 
     def save_state(self, directory: str) -> None:
         """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
@@ -148,7 +156,7 @@ class TrainerRankActor:
         torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
         if self.rank == 0:
             torch.save(state, os.path.join(directory, "trainer.pt"))
-            save_tinygpt(self.core.policy, os.path.join(directory, "policy"))
+            save_policy(self.core.policy, os.path.join(directory, "policy"), self.cfg.model)
 
     def load_state(self, directory: str) -> int:
         state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
@@ -158,14 +166,14 @@ class TrainerRankActor:
         return self.core.next_step
 
     def get_weights(self) -> dict[str, Any]:
-        return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
+        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
 
     def statistics(self) -> TrainerStatistics:
         return self.core.statistics()
 
     def get_grads(self) -> dict[str, Any]:
         """The gradient the last finished step applied (for checks)."""
-        return {n: p.grad.detach().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
+        return {n: p.grad.detach().cpu().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
 
     def close(self) -> None:
         self.prefetcher.close()
@@ -422,29 +430,17 @@ async def _kill_all(handles: Sequence[Any]) -> None:
         raise first_error
 
 
-async def create_cpu_workers(
-    cfg: Config,
-    storage_factory: Callable[[], Any],
-    *,
-    storage_ready: Awaitable[Any] | None = None,
-    generation_options: dict | None = None,
-    trainer_options: dict | None = None,
-    dtype: str = "float32",
-) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
-    """Start `backend.num_trainer_ranks` trainer ranks and `backend.num_generation_workers` generation
-    actors, and load version 0 into every generation worker. Every actor process is started at once
-    (each spends seconds importing torch), before `storage_ready` is awaited, so their start-up
-    overlaps the storage service's own. `*_options` go to `.options()` (defaults: num_cpus=0, since
+async def start_torch_generation(
+    cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any] | None = None, options: dict | None = None
+) -> list[CpuGenerationClient]:
+    """Start `backend.num_generation_workers` generation actors and connect them to storage (the
+    `registry` starter contract). `options` go to `.options()` (default num_cpus=0, since
     TransferQueue may hold every logical CPU)."""
-    world = cfg.backend.num_trainer_ranks
-    t_opts = {"num_cpus": 0, **(trainer_options or {})}
-    g_opts = {"num_cpus": 0, **(generation_options or {})}
-    rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
-    ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
-    group = CpuTrainerGroup(ranks)
-    def spawner(i: int) -> Callable[[], Any]:
+    gen_cls = ray.remote(GenerationActor)
+
+    def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
         def spawn() -> Any:
-            return gen_cls.options(**g_opts).remote(
+            return gen_cls.options(**{"num_cpus": 0, **(options or {})}).remote(
                 f"gen{i}",
                 cfg.model,
                 storage_factory,
@@ -456,19 +452,73 @@ async def create_cpu_workers(
 
         return spawn
 
-    spawns = [spawner(i) for i in range(cfg.backend.num_generation_workers)]
-    clients = [CpuGenerationClient(f"gen{i}", spawn(), spawn) for i, spawn in enumerate(spawns)]
+    clients = []
+    for i in range(cfg.backend.num_generation_workers):
+        spawn = spawner(i)
+        clients.append(CpuGenerationClient(f"gen{i}", spawn(), spawn))
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        await asyncio.gather(*(c.actor.connect.remote() for c in clients))
+    except BaseException:
+        await asyncio.shield(_kill_all([c.actor for c in clients]))
+        raise
+    return clients
+
+
+async def start_torch_trainer(
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Awaitable[Any] | None = None,
+    options: dict | None = None,
+    dtype: str = "float32",
+) -> CpuTrainerGroup:
+    """Start `backend.num_trainer_ranks` trainer ranks, join their gloo group and build the policy
+    (the `registry` starter contract)."""
+    world = cfg.backend.num_trainer_ranks
+    rank_cls = ray.remote(TrainerRankActor)
+    res = {"num_cpus": 0, "num_gpus": 1} if cfg.backend.trainer_device == "cuda" else {"num_cpus": 0}
+    ranks = [rank_cls.options(**{**res, **(options or {})}).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
+    group = CpuTrainerGroup(ranks)
     try:
         if storage_ready is not None:
             await storage_ready
         port = await ranks[0].free_port.remote() if world > 1 else None
-        await asyncio.gather(
-            *(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks), *(c.actor.connect.remote() for c in clients)
-        )
+        await asyncio.gather(*(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks))
+    except BaseException:
+        await asyncio.shield(group.shutdown())
+        raise
+    return group
+
+
+async def create_cpu_workers(
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Awaitable[Any] | None = None,
+    generation_options: dict | None = None,
+    trainer_options: dict | None = None,
+    dtype: str = "float32",
+) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
+    """Both torch roles at once: every actor process is started before `storage_ready` is awaited,
+    so their start-up overlaps the storage service's own; then version 0 (rank 0's init, or the
+    configured model) is loaded into every generation worker."""
+    ready = asyncio.ensure_future(storage_ready) if storage_ready is not None else None
+    tasks = [
+        asyncio.ensure_future(start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options)),
+        asyncio.ensure_future(start_torch_trainer(cfg, storage_factory, storage_ready=ready, options=trainer_options, dtype=dtype)),
+    ]
+    await asyncio.wait(tasks)
+    clients = tasks[0].result() if tasks[0].exception() is None else []
+    group = tasks[1].result() if tasks[1].exception() is None else None
+    try:
+        for t in tasks:
+            t.result()  # raises the first starter's failure
         handle = await group.export_weights(0)
         await asyncio.gather(*(c.update_weights(handle) for c in clients))
     except BaseException:
-        await asyncio.shield(shutdown_cpu_workers(clients, group))
+        await asyncio.shield(_kill_all([c.actor for c in clients] + (list(group.ranks) if group else [])))
         raise
     return clients, group
 
@@ -482,5 +532,7 @@ __all__ = [
     "CpuTrainerGroup",
     "CpuGenerationClient",
     "create_cpu_workers",
+    "start_torch_generation",
+    "start_torch_trainer",
     "shutdown_cpu_workers",
 ]

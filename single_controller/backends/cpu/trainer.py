@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss
-from single_controller.backends.cpu.model import pad_right, token_logprobs
+from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
+from single_controller.backends.cpu.model import pad_right, state_module, token_logprobs
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
@@ -103,7 +103,7 @@ def pack_weights(module: nn.Module, version: int, bucket_bytes: int = 4 << 20) -
             for name, p in group:
                 entries.append(WeightEntry(name, tuple(p.shape), b, offset, p.numel()))
                 offset += p.numel()
-            buckets.append(torch.cat([p.detach().reshape(-1) for _, p in group]).numpy())
+            buckets.append(torch.cat([p.detach().reshape(-1) for _, p in group]).cpu().numpy())
     manifest = WeightManifest(
         version=version,
         dtype=str(buckets[0].dtype),
@@ -177,7 +177,7 @@ class TrainerStatistics:
     open_tokens: int  # local valid tokens in the open step
 
 
-STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl")
+STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
 
 
 def _clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -285,14 +285,22 @@ class TrainerCore:
         ctx = self._forward.no_sync() if self.pg is not None else contextlib.nullcontext()
         with ctx:
             logp, valid = token_logprobs(self._forward, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            mask = pad_right(rows["response_mask"], False, torch.bool) & valid  # [B, R]
-            gen = pad_right(rows["gen_logprobs"], 0.0, dtype)  # [B, R]
+            dev = valid.device
+            mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
+            gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
             ref = None
             if st.loss.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = token_logprobs(self.reference, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]), mask, st.loss, ref_logprobs=ref)
+            out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
             out.loss_sum.backward()
+        if rows.get("token_versions") is not None:
+            # Tokens sampled with the weights this step trains (version == step): their logprob gap
+            # is the generation engine's mismatch, free of staleness.
+            versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
+            st_mm = mismatch_stats(logp, gen, mask & (versions == st.step))
+            for k, v in st_mm.items():
+                st.stats[k] += v
         st.tokens += out.num_tokens
         st.sequences += out.num_sequences
         st.loss_sum += float(out.loss_sum.detach())
@@ -345,6 +353,11 @@ class TrainerCore:
         }
         if st.loss.kl_coef > 0:
             metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
+        mm_tokens = stat_sums["mm_tokens"]
+        metrics["train/mismatch_tokens"] = mm_tokens
+        if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
+            metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
+            metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
         self._last_finished = (st.step, dict(metrics))
         return metrics
 
@@ -385,12 +398,12 @@ class TrainerCore:
     def publish_weights(self, version: int) -> WeightSnapshot:
         if self._open is not None:
             raise TrainStepStateError(f"publish_weights({version}) while step {self._open.step} is open")
-        return pack_weights(self.policy, version, self.bucket_bytes)
+        return pack_weights(state_module(self.policy), version, self.bucket_bytes)
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         if self._open is not None:
             raise TrainStepStateError("load_weights while a step is open")
-        load_snapshot(self.policy, snapshot)
+        load_snapshot(state_module(self.policy), snapshot)
 
     def _require_open(self, what: str) -> _OpenStep:
         if self._open is None:

