@@ -93,7 +93,7 @@ class LlamaSpec:
         return out
 
 
-def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32):
+def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -113,8 +113,10 @@ def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.floa
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # weights come from the HF checkpoint
+        use_cpu_initialization=cpu_init,
+        # The weights come from the HF checkpoint, but Megatron marks TP-sharded weights
+        # (`tensor_model_parallel`, which the TP-aware grad norm reads) only while initializing them.
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -125,12 +127,12 @@ def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.floa
     )
 
 
-def build_gpt(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32):
+def build_gpt(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
-        config=transformer_config(spec, tp, dtype),
+        config=transformer_config(spec, tp, dtype, cpu_init),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=spec.padded_vocab(tp),
         max_sequence_length=spec.max_position_embeddings,

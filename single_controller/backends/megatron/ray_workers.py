@@ -268,6 +268,11 @@ class MegatronRankActor:
             logp, _ = token_logprobs(self.core.policy, prompt_ids, response_ids, temperature)
         return logp
 
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits [B, L, V] under the current weights (no grad)."""
+        with self.core._mc(), torch.no_grad():
+            return self.core.policy(input_ids)
+
     def statistics(self):
         return self.core.statistics()
 

@@ -174,7 +174,7 @@ class MegatronTrainerCore:
             raise ValueError("; ".join(problems))
         with self._mc():
             manual_seed(seed, emulate_cpu)
-            model = build_gpt(spec, self.tp, dtype)
+            model = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
             self._load_hf(model, hf_state)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
@@ -198,7 +198,7 @@ class MegatronTrainerCore:
             self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides={})
             self.reference = None
             if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
-                self.reference = build_gpt(spec, self.tp, dtype)
+                self.reference = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
                 self._load_hf(self.reference, hf_state)
                 self.reference.requires_grad_(False)
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
