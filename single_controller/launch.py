@@ -1,9 +1,9 @@
 """`sc-grpo run`: from a validated config to a finished run directory.
 
-cpu backend: start (or attach to) Ray with resources that fit the machine, start the controller as
+Ray backends (`backend.generation` / `backend.trainer` torch, vllm, megatron): start (or attach to) Ray with resources that fit the machine, start the controller as
 a CPU-only Ray actor (which starts TransferQueue and the workers side by side), stream one
 record per step into the run directory and the console, save the final policy, and tear
-everything down on success, error and Ctrl-C. sim backend: the same controller in-process.
+everything down on success, error and Ctrl-C. sim backends: the same controller in-process.
 
 Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 130 interrupted.
 """
@@ -21,13 +21,16 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def run_from_config(cfg: Config) -> int:
+    """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
+    from single_controller.config_loader import check_environment
     from single_controller.run_output import RunDirectory
 
+    check_environment(cfg)
     t_start = time.perf_counter()
     run_dir = RunDirectory.create(cfg)
     print(f"sc-grpo: run directory {run_dir.path}", flush=True)
     try:
-        if cfg.backend.kind == "sim":
+        if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
             code = asyncio.run(_drive_local(cfg, run_dir, t_start))
         else:
             code = _run_on_ray(cfg, run_dir, t_start)

@@ -2,8 +2,9 @@
 Controller, serves its Prometheus metrics, and streams one record per step to whoever drives it.
 
 `ControllerService` is a plain class with async methods. `launch` runs it as a CPU-only Ray actor
-(`ray.remote(num_cpus=0, num_gpus=0)`) for the `cpu` backend, or in-process for the `sim` backend
-and tests. Its own lifecycle: `setup()` -> `run()` (while the driver calls `next_records`) ->
+(`ray.remote(num_cpus=0, num_gpus=0)`) for Ray backends, or in-process for the `sim` backend and
+tests. Workers are built per role (`backend.generation`, `backend.trainer`) through
+`backends.registry`; the controller itself never sees which. Its own lifecycle: `setup()` -> `run()` (while the driver calls `next_records`) ->
 `close()` (always, also after a failure).
 """
 
@@ -62,10 +63,10 @@ class ControllerService:
         from single_controller.state import Workers
 
         cfg = self.cfg
-        if cfg.backend.kind == "sim":
+        if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
             storage, gens, trainer = self._sim_workers()
         else:
-            storage, gens, trainer = await self._cpu_workers()
+            storage, gens, trainer = await self._ray_workers()
         from single_controller.tasks import TOKENIZER
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
@@ -91,11 +92,11 @@ class ControllerService:
         )
         return storage, gens, trainer
 
-    async def _cpu_workers(self):
+    async def _ray_workers(self):
         """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
         from replay.tq_runtime import open_tq_storage
         from replay.tq_storage import TQRowStorage
-        from single_controller.backends.cpu.ray_workers import create_cpu_workers
+        from single_controller.backends.registry import start_workers
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -108,9 +109,8 @@ class ControllerService:
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
         factory = functools.partial(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
-        gens, trainer = await within(
-            create_cpu_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, "starting TransferQueue and the CPU workers"
-        )
+        what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
+        gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
         self.setup_times["workers_s"] = time.perf_counter() - t0
         return await storage, gens, trainer
@@ -155,11 +155,11 @@ class ControllerService:
             server, self._metrics_server = self._metrics_server, None
             await asyncio.to_thread(server.stop)  # blocks up to 0.5 s
         if self._workers is not None:
-            from single_controller.backends.cpu.ray_workers import shutdown_cpu_workers
+            from single_controller.backends.registry import shutdown_workers
 
             gens, trainer = self._workers
             self._workers = None
-            await within(shutdown_cpu_workers(gens, trainer), 30, "shutting down the CPU workers")
+            await within(shutdown_workers(gens, trainer), 60, "shutting down the workers")
         if self._started_tq:
             from replay.tq_runtime import stop_tq
 

@@ -81,7 +81,7 @@ def test_shipped_yaml_holds_only_differences_from_the_defaults(path: Path):
 
 def test_embedded_is_the_streaming_async_default():
     cfg = load_config(str(ROOT / "configs/embedded.yaml"), [])
-    assert (cfg.backend.kind, cfg.storage.kind) == ("cpu", "tq")
+    assert (cfg.backend.generation, cfg.backend.trainer, cfg.storage.kind) == ("torch", "torch", "tq")
     assert (cfg.task.name, cfg.task.num_digits) == ("reverse_digits", 3)
     assert (cfg.rollout.group_size, cfg.train.groups_per_step, cfg.train.lr) == (16, 16, 1e-3)
     assert cfg.sampler.order == "in_order"
@@ -107,7 +107,7 @@ def test_embedded_sync_differs_from_embedded_only_in_being_synchronous():
 
 def test_sim_uses_fake_workers_and_memory_storage():
     cfg = load_config(str(ROOT / "configs/sim.yaml"), [])
-    assert (cfg.backend.kind, cfg.storage.kind) == ("sim", "memory")
+    assert (cfg.backend.generation, cfg.backend.trainer, cfg.storage.kind) == ("sim", "sim", "memory")
     assert cfg.backend.sim_generate_s < Config().backend.sim_generate_s
     assert cfg.backend.sim_train_s < Config().backend.sim_train_s
 
@@ -202,9 +202,12 @@ def test_several_problems_are_all_listed_in_one_error(tmp_path):
         (["train.loss_level=batch"], "train.loss_level"),
         (["sampler.order=lifo"], "sampler.order"),
         (["sync.drain_policy=wait"], "sync.drain_policy"),
-        (["backend.kind=gpu"], "backend.kind"),
+        (["backend.generation=gpu"], "backend.generation"),
+        (["backend.trainer=deepspeed"], "backend.trainer"),
+        (["backend.generation=sim"], "backend.trainer"),  # sim is both roles or neither
+        (["backend.trainer=sim"], "backend.generation"),
         (["storage.kind=redis"], "storage.kind"),
-        (["storage.kind=memory"], "storage.kind"),  # memory needs backend.kind=sim
+        (["storage.kind=memory"], "storage.kind"),  # memory needs the sim backends
         (["train.groups_per_step=0"], "train.groups_per_step"),
         (["timeouts.generate_s=0"], "timeouts.generate_s"),
         (["sync.drain_timeout_s=-1"], "sync.drain_timeout_s"),
@@ -236,7 +239,9 @@ def test_each_check_rejects_its_violation(overrides, paths):
     "overrides",
     [
         ["rollout.group_size=2"],
-        ["storage.kind=memory", "backend.kind=sim"],
+        ["storage.kind=memory", "backend.generation=sim", "backend.trainer=sim"],
+        ["backend.generation=vllm"],  # loads anywhere; whether vllm is installed is checked at run
+        ["backend.trainer=megatron"],
         ["sampler.max_staleness_versions=3"],
         ["train.min_groups_per_chunk=16"],
         ["backend.num_trainer_ranks=64"],
@@ -382,3 +387,24 @@ def test_write_readme_rewrites_only_the_marked_section(tmp_path):
     assert "old stuff" not in text
     assert readme_reference(text) == config_reference_markdown()
     assert config_loader.write_readme_reference(readme) is False  # idempotent
+
+
+# ---------------------------------------------------------------- what the machine must have
+
+
+def test_default_backends_need_nothing_more():
+    assert config_loader.environment_problems(Config()) == []
+
+
+def test_a_backend_whose_package_is_missing_names_its_extra(monkeypatch):
+    from single_controller.backends import registry
+
+    monkeypatch.setitem(
+        registry.TRAINER_BACKENDS, "megatron", registry.BackendEntry("sc_grpo_absent.ray_workers:start", ("sc_grpo_absent_pkg",), "megatron")
+    )
+    cfg = load_config(None, ["backend.trainer=megatron"])  # loading never needs the package
+    (problem,) = config_loader.environment_problems(cfg)
+    assert problem.paths == ("backend.trainer",)
+    assert "sc_grpo_absent_pkg" in problem.message and "'.[megatron]'" in problem.message
+    with pytest.raises(config_loader.ConfigError, match=r"install the `megatron` extra"):
+        config_loader.check_environment(cfg)

