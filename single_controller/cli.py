@@ -85,6 +85,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return int(fn(list(args.args)))
 
 
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.backends.hf_model:main_init_model")
+    return int(fn([args.dir, *args.args]))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     fn = _load_entry_point("single_controller.status:main")
     return int(fn(["--url", args.url] if args.url else []))
@@ -100,6 +105,7 @@ commands:
   config   validate and print it:    sc-grpo config configs/embedded_sync.yaml sampler.order=fifo
   bench    run a benchmark:          sc-grpo bench overlap --help
   status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
+  init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
 The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
@@ -170,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own)")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "init-model",
+        help="write a tiny random-init Hugging Face model with the tasks' tokenizer",
+        description="Write a random-init LlamaForCausalLM (untied embeddings, head_dim 32 by default: "
+        "valid for vLLM's CPU attention) and the digit tasks' character tokenizer into DIR, offline. "
+        "Use it as model.path. Options after DIR: --hidden-size, --num-layers, --head-dim, "
+        "--max-positions, --seed.",
+        epilog="example:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", metavar="DIR", help="the model directory to write")
+    p.add_argument("args", metavar="OPTIONS", nargs=argparse.REMAINDER, help="--hidden-size N etc.")
+    p.set_defaults(func=_cmd_init_model)
     return parser
 
 

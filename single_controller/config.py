@@ -60,6 +60,13 @@ class ModelConfig:
     """Std of the normal initialisation of weights."""
     checkpoint: Optional[str] = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
+    path: Optional[str] = None
+    """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
+    loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
+    create: bool = False
+    """When `path` does not exist yet, write a random-init tiny Llama there first (as `sc-grpo
+    init-model` does): hidden size `d_model`, `n_layers` layers, `n_heads` heads (head_dim = d_model /
+    n_heads), `max_seq_len` positions, seeded by `seed`."""
 
 
 @dataclass(frozen=True)

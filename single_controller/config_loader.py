@@ -21,6 +21,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -533,6 +534,25 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 "the controller's memory; use storage.kind=tq",
             )
         )
+    m = cfg.model
+    if m.path is not None and m.checkpoint is not None:
+        out.append(
+            Problem(
+                ("model.path", "model.checkpoint"),
+                f"model.path ({m.path!r}) and model.checkpoint ({m.checkpoint!r}) both name the initial "
+                "weights; a Hugging Face model directory (model.path) or an embedded TinyGPT checkpoint, not both",
+            )
+        )
+    if m.create and m.path is None:
+        out.append(Problem(("model.create", "model.path"), "model.create=true needs model.path (where to write the model)"))
+    if b.generation == "vllm" and m.path is None:
+        out.append(
+            Problem(
+                ("backend.generation", "model.path"),
+                "backend.generation=vllm needs model.path: vLLM loads a Hugging Face model directory "
+                "(write a tiny one with `sc-grpo init-model DIR`, or set model.create=true)",
+            )
+        )
     if cfg.model.d_model % cfg.model.n_heads != 0:
         out.append(
             Problem(
@@ -603,7 +623,9 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
 
 
 def environment_problems(cfg: Config) -> list[Problem]:
-    """What this machine lacks for `cfg`: backend packages (naming the pip extra). Run by
+    """What this machine lacks for `cfg`: backend packages (naming the pip extra) and a usable model
+    directory (`model.path`: exists with weights and a matching tokenizer, or `model.create`; a head
+    size vLLM's CPU attention runs). Run by
     `sc-grpo run` before any process starts; `load_config` does not, so every shipped config loads
     anywhere."""
     from single_controller.backends.registry import GENERATION_BACKENDS, TRAINER_BACKENDS, missing_modules
@@ -630,6 +652,43 @@ def environment_problems(cfg: Config) -> list[Problem]:
                     f"backend.{role}={name} needs module(s) {', '.join(missing)}, which are not installed; {how}",
                 )
             )
+    out += _model_dir_problems(cfg)
+    return out
+
+
+def _model_dir_problems(cfg: Config) -> list[Problem]:
+    """`model.path` must be a usable model directory, or one `model.create` will write."""
+    m = cfg.model
+    if m.path is None:
+        return []
+    from single_controller.backends import hf_model
+
+    vllm_cpu = cfg.backend.generation == "vllm"
+    out: list[Problem] = []
+    if importlib.util.find_spec("transformers") is None:
+        out.append(
+            Problem(
+                ("model.path",),
+                "model.path needs the `transformers` package to load a Hugging Face model directory; "
+                "install the `hf` extra: pip install -c constraints-cpu.txt -e '.[hf]'",
+            )
+        )
+    if m.create and not Path(m.path).exists():
+        head_dim = m.d_model // m.n_heads
+        if vllm_cpu and not hf_model.vllm_cpu_head_dim_ok(head_dim):
+            out.append(
+                Problem(
+                    ("model.d_model", "model.n_heads", "backend.generation"),
+                    f"model.create would write a model with head_dim = model.d_model / model.n_heads = "
+                    f"{m.d_model} / {m.n_heads} = {head_dim}, which vLLM's CPU attention cannot run (it needs "
+                    "32, 64, 80, 96, 112, 128 or 160..512 in steps of 16); e.g. set model.n_heads to "
+                    f"{max(1, m.d_model // 32)}",
+                )
+            )
+        return out
+    longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
+    for msg in hf_model.model_dir_problems(m.path, vllm_cpu=vllm_cpu, min_positions=longest):
+        out.append(Problem(("model.path",), f"model.path: {msg}"))
     return out
 
 

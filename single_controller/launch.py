@@ -26,6 +26,11 @@ def run_from_config(cfg: Config) -> int:
     from single_controller.run_output import RunDirectory
 
     check_environment(cfg)
+    if cfg.model.path is not None and cfg.model.create:
+        from single_controller.backends.hf_model import prepare_model_dir
+
+        if prepare_model_dir(cfg.model, cfg.seed):
+            print(f"sc-grpo: wrote a random-init model to {cfg.model.path}", flush=True)
     t_start = time.perf_counter()
     run_dir = RunDirectory.create(cfg)
     print(f"sc-grpo: run directory {run_dir.path}", flush=True)

@@ -240,7 +240,7 @@ def test_each_check_rejects_its_violation(overrides, paths):
     [
         ["rollout.group_size=2"],
         ["storage.kind=memory", "backend.generation=sim", "backend.trainer=sim"],
-        ["backend.generation=vllm"],  # loads anywhere; whether vllm is installed is checked at run
+        ["backend.generation=vllm", "model.path=m"],  # loads anywhere: packages and the dir are checked at run
         ["backend.trainer=megatron"],
         ["sampler.max_staleness_versions=3"],
         ["train.min_groups_per_chunk=16"],

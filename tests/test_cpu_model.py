@@ -9,6 +9,7 @@ from single_controller.backends.cpu.model import (
     HFCausalLMPolicy,
     TinyGPT,
     build_tinygpt,
+    state_module,
     load_tinygpt,
     save_tinygpt,
     token_logprobs,
@@ -140,10 +141,10 @@ def test_hf_causal_lm_adapter():
     storage.put_rows_sync(keys, {"advantage": torch.randn(16)})
     torch.manual_seed(0)
     trainer = TrainerCore(HFCausalLMPolicy(transformers.LlamaForCausalLM(cfg)), TrainConfig())
-    trainer.load_weights(pack_weights(policy, 0))
+    trainer.load_weights(pack_weights(state_module(policy), 0))  # snapshots carry the HF checkpoint names
     trainer.begin_train_step(0, LossConfig())
     trainer.train_microbatch(storage.get_rows_sync(keys, TRAIN_FIELDS))
     metrics = trainer.finish_train_step()
     assert metrics["train/tokens"] == 48 and metrics["train/gen_logprob_gap"] < 1e-5  # same weights: on-policy
-    load_snapshot(policy, trainer.publish_weights(1))
+    load_snapshot(state_module(policy), trainer.publish_weights(1))
     assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), trainer.policy.parameters()))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
+from single_controller.backends.cpu.model import state_module
 from single_controller.backends.cpu.sampling import sample
 from single_controller.backends.cpu.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.config import ModelConfig
@@ -72,7 +73,7 @@ class GenerationCore:
         v = snapshot.manifest.version
         if self.version is not None and v < self.version:
             raise ValueError(f"weights v{v} are older than the loaded v{self.version}")
-        load_snapshot(self.policy, snapshot)
+        load_snapshot(state_module(self.policy), snapshot)
         self.version = v
         self._counts["weight_updates"] += 1
 
@@ -181,6 +182,10 @@ class GenerationActor:
         self.max_batch_groups = max_batch_groups
         # Weights arrive with the first update_weights (version 0 from the trainer); until then the
         # parameters are placeholders and generate() refuses to run.
+        if policy is None and model_cfg.path is not None:  # the same architecture as the trainer's
+            from single_controller.backends.hf_model import load_hf_policy
+
+            policy = load_hf_policy(model_cfg.path)
         if policy is None:
             policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
         # The storage client connects on first use (or connect()): storage may still be starting.
@@ -310,7 +315,7 @@ class GenerationActor:
 
     async def get_weights(self) -> dict[str, Any]:
         """Copies of the parameters as numpy arrays (for checks)."""
-        return {n: p.detach().clone().numpy() for n, p in self._core.policy.named_parameters()}
+        return {n: p.detach().clone().numpy() for n, p in state_module(self._core.policy).named_parameters()}
 
     async def close(self) -> None:
         """Stop the batching loop and fail every queued request."""

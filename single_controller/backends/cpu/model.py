@@ -234,6 +234,8 @@ def save_tinygpt(model: TinyGPT, directory: str | Path) -> Path:
     save_file(state, str(directory / WEIGHTS_FILE))
     meta = {"architecture": "TinyGPT", "vocab_size": model.vocab_size, **dataclasses.asdict(model.cfg)}
     meta["checkpoint"] = None
+    for k in ("path", "create"):
+        meta.pop(k, None)
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return directory
 
@@ -254,12 +256,39 @@ def load_tinygpt(directory: str | Path) -> TinyGPT:
     return model
 
 
+def state_module(policy: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's names (what weight snapshots carry): the
+    wrapped transformers model of an `HFCausalLMPolicy`, the policy itself otherwise."""
+    return policy.model if isinstance(policy, HFCausalLMPolicy) else policy
+
+
+def build_policy(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
+    """The initial policy: the Hugging Face model directory `cfg.path` if set, else a TinyGPT."""
+    if cfg.path is not None:
+        from single_controller.backends.hf_model import load_hf_policy
+
+        policy = load_hf_policy(cfg.path)
+        if policy.vocab_size < vocab_size:
+            raise ValueError(f"model {cfg.path} has vocab_size {policy.vocab_size} < the tokenizer's {vocab_size}")
+        return policy
+    return build_tinygpt(cfg, vocab_size, seed)
+
+
+def save_policy(policy: nn.Module, directory: str | Path, cfg: ModelConfig) -> Path:
+    """An HF policy as a model directory (tokenizer copied from `cfg.path`), a TinyGPT as its checkpoint."""
+    if isinstance(policy, HFCausalLMPolicy):
+        from single_controller.backends.hf_model import save_hf_policy
+
+        return save_hf_policy(policy, directory, cfg.path)
+    return save_tinygpt(policy, directory)
+
+
 def build_tinygpt(cfg: ModelConfig, vocab_size: int, seed: int) -> TinyGPT:
     """The initial policy: `cfg.checkpoint` if set (its config must match `cfg`), else a seeded random init."""
     if cfg.checkpoint is None:
         return TinyGPT(cfg, vocab_size, seed=seed)
     model = load_tinygpt(cfg.checkpoint)
-    want = dataclasses.replace(cfg, checkpoint=None)
+    want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False)
     if model.cfg != want or model.vocab_size != vocab_size:
         raise ValueError(
             f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); config asks for {want} (vocab {vocab_size})"

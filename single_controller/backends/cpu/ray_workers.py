@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.cpu.generation import GenerationActor
-from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
+from single_controller.backends.cpu.model import build_policy, save_policy, state_module
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
 from single_controller.protocols import GenerationFailed, TrainerFailed
@@ -87,7 +87,7 @@ class TrainerRankActor:
                 "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
             )
             pg = dist.group.WORLD
-        policy = build_tinygpt(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
+        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(self.dtype)
         self.core = TrainerCore(policy, self.cfg.train, temperature=self.cfg.rollout.temperature, process_group=pg)
         return sum(p.numel() for p in policy.parameters())
 
@@ -127,10 +127,10 @@ class TrainerRankActor:
     def save_checkpoint(self, directory: str) -> str:
         if self.core.step_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
-        return str(save_tinygpt(self.core.policy, directory))
+        return str(save_policy(self.core.policy, directory, self.cfg.model))
 
     def get_weights(self) -> dict[str, Any]:
-        return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
+        return {n: p.detach().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
 
     def statistics(self) -> TrainerStatistics:
         return self.core.statistics()

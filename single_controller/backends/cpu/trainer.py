@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss
-from single_controller.backends.cpu.model import pad_right, token_logprobs
+from single_controller.backends.cpu.model import pad_right, state_module, token_logprobs
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
@@ -345,12 +345,12 @@ class TrainerCore:
     def publish_weights(self, version: int) -> WeightSnapshot:
         if self._open is not None:
             raise TrainStepStateError(f"publish_weights({version}) while step {self._open.step} is open")
-        return pack_weights(self.policy, version, self.bucket_bytes)
+        return pack_weights(state_module(self.policy), version, self.bucket_bytes)
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         if self._open is not None:
             raise TrainStepStateError("load_weights while a step is open")
-        load_snapshot(self.policy, snapshot)
+        load_snapshot(state_module(self.policy), snapshot)
 
     def _require_open(self, what: str) -> _OpenStep:
         if self._open is None:

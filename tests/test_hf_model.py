@@ -1,0 +1,136 @@
+"""The Hugging Face model directory shared by every backend: init-model, the checks run before a
+run starts, and the torch trainer + torch generation worker on that same model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the HF model directory needs transformers (the `hf` extra)")
+
+import safetensors  # noqa: E402
+import torch  # noqa: E402
+
+from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
+from single_controller.backends import hf_model  # noqa: E402
+from single_controller.backends.cpu.generation import GenerationCore  # noqa: E402
+from single_controller.backends.cpu.model import build_policy, save_policy, state_module, token_logprobs  # noqa: E402
+from single_controller.backends.cpu.trainer import TrainerCore  # noqa: E402
+from single_controller.cli import main as cli_main  # noqa: E402
+from single_controller.config import TrainConfig  # noqa: E402
+from single_controller.config_loader import ConfigError, check_environment, load_config  # noqa: E402
+from single_controller.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return hf_model.init_model(tmp_path_factory.mktemp("hf") / "tiny", hidden_size=64, seed=0)
+
+
+def test_init_model_writes_a_tiny_llama_with_the_tasks_tokenizer(model_dir):
+    cfg = hf_model.read_config(model_dir)
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], hf_model.head_dim_of(cfg)) == (64, 2, 32)
+    assert cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == TOKENIZER.vocab_size
+    assert hf_model.model_dir_problems(model_dir, vllm_cpu=True, min_positions=8) == []
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    text = "^" + "0123456789" + ">+-=:?$_"
+    assert tok(text)["input_ids"] == TOKENIZER.encode(text)  # no BOS added, one token per character
+    assert tok.decode(TOKENIZER.encode("^321>")) == "^321>"
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (TOKENIZER.bos_id, TOKENIZER.eos_id, TOKENIZER.pad_id)
+
+
+def test_init_model_command(tmp_path):
+    assert cli_main(["init-model", str(tmp_path / "m"), "--hidden-size", "128", "--seed", "1"]) == 0
+    cfg = hf_model.read_config(tmp_path / "m")
+    assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (128, 4)
+
+
+def test_model_dir_problems_name_what_is_wrong(tmp_path, model_dir):
+    (missing,) = hf_model.model_dir_problems(tmp_path / "absent")
+    assert "does not exist" in missing and "sc-grpo init-model" in missing
+
+    no_tok = tmp_path / "no_tok"
+    hf_model.init_model(no_tok, hidden_size=64)
+    (no_tok / "tokenizer.json").unlink()
+    (problem,) = hf_model.model_dir_problems(no_tok)
+    assert "no tokenizer" in problem
+
+    small = tmp_path / "hd16"
+    hf_model.init_model(small, hidden_size=64, head_dim=16)
+    assert hf_model.model_dir_problems(small) == []  # fine for torch
+    (problem,) = hf_model.model_dir_problems(small, vllm_cpu=True)
+    assert "head_dim 16" in problem and "vLLM's CPU attention" in problem
+
+    other = tmp_path / "other_vocab"
+    hf_model.init_model(other, hidden_size=64)
+    data = json.loads((other / "tokenizer.json").read_text())
+    data["model"]["vocab"] = {k: (v + 1) % TOKENIZER.vocab_size for k, v in data["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    (problem,) = hf_model.model_dir_problems(other)
+    assert "does not match the tasks' character tokenizer" in problem
+
+
+def test_bad_model_dirs_are_reported_before_anything_starts(tmp_path, model_dir):
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as e:
+            check_environment(load_config(None, list(overrides)))
+        return str(e.value)
+
+    assert "does not exist" in problems(f"model.path={tmp_path / 'nope'}")
+    check_environment(load_config(None, [f"model.path={model_dir}"]))  # a good one passes
+    # model.create with a head size vLLM's CPU attention cannot run (64 / 4 heads = 16)
+    msg = problems(f"model.path={tmp_path / 'new'}", "model.create=true", "backend.generation=vllm")
+    assert "head_dim = model.d_model / model.n_heads = 64 / 4 = 16" in msg
+    with pytest.raises(ConfigError, match="needs model.path"):
+        load_config(None, ["backend.generation=vllm"])
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, [f"model.path={model_dir}", "model.checkpoint=x"])
+
+
+def test_prepare_model_dir_writes_once(tmp_path):
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.create=true", "model.n_heads=2", "seed=4"])
+    assert hf_model.prepare_model_dir(cfg.model, cfg.seed)
+    assert hf_model.head_dim_of(hf_model.read_config(tmp_path / "m")) == 32
+    assert not hf_model.prepare_model_dir(cfg.model, cfg.seed)  # already there: left alone
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_torch_trainer_and_generator_share_the_hf_model(model_dir, tmp_path):
+    """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
+    parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
+    cfg = load_config(None, [f"model.path={model_dir}"])
+    trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), TrainConfig())
+    snap = trainer.publish_weights(0)
+    names = {e.name for e in snap.manifest.entries}
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # HF names, no adapter prefix
+    with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())  # exactly the checkpoint's tensors
+
+    with torch.no_grad():  # move the trainer's weights away from the directory's
+        for p in trainer.params:
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    snap = trainer.publish_weights(1)
+    storage = InMemoryRowStorage()
+    gen = GenerationCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0).requires_grad_(False), storage, cfg.task.reward_fn)
+    gen.load_weights(snap)
+    prompts = reverse_digits(4, 3, seed=0)
+    reqs = [
+        GenerationRequest(f"g{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"g{i}", 4)) for i, p in enumerate(prompts)
+    ]
+    results = gen.generate(reqs)
+    assert all(r.version_start == r.version_end == 1 for r in results)
+    keys = [k for r in reqs for k in r.row_keys]
+    rows = storage.get_rows_sync(keys, ["prompt_ids", "response_ids", "gen_logprobs"])
+    with torch.no_grad():
+        lp, _ = token_logprobs(trainer.policy, rows["prompt_ids"], rows["response_ids"])
+    gen_lp = torch.stack(list(rows["gen_logprobs"]))
+    assert torch.allclose(lp, gen_lp, atol=1e-5, rtol=0), float((lp - gen_lp).abs().max())
+
+    out = save_policy(trainer.policy, tmp_path / "ckpt", cfg.model)
+    assert hf_model.model_dir_problems(out) == []
+    back = hf_model.load_hf_policy(out)
+    for (n, a), (_, b) in zip(state_module(trainer.policy).named_parameters(), state_module(back).named_parameters()):
+        assert torch.equal(a, b), n
