@@ -115,6 +115,12 @@ class MegatronRankActor:
 
         return free_port()
 
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): the rendezvous of the world when this is rank 0."""
+        import ray
+
+        return ray.util.get_node_ip_address(), self.free_port()
+
     def join(self, master_addr: str, master_port: int, timeout_s: float, backend: str = "gloo") -> None:
         """Join the world (all ranks call this concurrently) and connect to storage."""
         if self.storage is not None:
@@ -184,10 +190,11 @@ class MegatronRankActor:
 
             leader = self.core.tp_rank == 0
             reader = _PrefetchedReader(self.prefetcher, self.storage) if leader else None
-            rows = fetch_and_broadcast(
-                reader, keys, fields, mps.get_tensor_model_parallel_group(), mps.get_tensor_model_parallel_src_rank(),
-                schema=self.storage.schema,
-            )
+            with self.core.on_device():  # NCCL broadcasts CUDA tensors
+                rows = fetch_and_broadcast(
+                    reader, keys, fields, mps.get_tensor_model_parallel_group(), mps.get_tensor_model_parallel_src_rank(),
+                    schema=self.storage.schema,
+                )
             nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
@@ -264,14 +271,15 @@ class MegatronRankActor:
         """Token logprobs of responses under the current weights (no grad), [B, R]."""
         from single_controller.backends.cpu.model import token_logprobs
 
-        with self.core._mc(), torch.no_grad():
-            logp, _ = token_logprobs(self.core.policy, prompt_ids, response_ids, temperature)
-        return logp
+        rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
+        with self.core.on_device(), torch.no_grad():
+            logp, _ = token_logprobs(self.core.policy, rows["prompt_ids"], rows["response_ids"], temperature)
+        return logp.cpu()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Whole-vocabulary logits [B, L, V] under the current weights (no grad)."""
-        with self.core._mc(), torch.no_grad():
-            return self.core.policy(input_ids)
+        with self.core.on_device(), torch.no_grad():
+            return self.core.policy(input_ids.to(self.core.device)).cpu()
 
     def statistics(self):
         return self.core.statistics()
@@ -423,9 +431,9 @@ async def start_megatron_ranks(
     try:
         if storage_ready is not None:
             await storage_ready
-        port = await ranks[0].free_port.remote()
+        addr, port = await ranks[0].address.remote()
         backend = "gloo" if emulate_cpu else "nccl"
-        await _trainer_call("join", [r.join.remote("127.0.0.1", port, setup_timeout_s, backend) for r in ranks])
+        await _trainer_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
         layout = await _trainer_call("build", [
             r.build.remote(model_dir, train, tensor_parallel_size=tensor_parallel_size, distributed_optimizer=distributed_optimizer,
                            emulate_cpu=emulate_cpu, temperature=temperature, seed=seed)
@@ -437,3 +445,30 @@ async def start_megatron_ranks(
         await asyncio.shield(_kill_all(ranks))
         raise
     return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix)
+
+
+async def start_megatron_trainer(
+    cfg: Any,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Any = None,
+    options: dict | None = None,
+) -> MegatronTrainerGroup:
+    """The `registry` starter for `backend.trainer: megatron`: `backend.num_trainer_ranks` rank actors
+    (TP = megatron.tensor_parallel_size, DP = megatron.data_parallel_size) training `model.path`."""
+    mg = cfg.megatron
+    return await start_megatron_ranks(
+        cfg.backend.num_trainer_ranks,
+        storage_factory,
+        cfg.model.path,
+        cfg.train,
+        tensor_parallel_size=mg.tensor_parallel_size,
+        distributed_optimizer=mg.distributed_optimizer,
+        emulate_cpu=mg.cpu_emulation,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.seed,
+        setup_timeout_s=cfg.timeouts.setup_s,
+        torch_threads=cfg.backend.torch_threads,
+        actor_options=options,
+        storage_ready=storage_ready,
+    )

@@ -26,6 +26,7 @@ checkpoints); every rank of the TP group must call it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -202,6 +203,7 @@ class MegatronTrainerCore:
                 self._load_hf(self.reference, hf_state)
                 self.reference.requires_grad_(False)
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
+        self.device = self.params[0].device  # cpu under the emulation, the rank's GPU otherwise
         self.policy = MegatronPolicy(self.model, spec.vocab_size)
         self._open: _OpenStep | None = None
         self._last_finished: tuple[int, dict[str, float]] | None = None
@@ -211,6 +213,19 @@ class MegatronTrainerCore:
 
     def _mc(self):
         return cpu_emulation(self.emulate_cpu)
+
+    def on_device(self):
+        """Megatron (CPU emulation or not) with new tensors created on the model's device."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._mc())
+        if self.device.type != "cpu":
+            stack.enter_context(self.device)  # e.g. NCCL collectives need CUDA tensors
+        return stack
+
+    def _rows_to_device(self, rows: Mapping[str, Any]) -> dict[str, Any]:
+        if self.device.type == "cpu":
+            return dict(rows)
+        return {k: v.to(self.device) if torch.is_tensor(v) else [t.to(self.device) for t in v] for k, v in rows.items()}
 
     def _load_hf(self, module: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]) -> None:
         named = dict(module.named_parameters())
@@ -271,7 +286,8 @@ class MegatronTrainerCore:
         if bad:
             raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
         dtype = self.params[0].dtype
-        with self._mc(), self.model.no_sync():
+        rows = self._rows_to_device(rows)
+        with self.on_device(), self.model.no_sync():
             logp, valid = token_logprobs(self.policy, rows["prompt_ids"], rows["response_ids"], self.temperature)
             mask = pad_right(rows["response_mask"], False, torch.bool) & valid  # [B, R]
             gen = pad_right(rows["gen_logprobs"], 0.0, dtype)  # [B, R]
@@ -298,7 +314,7 @@ class MegatronTrainerCore:
         st = self._require_open(f"finish_train_step({step})")
         if st.step != step:
             raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
-        with self._mc():
+        with self.on_device():
             # Every rank of a TP group trained the same rows: sum over the DP group only.
             sums = torch.tensor([st.tokens, st.sequences, st.loss_sum, *(st.stats[k] for k in STAT_KEYS)], dtype=torch.float64)
             dist.all_reduce(sums, group=mps.get_data_parallel_group())
@@ -381,13 +397,13 @@ class MegatronTrainerCore:
         """The full model under Hugging Face names (every TP rank must call this)."""
         if self._open is not None:
             raise TrainStepStateError(f"weights requested while step {self._open.step} is open")
-        return megatron_to_hf(self.gather_tp(self.megatron_state()), self.spec)
+        return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(self.megatron_state()), self.spec).items()}
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The gradient the last finished step applied (scaled and clipped), under HF names; plain
         (non-distributed) optimizer only. For checks."""
         grads = {n: p.main_grad.detach().clone() for n, p in self.model.module.named_parameters()}
-        return megatron_to_hf(self.gather_tp(grads), self.spec)
+        return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(grads), self.spec).items()}
 
     def snapshot(self) -> _Snapshot:
         """Parameters + optimizer state now (for checks)."""
