@@ -636,14 +636,6 @@ def _megatron_layout_problems(cfg: Config) -> list[Problem]:
                 f"backend.num_trainer_ranks = {ranks} (one Megatron rank per trainer actor)",
             )
         )
-    if cfg.model.path is None:
-        out.append(
-            Problem(
-                ("model.path", "backend.trainer"),
-                "backend.trainer=megatron trains a Hugging Face Llama model directory: set model.path "
-                "(and model.create=true to write a tiny one there)",
-            )
-        )
     if mg.distributed_optimizer and mg.data_parallel_size == 1:
         out.append(
             Problem(
@@ -672,6 +664,14 @@ def _megatron_environment_problems(cfg: Config) -> list[Problem]:
     out: list[Problem] = []
     mg, ranks = cfg.megatron, cfg.backend.num_trainer_ranks
     path = cfg.model.path
+    if path is None:
+        out.append(
+            Problem(
+                ("model.path", "backend.trainer"),
+                "backend.trainer=megatron trains a Hugging Face Llama model directory: set model.path "
+                "(and model.create=true to write a tiny one there)",
+            )
+        )
     if path is not None and (Path(path) / "config.json").is_file():
         import json
 
