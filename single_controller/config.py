@@ -236,6 +236,21 @@ class VllmConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    tensor_parallel_size: int = 1
+    """`backend.trainer: megatron` only: tensor-parallel degree; must divide the model's attention
+    heads, key/value heads and intermediate size."""
+    data_parallel_size: int = 1
+    """Data-parallel degree; tensor_parallel_size * data_parallel_size must equal
+    backend.num_trainer_ranks (one rank actor per GPU, or per process on CPU)."""
+    distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer)."""
+    cpu_emulation: bool = False
+    """Run megatron-core on CPU over gloo (tests and CPU-only demos; see
+    `backends/megatron/cpu_emulation.py`). Refused where CUDA is available; false: NCCL, one GPU per rank."""
+
+
+@dataclass(frozen=True)
 class StorageConfig:
     kind: str = "tq"
     """`tq`: TransferQueue on the local (or attached) Ray; `memory`: in-process (sim backend only)."""
@@ -286,6 +301,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

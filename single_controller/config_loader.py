@@ -135,6 +135,8 @@ BOUNDS: dict[str, _Bound] = {
     "backend.sim_generate_s": _AT_LEAST_0,
     "backend.sim_train_s": _AT_LEAST_0,
     "storage.num_storage_units": _AT_LEAST_1,
+    "megatron.tensor_parallel_size": _AT_LEAST_1,
+    "megatron.data_parallel_size": _AT_LEAST_1,
     "ray.num_cpus": _AT_LEAST_1,
     "metrics.port": (0, False, 65535, False),
 }
@@ -660,6 +662,7 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 f"{t.min_groups_per_chunk * r.group_size} rows",
             )
         )
+    out += _megatron_layout_problems(cfg)
     if cfg.task.name in DIGIT_TASKS:
         longest = cfg.task.num_digits + 2 + r.max_new_tokens
         if cfg.model.max_seq_len < longest:
@@ -671,6 +674,101 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                     f"plus rollout.max_new_tokens = {r.max_new_tokens} gives {longest}",
                 )
             )
+    return out
+
+
+def _megatron_layout_problems(cfg: Config) -> list[Problem]:
+    """`backend.trainer: megatron`: TP x DP must be the rank count; the model is an HF directory."""
+    if cfg.backend.trainer != "megatron":
+        return []
+    out: list[Problem] = []
+    mg, ranks = cfg.megatron, cfg.backend.num_trainer_ranks
+    if mg.tensor_parallel_size * mg.data_parallel_size != ranks:
+        out.append(
+            Problem(
+                ("megatron.tensor_parallel_size", "megatron.data_parallel_size", "backend.num_trainer_ranks"),
+                f"megatron.tensor_parallel_size * megatron.data_parallel_size = {mg.tensor_parallel_size} * "
+                f"{mg.data_parallel_size} = {mg.tensor_parallel_size * mg.data_parallel_size} must equal "
+                f"backend.num_trainer_ranks = {ranks} (one Megatron rank per trainer actor)",
+            )
+        )
+    if mg.distributed_optimizer and mg.data_parallel_size == 1:
+        out.append(
+            Problem(
+                ("megatron.distributed_optimizer", "megatron.data_parallel_size"),
+                "megatron.distributed_optimizer shards optimizer state over data-parallel ranks; with "
+                "megatron.data_parallel_size = 1 there is nothing to shard: set it to false",
+            )
+        )
+    if mg.tensor_parallel_size > 1 and cfg.model.path is not None and cfg.model.create and not Path(cfg.model.path).exists():
+        if cfg.model.n_heads % mg.tensor_parallel_size:
+            out.append(
+                Problem(
+                    ("megatron.tensor_parallel_size", "model.n_heads"),
+                    f"megatron.tensor_parallel_size = {mg.tensor_parallel_size} does not divide the "
+                    f"{cfg.model.n_heads} attention heads (model.n_heads) of the model model.create writes",
+                )
+            )
+    return out
+
+
+def _megatron_environment_problems(cfg: Config) -> list[Problem]:
+    """`backend.trainer: megatron` on this machine: TP against an existing model's heads, CPU emulation
+    only without CUDA, and (on GPUs) one GPU per rank on a local cluster."""
+    if cfg.backend.trainer != "megatron":
+        return []
+    out: list[Problem] = []
+    mg, ranks = cfg.megatron, cfg.backend.num_trainer_ranks
+    path = cfg.model.path
+    if path is None:
+        out.append(
+            Problem(
+                ("model.path", "backend.trainer"),
+                "backend.trainer=megatron trains a Hugging Face Llama model directory: set model.path "
+                "(and model.create=true to write a tiny one there)",
+            )
+        )
+    if path is not None and (Path(path) / "config.json").is_file():
+        import json
+
+        try:
+            hf = json.loads((Path(path) / "config.json").read_text())
+            heads = int(hf["num_attention_heads"])
+            kv = int(hf.get("num_key_value_heads") or heads)
+            inter = int(hf["intermediate_size"])
+        except (OSError, ValueError, KeyError) as e:
+            out.append(Problem(("model.path",), f"model.path: cannot read the model's heads from config.json: {e}"))
+        else:
+            tp = mg.tensor_parallel_size
+            bad = [f"{n} {what}" for n, what in ((heads, "attention heads"), (kv, "key/value heads"), (inter, "intermediate size")) if n % tp]
+            if bad:
+                out.append(
+                    Problem(
+                        ("megatron.tensor_parallel_size", "model.path"),
+                        f"megatron.tensor_parallel_size = {tp} does not divide the model's "
+                        f"{', '.join(bad)} ({path}/config.json); choose a divisor of {heads} and {kv}",
+                    )
+                )
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if mg.cpu_emulation and gpus:
+        out.append(
+            Problem(
+                ("megatron.cpu_emulation",),
+                f"megatron.cpu_emulation is for CPU-only machines, but {gpus} CUDA GPU(s) are visible; "
+                "set megatron.cpu_emulation=false to train on them",
+            )
+        )
+    if not mg.cpu_emulation and cfg.ray.address is None and ranks > gpus:
+        out.append(
+            Problem(
+                ("backend.num_trainer_ranks", "megatron.cpu_emulation"),
+                f"backend.num_trainer_ranks = {ranks} Megatron ranks need one GPU each, but the local "
+                f"cluster has {gpus}; lower the rank count, attach to a larger cluster (ray.address), "
+                "or set megatron.cpu_emulation=true on a CPU-only machine (tests and demos)",
+            )
+        )
     return out
 
 
@@ -711,6 +809,8 @@ def environment_problems(cfg: Config) -> list[Problem]:
                 )
             )
     out += _model_dir_problems(cfg)
+    if not any(p.paths == ("backend.trainer",) for p in out):  # megatron installed
+        out += _megatron_environment_problems(cfg)
     return out
 
 

@@ -241,7 +241,7 @@ def test_each_check_rejects_its_violation(overrides, paths):
         ["rollout.group_size=2"],
         ["storage.kind=memory", "backend.generation=sim", "backend.trainer=sim"],
         ["backend.generation=vllm", "model.path=m"],  # loads anywhere: packages and the dir are checked at run
-        ["backend.trainer=megatron"],
+        ["backend.trainer=megatron", "model.path=m"],  # the layout and the machine are checked at run
         ["sampler.max_staleness_versions=3"],
         ["train.min_groups_per_chunk=16"],
         ["backend.num_trainer_ranks=64"],

@@ -1,0 +1,170 @@
+"""Running megatron-core on CPU, for tests only. The one switch is `MegatronConfig.cpu_emulation`
+(`megatron.cpu_emulation` in a config); nothing else in the Megatron backend knows about CPUs.
+
+megatron-core has no CPU mode: its DDP buffers, optimizer, gradient clipping and global scratch
+buffers hard-code CUDA. Written against megatron-core == PINNED_VERSION (the `megatron` extra pins
+it); `tests/test_megatron_emulation.py` runs every emulated call site and fails loudly when an
+upgrade moves one. On a machine with CUDA the emulation refuses to start: the GPU path never runs
+through it.
+
+`cpu_emulation()` is a context manager, entered around everything a trainer rank does with Megatron
+(build, forward/backward, finish, abort). Inside it:
+  (a) a `TorchFunctionMode` rewrites `device=` arguments naming CUDA (or a bare device index, which
+      Megatron passes as `torch.cuda.current_device()`) to "cpu", and `Tensor.to(<cuda>)` likewise;
+  (b) `Tensor.cuda()` returns the tensor itself;
+  (c) `Tensor.type()` reports `torch.cuda.<T>` (Megatron's `clip_grads` asserts CUDA grads);
+  (d) `torch.cuda.current_device / synchronize / Stream / stream / current_stream / default_stream`
+      are stubs;
+and on exit everything is restored. `manual_seed(seed)` is the CPU-safe twin of Megatron's
+`model_parallel_cuda_manual_seed` (its CUDA RNG tracker reads `torch.cuda.get_rng_state`; the
+inference tracker's fork is a no-op, which is exact with dropout 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+PINNED_VERSION = "0.16.1"
+
+_lock = threading.RLock()
+_depth = 0
+_saved: dict[str, Any] = {}
+
+
+class CpuEmulationError(RuntimeError):
+    """The emulation was asked for where it must not run (CUDA present) or no longer fits megatron-core."""
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and (
+            _is_cuda_device(args[1]) and not isinstance(args[1], torch.dtype)
+        ):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """Stands in for `torch.cuda.Stream`: everything runs in program order on CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+
+def _type(orig):
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any):
+        if dtype is None:
+            name = orig(self)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if isinstance(dtype, str):
+            dtype = dtype.replace("torch.cuda.", "torch.")
+        return orig(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
+def _install() -> None:
+    cuda = torch.cuda
+    _saved.update(
+        tensor_cuda=torch.Tensor.cuda,
+        tensor_type=torch.Tensor.type,
+        current_device=cuda.current_device,
+        synchronize=cuda.synchronize,
+        Stream=cuda.Stream,
+        stream=cuda.stream,
+        current_stream=cuda.current_stream,
+        default_stream=cuda.default_stream,
+    )
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _type(_saved["tensor_type"])
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _Stream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.current_stream = lambda *a, **k: _Stream()
+    cuda.default_stream = lambda *a, **k: _Stream()
+
+
+def _uninstall() -> None:
+    cuda = torch.cuda
+    torch.Tensor.cuda = _saved["tensor_cuda"]
+    torch.Tensor.type = _saved["tensor_type"]
+    for name in ("current_device", "synchronize", "Stream", "stream", "current_stream", "default_stream"):
+        setattr(cuda, name, _saved[name])
+    _saved.clear()
+
+
+def check_version() -> str:
+    """The installed megatron-core version; raises if it is not the one this emulation was written for."""
+    from importlib.metadata import version
+
+    v = version("megatron-core")
+    if v != PINNED_VERSION:
+        raise CpuEmulationError(
+            f"megatron-core {v} is installed but the CPU emulation was written for {PINNED_VERSION}; "
+            f"install the pinned version (pip install -e '.[megatron]') or re-check every emulated call "
+            f"site (tests/test_megatron_emulation.py) and bump PINNED_VERSION"
+        )
+    return v
+
+
+@contextlib.contextmanager
+def cpu_emulation(enabled: bool = True) -> Iterator[None]:
+    """Run megatron-core on CPU inside this block (re-entrant); `enabled=False` is a no-op."""
+    global _depth
+    if not enabled:
+        yield
+        return
+    if torch.cuda.is_available():
+        raise CpuEmulationError("megatron.cpu_emulation is for CPU-only test machines; CUDA is available here")
+    with _lock:
+        if _depth == 0:
+            _install()
+        _depth += 1
+    try:
+        with _CudaToCpu():
+            yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _uninstall()
+
+
+def manual_seed(seed: int, emulated: bool) -> None:
+    """Megatron's model-parallel seeding; on CPU with the inference RNG tracker (no CUDA RNG)."""
+    from megatron.core import tensor_parallel
+
+    if emulated:
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)

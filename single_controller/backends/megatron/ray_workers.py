@@ -1,0 +1,474 @@
+"""The Megatron trainer on Ray: one actor per rank (gloo on CPU, NCCL with one GPU each), and the
+controller-side `MegatronTrainerGroup` that satisfies `protocols.TrainerGroup`.
+
+* `MegatronRankActor` joins the group's torch.distributed world (`join`), then `build`s: it
+  (re)initializes `megatron.core.parallel_state` with the TP size (DP = world / TP; ranks of a TP group
+  are consecutive), reads the Hugging Face model directory (`config.json` + `*.safetensors`) and
+  builds a `MegatronTrainerCore` from it. `build` may be called again with another TP size in the
+  same processes (tests share one 2-process world this way).
+* Rows: the controller sends keys; the group splits each chunk over DP ranks with
+  `replay.dp_split` (balanced by tokens, one microbatch per DP rank per chunk); inside a TP group
+  only the TP leader reads from storage and broadcasts (`replay.fetch.fetch_and_broadcast`).
+* Weights leave as the torch backend's `WeightSnapshot` (flat numpy buckets + manifest) under
+  Hugging Face tensor names: every rank gathers its TP group's shards, rank 0 converts and
+  `ray.put`s the buckets, so weight bytes never pass through the controller. Checkpoints are HF
+  model directories (`save_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
+from single_controller.backends.megatron.model import LlamaSpec
+from single_controller.config import TrainConfig
+from single_controller.protocols import TrainerFailed
+from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
+from replay.dp_split import split_chunk
+from replay.fetch import RowPrefetcher, fetch_and_broadcast
+from replay.storage import LazyRowStorage, column_nbytes
+
+HF_CONFIG = "config.json"
+
+
+def read_hf_dir(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, every tensor of the directory's safetensors files)."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    cfg = json.loads((d / HF_CONFIG).read_text())
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return cfg, tensors
+
+
+def pack_named(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 4 << 20, prefix: str = "") -> WeightSnapshot:
+    """The torch backend's snapshot format from named tensors (one dtype), names prefixed by `prefix`."""
+    items = list(tensors.items())
+    dtypes = {t.dtype for _, t in items}
+    if len(dtypes) != 1:
+        raise ValueError(f"tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per snapshot")
+    itemsize = items[0][1].element_size()
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    filled = 0
+    for name, t in items:
+        if groups[-1] and (filled + t.numel()) * itemsize > bucket_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, t))
+        filled += t.numel()
+    entries, buckets = [], []
+    for b, group in enumerate(groups):
+        offset = 0
+        for name, t in group:
+            entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
+            offset += t.numel()
+        buckets.append(torch.cat([t.detach().reshape(-1) for _, t in group]).numpy())
+    manifest = WeightManifest(version=version, dtype=str(buckets[0].dtype), entries=tuple(entries), bucket_numels=tuple(len(b) for b in buckets))
+    return WeightSnapshot(manifest, buckets)
+
+
+class _PrefetchedReader:
+    """`fetch_and_broadcast`'s storage on the TP leader: reads go through the rank's prefetcher."""
+
+    def __init__(self, prefetcher: RowPrefetcher, storage: Any):
+        self.prefetcher, self.storage = prefetcher, storage
+
+    @property
+    def schema(self):
+        return self.storage.schema
+
+    def get_rows_sync(self, keys, fields):
+        return self.prefetcher.fetch(keys, fields)
+
+
+class MegatronRankActor:
+    """One Megatron trainer rank (run with `ray.remote(MegatronRankActor)`); methods are synchronous
+    and run one at a time in the actor's process."""
+
+    def __init__(self, rank: int, world_size: int, storage_factory: Callable[[], Any] | None = None, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        self.rank, self.world_size = rank, world_size
+        self.storage = LazyRowStorage(storage_factory) if storage_factory is not None else None
+        self.prefetcher = RowPrefetcher(self.storage) if self.storage is not None else None
+        self.core = None
+        self.model_dir: str | None = None
+        self._last_extra: dict[str, float] = {}
+
+    def free_port(self) -> int:
+        from single_controller.backends.cpu.ray_workers import free_port
+
+        return free_port()
+
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port): the rendezvous of the world when this is rank 0."""
+        import ray
+
+        return ray.util.get_node_ip_address(), self.free_port()
+
+    def join(self, master_addr: str, master_port: int, timeout_s: float, backend: str = "gloo") -> None:
+        """Join the world (all ranks call this concurrently) and connect to storage."""
+        if self.storage is not None:
+            self.storage.connect()
+        if dist.is_initialized():
+            return
+        os.environ["MASTER_ADDR"] = master_addr
+        os.environ["MASTER_PORT"] = str(master_port)
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each rank actor one GPU
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def build(
+        self,
+        model_dir: str,
+        train: TrainConfig,
+        *,
+        tensor_parallel_size: int,
+        distributed_optimizer: bool = False,
+        emulate_cpu: bool = False,
+        temperature: float = 1.0,
+        seed: int = 0,
+    ) -> dict[str, int]:
+        """(Re)build the model-parallel layout and the trainer from the HF model directory; returns
+        {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count)."""
+        from megatron.core import parallel_state as mps
+
+        from single_controller.backends.megatron.cpu_emulation import check_version, cpu_emulation
+        from single_controller.backends.megatron.trainer import MegatronTrainerCore
+
+        if emulate_cpu:
+            check_version()
+        hf_cfg, hf_state = read_hf_dir(model_dir)
+        spec = LlamaSpec.from_hf_config(hf_cfg)
+        self.core = None
+        with cpu_emulation(emulate_cpu):
+            if mps.model_parallel_is_initialized():
+                mps.destroy_model_parallel()
+            mps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+        self.model_dir = model_dir
+        self.core = MegatronTrainerCore(
+            hf_state, spec, train, distributed_optimizer=distributed_optimizer, emulate_cpu=emulate_cpu,
+            temperature=temperature, seed=seed,
+        )
+        c = self.core
+        return {"dp_rank": c.dp_rank, "tp_rank": c.tp_rank, "dp": c.dp, "tp": c.tp, "params": sum(p.numel() for p in c.params)}
+
+    # --- the split API, per rank ---------------------------------------------------------------
+
+    def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        self.core.begin_train_step(step, loss)
+
+    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> int:
+        """Read this rank's rows (TP leader reads, broadcasts to its TP group) and accumulate their
+        gradients; returns the bytes this rank read from storage."""
+        if not self.core.step_open:  # before touching storage or a collective
+            raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
+        keys, fields = list(keys), list(fields)
+        nbytes = 0
+        if not keys:
+            rows: Mapping[str, Any] = {"prompt_ids": []}
+        elif self.core.tp == 1:
+            rows = self.prefetcher.fetch(keys, fields)
+            nbytes = sum(column_nbytes(c) for c in rows.values())
+        else:
+            from megatron.core import parallel_state as mps
+
+            leader = self.core.tp_rank == 0
+            reader = _PrefetchedReader(self.prefetcher, self.storage) if leader else None
+            with self.core.on_device():  # NCCL broadcasts CUDA tensors
+                rows = fetch_and_broadcast(
+                    reader, keys, fields, mps.get_tensor_model_parallel_group(), mps.get_tensor_model_parallel_src_rank(),
+                    schema=self.storage.schema,
+                )
+            nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
+        self.core.train_microbatch(rows, bytes_read=nbytes)
+        return nbytes
+
+    def train_microbatch_rows(self, rows: Mapping[str, Any]) -> int:
+        """Accumulate gradients of rows given directly (tests; no storage)."""
+        return self.core.train_microbatch(rows)
+
+    def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
+        """Start reading rows this rank will probably train soon (TP leaders only read)."""
+        if self.core.tp_rank == 0:
+            self.prefetcher.prefetch(list(keys), list(fields))
+
+    def finish_train_step(self, step: int) -> dict[str, float]:
+        fresh = self.core.step_open
+        metrics = self.core.finish_train_step(step)
+        if fresh and self.prefetcher is not None:
+            pf = self.prefetcher
+            self._last_extra = {"train/prefetch_hit_rate": pf.hits / max(1, pf.hits + pf.misses)}
+            pf.hits = pf.misses = 0
+        metrics.update(self._last_extra)
+        return metrics
+
+    def abort_train_step(self, step: int) -> None:
+        self.core.abort_train_step(step)
+
+    def train_status(self) -> dict[str, int | None]:
+        return self.core.status()
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def export_weights(self, version: int, prefix: str = "") -> WeightSnapshot | None:
+        """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets."""
+        import ray
+
+        hf = self.core.hf_state_dict()
+        if self.rank != 0:
+            return None
+        snap = pack_named(hf, version, prefix=prefix)
+        return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
+
+    def save_checkpoint(self, directory: str) -> str | None:
+        """Every rank calls this; rank 0 writes an HF model directory (config.json and tokenizer
+        files copied from the source directory, weights as model.safetensors)."""
+        from safetensors.torch import save_file
+
+        hf = self.core.hf_state_dict()
+        if self.rank != 0:
+            return None
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(self.model_dir).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".bin"):
+                shutil.copy2(f, out / f.name)
+        save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return str(out)
+
+    # --- checks (tests) ------------------------------------------------------------------------
+
+    def hf_weights(self) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in self.core.hf_state_dict().items()}
+
+    def hf_grads(self) -> dict[str, np.ndarray]:
+        return {k: v.numpy() for k, v in self.core.hf_grads().items()}
+
+    def state_fingerprint(self) -> Any:
+        """Parameters and optimizer state now (compare two with `same_state`)."""
+        return self.core.snapshot()
+
+    def same_state(self, other: Any) -> bool:
+        return self.core.snapshot().equals(other)
+
+    def logprobs(self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """Token logprobs of responses under the current weights (no grad), [B, R]."""
+        from single_controller.backends.cpu.model import token_logprobs
+
+        rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
+        with self.core.on_device(), torch.no_grad():
+            logp, _ = token_logprobs(self.core.policy, rows["prompt_ids"], rows["response_ids"], temperature)
+        return logp.cpu()
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary logits [B, L, V] under the current weights (no grad)."""
+        with self.core.on_device(), torch.no_grad():
+            return self.core.policy(input_ids.to(self.core.device)).cpu()
+
+    def statistics(self):
+        return self.core.statistics()
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if dist.is_initialized():
+            try:
+                from megatron.core import parallel_state as mps
+
+                mps.destroy_model_parallel()
+            finally:
+                dist.destroy_process_group()
+
+
+async def _trainer_call(what: str, refs: list) -> list:
+    """Await one call on every rank (rank order); remote errors become `TrainerFailed` naming the rank."""
+    results = []
+    for rank, ref in enumerate(refs):
+        try:
+            results.append(await ref)
+        except (TrainStepStateError, TrainerFailed):
+            raise
+        except Exception as e:
+            lines = str(e).strip().splitlines()
+            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {lines[0] if lines else type(e).__name__}") from e
+    return results
+
+
+@dataclass(frozen=True)
+class MegatronTrainerGroupStatistics:
+    num_ranks: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    open_step: int | None
+    steps_finished: int
+    steps_aborted: int
+    chunks_in_open_step: int
+    bytes_read_open_step: int
+    bytes_read_total: int
+
+
+class MegatronTrainerGroup:
+    """`TrainerGroup` over `MegatronRankActor` handles in rank order, after `build` (its `layout`:
+    one {"dp_rank", "tp_rank", ...} per rank)."""
+
+    def __init__(self, rank_handles: Sequence[Any], layout: Sequence[Mapping[str, int]], weight_prefix: str = ""):
+        if not rank_handles or len(layout) != len(rank_handles):
+            raise ValueError("need one layout entry per trainer rank")
+        self.ranks = list(rank_handles)
+        self.dp_ranks = [int(x["dp_rank"]) for x in layout]
+        self.dp, self.tp = int(layout[0]["dp"]), int(layout[0]["tp"])
+        self.weight_prefix = weight_prefix
+        self._step: int | None = None
+        self._bytes_read = 0
+        self._last_bytes = 0
+        self._chunks = 0
+        self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
+
+    def statistics(self) -> MegatronTrainerGroupStatistics:
+        return MegatronTrainerGroupStatistics(
+            num_ranks=len(self.ranks), data_parallel_size=self.dp, tensor_parallel_size=self.tp,
+            open_step=self._step, chunks_in_open_step=self._chunks, bytes_read_open_step=self._bytes_read, **self._counts,
+        )
+
+    async def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        await _trainer_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        self._step, self._bytes_read, self._chunks = step, 0, 0
+
+    async def train_microbatch(self, chunk: TrainChunk) -> None:
+        if self._step != chunk.step:
+            raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
+        if len(chunk.seq_lengths) != len(chunk.row_keys):
+            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+        split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
+        refs = [r.train_microbatch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
+        nbytes = sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+        self._bytes_read += nbytes
+        self._counts["bytes_read_total"] += nbytes
+        self._chunks += 1
+
+    async def prefetch(self, chunk: TrainChunk) -> None:
+        split = split_chunk(chunk, self.dp)
+        refs = [r.prefetch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
+        await _trainer_call(f"prefetch(step={chunk.step})", refs)
+
+    async def finish_train_step(self, step: int) -> StepResult:
+        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
+            self._step = None
+            self._counts["steps_finished"] += 1
+            self._last_bytes = self._bytes_read
+        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
+
+    async def abort_train_step(self, step: int) -> None:
+        await _trainer_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
+            self._counts["steps_aborted"] += 1
+            self._step = None
+
+    async def train_status(self) -> TrainStatus:
+        statuses = await _trainer_call("train_status", [r.train_status.remote() for r in self.ranks])
+        if any(s != statuses[0] for s in statuses[1:]):
+            raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
+        return TrainStatus(**statuses[0])
+
+    async def export_weights(self, version: int) -> WeightsHandle:
+        snaps = await _trainer_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
+        snapshot = snaps[0]
+        return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
+
+    async def save_checkpoint(self, directory: str) -> str:
+        paths = await _trainer_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])
+        return paths[0]
+
+    async def shutdown(self) -> None:
+        from single_controller.backends.cpu.ray_workers import _kill_all
+
+        await _kill_all(self.ranks)
+
+
+async def start_megatron_ranks(
+    num_ranks: int,
+    storage_factory: Callable[[], Any] | None,
+    model_dir: str,
+    train: TrainConfig,
+    *,
+    tensor_parallel_size: int,
+    distributed_optimizer: bool,
+    emulate_cpu: bool,
+    temperature: float,
+    seed: int,
+    setup_timeout_s: float,
+    torch_threads: int = 1,
+    actor_options: dict | None = None,
+    storage_ready: Any = None,
+    weight_prefix: str = "",
+) -> MegatronTrainerGroup:
+    """Start `num_ranks` rank actors, join them into one world (gloo when emulating CPU, else NCCL with
+    one GPU per rank) and build the trainer; returns the group."""
+    import ray
+
+    opts = {"num_cpus": 0, **(actor_options or {})}
+    if not emulate_cpu:
+        opts.setdefault("num_gpus", 1)
+    cls = ray.remote(MegatronRankActor)
+    ranks = [cls.options(**opts).remote(r, num_ranks, storage_factory, torch_threads) for r in range(num_ranks)]
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        addr, port = await ranks[0].address.remote()
+        backend = "gloo" if emulate_cpu else "nccl"
+        await _trainer_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
+        layout = await _trainer_call("build", [
+            r.build.remote(model_dir, train, tensor_parallel_size=tensor_parallel_size, distributed_optimizer=distributed_optimizer,
+                           emulate_cpu=emulate_cpu, temperature=temperature, seed=seed)
+            for r in ranks
+        ])
+    except BaseException:
+        from single_controller.backends.cpu.ray_workers import _kill_all
+
+        await asyncio.shield(_kill_all(ranks))
+        raise
+    return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix)
+
+
+async def start_megatron_trainer(
+    cfg: Any,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Any = None,
+    options: dict | None = None,
+) -> MegatronTrainerGroup:
+    """The `registry` starter for `backend.trainer: megatron`: `backend.num_trainer_ranks` rank actors
+    (TP = megatron.tensor_parallel_size, DP = megatron.data_parallel_size) training `model.path`."""
+    mg = cfg.megatron
+    return await start_megatron_ranks(
+        cfg.backend.num_trainer_ranks,
+        storage_factory,
+        cfg.model.path,
+        cfg.train,
+        tensor_parallel_size=mg.tensor_parallel_size,
+        distributed_optimizer=mg.distributed_optimizer,
+        emulate_cpu=mg.cpu_emulation,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.seed,
+        setup_timeout_s=cfg.timeouts.setup_s,
+        torch_threads=cfg.backend.torch_threads,
+        actor_options=options,
+        storage_ready=storage_ready,
+    )

@@ -1,0 +1,88 @@
+"""Shared pieces of the Megatron tests: a tiny HF Llama directory, random training rows, and the
+comparison helpers. Not a test module (no test_ prefix)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB = 19  # odd: TP=2 pads the vocabulary, so the padding path is exercised
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def hf_config(**over):
+    from transformers import LlamaConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64, rms_norm_eps=1e-6)
+    kw.update(over)
+    return LlamaConfig(**kw)
+
+
+def make_hf_dir(directory: Path, seed: int = 0, **over) -> Path:
+    """A random-init LlamaForCausalLM saved with save_pretrained (float32). Weights are drawn with
+    std 0.2 so logits are far from uniform and gradients are not tiny."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(hf_config(**over)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    return Path(directory)
+
+
+def load_hf(directory: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def make_rows(n: int, seed: int, hf_model=None) -> dict:
+    """n training rows (TRAIN_FIELDS). gen_logprobs: the HF model's own logprobs plus noise (so the
+    importance weights vary and some are truncated), or random when no model is given."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g) for _ in range(n)]
+    responses = [torch.randint(0, VOCAB, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g) for _ in range(n)]
+    masks = [torch.rand(len(r), generator=g) > 0.15 for r in responses]
+    if hf_model is not None:
+        from single_controller.backends.cpu.model import HFCausalLMPolicy, token_logprobs
+
+        with torch.no_grad():
+            lp, _ = token_logprobs(HFCausalLMPolicy(hf_model), prompts, responses)
+        gens = [lp[i, : len(r)] + 0.3 * torch.randn(len(r), generator=g) for i, r in enumerate(responses)]
+    else:
+        gens = [-torch.rand(len(r), generator=g) * 3 for r in responses]
+    return {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "gen_logprobs": [x.float() for x in gens],
+        "response_mask": masks,
+        "advantage": torch.randn(n, generator=g),
+    }
+
+
+def take(rows: dict, idx) -> dict:
+    idx = list(idx)
+    return {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx]) for k, v in rows.items()}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def ray_init():
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}})
