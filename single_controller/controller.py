@@ -1,4 +1,4 @@
-"""The single controller: setup, four pumps in one TaskGroup, teardown.
+"""The single controller: setup, the pumps in one TaskGroup (eval too when `eval.enabled`), teardown.
 
 `Controller` is constructible in-process (tests, the simulated backend, benchmarks) and is also
 what the CPU-only Ray actor `ControllerActor` (see `single_controller.launch`) runs. It never
@@ -15,9 +15,10 @@ import asyncio
 import collections
 import statistics as pystats
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from pumps.advantage import advantage_pump
+from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
@@ -65,6 +66,7 @@ class ControllerStatistics:
     last_step_s: float
     last_reward_mean: float
     last_success_rate: float
+    eval: EvalStatistics | None = None  # None when eval is off
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,12 @@ class Controller:
         stop_token_id: int | None = None,
         on_step: Callable[[dict], None] | None = None,
         clock: Callable[[], float] | None = None,
+        eval_prompts: Sequence[Prompt] = (),
+        on_eval: Callable[[dict], None] | None = None,
     ):
         check_capacity(cfg)
+        if cfg.eval.enabled and not eval_prompts:
+            raise ValueError("eval.enabled is true but no eval prompts were given")
         kwargs = {"clock": clock} if clock is not None else {}
         self.cfg = cfg
         self.state = RunState(cfg, dataloader, storage, workers, **kwargs)
@@ -111,6 +117,10 @@ class Controller:
         self._t0 = self.state.clock()
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
+        self.eval_prompts = tuple(eval_prompts)
+        self.on_eval = on_eval
+        self.eval_history: list[dict] = []
+        self.eval_tracker = EvalTracker(cfg.eval.num_samples) if cfg.eval.enabled else None
 
     async def run(self) -> RunSummary:
         """Setup, the pumps, teardown."""
@@ -125,6 +135,10 @@ class Controller:
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
                 tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
+                if self.eval_tracker is not None:
+                    tasks["eval"] = pumps.create_task(
+                        eval_pump(st, self.eval_prompts, self.eval_tracker, self._record_eval, stop_token_id=self.stop_token_id)
+                    )
         except BaseException as e:
             await self._teardown(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:
@@ -183,6 +197,20 @@ class Controller:
         if target is not None and len(self._success) == self._success.maxlen and sum(self._success) / len(self._success) >= target:
             st.request_stop(f"success rate >= {target} over {len(self._success)} steps")
 
+    def _record_eval(self, point: EvalPoint) -> None:
+        rec = {
+            "eval/policy_version": point.version,
+            **point.metrics,
+            "eval/seconds": point.seconds,
+            "eval/reissued": point.reissued,
+            "eval/failures": point.failures,
+            "eval/trainer_version": self.state.trainer_version,
+            "time/wall_s": point.t_end - self._t0,
+        }
+        self.eval_history.append(rec)
+        if self.on_eval is not None:
+            self.on_eval(rec)
+
     # -- teardown ----------------------------------------------------------------------------
     async def _teardown(self, *, failed: bool) -> None:
         st = self.state
@@ -235,6 +263,7 @@ class Controller:
             last_step_s=last.get("time/step_s", 0.0),
             last_reward_mean=last.get("rollout/reward_mean", 0.0),
             last_success_rate=last.get("rollout/success_rate", 0.0),
+            eval=self.eval_tracker.statistics() if self.eval_tracker is not None else None,
         )
 
     def select_latency_percentiles(self) -> tuple[float, float]:

@@ -26,10 +26,17 @@ from single_controller.types import Prompt
 
 def make_dataloader(cfg: Config) -> Iterator[Prompt]:
     """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
-    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on."""
-    from single_controller.tasks import load_task
+    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on.
+    With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
+    draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
+    from single_controller.tasks import load_eval_prompts, load_task
 
     pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+    if cfg.eval.enabled:
+        held_out = {p.token_ids for p in load_eval_prompts(cfg)}
+        pool = [p for p in pool if p.token_ids not in held_out]
+        if not pool:
+            raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
     rng = random.Random(cfg.seed)
     epoch = 0
     while True:
@@ -66,11 +73,12 @@ class ControllerService:
             storage, gens, trainer = self._sim_workers()
         else:
             storage, gens, trainer = await self._cpu_workers()
-        from single_controller.tasks import TOKENIZER
+        from single_controller.tasks import TOKENIZER, load_eval_prompts
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
         self.controller = Controller(
-            cfg, make_dataloader(cfg), storage, Workers(gens, trainer), stop_token_id=stop, on_step=self._on_step
+            cfg, make_dataloader(cfg), storage, Workers(gens, trainer), stop_token_id=stop, on_step=self._on_step,
+            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (), on_eval=self._on_step,
         )
         if cfg.metrics.enabled:
             from single_controller.metrics import start_metrics_server

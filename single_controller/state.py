@@ -128,7 +128,7 @@ class RunState:
         self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
 
         self.changed = Signal()
-        self.pumps = {name: PumpClock(name) for name in PUMPS}
+        self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
 
     # -- waiting ---------------------------------------------------------------------------------
     def notify(self) -> None:
