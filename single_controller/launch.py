@@ -83,7 +83,7 @@ async def _drive_local(cfg: Config, run_dir, t_start: float) -> int:
 async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Awaitable[Any]]) -> int:
     """Setup, run while streaming records, checkpoint, close: the same for an actor or in-process."""
     from single_controller.deadlines import within
-    from single_controller.run_output import ConsoleReporter
+    from single_controller.run_output import ConsoleReporter, is_eval_record
 
     reporter = ConsoleReporter(cfg)
     try:
@@ -102,7 +102,7 @@ async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Await
                 for rec in records:
                     rec = {**rec, "time/since_launch_s": time.perf_counter() - t_start}
                     run_dir.append_metrics(rec)
-                    reporter.step(rec)
+                    (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
                 if finished:
                     break
             summary = await run

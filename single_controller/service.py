@@ -140,6 +140,7 @@ class ControllerService:
             "wall_s": summary.wall_s,
             "prompts": asdict(st.prompts),
             "storage": asdict(st.storage),
+            "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
         }
 
     async def next_records(self, cursor: int) -> tuple[list[dict], bool]:

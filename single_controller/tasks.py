@@ -205,13 +205,13 @@ def load_eval_dataset(task_name: str, dataset: str | None) -> Callable[[int, int
     name = eval_dataset_name(task_name, dataset)
     if name in EVAL_DATASETS:
         return EVAL_DATASETS[name]
-    if ":" in name:
-        return load_callable(name)
     if dataset is None:
         raise KeyError(
-            f"task {task_name!r} has no registered held-out split ({name!r}); set eval.dataset to one of "
+            f"task {task_name!r} has no registered held-out split; set eval.dataset to one of "
             f"{sorted(EVAL_DATASETS)} or to 'module:function'"
         )
+    if ":" in name:
+        return load_callable(name)
     raise KeyError(f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, or give 'module:function'")
 
 
