@@ -122,7 +122,9 @@ async def eval_pump(
     try:
         while True:
             # Exits: training and weight sync have finished and the final version has been evaluated.
-            await state.wait_until(lambda: state.policy_version >= due or _training_over(state), PUMP, "next eval due")
+            # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
+            # clock (whose current wait feeds the stall alert); only waits for eval results are.
+            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state))
             if _training_over(state) and evaluated == state.policy_version:
                 break
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
