@@ -202,7 +202,6 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
                 task.cancel()  # abandoned: the other requests are not needed (eval stores nothing)
     finally:
         tracker.reissued += reissued
-        state.pumps[PUMP].busy_s += state.clock() - t0
         tracker.evaluating_version = None
     if abandoned is not None:
         tracker.failed += 1
@@ -218,10 +217,13 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
 
 async def _request(state: RunState, worker: GenerationWorker, req: GenerationRequest) -> GenerationResult | Exception:
     """One eval request; a generation failure or a missed deadline is returned, not raised."""
+    t0 = state.clock()
     try:
         result = await within(worker.generate(req), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: eval generate({req.group_id})")
     except (GenerationFailed, DeadlineExceeded) as e:
         return e
+    finally:
+        state.pumps[PUMP].busy_s += state.clock() - t0  # worker-seconds, summed over concurrent requests (as rollout's)
     if result.group_id != req.group_id:
         raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}")
     if len(result.rewards) != req.sampling.n:
