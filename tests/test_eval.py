@@ -11,6 +11,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
@@ -493,3 +495,50 @@ def test_embedded_run_with_eval_reports_accuracy_rising_from_zero(tmp_path):
     assert summary["storage"]["resident_rows"] == 0
     assert summary["eval"]["eval/policy_version"] == versions[-1]
     assert (run_dir / "curves.png").exists()
+
+
+def test_status_shows_the_last_eval_point():
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from single_controller.metrics import ControllerCollector, parse_metrics
+    from single_controller.status import render
+
+    ctl, *_ = run_eval_sim(eval_cfg(steps=4, every=2))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControllerCollector(ctl.statistics))
+    text = render(parse_metrics(generate_latest(registry).decode()), "http://x")
+    last = ctl.eval_history[-1]
+    line = next(ln for ln in text.splitlines() if ln.startswith("eval "))
+    assert line.startswith(f"eval      v4 accuracy {100 * last['eval/accuracy']:.1f}%  pass@1 "), line
+    assert f"{len(ctl.eval_history)} points" in line
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    L=st.integers(0, 2),
+    every=st.integers(1, 4),
+    samples=st.integers(1, 3),
+    num_generators=st.integers(1, 3),
+    eval_fail=st.sets(st.tuples(st.integers(0, 7), st.integers(0, 1)), max_size=3),
+    eval_delay=st.dictionaries(st.integers(0, 7), st.integers(1, 30), max_size=3),
+    gen_fail=st.sets(st.integers(0, 20), max_size=3),
+)
+def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every, samples, num_generators, eval_fail, eval_delay, gen_fail):
+    cfg = make_cfg(
+        steps=6, L=L, eval={"enabled": True, "every_steps": every, "num_prompts": 8, "num_samples": samples,
+                            "temperature": 1.0, "max_retries": 2},
+    )
+    ids = [p.prompt_id for p in EVAL_PROMPTS]
+    faults = Faults(
+        gen_fail={(ids[i], a) for i, a in eval_fail} | {(f"p{i:06d}", 0) for i in gen_fail},
+        gen_delay={(ids[i], 0): ms * 0.001 for i, ms in eval_delay.items()},
+    )
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, faults, num_generators=num_generators, timeout=20)
+    assert err is None and summary.steps == 6
+    assert ctl.eval_history and ctl.eval_history[-1]["eval/policy_version"] == 6  # at most 2 failures each: never abandoned
+    for rec in ctl.eval_history:
+        v = rec["eval/policy_version"]
+        res = [GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, v, samples), (3,) * samples, 5, v, v) for p in EVAL_PROMPTS]
+        assert {k: rec[k] for k in eval_metrics(res, 1.0)} == eval_metrics(res, 1.0)
+    assert_eval_left_nothing(ctl, gens, trainer, storage)
