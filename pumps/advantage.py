@@ -5,7 +5,9 @@ rewards (a small column the controller already has), writes them back to storage
 `advantage` column under the same row keys in one put, and marks the groups ready. Groups whose
 rewards are all equal carry no signal: they are counted, and with `advantage.drop_zero_variance`
 dropped (rows cleared, prompt settled `dropped/zero_variance`); the ledger's step accounting then
-refills their step with fresh prompts (DAPO dynamic sampling).
+refills their step with fresh prompts (DAPO dynamic sampling). At most
+`advantage.max_zero_variance_drops_per_step` are dropped for one step: after that they are kept, so
+a task where every group scores the same (solved, or hopeless) cannot refill forever.
 
 Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in as
 `LogprobPass` objects that write their own columns before the groups become ready.
@@ -82,15 +84,14 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
         if is_zero_variance(rec.rewards):
             state.zero_variance_groups += 1
             if cfg.drop_zero_variance and not state.stopping:
-                await within(
-                    state.storage.clear_rows(row_keys(rec.group_id, G)),
-                    state.cfg.timeouts.storage_s,
-                    f"storage clear of zero-variance group {rec.group_id}",
-                )
-                state.ledger.drop(rec.group_id, "zero_variance")
-                state.ledger.release(rec.group_id)
-                state.prompts.settle(rec.prompt.prompt_id, "dropped", reason="zero_variance")
-                continue
+                dropped = state.zero_variance_drops[rec.target_step]
+                if dropped < cfg.max_zero_variance_drops_per_step:
+                    state.zero_variance_drops[rec.target_step] = dropped + 1
+                    state.ledger.drop(rec.group_id, "zero_variance")
+                    state.prompts.settle(rec.prompt.prompt_id, "dropped", reason="zero_variance")
+                    await state.clear_groups([rec], f"storage clear of zero-variance group {rec.group_id}")
+                    continue
+                state.zero_variance_kept += 1
         keep.append((rec, grpo_advantages(rec.rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)))
     if keep:
         for lp in logprob_passes:

@@ -14,9 +14,11 @@ a result served by a newer version w retargets the round to w and every result o
 is re-issued (counted in `eval/reissued`); the round ends once all prompts agree on one version.
 Training is finite, so a round always ends.
 
-Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next worker) up
-to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`, reason
-kept) and training goes on. Any other error is a bug and ends the run.
+Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next routable
+worker) up to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`,
+reason kept) and training goes on. A dead worker (`GenerationWorkerDied`) is taken out of routing
+(the rollout pump restarts it) and its requests are re-issued without charging that budget; while
+no worker is routable, requests wait for one. Any other error is a bug and ends the run.
 
 Eval touches neither storage, the group ledger, the prompt ledger nor the replay buffer: it holds
 only the small result columns, in this pump.
@@ -31,7 +33,7 @@ from typing import Callable, Sequence
 
 from single_controller.config import eval_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationFailed, GenerationWorker
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams
 
@@ -149,7 +151,6 @@ def _training_over(state: RunState) -> bool:
 
 async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int) -> EvalPoint | None:
     """Evaluate until every prompt has a result served by one version; None if abandoned."""
-    workers = state.workers.generators
     t0 = state.clock()
     target = state.policy_version
     tracker.evaluating_version = target
@@ -164,10 +165,10 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
 
             def issue(i: int) -> None:
                 req = GenerationRequest(f"eval{index}-{prompts[i].prompt_id}-a{attempts[i]}", prompts[i], sampling, eval=True)
-                worker = workers[(i + attempts[i]) % len(workers)]  # a re-issue goes to the next worker
+                route = i + attempts[i]  # a re-issue goes to the next worker
                 attempts[i] += 1
                 tracker.requests += 1
-                pending[requests.create_task(_request(state, worker, req), name=req.group_id)] = i
+                pending[requests.create_task(_request(state, req, route), name=req.group_id)] = i
 
             for i in range(len(prompts)):
                 issue(i)
@@ -178,6 +179,9 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
                 for task in done:
                     i = pending.pop(task)
                     outcome = task.result()  # a bug raised inside _request propagates from here
+                    if isinstance(outcome, GenerationWorkerDied):
+                        issue(i)  # not the request's fault: the worker is out of routing now
+                        continue
                     if isinstance(outcome, Exception):
                         failures[i] += 1
                         tracker.request_failures += 1
@@ -215,11 +219,21 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
     return EvalPoint(target, metrics, state.clock() - t0, reissued, sum(failures), state.clock())
 
 
-async def _request(state: RunState, worker: GenerationWorker, req: GenerationRequest) -> GenerationResult | Exception:
-    """One eval request; a generation failure or a missed deadline is returned, not raised."""
+async def _request(state: RunState, req: GenerationRequest, route: int) -> GenerationResult | Exception:
+    """One eval request to routable worker `route` (mod their number); a generation failure or a
+    missed deadline is returned, not raised (a dead worker is also taken out of routing)."""
+    # A dead worker may be restarting (by the rollout pump, which restarts no one once it has exited).
+    await state.changed.wait_until(lambda: bool(state.routable()) or state.rollout_done)
+    routable = state.routable()
+    if not routable:
+        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.down_workers}")
+    worker = routable[route % len(routable)]
     t0 = state.clock()
     try:
         result = await within(worker.generate(req), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: eval generate({req.group_id})")
+    except GenerationWorkerDied as e:
+        state.worker_down(worker, str(e))
+        return e
     except (GenerationFailed, DeadlineExceeded) as e:
         return e
     finally:

@@ -9,6 +9,11 @@ attempt may have written, drops the group with reason `generation_failed`, and r
 prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). Any other error is a
 bug and ends the run with its cause. The deficit accounting of the ledger refills the step the
 dropped group was meant for.
+
+A dead worker (`GenerationWorkerDied`) is taken out of routing on its first failed call; its
+in-flight prompts are re-dispatched to the others without charging their retry budget; it is
+restarted (`Restartable`) and given the current weights before it takes work again. With no
+worker left to route to and none coming back, the run stops with `NoGenerationWorkers`.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import asyncio
 from replay.ledger import GroupRecord, GroupState
 from replay.storage import row_keys
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationFailed, GenerationWorker
+from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Restartable
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, SamplingParams
 
 PUMP = "rollout"
+
+
+class NoGenerationWorkers(RuntimeError):
+    """Every generation worker is dead and none could be restarted."""
 
 
 def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParams:
@@ -39,7 +48,14 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
             while True:
                 # Exits: a stop was requested (the train pump requests one when it ends); or the
                 # dataloader is exhausted, no re-dispatch is pending and no group could still need one.
-                await state.wait_until(lambda: _admissible(state) or _finished(state), PUMP, "admission")
+                await state.wait_until(
+                    lambda: _admissible(state) or _finished(state) or _needs_restart(state), PUMP, "admission"
+                )
+                for w in _needs_restart(state):
+                    state.restarting.add(w.name)
+                    children.create_task(_restart(state, w), name=f"restart {w.name}")
+                if not _admissible(state) and not _finished(state):
+                    continue
                 if _finished(state):
                     if state.stopping:
                         _cancel_in_flight(state, "run_ended")
@@ -54,7 +70,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     now=state.clock(),
                 )
                 state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
-                worker = min(state.workers.generators, key=lambda w: load[id(w)])
+                worker = min(state.routable(), key=lambda w: load[id(w)])
                 load[id(worker)] += 1
                 task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
                 state.in_flight_tasks[rec.group_id] = task
@@ -79,8 +95,47 @@ def _cancel_in_flight(state: RunState, reason: str) -> None:
         task.cancel()
 
 
+def _needs_restart(state: RunState) -> list[GenerationWorker]:
+    return [
+        w for w in state.workers.generators
+        if w.name in state.down_workers and w.name not in state.restarting and w.name not in state.given_up
+    ]
+
+
+async def _restart(state: RunState, worker: GenerationWorker) -> None:
+    """Bring a dead worker back: a new process, the current weights, then routing. A worker that
+    cannot restart stays out; with none left to route to, the run stops."""
+    cfg = state.cfg
+    try:
+        if not isinstance(worker, Restartable):
+            raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
+        if state.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
+            raise GenerationFailed(f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts")
+        state.restarts_of[worker.name] += 1
+        applied = state.latest_weights
+        await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
+        while state.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
+            applied = state.latest_weights
+            await within(worker.update_weights(applied), cfg.timeouts.weight_sync_s, f"generation worker {worker.name}: update_weights(v{applied.version}) after restart")
+    except Exception as e:
+        if not [w for w in state.routable() if w is not worker] and not state.restarting - {worker.name}:
+            raise NoGenerationWorkers(
+                f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.down_workers.items())}; "
+                f"restarting {worker.name} failed: {type(e).__name__}: {e}"
+            ) from e
+        state.pumps[PUMP].errors += 1
+        state.given_up.add(worker.name)
+        state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
+        return  # it stays out of routing; the others carry on
+    finally:
+        state.restarting.discard(worker.name)
+    del state.down_workers[worker.name]
+    state.worker_restarts += 1
+    state.notify()
+
+
 def _admissible(state: RunState) -> bool:
-    if state.stopping or not state.admission_open:
+    if state.stopping or not state.admission_open or not state.routable():
         return False
     if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
         return False
@@ -119,6 +174,11 @@ async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRec
             await _discard(state, rec, keys, rec.abort_reason)
             return
         raise
+    except GenerationWorkerDied as e:
+        clk.errors += 1
+        state.worker_down(worker, str(e))
+        await _discard(state, rec, keys, "worker_died", cause=e, charge=False)
+        return
     except (GenerationFailed, DeadlineExceeded) as e:
         clk.errors += 1
         await _discard(state, rec, keys, "generation_failed", cause=e)
@@ -130,11 +190,12 @@ async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRec
     state.notify()
 
 
-async def _discard(state: RunState, rec: GroupRecord, keys, reason: str, cause: BaseException | None = None) -> None:
-    """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows."""
-    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of {rec.group_id}")
+async def _discard(
+    state: RunState, rec: GroupRecord, keys, reason: str, cause: BaseException | None = None, charge: bool = True
+) -> None:
+    """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows
+    (`charge=False`: whatever the policy, and without counting against its retry budget)."""
     state.ledger.drop(rec.group_id, reason)
-    state.ledger.release(rec.group_id)
-    retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" else 0
-    state.requeue_or_settle(rec, reason, max_retries=retries)
-    state.notify()
+    retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" or not charge else 0
+    state.requeue_or_settle(rec, reason, max_retries=retries, charge=charge)
+    await state.clear_groups([rec], f"storage clear of {rec.group_id}")

@@ -11,9 +11,14 @@ The trainer group fetches the rows itself: a chunk carries keys and lengths, nev
 Before each selection, ready groups the sampler can no longer train are evicted (rows cleared,
 prompts re-dispatched within `rollout.max_retries`, else settled `evicted`).
 
-A trainer error (`TrainerFailed`, or a deadline) inside a step calls `abort_train_step` (which
-restores parameters and optimizer state), re-opens the step and replays the chunks already sent;
-after `train.max_step_retries` retries the run fails with the cause.
+A trainer error (`TrainerFailed`, or a deadline on a trainer call) inside a step first asks the
+trainer where it stands (`train_status`): a remote call can outlive its deadline, so a finish may
+have landed after all, and then its recorded result is taken (never a second optimizer step).
+Otherwise `abort_train_step(step)` restores parameters and optimizer state, the step re-opens and
+the chunks already sent are replayed; after `train.max_step_retries` retries the run fails with the
+cause. Storage errors are not trainer errors: clearing rows retries on its own
+(`state.clear_groups`), and a storage that stays down stops the run with `StorageFailed`; a slot is
+released only once its rows are gone, and never leaks.
 """
 
 from __future__ import annotations
@@ -28,13 +33,17 @@ from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import Prefetching, TrainerFailed
 from single_controller.state import RunState
-from single_controller.types import LossConfig, StepResult, TrainChunk, WeightsHandle
+from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 PUMP = "train"
 
 
 class TrainStepFailed(RuntimeError):
     """A train step kept failing after every allowed retry."""
+
+
+class TrainerDeadline(TrainerFailed):
+    """A split-API call outlived its deadline (it may still be running on the trainer)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGro
         await state.waiting(weights.send(handle), PUMP, "weight sync")
         clk.iterations += 1
         on_step(report)
+        if state.after_step is not None:
+            await state.after_step()  # a periodic checkpoint, when one is due
         if state.stopping:
             break
 
@@ -97,6 +108,10 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
     while True:
         try:
             while True:
+                if state.abandon_open_step:  # interrupted: stop on the last finished step
+                    if is_open:
+                        await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
+                    return None
                 if sent < len(chunks):  # send the newest chunk, or replay after a retry
                     if not is_open:
                         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
@@ -107,6 +122,8 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
                 if len(groups) >= need:
                     break
                 picked = await _wait_selectable(state, step, need - len(groups))
+                if state.abandon_open_step:
+                    continue
                 if not picked:
                     break
                 now = state.clock()
@@ -116,13 +133,21 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
                 groups.extend(sel)
                 chunks.append(_chunk(state, step, len(chunks), sel))
                 state.notify()
-            if not chunks:
+            if not chunks or state.abandon_open_step:
+                if is_open:
+                    await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
                 return None
-            result = await _timed(state, trainer.finish_train_step(), f"trainer.finish_train_step({step})")
+            result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step})")
             break
-        except (TrainerFailed, DeadlineExceeded) as e:
+        except TrainerFailed as e:
             state.pumps[PUMP].errors += 1
-            await _timed(state, trainer.abort_train_step(), f"trainer.abort_train_step({step})")
+            status = await _where_trainer_stands(state, step, e)
+            if status.last_finished == step and status.open_step is None:
+                # The finish landed after its deadline: take its recorded result, no second step.
+                result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
+                state.late_finishes += 1
+                break
+            await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step})")
             state.aborted_steps += 1
             is_open, sent = False, 0
             retries += 1
@@ -133,6 +158,23 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
     state.trainer_version = step + 1
     state.notify()
     return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock())
+
+
+async def _where_trainer_stands(state: RunState, step: int, error: Exception) -> TrainStatus:
+    """Ask the trainer where it stands after `error`. The status call queues behind a call still
+    running on the trainer (one that outlived its deadline), so it is asked again a few times
+    before the trainer is declared unresponsive."""
+    tries = state.cfg.train.max_step_retries + 1
+    for attempt in range(1, tries + 1):
+        try:
+            return await _timed(state, state.workers.trainer.train_status(), f"trainer.train_status (step {step}, after: {error})")
+        except TrainerDeadline as e:
+            if attempt == tries:
+                raise TrainStepFailed(
+                    f"train step {step}: the trainer did not say where it stands after {tries} tries "
+                    f"({e}); first error: {error}"
+                ) from e
+    raise AssertionError("unreachable")
 
 
 def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
@@ -148,6 +190,8 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
     want = min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
+        if state.abandon_open_step:
+            return []
         ready = state.ledger.in_state(GroupState.READY)
         stale = state.sampler.evictable(ready, step)
         if stale:
@@ -163,7 +207,8 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
         await state.wait_until(
             lambda: len(state.sampler.select(state.ledger.in_state(GroupState.READY), step, need)) >= want
             or bool(state.sampler.evictable(state.ledger.in_state(GroupState.READY), step))
-            or _no_more_can_arrive(state),
+            or _no_more_can_arrive(state)
+            or state.abandon_open_step,
             PUMP,
             "ready groups",
         )
@@ -177,16 +222,13 @@ def _no_more_can_arrive(state: RunState) -> bool:
 
 
 async def _evict(state: RunState, groups: list[GroupRecord], step: int) -> None:
-    G = state.cfg.rollout.group_size
-    keys = [k for g in groups for k in row_keys(g.group_id, G)]
     for g in groups:
         state.ledger.evict(g.group_id, "stale")
-    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of {len(groups)} evicted groups")
-    for g in groups:
-        state.ledger.release(g.group_id)
         state.requeue_or_settle(g, "stale", max_retries=state.cfg.rollout.max_retries, fate="evicted")
     state.sampler.record_evicted(len(groups))
     state.notify()
+    # A storage error here is the storage's, never the trainer's: the open step stays as it is.
+    await state.clear_groups(groups, f"storage clear of {len(groups)} evicted groups")
 
 
 def _finish_groups(state: RunState, step: int, groups: list[GroupRecord], clears: asyncio.TaskGroup) -> None:
@@ -197,12 +239,7 @@ def _finish_groups(state: RunState, step: int, groups: list[GroupRecord], clears
 
 
 async def _clear_trained(state: RunState, step: int, groups: list[GroupRecord]) -> None:
-    G = state.cfg.rollout.group_size
-    keys = [k for g in groups for k in row_keys(g.group_id, G)]
-    await within(state.storage.clear_rows(keys), state.cfg.timeouts.storage_s, f"storage clear of step {step} rows")
-    for g in groups:
-        state.ledger.release(g.group_id)
-    state.notify()
+    await state.clear_groups(groups, f"storage clear of step {step} rows")
 
 
 async def prefetch_pump(state: RunState) -> None:
@@ -234,8 +271,11 @@ def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
 
 
 async def _timed(state: RunState, aw, what: str):
+    """A trainer call with its deadline; a deadline is a trainer error (`TrainerDeadline`)."""
     t0 = state.clock()
     try:
         return await within(aw, state.cfg.timeouts.train_call_s, what)
+    except DeadlineExceeded as e:
+        raise TrainerDeadline(str(e)) from e
     finally:
         state.pumps[PUMP].busy_s += state.clock() - t0

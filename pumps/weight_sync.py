@@ -16,6 +16,7 @@ import asyncio
 from replay.ledger import GroupState
 from single_controller.channels import Channel
 from single_controller.deadlines import within
+from single_controller.protocols import GenerationWorkerDied
 from single_controller.state import RunState
 from single_controller.types import WeightsHandle
 
@@ -52,10 +53,9 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
         t_drained = state.clock()
         _abort_stale_in_flight(state, handle.version)
         async with asyncio.TaskGroup() as fanout:
-            for w in state.workers.generators:
-                fanout.create_task(
-                    within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{handle.version})")
-                )
+            for w in state.routable():  # a dead or restarting worker gets the newest weights at restart
+                fanout.create_task(_update(state, w, handle))
+        state.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
         state.set_admission(True)
@@ -67,6 +67,13 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
     rec.last_bytes = handle.num_bytes
     rec.last_t = state.clock()
     state.pumps[PUMP].busy_s += rec.last_s
+
+
+async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
+    try:
+        await within(worker.update_weights(handle), state.cfg.timeouts.weight_sync_s, f"generation worker {worker.name}: update_weights(v{handle.version})")
+    except GenerationWorkerDied as e:
+        state.worker_down(worker, str(e))  # restarted by the rollout pump, with the newest weights
 
 
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:

@@ -98,7 +98,7 @@ class LedgerStatistics:
 
 
 class GroupLedger:
-    def __init__(self, *, capacity: int, group_size: int, groups_per_step: int, max_steps: int):
+    def __init__(self, *, capacity: int, group_size: int, groups_per_step: int, max_steps: int, first_step: int = 0):
         if capacity < 1 or group_size < 1 or groups_per_step < 1:
             raise ValueError("capacity, group_size and groups_per_step must be >= 1")
         self.capacity = capacity
@@ -108,7 +108,7 @@ class GroupLedger:
         self._groups: dict[str, GroupRecord] = {}
         self._active: dict[str, GroupRecord] = {}  # resident groups (non-terminal, or terminal awaiting clear)
         self._live_by_step: Counter[int] = Counter()
-        self._min_short_step = 0
+        self._min_short_step = first_step  # steps before it are done (a resumed run)
         self._seq = 0
         self._trained = 0
         self._dropped: Counter[str] = Counter()
@@ -262,6 +262,7 @@ class PromptRecord:
     prompt: Prompt
     order: int  # position in which it was taken from the dataloader
     attempts: list[str] = field(default_factory=list)
+    uncharged: int = 0  # attempts lost through no fault of the prompt (a worker died): not retries
     fate: str | None = None  # "trained" | "dropped" | "evicted"
     step: int | None = None  # for "trained"
     reason: str | None = None  # for "dropped" / "evicted"
@@ -315,6 +316,11 @@ class PromptLedger:
             raise ValueError("a trained prompt needs its step")
         rec.fate, rec.step, rec.reason = fate, step, reason
 
+    def charged_attempts(self, prompt_id: str) -> int:
+        """Attempts that count against the retry budget."""
+        rec = self._prompts[prompt_id]
+        return len(rec.attempts) - rec.uncharged
+
     def unsettled(self) -> list[str]:
         return [pid for pid, r in self._prompts.items() if r.fate is None]
 
@@ -331,6 +337,7 @@ class PromptLedger:
                     "answer": r.prompt.answer,
                     "order": r.order,
                     "attempts": list(r.attempts),
+                    "uncharged": r.uncharged,
                     "fate": r.fate,
                     "step": r.step,
                     "reason": r.reason,
@@ -345,6 +352,7 @@ class PromptLedger:
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
             rec = led.take(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]))
             rec.attempts = list(d["attempts"])
+            rec.uncharged = d.get("uncharged", 0)
             rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]
         return led
 

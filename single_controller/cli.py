@@ -66,9 +66,28 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    from pathlib import Path
+
+    from single_controller.checkpoint import latest_checkpoint
+    from single_controller.config_loader import load_config
+
+    if args.resume is None:
+        if args.config is None:
+            raise _UsageError("sc-grpo run: a CONFIG file is required (or --resume RUN_DIR)")
+        cfg = _load(args)
+    else:
+        overrides = list(args.overrides)
+        if args.config is not None:
+            if "=" not in args.config:
+                raise _UsageError("sc-grpo run --resume RUN_DIR takes the run's own config.yaml; give only KEY=VALUE overrides")
+            overrides.insert(0, args.config)
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.is_file():
+            raise _UsageError(f"sc-grpo run --resume: {args.resume} is not a run directory (no config.yaml)")
+        latest_checkpoint(args.resume)  # a clear error now, before anything starts
+        cfg = load_config(str(saved), overrides)
     run_from_config = _load_entry_point("single_controller.launch:run_from_config")
-    return int(run_from_config(cfg))
+    return int(run_from_config(cfg) if args.resume is None else run_from_config(cfg, args.resume))
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -130,13 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train with a config",
         description="Validate the config, then run asynchronous GRPO: the run directory "
-        "(<run.output_dir>/<run.name>-<timestamp>) gets the resolved config.yaml, metrics.jsonl and "
-        "curves.png. Ctrl-C stops the run cleanly; a second Ctrl-C forces it.",
-        epilog="example:\n  sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100",
+        "(<run.output_dir>/<run.name>-<timestamp>) gets the resolved config.yaml, metrics.jsonl, "
+        "checkpoints/, prompt_ledger.json, summary.json and curves.png. Ctrl-C or SIGTERM stops the run "
+        "on its last finished step and checkpoints it; a second one forces the exit.",
+        epilog="examples:\n  sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100\n"
+        "  sc-grpo run --resume runs/embedded-20261123-120000 run.max_steps=300",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    with_config(p)
-    p.set_defaults(func=_cmd_run)
+    with_config(p, required=False)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue this run directory from its newest checkpoint (its config.yaml, plus overrides)")
+    p.set_defaults(func=_cmd_run, subparser=p)
 
     p = sub.add_parser(
         "config",
@@ -178,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from single_controller.checkpoint import CheckpointError
     from single_controller.config_loader import ConfigError
 
     parser = build_parser()
@@ -190,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         getattr(args, "subparser", parser).print_usage(sys.stderr)
         print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except EntryPointMissing as e:
         print(f"sc-grpo {args.command}: {e}", file=sys.stderr)

@@ -82,6 +82,9 @@ class RolloutConfig:
     """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
     max_retries: int = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
+    max_worker_restarts: int = 3
+    """Times one dead generation worker is restarted (its prompts re-dispatched, uncharged) before it
+    stays out of routing; with no worker left the run stops with `NoGenerationWorkers`."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ class AdvantageConfig:
     """Added to the group std before dividing."""
     drop_zero_variance: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and refill them (DAPO dynamic sampling)."""
+    max_zero_variance_drops_per_step: int = 16
+    """With `drop_zero_variance`: zero-variance groups dropped (and refilled) for one step at most; past
+    it they are kept and trained (with zero advantage), so a solved or hopeless task cannot refill
+    forever (`rollout/zero_variance_kept` counts them)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,18 @@ class TimeoutConfig:
     """Deadline of one row-storage call."""
     setup_s: float = 180.0
     """Deadline of starting workers and storage."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 20
+    """Write a checkpoint every this many optimizer steps (0: never by step count)."""
+    every_s: float = 0.0
+    """Also write one when this many seconds passed since the last (0: never by time)."""
+    keep: int = 2
+    """Checkpoints kept in `<run dir>/checkpoints/` (the newest ones; 0 keeps all)."""
+    at_exit: bool = True
+    """Write one when the run ends: finished, stopped by SIGTERM/SIGINT, or failed with a live trainer."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +270,7 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)

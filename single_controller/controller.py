@@ -7,6 +7,12 @@ touches bulk tensors: it moves keys, lengths, rewards and advantages; workers re
 A failing pump cancels its siblings and `run()` raises `RunFailed` naming the pump and its cause.
 Teardown always runs: an open train step is aborted, resident rows are cleared (no key is left in
 storage), and every prompt taken from the dataloader without a fate is settled `dropped`.
+
+Durability (with a run directory and a `Checkpointable` trainer): a checkpoint is written between
+steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when the run ends
+(finished, interrupted, or failed while the trainer still answers), before teardown settles
+anything. `resume=` (a checkpoint's controller state) continues from its cut: same step, same
+prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
-from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedgerStatistics
+from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
+from single_controller.checkpoint import CheckpointInfo, config_fingerprint, write_checkpoint
 from single_controller.config import Config, required_capacity, resolved_capacity
 from single_controller.deadlines import within
+from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
 
@@ -39,9 +47,10 @@ class CapacityConfigError(ValueError):
 class RunFailed(RuntimeError):
     """A pump failed; `pump` names it and `__cause__` is its error."""
 
-    def __init__(self, pump: str, cause: BaseException):
+    def __init__(self, pump: str, cause: BaseException, checkpoint: CheckpointInfo | None = None):
         super().__init__(f"{pump} pump failed: {type(cause).__name__}: {cause}")
         self.pump = pump
+        self.checkpoint = checkpoint  # the newest checkpoint to resume from, if any
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,14 @@ class ControllerStatistics:
     last_step_s: float
     last_reward_mean: float
     last_success_rate: float
+    generation_workers: int = 0
+    generation_workers_down: int = 0  # dead or restarting: out of routing
+    worker_deaths: int = 0
+    worker_restarts: int = 0
+    late_finishes: int = 0
+    storage_retries: int = 0
+    checkpoints_written: int = 0
+    last_checkpoint_s: float = 0.0
     eval: EvalStatistics | None = None  # None when eval is off
 
 
@@ -75,6 +92,7 @@ class RunSummary:
     stop_reason: str
     wall_s: float
     history: list[dict]
+    checkpoint: CheckpointInfo | None = None  # the newest checkpoint written, if any
 
 
 def check_capacity(cfg: Config) -> None:
@@ -99,6 +117,9 @@ class Controller:
         stop_token_id: int | None = None,
         on_step: Callable[[dict], None] | None = None,
         clock: Callable[[], float] | None = None,
+        run_dir: str | None = None,
+        resume: dict | None = None,
+        dataloader_state: Callable[[], dict] | None = None,
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
     ):
@@ -106,8 +127,9 @@ class Controller:
         if cfg.eval.enabled and not eval_prompts:
             raise ValueError("eval.enabled is true but no eval prompts were given")
         kwargs = {"clock": clock} if clock is not None else {}
+        first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
-        self.state = RunState(cfg, dataloader, storage, workers, **kwargs)
+        self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, **kwargs)
         self.stop_token_id = stop_token_id
         self.on_step = on_step
         self.history: list[dict] = []
@@ -117,6 +139,16 @@ class Controller:
         self._t0 = self.state.clock()
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
+        self.run_dir = run_dir
+        self._dataloader_state = dataloader_state
+        self.last_checkpoint: CheckpointInfo | None = None
+        self._last_checkpoint_t = self._t0
+        self._last_checkpoint_step = first_step if resume is not None else None
+        if run_dir is not None and isinstance(workers.trainer, Checkpointable):
+            self.state.after_step = self._periodic_checkpoint
+        self._resumed = resume is not None
+        if resume is not None:
+            self._restore(resume)
         self.eval_prompts = tuple(eval_prompts)
         self.on_eval = on_eval
         self.eval_history: list[dict] = []
@@ -125,9 +157,14 @@ class Controller:
     async def run(self) -> RunSummary:
         """Setup, the pumps, teardown."""
         st = self.state
-        self._t0 = self._last_step_end = st.clock()
+        self._t0 = self._last_step_end = self._last_checkpoint_t = st.clock()
         weights: Channel[WeightsHandle] = Channel(capacity=1)
         tasks: dict[str, asyncio.Task] = {}
+        if self._resumed:
+            await self._sync_resumed_weights()
+        else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
+            v = st.trainer_version
+            st.latest_weights = await within(st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})")
         try:
             async with asyncio.TaskGroup() as pumps:
                 tasks["rollout"] = pumps.create_task(rollout_pump(st, stop_token_id=self.stop_token_id))
@@ -140,13 +177,111 @@ class Controller:
                         eval_pump(st, self.eval_prompts, self.eval_tracker, self._record_eval, stop_token_id=self.stop_token_id)
                     )
         except BaseException as e:
+            await self._final_checkpoint(failed=True)
             await self._teardown(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:
                 pump, cause = _first_pump_error(e, tasks)
-                raise RunFailed(pump, cause) from cause
+                raise RunFailed(pump, cause, self.last_checkpoint) from cause
             raise
+        await self._final_checkpoint(failed=False)
         await self._teardown(failed=False)
-        return RunSummary(st.trainer_version, st.stop_reason or "finished", st.clock() - self._t0, self.history)
+        return RunSummary(st.trainer_version, st.stop_reason or "finished", st.clock() - self._t0, self.history, self.last_checkpoint)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The controller's side of a checkpoint at the cut `trainer_version` (between steps).
+        Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
+        st = self.state
+        live = {g.group_id for g in st.ledger.all_records() if g.state not in TERMINAL}
+        prompts = st.prompts.to_dict()
+        rolled_back: list[str] = []
+        for p in prompts["prompts"]:
+            if p["fate"] is None:
+                rolled_back += [a for a in p["attempts"] if a in live]
+                p["attempts"] = [a for a in p["attempts"] if a not in live]
+        return {
+            "step": st.trainer_version,
+            "prompts": prompts,
+            "rolled_back": rolled_back,
+            "dataloader": {"taken": len(st.prompts), **(self._dataloader_state() if self._dataloader_state else {})},
+            "success_window": list(self._success),
+            "counters": {
+                "zero_variance_groups": st.zero_variance_groups,
+                "tokens_generated": st.tokens_generated,
+                "tokens_trained": self._tokens_trained,
+                "aborted_steps": st.aborted_steps,
+                "step_retries": st.step_retries,
+            },
+            "config": config_fingerprint(self.cfg),
+        }
+
+    def _restore(self, saved: dict) -> None:
+        st = self.state
+        st.prompts = PromptLedger.from_dict(saved["prompts"])
+        unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
+        st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
+        self._success.extend(saved["success_window"])
+        c = saved["counters"]
+        st.zero_variance_groups, st.tokens_generated = c["zero_variance_groups"], c["tokens_generated"]
+        st.aborted_steps, st.step_retries = c["aborted_steps"], c["step_retries"]
+        self._tokens_trained = c["tokens_trained"]
+
+    async def _sync_resumed_weights(self) -> None:
+        """A resumed run starts from the checkpoint's policy: every generation worker gets the
+        trainer's weights (version = the cut) before the first rollout."""
+        st, cfg = self.state, self.cfg
+        v = st.trainer_version
+        handle = await within(st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)")
+        async with asyncio.TaskGroup() as fanout:
+            for w in st.workers.generators:
+                fanout.create_task(within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{v}) (resume)"))
+        st.latest_weights = handle
+
+    async def _periodic_checkpoint(self) -> None:
+        c, st = self.cfg.checkpoint, self.state
+        k = st.trainer_version
+        by_step = c.every_steps > 0 and k % c.every_steps == 0
+        by_time = c.every_s > 0 and st.clock() - self._last_checkpoint_t >= c.every_s
+        if (by_step or by_time) and k != self._last_checkpoint_step:
+            await self.checkpoint()
+
+    async def checkpoint(self) -> CheckpointInfo:
+        """Write a checkpoint now (between steps)."""
+        st = self.state
+        info = await within(
+            write_checkpoint(
+                self.run_dir,
+                st.trainer_version,
+                self.checkpoint_state(),
+                st.workers.trainer.save_state,
+                keep=self.cfg.checkpoint.keep,
+                clock=st.clock,
+            ),
+            self.cfg.timeouts.train_call_s,
+            f"checkpoint of step {st.trainer_version}",
+        )
+        self.last_checkpoint, self._last_checkpoint_t, self._last_checkpoint_step = info, st.clock(), info.step
+        st.checkpoints_written += 1
+        st.last_checkpoint_s = info.write_s
+        return info
+
+    async def _final_checkpoint(self, *, failed: bool) -> None:
+        """At the end of the run, before teardown settles anything: abort a step left open, then
+        checkpoint the cut. A trainer that no longer answers keeps the last periodic checkpoint."""
+        st = self.state
+        if self.state.after_step is None or not self.cfg.checkpoint.at_exit:
+            return
+        if st.trainer_version == self._last_checkpoint_step:
+            return
+        try:
+            if any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
+                step = st.trainer_version
+                await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (final checkpoint)")
+            await self.checkpoint()
+        except Exception as e:
+            if not failed:
+                raise
+            st.teardown_errors.append(f"final checkpoint: {type(e).__name__}: {e}")
 
     # -- per-step record ---------------------------------------------------------------------
     def _record_step(self, report: StepReport) -> None:
@@ -176,6 +311,9 @@ class Controller:
             "replay/resident_groups": st.ledger.resident(),
             "sync/policy_version": st.policy_version,
             "sync/last_s": st.sync.last_s,
+            "rollout/workers_routable": len(st.routable()),
+            "rollout/worker_deaths": st.worker_deaths,
+            "rollout/worker_restarts": st.worker_restarts,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -217,7 +355,8 @@ class Controller:
         reason = "run_failed" if failed else "run_ended"
         if failed and any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
             try:  # the step is open on the trainer: leave its state as it was before begin
-                await within(st.workers.trainer.abort_train_step(), self.cfg.timeouts.train_call_s, "trainer.abort_train_step (teardown)")
+                step = st.trainer_version  # the open step is always the next one
+                await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
         active = [g for g in st.ledger.all_records() if g.resident]
@@ -263,6 +402,14 @@ class Controller:
             last_step_s=last.get("time/step_s", 0.0),
             last_reward_mean=last.get("rollout/reward_mean", 0.0),
             last_success_rate=last.get("rollout/success_rate", 0.0),
+            generation_workers=len(st.workers.generators),
+            generation_workers_down=len(st.down_workers),
+            worker_deaths=st.worker_deaths,
+            worker_restarts=st.worker_restarts,
+            late_finishes=st.late_finishes,
+            storage_retries=st.storage_retries,
+            checkpoints_written=st.checkpoints_written,
+            last_checkpoint_s=st.last_checkpoint_s,
             eval=self.eval_tracker.statistics() if self.eval_tracker is not None else None,
         )
 

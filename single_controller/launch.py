@@ -2,8 +2,18 @@
 
 cpu backend: start (or attach to) Ray with resources that fit the machine, start the controller as
 a CPU-only Ray actor (which starts TransferQueue and the workers side by side), stream one
-record per step into the run directory and the console, save the final policy, and tear
-everything down on success, error and Ctrl-C. sim backend: the same controller in-process.
+record per step into the run directory and the console, and tear everything down on success,
+error and Ctrl-C. sim backend: the same controller in-process.
+
+Every exit writes its records: `metrics.jsonl` (streamed), `summary.json` (with the stop reason),
+`prompt_ledger.json`, and on failure `error.log` (the full traceback) beside one short paragraph on
+the console: which pump, what happened, where the checkpoint is, how to resume.
+
+SIGTERM / SIGINT: the first one asks the controller to stop on the last finished step (the step in
+progress is aborted) and to checkpoint it; the run then exits normally with code 130. A second one,
+or 25 s without an exit, forces it.
+
+`resume_dir`: continue that run directory from its newest checkpoint (`sc-grpo run --resume DIR`).
 
 Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 130 interrupted.
 """
@@ -11,8 +21,11 @@ Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 1
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from single_controller.config import Config
@@ -20,17 +33,22 @@ from single_controller.config import Config
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
-def run_from_config(cfg: Config) -> int:
+def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     from single_controller.run_output import RunDirectory
 
     t_start = time.perf_counter()
-    run_dir = RunDirectory.create(cfg)
-    print(f"sc-grpo: run directory {run_dir.path}", flush=True)
+    if resume_dir is not None:
+        step = _check_resumable(cfg, resume_dir)  # before anything starts
+        run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step)
+        print(f"sc-grpo: resuming {run_dir.path} from the checkpoint of step {step}", flush=True)
+    else:
+        run_dir = RunDirectory.create(cfg)
+        print(f"sc-grpo: run directory {run_dir.path}", flush=True)
     try:
         if cfg.backend.kind == "sim":
-            code = asyncio.run(_drive_local(cfg, run_dir, t_start))
+            code = asyncio.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
         else:
-            code = _run_on_ray(cfg, run_dir, t_start)
+            code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
     except KeyboardInterrupt:
         print("sc-grpo: interrupted; everything was shut down", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
@@ -39,7 +57,16 @@ def run_from_config(cfg: Config) -> int:
     return code
 
 
-def _run_on_ray(cfg: Config, run_dir, t_start: float) -> int:
+def _check_resumable(cfg: Config, resume_dir: str) -> int:
+    from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
+
+    path = latest_checkpoint(resume_dir)
+    saved = read_controller_state(path)
+    check_compatible(saved, cfg, path)
+    return int(saved["step"])
+
+
+def _run_on_ray(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
     from single_controller.ray_runtime import ray_session, worker_env
 
     b = cfg.backend
@@ -49,43 +76,69 @@ def _run_on_ray(cfg: Config, run_dir, t_start: float) -> int:
     with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads)) as session:
         print(f"sc-grpo: ray {time.perf_counter() - t_start:.1f}s", flush=True)
         # TransferQueue is started by the controller actor, beside the workers' own start-up.
-        return session.run(_drive_actor(cfg, run_dir, t_start))
+        return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
 
 
-async def _drive_actor(cfg: Config, run_dir, t_start: float) -> int:
+async def _drive_actor(cfg: Config, run_dir, t_start: float, resume: bool, session) -> int:
     import ray
 
     from single_controller.service import ControllerService
 
     actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerService)
-    actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64).remote(cfg)
+    actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64).remote(cfg, str(run_dir.path.resolve()), resume)
 
     async def call(method: str, *args: Any) -> Any:
         return await getattr(actor, method).remote(*args)
 
     try:
-        return await _drive(cfg, run_dir, t_start, call)
+        return await _drive(cfg, run_dir, t_start, call, lambda stop: session.on_interrupt(stop))
     finally:
         ray.kill(actor)
 
 
-async def _drive_local(cfg: Config, run_dir, t_start: float) -> int:
+async def _drive_local(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
     from single_controller.service import ControllerService
 
-    service = ControllerService(cfg)
+    service = ControllerService(cfg, str(run_dir.path.resolve()), resume)
 
     async def call(method: str, *args: Any) -> Any:
         return await getattr(service, method)(*args)
 
-    return await _drive(cfg, run_dir, t_start, call)
+    def on_interrupt(stop: Callable[[str], None]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, signal.Signals(sig).name)
+
+    return await _drive(cfg, run_dir, t_start, call, on_interrupt)
 
 
-async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Awaitable[Any]]) -> int:
-    """Setup, run while streaming records, checkpoint, close: the same for an actor or in-process."""
+async def _drive(
+    cfg: Config,
+    run_dir,
+    t_start: float,
+    call: Callable[..., Awaitable[Any]],
+    on_interrupt: Callable[[Callable[[str], None]], None],
+) -> int:
+    """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
     from single_controller.deadlines import within
     from single_controller.run_output import ConsoleReporter, is_eval_record
 
     reporter = ConsoleReporter(cfg)
+    interrupted: list[str] = []
+    summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
+    t_ready = None
+    stop_requests: set[asyncio.Task] = set()
+
+    def stop(name: str) -> None:  # on the loop's thread
+        interrupted.append(name)
+        print(f"sc-grpo: {name}: stopping on the last finished step and checkpointing it", file=sys.stderr, flush=True)
+        task = asyncio.ensure_future(call("request_stop", f"interrupted ({name})"))
+        stop_requests.add(task)
+        task.add_done_callback(stop_requests.discard)
+
+    on_interrupt(stop)
     try:
         info = await within(call("setup"), cfg.timeouts.setup_s, "controller setup (storage, workers, metrics)")
         t_ready = time.perf_counter()
@@ -93,6 +146,8 @@ async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Await
             print(f"sc-grpo: metrics on http://{cfg.metrics.host}:{info['metrics_port']}/metrics", flush=True)
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
         print(f"sc-grpo: started in {t_ready - t_start:.1f}s ({parts}); training", flush=True)
+        if interrupted:  # a signal during start-up
+            await call("request_stop", f"interrupted ({interrupted[0]})")
         run = asyncio.ensure_future(call("run"))
         cursor = 0
         try:
@@ -101,6 +156,8 @@ async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Await
                 cursor += len(records)
                 for rec in records:
                     rec = {**rec, "time/since_launch_s": time.perf_counter() - t_start}
+                    if run_dir.wall_offset_s and "time/wall_s" in rec:
+                        rec["time/wall_s"] += run_dir.wall_offset_s  # a resumed run continues the clock
                     run_dir.append_metrics(rec)
                     (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
                 if finished:
@@ -111,25 +168,72 @@ async def _drive(cfg: Config, run_dir, t_start: float, call: Callable[..., Await
             raise
         finally:
             reporter.close()
-        ckpt = await call("save_checkpoint", str(run_dir.path / "checkpoint"))
-        run_dir.write_json("summary.json", {**summary, "startup_s": t_ready - t_start, "checkpoint": ckpt})
-        run_dir.write_json("prompt_ledger.json", await call("prompt_ledger"))
-        print(
-            f"sc-grpo: {summary['steps']} steps in {summary['wall_s']:.1f}s of training "
-            f"(+{t_ready - t_start:.1f}s startup): {summary['stop_reason']}",
-            flush=True,
-        )
-        if cfg.run.plot:
-            run_dir.save_plot()
-        return EXIT_OK
+        if summary["failure"] is None:
+            summary["policy"] = await call("save_checkpoint", str(run_dir.path / "checkpoint"))  # loadable as model.checkpoint
+            print(
+                f"sc-grpo: {summary['steps']} steps in {summary['wall_s']:.1f}s of training "
+                f"(+{t_ready - t_start:.1f}s startup): {summary['stop_reason']}",
+                flush=True,
+            )
     except Exception as e:
-        cause = e.__cause__ if getattr(e, "__cause__", None) is not None else e
-        print(f"sc-grpo: run failed: {e}", file=sys.stderr, flush=True)
-        if cause is not e:
-            print(f"  cause: {type(cause).__name__}: {cause}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        summary = {**summary, "stop_reason": f"failed: {e}", "failure": {"pump": None, "error": f"{type(e).__name__}: {e}", "traceback": _format_tb(e)}}
     finally:
+        await _write_records(cfg, run_dir, call, summary, t_start, t_ready)
         try:
             await within(call("close"), 60, "controller close")
         except Exception as e:
             print(f"sc-grpo: close failed: {e}", file=sys.stderr, flush=True)
+    if summary["failure"] is not None:
+        _print_failure(run_dir, summary)
+        return EXIT_FAILED
+    if cfg.run.plot:
+        run_dir.save_plot()
+    if interrupted:
+        ck = summary.get("checkpoint")
+        where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""
+        print(f"sc-grpo: interrupted by {interrupted[0]}{where}; resume with: sc-grpo run --resume {run_dir.path}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+async def _write_records(cfg: Config, run_dir, call, summary: dict, t_start: float, t_ready: float | None) -> None:
+    """summary.json, prompt_ledger.json and (on failure) error.log, whatever happened."""
+    from single_controller.deadlines import within
+
+    failure = summary.get("failure")
+    if failure is not None:
+        (Path(run_dir.path) / "error.log").write_text(
+            f"{failure.get('pump') or 'run'}: {failure['error']}\n\n{failure.get('traceback', '')}", encoding="utf-8"
+        )
+    record = {k: v for k, v in summary.items() if k != "failure"}
+    if failure is not None:
+        record["failure"] = {"pump": failure.get("pump"), "error": failure["error"]}
+    record["startup_s"] = (t_ready - t_start) if t_ready is not None else None
+    record["command_s"] = time.perf_counter() - t_start
+    try:
+        ledger = await within(call("prompt_ledger"), 60, "controller prompt ledger")
+        if ledger is not None:
+            run_dir.write_json("prompt_ledger.json", ledger)
+    except Exception as e:
+        record["prompt_ledger_error"] = f"{type(e).__name__}: {e}"
+    run_dir.write_json("summary.json", record)
+
+
+def _format_tb(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(e))
+
+
+def _print_failure(run_dir, summary: dict) -> None:
+    f = summary["failure"]
+    where = f"the {f['pump']} pump" if f.get("pump") else "the run"
+    ck = summary.get("checkpoint")
+    lines = [f"sc-grpo: run failed in {where} after {summary['steps']} steps: {f['error']}"]
+    if ck:
+        lines.append(f"  last checkpoint: {ck['path']} (step {ck['step']})")
+        lines.append(f"  resume with:     sc-grpo run --resume {run_dir.path}")
+    else:
+        lines.append("  no checkpoint was written; the run cannot be resumed")
+    lines.append(f"  full traceback:  {Path(run_dir.path) / 'error.log'}")
+    print("\n".join(lines), file=sys.stderr, flush=True)

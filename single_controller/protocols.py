@@ -16,6 +16,7 @@ from single_controller.types import (
     Prompt,
     StepResult,
     TrainChunk,
+    TrainStatus,
     WeightsHandle,
 )
 
@@ -24,8 +25,21 @@ class GenerationFailed(RuntimeError):
     """A generation worker could not produce a group; the rollout pump retries or drops the prompt."""
 
 
+class GenerationWorkerDied(GenerationFailed):
+    """The worker process is gone: every request in flight on it fails, and so will new ones.
+
+    The rollout pump takes the worker out of routing, re-dispatches its in-flight prompts without
+    charging their retry budget, and restarts it (`Restartable`) before it takes work again."""
+
+
 class TrainerFailed(RuntimeError):
-    """A trainer error inside a step; the train pump aborts the step and retries it."""
+    """A trainer error inside a step; the train pump asks the trainer where it stands, then aborts
+    the step and retries it (or takes the result of a finish that landed after all)."""
+
+
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's process is gone: the open step is abandoned and the run stops with this
+    error naming the rank (resume from the last checkpoint)."""
 
 
 @runtime_checkable
@@ -63,17 +77,28 @@ class TrainerGroup(Protocol):
     """The split train API over all data-parallel ranks: one optimizer step per RL step.
 
     begin -> train_microbatch* -> finish, or begin -> train_microbatch* -> abort (which restores
-    parameters and optimizer state exactly). begin while a step is open, or train_microbatch /
-    finish with none open, raise.
+    parameters and optimizer state exactly). Every call names its step, because a remote call can
+    outlive the caller's deadline and a blind retry would apply the optimizer step twice:
+
+    * `begin_train_step(step)` refuses unless `step` is the trainer's next step and none is open;
+    * `train_microbatch(chunk)` refuses unless `chunk.step` is the open step;
+    * `finish_train_step(step)` on the open step applies it; on the step finished last it returns
+      the recorded result again (no second optimizer step);
+    * `abort_train_step(step)` on the open step restores it; otherwise it does nothing (an abort
+      never undoes a finished step);
+    * `train_status()` says where the trainer stands, so after a deadline the controller decides
+      from facts instead of retrying blindly.
     """
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None: ...
 
     async def train_microbatch(self, chunk: TrainChunk) -> None: ...
 
-    async def finish_train_step(self) -> StepResult: ...
+    async def finish_train_step(self, step: int) -> StepResult: ...
 
-    async def abort_train_step(self) -> None: ...
+    async def abort_train_step(self, step: int) -> None: ...
+
+    async def train_status(self) -> TrainStatus: ...
 
     async def export_weights(self, version: int) -> WeightsHandle:
         """Publish the current weights (after `finish_train_step`) as a versioned snapshot."""
@@ -88,6 +113,26 @@ class Prefetching(Protocol):
         """These rows will probably be trained soon; start reading them. Must return without
         waiting for the read, and must not change what a later `train_microbatch` computes."""
         ...
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A TrainerGroup whose state can be saved and restored for resume: policy, optimizer state,
+    RNG states and the next step. Called only between steps (no step open)."""
+
+    async def save_state(self, directory: str) -> None: ...
+
+    async def load_state(self, directory: str) -> int:
+        """Restore what `save_state` wrote; returns the trainer's next step."""
+        ...
+
+
+@runtime_checkable
+class Restartable(Protocol):
+    """A GenerationWorker that can replace its dead process: `restart(weights)` starts a new one and
+    applies `weights` before it takes work (the rollout pump routes nothing to it until then)."""
+
+    async def restart(self, weights: WeightsHandle | None) -> None: ...
 
 
 @runtime_checkable

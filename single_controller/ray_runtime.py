@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Coroutine, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, Mapping, TypeVar
 
 import psutil
 
@@ -172,6 +172,7 @@ class _Interrupts:
         self.cleaning = False  # in the session's own shutdown: do not interrupt it, only force
         self.main_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.graceful: Callable[[str], None] | None = None  # first interrupt: ask the run to stop itself
         self._tracker_ref = tracker_ref
         self._saved: dict[int, Any] = {}
         self._watchdog: threading.Timer | None = None
@@ -204,8 +205,13 @@ class _Interrupts:
         if self.cleaning:
             _say(f"{name}: already shutting down Ray (interrupt again to force)")
             return
-        _say(f"{name}: stopping the run cleanly (interrupt again to force)")
         task, loop = self.main_task, self.loop
+        if self.graceful is not None and loop is not None and task is not None and not task.done():
+            # The run stops itself on its last finished step and checkpoints it; the watchdog
+            # above still forces an exit if that takes longer than the grace period.
+            loop.call_soon_threadsafe(self.graceful, name)
+            return
+        _say(f"{name}: stopping the run cleanly (interrupt again to force)")
         if task is not None and loop is not None and not task.done():
             # Like asyncio.Runner: we run in the loop's thread between two bytecodes, so cancel the
             # main task directly and wake the selector so the loop sees it.
@@ -239,6 +245,11 @@ class RaySession:
     @property
     def interrupted(self) -> bool:
         return self._interrupts.count > 0
+
+    def on_interrupt(self, stop: Callable[[str], None]) -> None:
+        """Call `stop(signal name)` on the run's loop at the first SIGINT/SIGTERM instead of
+        cancelling the run (a second one, or the grace period, still forces the exit)."""
+        self._interrupts.graceful = stop
 
     def processes(self) -> list[psutil.Process]:
         """The live processes of this session (empty when attached or borrowed)."""

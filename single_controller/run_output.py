@@ -69,6 +69,7 @@ class RunDirectory:
         self.metrics_path = path / "metrics.jsonl"
         self.plot_path = path / "curves.png"
         self.config_path.write_text(config_to_yaml(cfg), encoding="utf-8")
+        self.wall_offset_s = 0.0  # a resumed run's records continue the wall clock of the first part
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
 
@@ -76,6 +77,28 @@ class RunDirectory:
     def create(cls, cfg: Config, *, now: datetime | None = None) -> RunDirectory:
         """Same as `RunDirectory(cfg)`."""
         return cls(cfg, now=now)
+
+    @classmethod
+    def reopen(cls, path: str | Path, cfg: Config, *, from_step: int) -> RunDirectory:
+        """Continue an existing run directory (a resume): metrics records of steps >= `from_step`
+        (trained after the checkpoint, so trained again now) are dropped, later ones appended; the
+        config actually used is written beside the original as `config.resume.yaml`."""
+        from single_controller.config_loader import config_to_yaml
+
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self.config_path = self.path / "config.yaml"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.plot_path = self.path / "curves.png"
+        (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        kept = [r for r in read_metrics(self.metrics_path) if r.get("step", -1) < from_step] if self.metrics_path.exists() else []
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(self.metrics_path)
+        self.wall_offset_s = float(kept[-1].get(WALL_KEY) or 0.0) if kept else 0.0
+        self._t0 = time.monotonic() - self.wall_offset_s
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        return self
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write `obj` (made JSON-safe like metrics) as `<run dir>/<name>`, pretty-printed."""

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import random
 import time
+import traceback
 from dataclasses import asdict
 from typing import Any, Iterator
 
@@ -24,36 +25,68 @@ from single_controller.types import Prompt
 # controller's own process: the driver that only starts the actor stays light and starts fast.
 
 
-def make_dataloader(cfg: Config) -> Iterator[Prompt]:
+class PromptStream:
     """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
-    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on.
+    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on. Its
+    position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly.
     With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
     draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
-    from single_controller.tasks import load_eval_prompts, load_task
 
-    pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
-    if cfg.eval.enabled:
-        held_out = {p.token_ids for p in load_eval_prompts(cfg)}
-        pool = [p for p in pool if p.token_ids not in held_out]
-        if not pool:
-            raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
-    rng = random.Random(cfg.seed)
-    epoch = 0
-    while True:
-        order = list(range(len(pool)))
-        rng.shuffle(order)
-        for i in order:
-            p = pool[i]
-            yield Prompt(f"e{epoch}-{p.prompt_id}", p.token_ids, p.answer)
-        epoch += 1
+    def __init__(self, cfg: Config):
+        from single_controller.tasks import load_eval_prompts, load_task
+
+        self.pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+        if cfg.eval.enabled:
+            held_out = {p.token_ids for p in load_eval_prompts(cfg)}
+            self.pool = [p for p in self.pool if p.token_ids not in held_out]
+            if not self.pool:
+                raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
+        self._rng = random.Random(cfg.seed)
+        self.epoch = -1
+        self.cursor = 0
+        self._order: list[int] = []
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.cursor = 0
+        self._order = list(range(len(self.pool)))
+        self._rng.shuffle(self._order)
+
+    def __iter__(self) -> "PromptStream":
+        return self
+
+    def __next__(self) -> Prompt:
+        if self.cursor == len(self._order):
+            self._new_epoch()
+        p = self.pool[self._order[self.cursor]]
+        self.cursor += 1
+        return Prompt(f"e{self.epoch}-{p.prompt_id}", p.token_ids, p.answer)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def seek(self, taken: int) -> None:
+        """Position after `taken` prompts from the start (replays the epoch shuffles, nothing else)."""
+        epochs, cursor = divmod(taken, len(self.pool))
+        for _ in range(epochs):
+            self._new_epoch()
+        self.cursor = cursor
+
+
+def make_dataloader(cfg: Config) -> Iterator[Prompt]:
+    return PromptStream(cfg)
 
 
 class ControllerService:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False):
         from single_controller.controller import check_capacity
 
         check_capacity(cfg)
         self.cfg = cfg
+        self.run_dir = run_dir  # checkpoints go to <run_dir>/checkpoints (None: no checkpoints)
+        self.resume = resume
+        self.resumed_from: dict | None = None
         self.controller = None
         self.records: list[dict] = []
         self._changed = asyncio.Event()
@@ -76,9 +109,20 @@ class ControllerService:
         from single_controller.tasks import TOKENIZER, load_eval_prompts
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
+        prompts = PromptStream(cfg)
+        saved = await self._load_checkpoint(storage, trainer, prompts) if self.resume else None
         self.controller = Controller(
-            cfg, make_dataloader(cfg), storage, Workers(gens, trainer), stop_token_id=stop, on_step=self._on_step,
-            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (), on_eval=self._on_step,
+            cfg,
+            prompts,
+            storage,
+            Workers(gens, trainer),
+            stop_token_id=stop,
+            on_step=self._on_step,
+            run_dir=self.run_dir,
+            resume=saved,
+            dataloader_state=prompts.state,
+            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
+            on_eval=self._on_step,
         )
         if cfg.metrics.enabled:
             from single_controller.metrics import start_metrics_server
@@ -87,6 +131,32 @@ class ControllerService:
                 self.controller.statistics, host=cfg.metrics.host, port=cfg.metrics.port
             )
         return {"metrics_port": self.metrics_port, **self.setup_times}
+
+    async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
+        """The newest checkpoint of the run directory into the trainer, the dataloader position, and
+        the controller state; keys of rolled-back attempts that a surviving storage may hold are cleared."""
+        from replay.storage import row_keys
+        from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
+
+        t0 = time.perf_counter()
+        path = latest_checkpoint(self.run_dir)
+        saved = read_controller_state(path)
+        check_compatible(saved, self.cfg, path)
+        step = await within(trainer.load_state(str(path / "trainer")), self.cfg.timeouts.train_call_s, f"trainer.load_state({path})")
+        if step != saved["step"]:
+            raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
+        prompts.seek(saved["dataloader"]["taken"])
+        keys = [k for g in saved["rolled_back"] for k in row_keys(g, self.cfg.rollout.group_size)]
+        if keys:
+            await within(storage.clear_rows(keys), self.cfg.timeouts.storage_s, "storage clear of rolled-back attempts")
+        self.setup_times["resume_s"] = time.perf_counter() - t0
+        self.resumed_from = {"path": str(path), "step": saved["step"]}
+        return saved
+
+    async def request_stop(self, reason: str) -> None:
+        """An interrupt: stop on the last finished step (the open one is aborted) and checkpoint it."""
+        if self.controller is not None:
+            self.controller.state.request_stop(reason, abandon_open_step=True)
 
     def _sim_workers(self):
         from replay.storage import InMemoryRowStorage
@@ -128,18 +198,43 @@ class ControllerService:
         self._changed.set()
 
     async def run(self) -> dict:
+        """Run to the end; a failed run returns its cause (pump, error, traceback) instead of raising,
+        so the driver can write every record and one readable paragraph."""
+        from single_controller.controller import RunFailed
+
+        t0 = time.perf_counter()
+        failure: dict | None = None
         try:
             summary = await self.controller.run()
+            steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
+        except RunFailed as e:
+            cause = e.__cause__ or e
+            failure = {
+                "pump": e.pump,
+                "error": f"{type(cause).__name__}: {cause}",
+                "traceback": "".join(traceback.format_exception(cause)),
+            }
+            steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint
         finally:
             self._finished = True
             self._changed.set()
         st = self.controller.statistics()
+        try:  # every key in the partition, whoever wrote it: a clean run leaves none
+            left = sorted(await within(self.controller.state.storage.resident_keys(), self.cfg.timeouts.storage_s, "storage listing after the run"))
+        except Exception as e:
+            left = [f"<listing failed: {type(e).__name__}: {e}>"]
         return {
-            "steps": summary.steps,
-            "stop_reason": summary.stop_reason,
-            "wall_s": summary.wall_s,
+            "steps": steps,
+            "storage_keys_left": len(left),
+            "storage_keys_left_sample": left[:10],
+            "stop_reason": reason,
+            "wall_s": time.perf_counter() - t0,
+            "failure": failure,
+            "checkpoint": asdict(checkpoint) if checkpoint is not None else None,
+            "resumed_from": self.resumed_from,
             "prompts": asdict(st.prompts),
             "storage": asdict(st.storage),
+            "teardown_errors": list(self.controller.state.teardown_errors),
             "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
         }
 
@@ -156,8 +251,8 @@ class ControllerService:
         _, trainer = self._workers
         return await within(trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save")
 
-    async def prompt_ledger(self) -> dict:
-        return self.controller.state.prompts.to_dict()
+    async def prompt_ledger(self) -> dict | None:
+        return None if self.controller is None else self.controller.state.prompts.to_dict()
 
     async def close(self) -> None:
         if self._metrics_server is not None:

@@ -19,16 +19,24 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
-from replay.storage import RowStorage
+from replay.storage import RowStorage, row_keys
 from samplers.staleness import StalenessSampler
 from single_controller.channels import Signal
 from single_controller.config import Config, resolved_capacity
+from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorker, TrainerGroup
-from single_controller.types import Prompt
+from single_controller.types import Prompt, WeightsHandle
 
 T = TypeVar("T")
 
 PUMPS = ("rollout", "advantage", "train", "weight_sync")
+
+CLEAR_ATTEMPTS = 3  # tries of one storage clear before the run stops with StorageFailed
+CLEAR_BACKOFF_S = 0.5  # first pause between tries (doubles)
+
+
+class StorageFailed(RuntimeError):
+    """The row storage kept failing (deadline or error) on the same request after every retry."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,7 @@ class RunState:
         storage: RowStorage,
         workers: Workers,
         clock: Callable[[], float] = time.monotonic,
+        first_step: int = 0,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -104,28 +113,44 @@ class RunState:
             group_size=cfg.rollout.group_size,
             groups_per_step=cfg.train.groups_per_step,
             max_steps=cfg.run.max_steps,
+            first_step=first_step,
         )
         self.prompts = PromptLedger()
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
 
-        self.policy_version = 0
-        self.trainer_version = 0
+        self.policy_version = first_step
+        self.trainer_version = first_step
         self.admission_open = True
         self.stopping = False  # no new rollouts: early stop or shutdown
         self.stop_reason: str | None = None
+        self.abandon_open_step = False  # an interrupt: abort the step in progress instead of finishing it
+        self.after_step: Callable[[], Awaitable[None]] | None = None  # the controller's checkpoint hook
         self.rollout_done = False  # the rollout pump has exited: nothing new will be committed
         self.train_done = False
 
         self.zero_variance_groups = 0
+        self.zero_variance_drops: collections.Counter[int] = collections.Counter()  # target step -> dropped
+        self.zero_variance_kept = 0  # zero-variance groups trained because their step hit the drop cap
         self.tokens_generated = 0  # response tokens of every committed group (trained or not)
         self.aborted_steps = 0  # abort_train_step calls after trainer errors
+        self.late_finishes = 0  # finishes that landed after their deadline (recorded result taken)
+        self.storage_retries = 0  # storage clears retried after a deadline or error
+        self.checkpoints_written = 0
+        self.latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
+        self.last_checkpoint_s = 0.0  # seconds the last checkpoint took to write
         self.step_retries = 0
         self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.sync = SyncRecord()
         self.teardown_errors: list[str] = []
         self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
+        self.down_workers: dict[str, str] = {}  # generation worker name -> why it is out of routing
+        self.restarting: set[str] = set()
+        self.given_up: set[str] = set()  # dead workers that will not be restarted again
+        self.restarts_of: collections.Counter[str] = collections.Counter()
+        self.worker_deaths = 0
+        self.worker_restarts = 0
 
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
@@ -148,6 +173,27 @@ class RunState:
             clk.wait_s[on] += self.clock() - clk.wait_started
             clk.waiting_on = None
 
+    # -- storage ---------------------------------------------------------------------------------
+    async def clear_groups(self, groups: Sequence[GroupRecord], what: str) -> None:
+        """Clear terminal groups' rows, then release their slots. Retries a failing clear (a slot is
+        freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
+        `what` when the storage stays down."""
+        keys = [k for g in groups for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
+        pause = CLEAR_BACKOFF_S
+        for attempt in range(1, CLEAR_ATTEMPTS + 1):
+            try:
+                await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)
+                break
+            except Exception as e:
+                if attempt == CLEAR_ATTEMPTS:
+                    raise StorageFailed(f"{what} failed {attempt} times; last error: {e}") from e
+                self.storage_retries += 1
+                await asyncio.sleep(pause)  # back off before the next try (not a poll)
+                pause *= 2
+        for g in groups:
+            self.ledger.release(g.group_id)
+        self.notify()
+
     # -- prompts ---------------------------------------------------------------------------------
     def has_prompt(self) -> bool:
         if self.pending_prompts:
@@ -166,10 +212,16 @@ class RunState:
         """A prompt to dispatch: re-dispatches first, then fresh ones (call `has_prompt` first)."""
         return self.pending_prompts.popleft()
 
-    def requeue_or_settle(self, rec: GroupRecord, reason: str, *, max_retries: int, fate: str = "dropped") -> bool:
+    def requeue_or_settle(
+        self, rec: GroupRecord, reason: str, *, max_retries: int, fate: str = "dropped", charge: bool = True
+    ) -> bool:
         """After a failed or discarded attempt: re-dispatch its prompt if retries remain, else settle it.
-        Returns True if requeued."""
-        attempts = len(self.prompts[rec.prompt.prompt_id].attempts)
+        `charge=False`: the attempt was lost through no fault of the prompt (its worker died) and does
+        not count against the retry budget. Returns True if requeued."""
+        pid = rec.prompt.prompt_id
+        if not charge:
+            self.prompts[pid].uncharged += 1
+        attempts = self.prompts.charged_attempts(pid)
         if not self.stopping and attempts <= max_retries:
             self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
@@ -188,10 +240,25 @@ class RunState:
         self.policy_version = version
         self.notify()
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, *, abandon_open_step: bool = False) -> None:
+        """No new rollouts. `abandon_open_step` (an interrupt): the step in progress is aborted, not
+        finished with fewer groups, so the run stops on the last finished step (its checkpoint)."""
         if not self.stopping:
             self.stopping, self.stop_reason = True, reason
+        self.abandon_open_step = self.abandon_open_step or abandon_open_step
         self.notify()
 
     def in_flight(self) -> int:
         return self.ledger.count(GroupState.RESERVED)
+
+    # -- generation worker health ------------------------------------------------------------------
+    def routable(self) -> list[GenerationWorker]:
+        """Generation workers that take work: not known dead, not restarting."""
+        return [w for w in self.workers.generators if w.name not in self.down_workers]
+
+    def worker_down(self, worker: GenerationWorker, why: str) -> None:
+        """Take a dead worker out of routing (the rollout pump restarts it)."""
+        if worker.name not in self.down_workers:
+            self.down_workers[worker.name] = why
+            self.worker_deaths += 1
+            self.notify()

@@ -93,6 +93,15 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class TrainStatus:
+    """Where a trainer group stands (`TrainerGroup.train_status`)."""
+
+    next_step: int  # optimizer steps applied so far = the step `begin_train_step` accepts next
+    open_step: int | None  # the step open now, if any
+    last_finished: int | None  # the step finished last (its result is recorded), if any
+
+
+@dataclass(frozen=True)
 class WeightsHandle:
     """An opaque reference to a published weight snapshot, tagged with its policy version.
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config import (
@@ -23,6 +24,7 @@ from single_controller.config import (
     TimeoutConfig,
     TrainConfig,
 )
+from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.state import Workers
@@ -40,10 +42,25 @@ def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capac
     return replace(cfg, **{k: replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
-def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0):
-    storage = InMemoryRowStorage()
+class HangingClearStorage(InMemoryRowStorage):
+    """In-memory storage whose `clear_rows` hangs (until cancelled by its deadline) when
+    `hang(controller, keys)` says so."""
+
+    def __init__(self, hang):
+        super().__init__()
+        self.hang, self.ctl = hang, None
+
+    async def clear_rows(self, keys):
+        if self.hang(self.ctl, list(keys)):
+            await asyncio.Event().wait()
+        await super().clear_rows(keys)
+
+
+def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None):
+    storage = InMemoryRowStorage() if hang_clear is None else HangingClearStorage(hang_clear)
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, prompts if prompts is not None else sim_prompts(), storage, Workers(gens, trainer))
+    storage.ctl = ctl
 
     async def go():
         return await asyncio.wait_for(ctl.run(), timeout)
@@ -297,3 +314,164 @@ def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chun
         for gid in groups:
             assert ctl.state.sampler.staleness(ctl.state.ledger[gid], step) <= S
     assert_clean_end(ctl, trainer, storage)
+
+
+# -- issue 9: defects of durable runs (each test failed before its fix) ------------------------
+def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
+    # The trainer's finish takes 0.2 s, its deadline is 0.1 s: the call keeps running remotely after
+    # the controller stops waiting. The controller must ask where the trainer stands and take the
+    # recorded result, not abort (a no-op on a finished step) and replay (a second optimizer step).
+    monkeypatch.setattr(SimTrainerGroup, "__init__", _with_finish_s(SimTrainerGroup.__init__, 0.2))
+    cfg = make_cfg(steps=3, P=2, G=2, L=1, timeouts={"train_call_s": 0.1})
+    ctl, trainer, storage, summary, err = run_sim(cfg)
+    assert err is None, err
+    assert summary.steps == 3
+    assert trainer.optimizer_steps == 3 == trainer.version
+    assert ctl.state.late_finishes == 3 and ctl.state.aborted_steps == 0
+    assert_clean_end(ctl, trainer, storage)
+
+
+def _with_finish_s(init, finish_s):
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.finish_s = finish_s
+
+    return patched
+
+
+def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure():
+    # L=1 with staleness bound 0: groups made for step s+1 on version s are stale when trained, so
+    # every step evicts. The first clear of evicted rows hangs past the storage deadline.
+    cfg = make_cfg(steps=4, P=2, G=2, L=1, S=0, timeouts={"storage_s": 0.1})
+    hung = []
+
+    def hang_first_evicted_clear(ctl, keys):
+        groups = {k.rsplit("_g", 1)[0] for k in keys}
+        evicting = any(ctl.state.ledger[g].state is GroupState.EVICTED for g in groups)
+        if evicting and not hung:
+            hung.append(keys)
+            return True
+        return False
+
+    ctl, trainer, storage, summary, err = run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
+    assert err is None, err
+    assert hung, "the scenario never evicted"
+    assert ctl.state.aborted_steps == 0 and ctl.state.step_retries == 0
+    assert ctl.state.storage_retries >= 1
+    assert summary.steps == 4
+    assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
+
+
+def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
+    # Every group scores 1.0 for every sample: all zero-variance. Without a cap the step would be
+    # refilled forever and no step would ever finish.
+    faults = Faults(rewards=lambda prompt_id, attempt, G: (1.0,) * G)
+    cfg = make_cfg(steps=3, P=2, G=2, L=1, advantage={"drop_zero_variance": True, "max_zero_variance_drops_per_step": 3})
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, timeout=10)
+    assert err is None, err
+    assert summary.steps == 3
+    assert all(len(keys) == 2 * 2 for keys in trainer.trained.values())
+    assert sum(ctl.state.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
+    assert ctl.state.zero_variance_kept >= 3 * 2
+    assert_clean_end(ctl, trainer, storage)
+
+
+# -- issue 9: checkpoint and resume on the simulated backend ------------------------------------
+def _run_with_dir(cfg, run_dir, *, resume=None, skip=0):
+    import itertools
+
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    prompts = itertools.islice(sim_prompts(), skip, None)
+    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(run_dir), resume=resume)
+
+    async def go():
+        if resume is not None:
+            await trainer.load_state(str(latest_checkpoint(run_dir) / "trainer"))
+        return await asyncio.wait_for(ctl.run(), 30)
+
+    return ctl, trainer, storage, asyncio.run(go())
+
+
+def _per_step(ctl) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for r in ctl.state.prompts.records():
+        if r.fate == "trained":
+            out.setdefault(r.step, []).append(r.prompt.prompt_id)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+DETERMINISTIC_KEYS = ("rollout/reward_mean", "rollout/success_rate", "rollout/groups", "train/rows", "train/loss")
+
+
+def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path):
+    full_cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 0, "at_exit": False})
+    ctl_a, trainer_a, storage_a, _ = _run_with_dir(full_cfg, tmp_path / "a")
+    # The same run "crashes" after step 5 with its last checkpoint at step 4, then resumes.
+    first = make_cfg(steps=5, P=3, G=2, L=1, checkpoint={"every_steps": 4, "at_exit": False})
+    ctl_b1, _, storage_b1, s1 = _run_with_dir(first, tmp_path / "b")
+    assert s1.checkpoint.step == 4
+    saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
+    assert saved["step"] == 4 and saved["rolled_back"], "groups in flight at the cut are rolled back"
+    check_compatible(saved, full_cfg, tmp_path / "b")  # max_steps may change on resume
+    ctl_b2, trainer_b2, storage_b2, s2 = _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"])
+    assert s2.steps == 9 and trainer_b2.optimizer_steps == 9
+    # exactly once over the whole run: the resumed ledger holds steps 0..8, each prompt trained once
+    assert _per_step(ctl_b2) == _per_step(ctl_a)
+    assert [r["step"] for r in ctl_b2.history] == list(range(4, 9))
+    for ra, rb in zip(ctl_a.history[4:], ctl_b2.history):
+        assert {k: ra[k] for k in DETERMINISTIC_KEYS} == {k: rb[k] for k in DETERMINISTIC_KEYS}, ra["step"]
+    assert sorted(trainer_b2.trained) == list(range(4, 9))  # the resumed trainer trained only 4..8
+    assert asyncio.run(storage_b2.resident_keys()) == set() and ctl_b2.state.ledger.resident() == 0
+    assert ctl_b2.state.prompts.unsettled() == []
+
+
+def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):
+    cfg = make_cfg(steps=2, P=2, G=2, L=1, checkpoint={"every_steps": 1})
+    _run_with_dir(cfg, tmp_path)
+    saved = read_controller_state(latest_checkpoint(tmp_path))
+    other = make_cfg(steps=5, P=3, G=2, L=1, train={"lr": 0.5})
+    with pytest.raises(CheckpointError, match=r"train.groups_per_step: checkpoint 2, now 3.*train.lr"):
+        check_compatible(saved, other, tmp_path)
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):
+    cfg = make_cfg(steps=4, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    _run_with_dir(cfg, tmp_path)
+    good = latest_checkpoint(tmp_path)
+    assert good.name == "step_000004"
+    # a half-written next checkpoint (the process died before the rename) changes nothing
+    (tmp_path / "checkpoints" / "step_000006.tmp" / "trainer").mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) == good
+    assert read_controller_state(good)["step"] == 4
+
+
+# -- issue 9: generation worker death -----------------------------------------------------------
+@pytest.mark.parametrize("restart_ok", [True, False])
+def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(restart_ok):
+    faults = Faults(die_after={"sim-gen-0": 5}, restart_fails=set() if restart_ok else {"sim-gen-0"})
+    cfg = make_cfg(steps=8, P=4, G=2, L=1, rollout={"max_retries": 0})
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.003)
+    assert err is None, err
+    assert summary.steps == 8
+    gens = ctl.state.workers.generators
+    assert gens[0].restarts == int(restart_ok) and ctl.state.worker_restarts == int(restart_ok)
+    assert ctl.state.worker_deaths == 1
+    # Out of routing from its first failed call: at most what was already in flight hit the corpse.
+    assert gens[0].calls_while_dead <= cfg.rollout.max_in_flight_groups
+    # With max_retries=0 any charged failure would drop a prompt: none was dropped or lost.
+    fates = Counter(r.fate for r in ctl.state.prompts.records())
+    assert fates["dropped"] == 0 or all(r.reason == "run_ended" for r in ctl.state.prompts.records() if r.fate == "dropped")
+    died = [r for r in ctl.state.prompts.records() if r.uncharged]
+    assert died and all(r.fate == "trained" for r in died if r.reason != "run_ended")
+    assert_clean_end(ctl, trainer, storage)
+
+
+def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
+    faults = Faults(die_after={"sim-gen-0": 3, "sim-gen-1": 3}, restart_fails={"sim-gen-0", "sim-gen-1"})
+    cfg = make_cfg(steps=50, P=4, G=2, L=1)
+    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, timeout=20)
+    assert err is not None and err.pump == "rollout"
+    assert type(err.__cause__).__name__ == "NoGenerationWorkers", err
+    assert "no generation worker is left" in str(err.__cause__)
+    assert asyncio.run(storage.resident_keys()) == set() and ctl.state.prompts.unsettled() == []

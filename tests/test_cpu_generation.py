@@ -192,6 +192,27 @@ def test_actor_cancel_failure_and_close():
     asyncio.run(main())
 
 
+def test_cancel_of_a_group_being_sampled_means_its_rows_are_never_written():
+    """Issue 9, defect 2: a group cancelled while its batch samples must not be stored afterwards
+    (the controller clears its keys right after the cancel returns). Checked by listing every key."""
+
+    async def main():
+        storage = InMemoryRowStorage()
+        actor = make_actor(storage, max_batch_groups=4)
+        await actor.update_weights(handle(0, seed=0))
+        gate = GatedCore(actor._core)
+        call = asyncio.create_task(actor.generate_many([request(1), request(2)]))
+        await asyncio.to_thread(gate.started.wait, 10)  # grp1 and grp2 are being sampled
+        assert await actor.cancel("grp1") is False  # nothing stored yet, and now nothing will be
+        gate.release.set()
+        results = await call
+        assert isinstance(results[0], GenerationFailed) and results[1].group_id == "grp2"
+        assert await storage.resident_keys() == set(row_keys("grp2", 4))
+        await actor.close()
+
+    asyncio.run(main())
+
+
 def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_resume():
     async def main():
         storage = InMemoryRowStorage()

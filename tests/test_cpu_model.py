@@ -143,7 +143,7 @@ def test_hf_causal_lm_adapter():
     trainer.load_weights(pack_weights(policy, 0))
     trainer.begin_train_step(0, LossConfig())
     trainer.train_microbatch(storage.get_rows_sync(keys, TRAIN_FIELDS))
-    metrics = trainer.finish_train_step()
+    metrics = trainer.finish_train_step(0)
     assert metrics["train/tokens"] == 48 and metrics["train/gen_logprob_gap"] < 1e-5  # same weights: on-policy
     load_snapshot(policy, trainer.publish_weights(1))
     assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), trainer.policy.parameters()))

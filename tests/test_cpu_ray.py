@@ -129,7 +129,7 @@ def test_generate_train_sync_abort(workers, loop):
         await group.begin_train_step(step, LossConfig())
         for ci, (a, b) in enumerate(chunks):
             await group.train_microbatch(TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS))
-        return await group.finish_train_step()
+        return await group.finish_train_step(step)
 
     before = run(loop, rank_weights(group, 0))
     result = run(loop, train_step(0, [(0, 12), (12, 32)]))
@@ -141,7 +141,7 @@ def test_generate_train_sync_abort(workers, loop):
     ref = TrainerCore(TinyGPT(CFG.model, TOKENIZER.vocab_size, seed=CFG.seed), CFG.train)
     ref.begin_train_step(0, LossConfig())
     ref.train_microbatch(rows)
-    ref_metrics = ref.finish_train_step()
+    ref_metrics = ref.finish_train_step(0)
     assert result.metrics["train/loss"] == pytest.approx(ref_metrics["train/loss"], rel=1e-5, abs=1e-7)
     grads = [run(loop, r.get_grads.remote()) for r in group.ranks]
     for name, p in ref.policy.named_parameters():
@@ -168,7 +168,7 @@ def test_generate_train_sync_abort(workers, loop):
         await group.train_microbatch(TrainChunk(1, 0, tuple(keys[:16]), tuple(lengths[:16]), TRAIN_FIELDS))
         with pytest.raises(TrainStepStateError):
             await group.begin_train_step(2, LossConfig())
-        await group.abort_train_step()
+        await group.abort_train_step(1)
 
     run(loop, begin_and_abort())
     st = group.statistics()
@@ -181,7 +181,7 @@ def test_generate_train_sync_abort(workers, loop):
     with pytest.raises(TrainStepStateError):
         run(loop, group.train_microbatch(TrainChunk(1, 0, tuple(keys[:4]), tuple(lengths[:4]), TRAIN_FIELDS)))
     with pytest.raises(TrainStepStateError):
-        run(loop, group.ranks[0].finish_train_step.remote())
+        run(loop, group.ranks[0].finish_train_step.remote(1))
     run(loop, storage.clear_rows(keys + list(row_keys("v1", 4))))
 
 

@@ -113,25 +113,48 @@ def test_state_machine_errors():
     with pytest.raises(TrainStepStateError, match="no train step is open"):
         t.train_microbatch(rows)
     with pytest.raises(TrainStepStateError, match="no train step is open"):
-        t.finish_train_step()
-    t.abort_train_step()  # no-op with nothing open
+        t.finish_train_step(0)
+    t.abort_train_step(0)  # no-op with nothing open
+    with pytest.raises(TrainStepStateError, match="next step is 0"):
+        t.begin_train_step(1, LossConfig())
     t.begin_train_step(0, LossConfig())
     with pytest.raises(TrainStepStateError, match="step 0 is still open"):
         t.begin_train_step(1, LossConfig())
     with pytest.raises(TrainStepStateError, match="is open"):
         t.publish_weights(1)
     t.train_microbatch(rows)
-    metrics = t.finish_train_step()
+    with pytest.raises(TrainStepStateError, match="the open step is 0"):
+        t.finish_train_step(1)
+    metrics = t.finish_train_step(0)
     assert metrics["train/tokens"] == sum(int(m.sum()) for m in rows["response_mask"])
     assert metrics["train/sequences"] == 4 and metrics["train/microbatches"] == 1
     with pytest.raises(TrainStepStateError):
-        t.finish_train_step()
+        t.finish_train_step(1)
+    with pytest.raises(TrainStepStateError, match="next step is 1"):
+        t.begin_train_step(0, LossConfig())  # a replayed begin of a finished step is refused
     with pytest.raises(ValueError, match="reference policy"):
         t.begin_train_step(1, LossConfig(kl_coef=0.1))
     with pytest.raises(TrainerFailed, match="no valid tokens"):
         t.begin_train_step(1, LossConfig())
-        t.finish_train_step()
-    t.abort_train_step()
+        t.finish_train_step(1)
+    t.abort_train_step(1)
+
+
+def test_repeated_finish_and_late_abort_never_apply_or_undo_a_step():
+    """Issue 9, defect 1: a finish retried after its deadline returns the recorded result with no
+    second optimizer step, and an abort of a finished step does nothing."""
+    t = _trainer()
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    first = t.finish_train_step(0)
+    after = _state(t)
+    assert t.status() == {"next_step": 1, "open_step": None, "last_finished": 0}
+    again = t.finish_train_step(0)  # the retry
+    assert again == first
+    _assert_bit_identical(_state(t), after)
+    t.abort_train_step(0)  # the controller's abort after the deadline: the step stays applied
+    _assert_bit_identical(_state(t), after)
+    assert (t.statistics().steps_done, t.statistics().aborts) == (1, 0)
 
 
 def test_abort_restores_params_and_optimizer_bit_identically():
@@ -141,22 +164,22 @@ def test_abort_restores_params_and_optimizer_bit_identically():
     for tr in (t, twin):
         tr.begin_train_step(0, LossConfig())
         tr.train_microbatch(make_rows(6, 1))
-        tr.finish_train_step()
+        tr.finish_train_step(0)
     before = _state(t)
     assert before[1] and all(s for s in before[1].values())  # Adam has exp_avg etc.
     t.begin_train_step(1, LossConfig())
     t.train_microbatch(make_rows(5, 2))
     t.train_microbatch(make_rows(3, 3))
-    t.abort_train_step()
+    t.abort_train_step(1)
     _assert_bit_identical(_state(t), before)
-    t.abort_train_step()  # idempotent
+    t.abort_train_step(1)  # idempotent
     _assert_bit_identical(_state(t), before)
     assert (t.statistics().steps_done, t.statistics().aborts, t.statistics().open_step) == (1, 1, None)
     # The retried step gives exactly what a trainer that never saw the aborted microbatches gives.
     for tr in (t, twin):
         tr.begin_train_step(1, LossConfig())
         tr.train_microbatch(make_rows(4, 4))
-        tr.finish_train_step()
+        tr.finish_train_step(1)
     _assert_bit_identical(_state(t), _state(twin))
 
 
@@ -165,7 +188,7 @@ def test_abort_after_a_finish_that_failed_midway(monkeypatch):
     t = _trainer()
     t.begin_train_step(0, LossConfig())
     t.train_microbatch(make_rows(6, 1))
-    t.finish_train_step()
+    t.finish_train_step(0)
     before = _state(t)
     t.begin_train_step(1, LossConfig())
     t.train_microbatch(make_rows(6, 5))
@@ -177,10 +200,10 @@ def test_abort_after_a_finish_that_failed_midway(monkeypatch):
 
     monkeypatch.setattr(t.optimizer, "step", step_then_fail)
     with pytest.raises(RuntimeError, match="simulated"):
-        t.finish_train_step()
+        t.finish_train_step(1)
     assert not all(torch.equal(a, b) for a, b in zip(_state(t)[0], before[0]))  # the weights did move
     assert t.step_open
-    t.abort_train_step()
+    t.abort_train_step(1)
     _assert_bit_identical(_state(t), before)
 
 
@@ -191,7 +214,7 @@ def test_chunking_does_not_change_the_single_process_step():
     t.begin_train_step(0, LossConfig())
     for idx in ([0, 1, 2], [], [3], [4, 5, 6, 7, 8, 9]):
         t.train_microbatch(take(rows, idx))
-    m = t.finish_train_step()
+    m = t.finish_train_step(0)
     assert m["train/grad_norm"] > TRAIN.grad_clip  # the clip bound
     # float64, same ops in a different summation order: agreement to ~1e-15; 1e-10 leaves margin.
     assert_close_rel([p.grad for p in t.params], want_grads, 1e-10)
@@ -250,7 +273,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             sub = take(rows, chunk)
             mine = balanced_partition(seq_lengths(sub), world)[rank]  # what CpuTrainerGroup does
             core.train_microbatch(take(sub, mine))
-        core.finish_train_step()
+        core.finish_train_step(0)
         results[(level, ci)] = ([p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params])
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -101,10 +101,27 @@ class KeySpyStorage(InMemoryRowStorage):
         return await super().put_rows(keys, columns, tags)
 
 
-def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0):
+def hold(ctl, gens, prompt_id: str, until) -> None:
+    """Every round's first eval request for `prompt_id` is held (before the worker serves it)
+    until `until(state)` holds: a deterministic way to let training move on mid-round."""
+
+    for g in gens:
+        orig = g.generate
+
+        async def held(req, orig=orig):
+            if req.eval and req.prompt.prompt_id == prompt_id and req.group_id.endswith("-a0"):
+                await ctl.state.changed.wait_until(lambda: until(ctl.state))
+            return await orig(req)
+
+        g.generate = held
+
+
+def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None):
     storage = KeySpyStorage()
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=prompts)
+    if held is not None:
+        hold(ctl, gens, *held)
     leftover: list = []
 
     async def go():
@@ -164,11 +181,11 @@ def test_eval_points_at_start_every_k_versions_and_end_each_served_by_one_versio
 
 
 def test_weight_update_during_eval_reissues_and_reports_one_version():
-    # h00003's first attempt of every round is held for 0.15 s: training (ms per step) publishes
-    # new weights meanwhile, so each round sees a newer version and must re-issue the rest.
+    # h00003's first attempt of every round is held until training has moved two versions past
+    # the round's start, so each round sees a newer version and must re-issue the rest.
     slow = EVAL_PROMPTS[3].prompt_id
     cfg = eval_cfg(steps=30, every=10)
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, Faults(gen_delay={(slow, 0): 0.15}))
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
     assert err is None and summary.steps == 30
     first = ctl.eval_history[0]
     assert first["eval/policy_version"] > 0 and first["eval/reissued"] >= len(EVAL_PROMPTS) - 1
@@ -185,14 +202,14 @@ def test_without_reissue_a_point_mixes_versions(monkeypatch):
     import pumps.eval as ev
 
     async def lax_round(state, prompts, sampling, tracker, index):
-        t0, target, gens = state.clock(), state.policy_version, state.workers.generators
+        t0, target = state.clock(), state.policy_version
         reqs = [ev.GenerationRequest(f"eval{index}-{p.prompt_id}-a0", p, sampling, eval=True) for p in prompts]
-        results = await asyncio.gather(*(ev._request(state, gens[i % len(gens)], r) for i, r in enumerate(reqs)))
+        results = await asyncio.gather(*(ev._request(state, r, i) for i, r in enumerate(reqs)))
         return ev.EvalPoint(target, ev.eval_metrics(results, 1.0), state.clock() - t0, 0, 0, state.clock())
 
     monkeypatch.setattr(ev, "_round", lax_round)
     slow = EVAL_PROMPTS[3].prompt_id
-    ctl, *_ = run_eval_sim(eval_cfg(steps=30, every=10), Faults(gen_delay={(slow, 0): 0.15}))
+    ctl, *_ = run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
     with pytest.raises(AssertionError, match="mixes versions"):
         assert_points_served_by_their_version(ctl)
 
@@ -204,6 +221,23 @@ def test_generation_failure_during_eval_is_reissued():
     st = ctl.eval_tracker.statistics()
     assert st.failed == 0 and st.request_failures == st.rounds == len(ctl.eval_history) >= 3
     assert all(r["eval/failures"] == 1 for r in ctl.eval_history)
+    assert_points_served_by_their_version(ctl)
+    assert_eval_left_nothing(ctl, gens, trainer, storage)
+
+
+def test_generation_worker_death_during_eval_reissues_uncharged():
+    # sim-gen-0 dies when its first rollout group is done, while its share of the first round's
+    # eval requests waits behind it: they fail with GenerationWorkerDied and are re-issued to
+    # sim-gen-1 (eval.max_retries = 0: a charged failure would abandon the round).
+    cfg = eval_cfg(steps=8, every=4, eval={"max_retries": 0}, rollout={"max_worker_restarts": 2})
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, Faults(die_after={"sim-gen-0": 1}), gen_s=0.01)
+    assert err is None and summary.steps == 8
+    st = ctl.eval_tracker.statistics()
+    assert ctl.state.worker_deaths == 1 and gens[0].restarts == 1
+    assert st.failed == 0 and st.request_failures == 0
+    first_round = [gid for g in gens for gid, _ in g.evaluated if gid.startswith("eval0-")]
+    assert any(gid.startswith("eval0-") and not gid.endswith("-a0") for gid in first_round), "nothing was re-issued"
+    assert [r["eval/policy_version"] for r in ctl.eval_history][-1] == 8
     assert_points_served_by_their_version(ctl)
     assert_eval_left_nothing(ctl, gens, trainer, storage)
 
@@ -230,10 +264,10 @@ def test_stalled_eval_request_hits_its_deadline_and_is_reissued():
 
 
 def test_run_end_during_eval_reports_the_final_version_and_ends():
-    # The first round's slow request outlives training: the round follows the versions to the
+    # The first round's held request outlives training: the round follows the versions to the
     # final one, which is then the end-of-run point; nothing hangs waiting for more updates.
     slow = EVAL_PROMPTS[0].prompt_id
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(steps=5, every=100), Faults(gen_delay={(slow, 0): 0.5}))
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.train_done))
     assert err is None and summary.steps == 5
     assert [r["eval/policy_version"] for r in ctl.eval_history] == [5]
     assert ctl.eval_history[0]["eval/trainer_version"] == 5
@@ -243,7 +277,7 @@ def test_run_end_during_eval_reports_the_final_version_and_ends():
 
 def test_early_stop_during_eval_still_evaluates_the_final_version():
     cfg = eval_cfg(steps=50, every=100, run={"stop_at_success_rate": 0.0, "success_window": 2})
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, Faults(gen_delay={(EVAL_PROMPTS[0].prompt_id, 0): 0.3}))
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.train_done))
     assert err is None and summary.steps == 2
     assert ctl.eval_history[-1]["eval/policy_version"] == 2
     assert_eval_left_nothing(ctl, gens, trainer, storage)

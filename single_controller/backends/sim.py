@@ -20,13 +20,15 @@ import asyncio
 import hashlib
 import heapq
 import itertools
+import json
+import os
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from replay.storage import TRAIN_FIELDS, RowStorage
-from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.types import (
     GenerationRequest,
     GenerationResult,
@@ -34,6 +36,7 @@ from single_controller.types import (
     Prompt,
     StepResult,
     TrainChunk,
+    TrainStatus,
     WeightsHandle,
 )
 
@@ -45,6 +48,9 @@ class Faults:
     train_fail: set[tuple[int, int, int]] = field(default_factory=set)  # (step, chunk, attempt) -> TrainerFailed
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
+    rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
+    die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
+    restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
 
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
@@ -122,8 +128,47 @@ class SimGenerationWorker:
         self._busy = False
         self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
+        self.dead = False
+        self._death: asyncio.Event | None = None  # created lazily on the running loop
+        self.calls_while_dead = 0  # requests routed to this worker while it was dead
+        self.restarts = 0
+
+    def _died(self) -> asyncio.Event:
+        if self._death is None:
+            self._death = asyncio.Event()
+        return self._death
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            self.calls_while_dead += 1
+            raise GenerationWorkerDied(f"{self.name}: the worker process died")
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self._check_alive()
+        death = asyncio.ensure_future(self._died().wait())
+        work = asyncio.ensure_future(self._generate(request))
+        try:
+            await asyncio.wait([death, work], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            death.cancel()
+        if not work.done():  # died mid-request: like a killed process, the call fails
+            work.cancel()
+            raise GenerationWorkerDied(f"{self.name}: the worker process died while generating {request.group_id}")
+        return work.result()
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        if self.name in self.faults.restart_fails:
+            raise GenerationFailed(f"{self.name}: restart failed")
+        self.dead, self._death = False, None
+        self.version = weights.version if weights is not None else 0
+        self._lock = PriorityLock()
+        self._busy, self._pending_update = False, None
+        self.restarts += 1
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
         attempt = int(request.group_id.rsplit("-a", 1)[1])
         fault_key = (request.prompt.prompt_id, attempt)
         self._in_flight += 1
@@ -149,6 +194,9 @@ class SimGenerationWorker:
                     return GenerationResult(request.group_id, rewards, (T,) * request.sampling.n, len(request.prompt.token_ids), version, version)
                 result = await self._store(request, attempt, version)
                 self.generated.append(request.group_id)
+                if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
+                    self.dead = True  # every call in flight on it fails now, and every new one
+                    self._died().set()
                 return result
             finally:
                 self._busy = False
@@ -159,7 +207,7 @@ class SimGenerationWorker:
 
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         G, T = request.sampling.n, request.sampling.max_new_tokens
-        rewards = sim_rewards(request.prompt.prompt_id, attempt, G)
+        rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
         columns = {**rows, "prompt_ids": [prompt] * G, "reward": torch.tensor(rewards, dtype=torch.float32)}
@@ -179,6 +227,7 @@ class SimGenerationWorker:
     async def update_weights(self, weights: WeightsHandle) -> None:
         """Applied between groups, like a real worker between batches: after the group being
         generated, ahead of groups still queued."""
+        self._check_alive()
         if weights.version <= self.version:
             raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
         if not self._busy:
@@ -186,7 +235,13 @@ class SimGenerationWorker:
             return
         applied = asyncio.get_running_loop().create_future()
         self._pending_update = (weights.version, applied)
-        await applied
+        death = asyncio.ensure_future(self._died().wait())
+        try:
+            await asyncio.wait([applied, death], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+        if not applied.done():
+            raise GenerationWorkerDied(f"{self.name}: the worker process died before applying v{weights.version}")
 
     def _apply_pending_update(self) -> None:
         if self._pending_update is not None:
@@ -200,6 +255,11 @@ class SimGenerationWorker:
 
 
 class SimTrainerGroup:
+    """Like a Ray actor, every call runs to completion on the "remote" side even if the caller
+    stops waiting (a deadline): calls execute one at a time as tasks the caller only awaits
+    through `asyncio.shield`. So a finish that outlives its deadline still applies its step, and
+    `train_status` (queued behind it) reports that it did."""
+
     def __init__(
         self,
         storage: RowStorage,
@@ -214,23 +274,45 @@ class SimTrainerGroup:
         self.finish_s = finish_s
         self.faults = faults or Faults()
         self.fetch_rows = fetch_rows
-        self.version = 0
+        self.version = 0  # optimizer steps applied = the next step begin accepts
+        self.optimizer_steps = 0
         self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
         self.attempts: dict[int, int] = {}
         self.aborts = 0
         self._open: list[str] | None = None
         self._step: int | None = None
+        self._last: StepResult | None = None
         self.bytes_read = 0
+        self._serial = asyncio.Lock()
+        self._remote: set[asyncio.Task] = set()
+
+    async def _call(self, coro):
+        """Run `coro` as the remote side would: serially, and to completion whatever the caller does."""
+
+        async def serially():
+            async with self._serial:
+                return await coro
+
+        task = asyncio.ensure_future(serially())
+        self._remote.add(task)
+        task.add_done_callback(self._remote.discard)
+        return await asyncio.shield(task)
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        await self._call(self._begin(step))
+
+    async def _begin(self, step: int) -> None:
         if self._open is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:
-            raise RuntimeError(f"begin_train_step({step}) but the trainer is at version {self.version}")
+            raise RuntimeError(f"begin_train_step({step}) but the trainer's next step is {self.version}")
         self._open, self._step, self.bytes_read = [], step, 0
         self.attempts[step] = self.attempts.get(step, -1) + 1
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
+        await self._call(self._microbatch(chunk))
+
+    async def _microbatch(self, chunk: TrainChunk) -> None:
         if self._open is None:
             raise RuntimeError("train_microbatch with no step open")
         if chunk.step != self._step:
@@ -245,28 +327,61 @@ class SimTrainerGroup:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
         self._open.extend(chunk.row_keys)
 
-    async def finish_train_step(self) -> StepResult:
-        if self._open is None:
-            raise RuntimeError("finish_train_step with no step open")
+    async def finish_train_step(self, step: int) -> StepResult:
+        return await self._call(self._finish(step))
+
+    async def _finish(self, step: int) -> StepResult:
+        if self._open is None and self._last is not None and self._last.step == step:
+            return self._last  # a retried finish: the step was applied once already
+        if self._open is None or self._step != step:
+            raise RuntimeError(f"finish_train_step({step}) but the open step is {self._step}")
         if self.finish_s:
             await asyncio.sleep(self.finish_s)
-        step, keys = self._step, self._open
+        keys = self._open
         if len(set(keys)) != len(keys):
             raise RuntimeError(f"step {step} trained a row twice")
         self.trained[step] = keys
         self._open = self._step = None
         self.version += 1
-        return StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+        self.optimizer_steps += 1
+        self._last = StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+        return self._last
 
-    async def abort_train_step(self) -> None:
-        if self._open is not None:
+    async def abort_train_step(self, step: int) -> None:
+        await self._call(self._abort(step))
+
+    async def _abort(self, step: int) -> None:
+        if self._open is not None and self._step == step:
             self.aborts += 1
-        self._open = self._step = None
+            self._open = self._step = None
+
+    async def train_status(self) -> TrainStatus:
+        return await self._call(self._status())
+
+    async def _status(self) -> TrainStatus:
+        return TrainStatus(self.version, self._step, None if self._last is None else self._last.step)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         if version != self.version:
             raise RuntimeError(f"export_weights(v{version}) but the trainer is at v{self.version}")
         return WeightsHandle(version, payload=None, num_bytes=0)
+
+    async def save_state(self, directory: str) -> None:
+        await self._call(self._save(directory))
+
+    async def _save(self, directory: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"save_state while step {self._step} is open")
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "sim_trainer.json"), "w", encoding="utf-8") as f:
+            json.dump({"version": self.version, "optimizer_steps": self.optimizer_steps}, f)
+
+    async def load_state(self, directory: str) -> int:
+        with open(os.path.join(directory, "sim_trainer.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        self.version, self.optimizer_steps = saved["version"], saved["optimizer_steps"]
+        self._open = self._step = self._last = None
+        return self.version
 
 
 def sim_workers(

@@ -4,15 +4,15 @@
 per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
 function, and writes ALL rows of the batch's rollout requests to the row storage in ONE put (fields
 GENERATION_FIELDS, keys `request.row_keys`, tags {group_id, version_start, version_end}); eval
-requests (`request.eval`) are sampled and scored alike but never stored. `temperature == 0` samples
-greedily. The response text given to the reward function excludes a final stop token. It stamps
-results with `version`, the policy version of its weights; with no weights loaded yet
-(`version is None`) it refuses to generate.
+requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
+greedily. The response text given to
+the reward function excludes a final stop token. It stamps results with `version`, the policy
+version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
 
 `GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
 directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
-rollouts; one batching loop takes up to `max_batch_groups` of them (the eval lane first), runs the
-core in a thread (`asyncio.to_thread`) and resolves each call's future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
+rollouts; one batching loop takes up to `max_batch_groups` of them (the eval lane first), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
+future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
 token, so a batch never sees a half-applied update and version_start == version_end.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -48,7 +49,7 @@ class GenerationStatistics:
     running: int  # in the batch being sampled (actor only)
     weight_updates: int
     last_batch_s: float
-    eval_requests: int = 0  # eval requests served (their rows are in `rows`/`tokens`, never stored)
+    eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
 
 
 class GenerationCore:
@@ -70,6 +71,26 @@ class GenerationCore:
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
         self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0)
         self._last_batch_s = 0.0
+        # Cancel vs. write: a cancelled group's rows must never be written after its cancel returns.
+        # Both take this lock; the write skips groups cancelled before it.
+        self._write_lock = threading.Lock()
+        self.running_ids: set[str] = set()  # groups of the batch being sampled (set on the actor's loop)
+        self._cancelled: set[str] = set()  # running groups cancelled: not to be written
+        self._written: set[str] = set()  # running groups whose rows are already stored
+
+    def end_batch(self) -> None:
+        with self._write_lock:
+            self.running_ids, self._cancelled, self._written = set(), set(), set()
+
+    def cancel(self, group_id: str) -> bool:
+        """After this returns no row of `group_id` is written; True if its rows were already stored
+        (the caller clears them)."""
+        with self._write_lock:
+            if group_id in self._written:
+                return True
+            if group_id in self.running_ids:
+                self._cancelled.add(group_id)
+            return False
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         """Apply a resolved snapshot (numpy buckets) and take its version."""
@@ -80,7 +101,8 @@ class GenerationCore:
         self.version = v
         self._counts["weight_updates"] += 1
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | None]:
+        """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not stored)."""
         started = time.perf_counter()
         if self.version is None:
             raise GenerationFailed("no weights loaded yet (update_weights first)")
@@ -123,10 +145,19 @@ class GenerationCore:
                     responses[i].append(view)
                     row += 1
 
+        with self._write_lock:
+            return self._score_and_store(requests, responses, version, started)
+
+    def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
+        """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
         keys, tags, results = [], [], []
         cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
-        eval_rows = eval_tokens = 0
+        cancelled = self._cancelled
+        eval_rows = eval_tokens = n_eval = 0
         for r, rows in zip(requests, responses):
+            if r.group_id in cancelled:
+                results.append(None)  # cancelled while sampling: no result wanted, no row stored
+                continue
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
             rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
             results.append(
@@ -140,6 +171,7 @@ class GenerationCore:
                 )
             )
             if r.eval:  # scored, never stored
+                n_eval += 1
                 eval_rows += len(rows)
                 eval_tokens += sum(len(ids) for ids, *_ in rows)
                 continue
@@ -154,9 +186,9 @@ class GenerationCore:
             columns: dict[str, Any] = dict(cols)
             columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
             self.storage.put_rows_sync(keys, columns, tags)
-        n_eval = sum(r.eval for r in requests)
+        self._written.update(res.group_id for res in results if res is not None)
         self._counts["batches"] += 1
-        self._counts["groups"] += len(requests) - n_eval
+        self._counts["groups"] += sum(res is not None for res in results) - n_eval
         self._counts["eval_requests"] += n_eval
         self._counts["rows"] += len(keys) + eval_rows
         self._counts["tokens"] += sum(len(t) for t in cols["response_ids"]) + eval_tokens
@@ -282,12 +314,15 @@ class GenerationActor:
         return out
 
     async def cancel(self, group_id: str) -> bool:
-        """Drop a queued request of `generate_many` (a running batch finishes; its result is ignored)."""
+        """Cancel a request of `generate_many`: a queued one is dropped; one being sampled is not
+        stored. Returns once no row of the group can be written any more; True if its rows were
+        already stored (the caller clears them)."""
         fut = self._by_group.get(group_id)
-        if fut is None or fut.done():
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if group_id not in self._core.running_ids:
             return False
-        fut.cancel()
-        return True
+        return await asyncio.to_thread(self._core.cancel, group_id)  # waits out a write in progress
 
     async def update_weights(self, weights: WeightsHandle) -> int:
         """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
@@ -362,6 +397,7 @@ class GenerationActor:
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         self._running = len(batch)
         self._idle.clear()
+        self._core.running_ids = {r.group_id for r, _ in batch}  # on the loop: before any cancel can look
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
@@ -372,10 +408,14 @@ class GenerationActor:
                     err.__cause__ = e
                     fut.set_exception(err)
         else:
-            for (_, fut), res in zip(batch, results):
+            for (req, fut), res in zip(batch, results):
                 if not fut.done():
-                    fut.set_result(res)
+                    if res is None:
+                        fut.set_exception(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+                    else:
+                        fut.set_result(res)
         finally:
+            self._core.end_batch()
             self._running = 0
             self._idle.set()
             for req, fut in batch:  # only when cancelled by close(): nothing else would answer them

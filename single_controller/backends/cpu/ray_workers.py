@@ -36,7 +36,8 @@ from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_tinygpt, save_tinygpt
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.config import Config
-from single_controller.protocols import GenerationFailed, TrainerFailed
+from single_controller.deadlines import within
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainerRankDied
 from single_controller.tasks import TOKENIZER
 from single_controller.types import (
     GenerationRequest,
@@ -44,6 +45,7 @@ from single_controller.types import (
     LossConfig,
     StepResult,
     TrainChunk,
+    TrainStatus,
     WeightsHandle,
 )
 from replay.dp_split import split_chunk
@@ -51,6 +53,7 @@ from replay.fetch import RowPrefetcher
 from replay.storage import LazyRowStorage, column_nbytes
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write on the actor
 
 
 def free_port() -> int:
@@ -70,6 +73,7 @@ class TrainerRankActor:
         self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
         self.prefetcher = RowPrefetcher(self.storage)
         self.core: TrainerCore | None = None
+        self._last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
     def free_port(self) -> int:
         return free_port()
@@ -109,15 +113,23 @@ class TrainerRankActor:
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
         self.prefetcher.prefetch(list(keys), list(fields))
 
-    def finish_train_step(self) -> dict[str, float]:
-        metrics = self.core.finish_train_step()
-        pf = self.prefetcher
-        metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
-        pf.hits = pf.misses = 0
+    def finish_train_step(self, step: int) -> dict[str, float]:
+        fresh = self.core.step_open
+        metrics = self.core.finish_train_step(step)
+        if fresh:
+            pf = self.prefetcher
+            metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
+            pf.hits = pf.misses = 0
+            self._last_extra = {"train/prefetch_hit_rate": metrics["train/prefetch_hit_rate"]}
+        else:
+            metrics.update(self._last_extra)
         return metrics
 
-    def abort_train_step(self) -> None:
-        self.core.abort_train_step()
+    def abort_train_step(self, step: int) -> None:
+        self.core.abort_train_step(step)
+
+    def train_status(self) -> dict[str, int | None]:
+        return self.core.status()
 
     def export_weights(self, version: int) -> WeightSnapshot:
         snap = self.core.publish_weights(version)
@@ -127,6 +139,23 @@ class TrainerRankActor:
         if self.core.step_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
         return str(save_tinygpt(self.core.policy, directory))
+
+    def save_state(self, directory: str) -> None:
+        """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
+        all-reduce) and a loadable policy; every rank writes its own RNG state."""
+        os.makedirs(directory, exist_ok=True)
+        state = self.core.state_dict()
+        torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
+        if self.rank == 0:
+            torch.save(state, os.path.join(directory, "trainer.pt"))
+            save_tinygpt(self.core.policy, os.path.join(directory, "policy"))
+
+    def load_state(self, directory: str) -> int:
+        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
+        state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
+        self.core.load_state_dict(state)
+        return self.core.next_step
 
     def get_weights(self) -> dict[str, Any]:
         return {n: p.detach().clone().numpy() for n, p in self.core.policy.named_parameters()}
@@ -145,12 +174,25 @@ class TrainerRankActor:
 
 
 async def _trainer_call(what: str, refs: list) -> list:
-    try:
-        return await asyncio.gather(*refs)
-    except (TrainStepStateError, TrainerFailed):
-        raise
-    except Exception as e:
-        raise TrainerFailed(f"trainer {what} failed: {e}") from e
+    """Await one call on every rank (rank order). A rank whose process is gone raises
+    `TrainerRankDied` naming it; other remote errors become `TrainerFailed`."""
+    results = []
+    for rank, ref in enumerate(refs):
+        try:
+            results.append(await ref)
+        except (TrainStepStateError, TrainerFailed):
+            raise
+        except ray.exceptions.ActorDiedError as e:
+            raise TrainerRankDied(f"trainer rank {rank} died during {what}: {_short(e)}") from e
+        except Exception as e:
+            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {_short(e)}") from e
+    return results
+
+
+def _short(e: BaseException) -> str:
+    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 @dataclass(frozen=True)
@@ -173,6 +215,7 @@ class CpuTrainerGroup:
         self.ranks = list(rank_handles)
         self._step: int | None = None
         self._bytes_read = 0
+        self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
 
@@ -207,18 +250,25 @@ class CpuTrainerGroup:
         refs = [r.prefetch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
         await _trainer_call(f"prefetch(step={chunk.step})", refs)
 
-    async def finish_train_step(self) -> StepResult:
-        step = self._step
-        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote() for r in self.ranks])
-        self._step = None
-        self._counts["steps_finished"] += 1
-        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._bytes_read)})
+    async def finish_train_step(self, step: int) -> StepResult:
+        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
+            self._step = None
+            self._counts["steps_finished"] += 1
+            self._last_bytes = self._bytes_read
+        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
-    async def abort_train_step(self) -> None:
-        await _trainer_call("abort_train_step", [r.abort_train_step.remote() for r in self.ranks])
-        if self._step is not None:
+    async def abort_train_step(self, step: int) -> None:
+        await _trainer_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        if self._step == step:
             self._counts["steps_aborted"] += 1
-        self._step = None
+            self._step = None
+
+    async def train_status(self) -> TrainStatus:
+        statuses = await _trainer_call("train_status", [r.train_status.remote() for r in self.ranks])
+        if any(s != statuses[0] for s in statuses[1:]):
+            raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
+        return TrainStatus(**statuses[0])
 
     async def export_weights(self, version: int) -> WeightsHandle:
         (snapshot,) = await _trainer_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
@@ -228,6 +278,15 @@ class CpuTrainerGroup:
         """Rank 0 writes its policy (safetensors + config.json, loadable as `model.checkpoint`); returns the path."""
         (path,) = await _trainer_call(f"save_checkpoint({directory})", [self.ranks[0].save_checkpoint.remote(directory)])
         return path
+
+    async def save_state(self, directory: str) -> None:
+        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
+
+    async def load_state(self, directory: str) -> int:
+        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
+        if len(set(steps)) != 1:
+            raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
+        return steps[0]
 
     async def shutdown(self) -> None:
         await _kill_all(self.ranks)
@@ -240,9 +299,10 @@ class CpuGenerationClient:
     once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
     per group, which on a small machine is most of the generation worker's CPU otherwise."""
 
-    def __init__(self, name: str, actor_handle: Any):
+    def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
         self.name = name
         self.actor = actor_handle
+        self._spawn = spawn  # starts a replacement actor (restart after a death)
         self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._deliveries: set[asyncio.Task] = set()
 
@@ -255,8 +315,17 @@ class CpuGenerationClient:
         try:
             return await fut
         except asyncio.CancelledError:
-            self.actor.cancel.remote(request.group_id)  # fire and forget: a late result is ignored
+            # The caller clears the group's keys next: first make sure the actor will not write them
+            # afterwards (a batch may be sampling this group right now).
+            if not any(f is fut for _, f in self._queue):  # sent already: the actor may be sampling it
+                await self._cancel_remote(request.group_id)
             raise
+
+    async def _cancel_remote(self, group_id: str) -> None:
+        try:
+            await within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, f"generation worker {self.name}: cancel({group_id})")
+        except ray.exceptions.RayActorError:
+            pass  # the actor is gone: it writes nothing any more
 
     def _flush(self) -> None:
         batch, self._queue = self._queue, []
@@ -273,9 +342,13 @@ class CpuGenerationClient:
         try:
             results = await ref
         except BaseException as e:
+            died = isinstance(e, ray.exceptions.RayActorError)
             for req, fut in batch:
                 if not fut.done():
-                    err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {e}")
+                    if died:
+                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {_short(e)}")
+                    else:
+                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {_short(e)}")
                     err.__cause__ = e
                     fut.set_exception(err)
             if not isinstance(e, Exception):
@@ -290,7 +363,19 @@ class CpuGenerationClient:
                 fut.set_result(res)
 
     async def update_weights(self, weights: WeightsHandle) -> None:
-        await self.actor.update_weights.remote(weights)
+        try:
+            await self.actor.update_weights.remote(weights)
+        except ray.exceptions.RayActorError as e:
+            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {_short(e)}") from e
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""
+        if self._spawn is None or weights is None:
+            raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
+        ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
+        self.actor = self._spawn()
+        await self.actor.connect.remote()
+        await self.update_weights(weights)
 
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
@@ -357,10 +442,9 @@ async def create_cpu_workers(
     rank_cls, gen_cls = ray.remote(TrainerRankActor), ray.remote(GenerationActor)
     ranks = [rank_cls.options(**t_opts).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
     group = CpuTrainerGroup(ranks)
-    clients = [
-        CpuGenerationClient(
-            f"gen{i}",
-            gen_cls.options(**g_opts).remote(
+    def spawner(i: int) -> Callable[[], Any]:
+        def spawn() -> Any:
+            return gen_cls.options(**g_opts).remote(
                 f"gen{i}",
                 cfg.model,
                 storage_factory,
@@ -368,10 +452,12 @@ async def create_cpu_workers(
                 seed=cfg.seed * 1000 + i,
                 torch_threads=cfg.backend.torch_threads,
                 max_batch_groups=cfg.rollout.max_batch_groups,
-            ),
-        )
-        for i in range(cfg.backend.num_generation_workers)
-    ]
+            )
+
+        return spawn
+
+    spawns = [spawner(i) for i in range(cfg.backend.num_generation_workers)]
+    clients = [CpuGenerationClient(f"gen{i}", spawn(), spawn) for i, spawn in enumerate(spawns)]
     try:
         if storage_ready is not None:
             await storage_ready

@@ -96,7 +96,7 @@ def run_reference(
         rows = storage.get_rows_sync(keys, TRAIN_FIELDS)
         trainer.begin_train_step(step, loss_cfg)
         trainer.train_microbatch(rows)
-        metrics = trainer.finish_train_step()
+        metrics = trainer.finish_train_step(step)
         storage.clear_rows_sync(keys)
         step += 1
         gen.version = step  # generation shares the trained module: its weights are now this version

@@ -1,18 +1,19 @@
 """One trainer rank without Ray: the split train API over a policy, AdamW and an optional gloo group.
 
-Contract of a step (`TrainerCore`):
-  begin_train_step(step, loss)  opens a step (raises if one is open), zeroes gradients and snapshots
-                                parameters + optimizer state for abort.
+Contract of a step (`TrainerCore`); every call names its step (see `protocols.TrainerGroup`):
+  begin_train_step(step, loss)  opens a step (raises if one is open or `step` is not `next_step`),
+                                zeroes gradients and snapshots parameters + optimizer state for abort.
   train_microbatch(rows)        (raises if no step is open) adds d(raw loss sum)/dθ to the local
                                 gradients, under DDP `no_sync()`: no communication per microbatch.
-  finish_train_step()           all-reduces [counts, loss and stat sums] and, once, all gradients
+  finish_train_step(step)       all-reduces [counts, loss and stat sums] and, once, all gradients
                                 flattened into one buffer; scales by 1/N (N = global valid tokens for
                                 token-level loss, global sequences for sequence-level); clips to
                                 grad_clip; one AdamW step; closes the step and returns metrics. If it
                                 raises (non-finite gradient norm, no valid tokens, a collective
-                                failed) the step stays open: the caller aborts it.
-  abort_train_step()            idempotent: restores parameters and optimizer state bit-identically
-                                to before begin (no-op when no step is open).
+                                failed) the step stays open: the caller aborts it. finish of the
+                                step finished last returns its recorded metrics (no second step).
+  abort_train_step(step)        idempotent: restores parameters and optimizer state bit-identically
+                                to before begin (no-op when `step` is not open: never undoes a finish).
 After finish, `p.grad` holds the gradient that was applied (scaled and clipped) until the next begin.
 
 Weights leave the trainer as a `WeightSnapshot`: the parameters packed into flat numpy buckets of at
@@ -220,6 +221,8 @@ class TrainerCore:
         self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
         self._open: _OpenStep | None = None
         self.steps_done = 0
+        self.next_step = 0  # the step begin accepts: optimizer steps applied (set by a checkpoint load)
+        self._last_finished: tuple[int, dict[str, float]] | None = None
         self.aborts = 0
 
     @property
@@ -238,9 +241,18 @@ class TrainerCore:
             open_tokens=0 if st is None else st.tokens,
         )
 
+    def status(self) -> dict[str, int | None]:
+        return {
+            "next_step": self.next_step,
+            "open_step": None if self._open is None else self._open.step,
+            "last_finished": None if self._last_finished is None else self._last_finished[0],
+        }
+
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         if self._open is not None:
             raise TrainStepStateError(f"begin_train_step({step}): step {self._open.step} is still open")
+        if step != self.next_step:
+            raise TrainStepStateError(f"begin_train_step({step}): the trainer's next step is {self.next_step}")
         if loss.level not in LOSS_LEVELS:
             raise ValueError(f"loss level must be one of {LOSS_LEVELS}, got {loss.level!r}")
         if loss.kl_coef > 0 and self.reference is None:
@@ -288,8 +300,12 @@ class TrainerCore:
             st.stats[k] += v
         return out.num_tokens
 
-    def finish_train_step(self) -> dict[str, float]:
-        st = self._require_open("finish_train_step")
+    def finish_train_step(self, step: int) -> dict[str, float]:
+        if self._open is None and self._last_finished is not None and self._last_finished[0] == step:
+            return dict(self._last_finished[1])  # a retried finish: the step was applied once already
+        st = self._require_open(f"finish_train_step({step})")
+        if st.step != step:
+            raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
         sums = torch.tensor([st.tokens, st.sequences, st.loss_sum, *(st.stats[k] for k in STAT_KEYS)], dtype=torch.float64)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.pg is not None:
@@ -312,6 +328,7 @@ class TrainerCore:
         self.optimizer.step()
         self._open = None
         self.steps_done += 1
+        self.next_step = st.step + 1
         metrics = {
             "train/loss": loss_sum / n,
             "train/grad_norm": grad_norm,
@@ -328,12 +345,13 @@ class TrainerCore:
         }
         if st.loss.kl_coef > 0:
             metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
+        self._last_finished = (st.step, dict(metrics))
         return metrics
 
-    def abort_train_step(self) -> None:
+    def abort_train_step(self, step: int) -> None:
         st = self._open
-        if st is None:
-            return
+        if st is None or st.step != step:
+            return  # nothing of this step is open: an abort never undoes a finished step
         with torch.no_grad():
             for p, saved in zip(self.params, st.params):
                 p.copy_(saved)
@@ -341,6 +359,28 @@ class TrainerCore:
         self.optimizer.zero_grad(set_to_none=True)
         self._open = None
         self.aborts += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs of this rank (between steps): policy, optimizer, RNG, next step."""
+        if self._open is not None:
+            raise TrainStepStateError(f"state_dict while step {self._open.step} is open")
+        return {
+            "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "next_step": self.next_step,
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._open is not None:
+            raise TrainStepStateError("load_state_dict while a step is open")
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.next_step = int(state["next_step"])
+        self.steps_done = int(state["steps_done"])
+        self._last_finished = None
 
     def publish_weights(self, version: int) -> WeightSnapshot:
         if self._open is not None:

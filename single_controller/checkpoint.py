@@ -1,0 +1,202 @@
+"""Run checkpoints: atomic on disk, everything a resume needs, refused when the config differs.
+
+Layout (under `<run dir>/checkpoints/`):
+
+    step_000040/           one checkpoint, taken between steps: 40 optimizer steps applied
+        controller.json    versions, the prompt ledger (rolled back to the cut), the dataloader
+                           position, the success window, counters, the config it was taken with
+        trainer/           the trainer backend's own state (policy, optimizer, RNG), see
+                           `protocols.Checkpointable`
+    latest                 the name of the newest complete checkpoint
+
+Atomic: a checkpoint is written into `step_N.tmp`, every file and the folder are fsynced, then it
+is renamed to `step_N` and `latest` is replaced (write aside, fsync, rename). A crash at any moment
+leaves `latest` naming a complete checkpoint (the previous one until the rename).
+
+The cut: at a checkpoint, groups not yet trained are not saved. Their prompts stay unsettled in the
+saved ledger with their live attempt removed, so a resume re-dispatches them with the same attempt
+number (and retry budget); the keys that attempt may have written are listed (`rolled_back`) so a
+resume into a storage that outlived the crash clears them first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from single_controller.config import Config
+
+FORMAT = 1
+LATEST = "latest"
+
+# Config keys a resume may change: how long to run, deadlines, where to report, how often to
+# checkpoint, the cluster and workers to run on. Everything else shapes the data or the math and must
+# match the checkpoint.
+RESUMABLE_CHANGES = (
+    "run.max_steps",
+    "run.stop_at_success_rate",
+    "run.progress_bar",
+    "run.plot",
+    "run.output_dir",
+    "timeouts.",
+    "metrics.",
+    "checkpoint.",
+    "ray.",
+    "storage.attach",
+    "storage.num_storage_units",
+    "backend.num_generation_workers",
+    "backend.torch_threads",
+    "sync.drain_timeout_s",
+    "rollout.max_in_flight_groups",
+    "rollout.max_batch_groups",
+)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit this run."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    step: int
+    write_s: float
+    num_bytes: int
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+async def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    controller_state: dict[str, Any],
+    save_trainer: Callable[[str], Awaitable[Any]],
+    *,
+    keep: int,
+    clock: Callable[[], float],
+) -> CheckpointInfo:
+    """Write checkpoint `step` atomically and keep the newest `keep` (0: all)."""
+    import asyncio
+
+    t0 = clock()
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f"step_{step:06d}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a crash mid-write of this very checkpoint
+    tmp.mkdir()
+    await save_trainer(str(tmp / "trainer"))
+
+    def finish() -> int:
+        (tmp / "controller.json").write_text(json.dumps({"format": FORMAT, **controller_state}) + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
+        if final.exists():  # re-taken after a resume from an earlier checkpoint
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name + "\n")
+        if keep > 0:
+            done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for old in done[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return tree_bytes(final)
+
+    num_bytes = await asyncio.to_thread(finish)  # fsyncs: off the event loop
+    return CheckpointInfo(str(final), step, clock() - t0, num_bytes)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    """The newest complete checkpoint of a run directory, or `CheckpointError` saying what is missing."""
+    root = checkpoints_dir(run_dir)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(
+            f"{run_dir} has no checkpoint to resume from ({pointer} is missing): the run stopped before "
+            "its first checkpoint (checkpoint.every_steps / checkpoint.every_s)"
+        )
+    path = root / pointer.read_text(encoding="utf-8").strip()
+    if not (path / "controller.json").is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is incomplete or missing")
+    return path
+
+
+def read_controller_state(path: Path) -> dict[str, Any]:
+    state = json.loads((path / "controller.json").read_text(encoding="utf-8"))
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r}, this sc-grpo reads {FORMAT}")
+    return state
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def config_fingerprint(cfg: Config) -> dict[str, Any]:
+    return _flatten(asdict(cfg))
+
+
+def incompatible_keys(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint value, this config's value) for every key that differs and may not."""
+    now = config_fingerprint(cfg)
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
+            continue
+        if saved.get(key) != now.get(key):
+            out.append((key, saved.get(key), now.get(key)))
+    return out
+
+
+def check_compatible(state: dict[str, Any], cfg: Config, path: Path) -> None:
+    diff = incompatible_keys(state["config"], cfg)
+    if diff:
+        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in diff[:10])
+        more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
+        raise CheckpointError(
+            f"checkpoint {path} was taken with a different config, so it cannot be resumed: {lines}{more}. "
+            f"Keys a resume may change: {', '.join(RESUMABLE_CHANGES)}"
+        )
