@@ -81,7 +81,8 @@ class RunDirectory:
     @classmethod
     def reopen(cls, path: str | Path, cfg: Config, *, from_step: int) -> RunDirectory:
         """Continue an existing run directory (a resume): metrics records of steps >= `from_step`
-        (trained after the checkpoint, so trained again now) are dropped, later ones appended; the
+        (trained after the checkpoint, so trained again now) and eval points of versions >= `from_step`
+        (evaluated again) are dropped, later ones appended; the
         config actually used is written beside the original as `config.resume.yaml`."""
         from single_controller.config_loader import config_to_yaml
 
@@ -91,7 +92,9 @@ class RunDirectory:
         self.metrics_path = self.path / "metrics.jsonl"
         self.plot_path = self.path / "curves.png"
         (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
-        kept = [r for r in read_metrics(self.metrics_path) if r.get("step", -1) < from_step] if self.metrics_path.exists() else []
+        # eval points of versions >= from_step are measured again after the resume
+        before = lambda r: r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step  # noqa: E731
+        kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)

@@ -576,3 +576,19 @@ def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every
         res = [GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, v, samples), (3,) * samples, 5, v, v) for p in EVAL_PROMPTS]
         assert {k: rec[k] for k in eval_metrics(res, 1.0)} == eval_metrics(res, 1.0)
     assert_eval_left_nothing(ctl, gens, trainer, storage)
+
+
+def test_resume_drops_eval_points_that_will_be_measured_again(tmp_path):
+    from single_controller.run_output import RunDirectory
+
+    cfg = Config(run=Config().run.__class__(output_dir=str(tmp_path)))
+    with RunDirectory(cfg) as rd:
+        for step in range(12):
+            rd.append_metrics({"step": step, "time/wall_s": float(step)})
+            if step % 5 == 0:
+                rd.append_metrics({"eval/policy_version": step, "eval/accuracy": 0.1, "time/wall_s": step + 0.5})
+        path = rd.path
+    with RunDirectory.reopen(path, cfg, from_step=5) as rd:
+        kept = rd.read_metrics()
+    # steps 0..4 and the v0 point stay; the v5 and v10 points come again after the resume
+    assert [r.get("step", r.get("eval/policy_version")) for r in kept] == [0, 0, 1, 2, 3, 4]
