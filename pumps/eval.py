@@ -123,12 +123,13 @@ async def eval_pump(
     due = 0
     try:
         while True:
-            # Exits: training and weight sync have finished and the final version has been evaluated.
+            # Exits: training and weight sync have finished and the final version has been evaluated;
+            # or the run was interrupted.
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
-            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state))
-            if _training_over(state) and evaluated == state.policy_version:
-                break
+            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state) or state.abandon_open_step)
+            if state.abandon_open_step or (_training_over(state) and evaluated == state.policy_version):
+                break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
             clk.iterations += 1
             evaluated = point.version if point is not None else state.policy_version
@@ -162,6 +163,7 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
     abandoned: str | None = None
     try:
         async with asyncio.TaskGroup() as requests:
+            interrupted = requests.create_task(state.changed.wait_until(lambda: state.abandon_open_step))
 
             def issue(i: int) -> None:
                 req = GenerationRequest(f"eval{index}-{prompts[i].prompt_id}-a{attempts[i]}", prompts[i], sampling, eval=True)
@@ -173,9 +175,12 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
             for i in range(len(prompts)):
                 issue(i)
             while pending and abandoned is None:
-                # Exits: every prompt has a result served by `target` (nothing pending), or a request
-                # failed more than eval.max_retries times (the round is abandoned).
-                done, _ = await state.waiting(asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED), PUMP, "eval results")
+                # Exits: every prompt has a result served by `target` (nothing pending); a request
+                # failed more than eval.max_retries times (the round is abandoned); an interrupt.
+                done, _ = await state.waiting(asyncio.wait([*pending, interrupted], return_when=asyncio.FIRST_COMPLETED), PUMP, "eval results")
+                if interrupted.done():
+                    abandoned = "interrupted"
+                    break
                 for task in done:
                     i = pending.pop(task)
                     outcome = task.result()  # a bug raised inside _request propagates from here
@@ -202,11 +207,14 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
                             reissued += 1
                             issue(j)
                     accepted[i] = outcome
+            interrupted.cancel()
             for task in pending:
                 task.cancel()  # abandoned: the other requests are not needed (eval stores nothing)
     finally:
         tracker.reissued += reissued
         tracker.evaluating_version = None
+    if abandoned == "interrupted":
+        return None
     if abandoned is not None:
         tracker.failed += 1
         tracker.last_failure = abandoned

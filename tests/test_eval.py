@@ -116,12 +116,14 @@ def hold(ctl, gens, prompt_id: str, until) -> None:
         g.generate = held
 
 
-def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None):
+def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None, on_step=None):
     storage = KeySpyStorage()
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=prompts)
     if held is not None:
         hold(ctl, gens, *held)
+    if on_step is not None:
+        ctl.on_step = lambda rec: on_step(ctl, rec)
     leftover: list = []
 
     async def go():
@@ -281,6 +283,22 @@ def test_early_stop_during_eval_still_evaluates_the_final_version():
     assert err is None and summary.steps == 2
     assert ctl.eval_history[-1]["eval/policy_version"] == 2
     assert_eval_left_nothing(ctl, gens, trainer, storage)
+
+
+def test_interrupt_during_eval_stops_without_a_last_round():
+    # The first round waits (a held request) when the run is interrupted after step 2: the round
+    # is dropped, no end-of-run round starts, and the run stops on its last finished step.
+    def interrupt(ctl, rec):
+        if rec["step"] == 2:
+            ctl.state.request_stop("interrupted", abandon_open_step=True)
+
+    cfg = eval_cfg(steps=20, every=2)
+    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: False), on_step=interrupt)
+    assert err is None and 3 <= summary.steps < 20
+    assert ctl.eval_history == [] and ctl.eval_tracker.statistics().failed == 0
+    assert ctl.eval_tracker.statistics().requests == len(EVAL_PROMPTS)  # one round, never re-issued
+    assert_clean_end(ctl, trainer, storage)
+    assert ctl.state.pumps["eval"].finished
 
 
 def test_run_failure_during_eval_cancels_it_and_leaves_nothing():
