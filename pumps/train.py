@@ -31,7 +31,7 @@ from replay.ledger import GroupRecord, GroupState
 from replay.storage import TRAIN_FIELDS, row_keys
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import Prefetching, TrainerFailed
+from single_controller.protocols import Prefetching, TrainerFailed, TrainerRankDied
 from single_controller.state import RunState
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
@@ -259,7 +259,10 @@ async def prefetch_pump(state: RunState) -> None:
         groups = _unhinted(state, hinted)
         hinted.update(g.group_id for g in groups)
         chunk = _chunk(state, step, -1, groups)
-        await within(state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})")
+        try:
+            await within(state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})")
+        except (TrainerFailed, TrainerRankDied, DeadlineExceeded):
+            return  # hints are best effort: the train pump meets the same trainer and reports it
 
 
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:

@@ -111,7 +111,7 @@ async def _eval_bench_run(cfg: Config, runner) -> dict:
     """One run through a ControllerService (a Ray actor for the torch backend, in-process for sim)."""
     from single_controller.deadlines import within
 
-    svc = runner(cfg)
+    svc, dispose = runner(cfg)
     try:
         await within(svc("setup"), cfg.timeouts.setup_s, "bench: controller setup")
         t0 = time.perf_counter()
@@ -119,7 +119,10 @@ async def _eval_bench_run(cfg: Config, runner) -> dict:
         wall = time.perf_counter() - t0
         records, _ = await svc("next_records", 0)
     finally:
-        await within(svc("close"), 60, "bench: controller close")
+        try:
+            await within(svc("close"), 60, "bench: controller close")
+        finally:
+            dispose()
     steps = [r for r in records if "step" in r]
     evals = [r for r in records if "eval/policy_version" in r]
     t_last = steps[-1]["time/wall_s"]
@@ -176,7 +179,7 @@ def main_eval(argv: list[str] | None = None) -> int:
 
         def local(cfg):
             svc = ControllerService(cfg)
-            return lambda method, *a: getattr(svc, method)(*a)
+            return (lambda method, *a: getattr(svc, method)(*a)), (lambda: None)
 
         results = asyncio.run(pairs(local))
     else:
@@ -187,7 +190,7 @@ def main_eval(argv: list[str] | None = None) -> int:
 
         def actor(cfg):
             handle = ray.remote(num_cpus=0, num_gpus=0)(ControllerService).options(max_concurrency=64).remote(cfg)
-            return lambda method, *a: getattr(handle, method).remote(*a)
+            return (lambda method, *a: getattr(handle, method).remote(*a)), (lambda: ray.kill(handle))
 
         min_cpus = 1 + on.storage.num_storage_units + 1
         with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(on.backend.torch_threads)) as session:

@@ -275,6 +275,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     problems += field_problems
     failed.update(path for p in field_problems for path in p.paths)
     problems += [p for p in _check_cross_field(cfg) if not failed.intersection(p.paths)]
+    problems += [p for p in _check_references(cfg) if not failed.intersection(p.paths)]
     if problems:
         origin = "configuration" if path is None else f"configuration {path}"
         if overrides:
@@ -516,6 +517,32 @@ def _check_fields(cfg: Config) -> list[Problem]:
     name = cfg.run.name
     if not name or "/" in name or name in (".", ".."):
         out.append(Problem(("run.name",), f"run.name must be a non-empty file name, got {name!r}"))
+    return out
+
+
+def _check_references(cfg: Config) -> list[Problem]:
+    """What the config names must exist: the task, the reward function, the checkpoint directory.
+    Checked here, in the launching process, so a typo fails before Ray or any worker starts."""
+    from single_controller.tasks import TASKS, load_callable, load_task
+
+    out: list[Problem] = []
+    try:
+        load_task(cfg.task.name)
+    except (KeyError, ImportError, TypeError, ValueError) as e:
+        msg = str(e.args[0]) if e.args else str(e)
+        if cfg.task.name not in TASKS and ":" not in cfg.task.name:
+            close = difflib.get_close_matches(cfg.task.name, sorted(TASKS), n=1)
+            msg += f"; did you mean {close[0]!r}?" if close else ""
+        out.append(Problem(("task.name",), f"task.name: {msg}"))
+    if ":" in cfg.task.reward_fn:
+        try:
+            load_callable(cfg.task.reward_fn)
+        except (ImportError, TypeError, ValueError) as e:
+            out.append(Problem(("task.reward_fn",), f"task.reward_fn: {e}"))
+    ckpt = cfg.model.checkpoint
+    if ckpt is not None and not (Path(ckpt) / "config.json").is_file():
+        what = "does not exist" if not Path(ckpt).exists() else "has no config.json"
+        out.append(Problem(("model.checkpoint",), f"model.checkpoint: {ckpt} {what} (expected a directory written by a run's checkpoint/)"))
     return out
 
 

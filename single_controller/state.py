@@ -31,8 +31,7 @@ T = TypeVar("T")
 
 PUMPS = ("rollout", "advantage", "train", "weight_sync")
 
-CLEAR_ATTEMPTS = 3  # tries of one storage clear before the run stops with StorageFailed
-CLEAR_BACKOFF_S = 0.5  # first pause between tries (doubles)
+CLEAR_ATTEMPTS = 3  # tries of one storage clear (each under its own deadline) before StorageFailed
 
 
 class StorageFailed(RuntimeError):
@@ -179,17 +178,14 @@ class RunState:
         freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
         `what` when the storage stays down."""
         keys = [k for g in groups for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
-        pause = CLEAR_BACKOFF_S
         for attempt in range(1, CLEAR_ATTEMPTS + 1):
             try:
                 await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)
                 break
-            except Exception as e:
+            except Exception as e:  # a deadline already waited storage_s: try again at once
                 if attempt == CLEAR_ATTEMPTS:
                     raise StorageFailed(f"{what} failed {attempt} times; last error: {e}") from e
                 self.storage_retries += 1
-                await asyncio.sleep(pause)  # back off before the next try (not a poll)
-                pause *= 2
         for g in groups:
             self.ledger.release(g.group_id)
         self.notify()

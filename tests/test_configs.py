@@ -243,7 +243,7 @@ def test_each_check_rejects_its_violation(overrides, paths):
         ["model.max_seq_len=8"],
         ["metrics.port=0"],
         ["metrics.port=65535"],
-        ["task.name=mypkg.tasks:make", "model.max_seq_len=4"],  # the digit rule is for digit tasks only
+        ["task.name=single_controller.tasks:reverse_digits", "model.max_seq_len=4"],  # the digit rule is for digit tasks only
         ["run.stop_at_success_rate=1.0"],
     ],
 )
@@ -382,3 +382,19 @@ def test_write_readme_rewrites_only_the_marked_section(tmp_path):
     assert "old stuff" not in text
     assert readme_reference(text) == config_reference_markdown()
     assert config_loader.write_readme_reference(readme) is False  # idempotent
+
+
+@pytest.mark.parametrize(
+    "override, path, words",
+    [
+        ("task.name=revers_digits", "task.name", "did you mean 'reverse_digits'"),
+        ("task.reward_fn=nosuch_mod_xyz:f", "task.reward_fn", "cannot import module 'nosuch_mod_xyz'"),
+        ("task.reward_fn=single_controller.tasks:nope", "task.reward_fn", "has no attribute 'nope'"),
+        ("model.checkpoint=/nonexistent/ckpt", "model.checkpoint", "does not exist"),
+    ],
+)
+def test_names_that_do_not_resolve_are_config_errors_before_anything_starts(override, path, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(str(ROOT / "configs/embedded.yaml"), [override])
+    (problem,) = info.value.problems
+    assert problem.paths == (path,) and words in problem.message

@@ -194,6 +194,45 @@ def test_checkpoint_round_trip(workers, loop, tmp_path):
     assert model.cfg == dataclasses.replace(CFG.model, checkpoint=None)
 
 
+def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(workers, loop):
+    """Issue 9: a killed generation actor is reported as GenerationWorkerDied (not a Ray traceback);
+    restart() brings a new process up with the weights it is given, and it serves again."""
+    import ray
+
+    from single_controller.protocols import GenerationWorkerDied
+
+    storage, gens, group = workers
+    gen = gens[-1]
+    handle = run(loop, group.export_weights(7))
+    ray.kill(gen.actor)
+    req = GenerationRequest("dead0", reverse_digits(1, 3, seed=5)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("dead0", 4))
+    with pytest.raises(GenerationWorkerDied, match=gen.name):
+        run(loop, gen.generate(req))
+    with pytest.raises(GenerationWorkerDied):
+        run(loop, gen.update_weights(handle))
+    run(loop, gen.restart(handle), timeout=120)
+    assert run(loop, gen.version()) == 7
+    assert_same_weights(run(loop, gen.actor.get_weights.remote()), run(loop, rank_weights(group, 0)))
+    res = run(loop, gen.generate(dataclasses.replace(req, group_id="alive0", row_keys=row_keys("alive0", 4))))
+    assert (res.version_start, res.version_end) == (7, 7)
+    run(loop, storage.clear_rows(list(row_keys("alive0", 4))))
+
+
+def test_trainer_state_round_trip_resumes_the_same_step(workers, loop, tmp_path):
+    """Checkpoint state of every rank: policy, optimizer, next step; load_state restores it exactly."""
+    _, _, group = workers
+    status = run(loop, group.train_status())
+    run(loop, group.save_state(str(tmp_path / "trainer")))
+    before = run(loop, rank_weights(group, 0))
+    assert (tmp_path / "trainer" / "trainer.pt").exists() and (tmp_path / "trainer" / "rank1_rng.pt").exists()
+    assert (tmp_path / "trainer" / "policy" / "model.safetensors").exists()
+    assert run(loop, group.load_state(str(tmp_path / "trainer"))) == status.next_step
+    for rank in range(2):
+        assert_same_weights(run(loop, rank_weights(group, rank)), before)
+    after = run(loop, group.train_status())
+    assert after.next_step == status.next_step and after.open_step is None
+
+
 def test_shutdown_stops_the_actors(workers, loop):
     """Runs last: shuts the module's workers down (the fixture's own shutdown then finds them gone)."""
     import ray
