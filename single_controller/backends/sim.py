@@ -3,8 +3,8 @@
 They run the whole control plane in milliseconds, in-process, on any row storage. The generation
 worker is serial (one group at a time, `group_s` each; a weight update lands after the group in
 progress, ahead of queued ones), writes real rows with deterministic rewards, and stamps the version
-it serves. Eval requests go through a priority lane (ahead of queued rollouts), take `group_s` like
-a group, write nothing, and score with `sim_eval_rewards(prompt_id, version, n)`, which depends on
+it serves. Eval requests go through a priority lane (ahead of queued rollouts), take their share
+of `group_s` by rows (n / the last rollout group's n), write nothing, and score with `sim_eval_rewards(prompt_id, version, n)`, which depends on
 the version that served them, so a test can tell which weights produced a reported eval point.
 The trainer group checks the split-API state machine,
 fetches every row it trains (so a missing row fails the step), and logs what each step trained.
@@ -128,6 +128,7 @@ class SimGenerationWorker:
         self._busy = False
         self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
+        self._rollout_n = 1  # rows of the last rollout group: an eval request costs its share of rows
         self.dead = False
         self._death: asyncio.Event | None = None  # created lazily on the running loop
         self.calls_while_dead = 0  # requests routed to this worker while it was dead
@@ -183,8 +184,11 @@ class SimGenerationWorker:
             self._busy = True
             try:
                 version = self.version
-                if self.group_s:
-                    await asyncio.sleep(self.group_s)  # simulated compute, not a poll
+                if not request.eval:
+                    self._rollout_n = request.sampling.n
+                cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
+                if cost:
+                    await asyncio.sleep(cost)  # simulated compute, not a poll
                 if fault_key in self.faults.gen_fail:
                     raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
                 if request.eval:  # scored, never stored
