@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
-from collections import Counter
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
 from single_controller.backends.sim import Faults, PriorityLock, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
-from single_controller.config import Config, EvalConfig
+from single_controller.config import Config, EvalConfig, RunConfig
 from single_controller.config_loader import ConfigError, load_config
 from single_controller.controller import Controller, RunFailed
 from single_controller.service import make_dataloader
@@ -494,7 +493,7 @@ def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
 
     ctl, *_ = run_eval_sim(eval_cfg(steps=6, every=3))
     records = sorted(ctl.history + ctl.eval_history, key=lambda r: r["time/wall_s"])
-    with RunDirectory(Config(run=Config().run.__class__(output_dir=str(tmp_path), plot=True))) as rd:
+    with RunDirectory(Config(run=RunConfig(output_dir=str(tmp_path), plot=True))) as rd:
         for r in records:
             rd.append_metrics(r)
         back = rd.read_metrics()
@@ -599,7 +598,7 @@ def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every
 def test_resume_drops_eval_points_that_will_be_measured_again(tmp_path):
     from single_controller.run_output import RunDirectory
 
-    cfg = Config(run=Config().run.__class__(output_dir=str(tmp_path)))
+    cfg = Config(run=RunConfig(output_dir=str(tmp_path)))
     with RunDirectory(cfg) as rd:
         for step in range(12):
             rd.append_metrics({"step": step, "time/wall_s": float(step)})
