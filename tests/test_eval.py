@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
+from collections import Counter
 
 import pytest
 import torch
