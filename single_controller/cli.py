@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "replay.tq_bench:main",
         "TransferQueue row storage put/get throughput",
     ),
+    "eval": (
+        "single_controller.bench:main_eval",
+        "training throughput with held-out evaluation every N steps vs eval off",
+    ),
 }
 
 

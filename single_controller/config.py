@@ -285,6 +285,32 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    enabled: bool = False
+    """Evaluate the policy on held-out prompts while training goes on (the eval pump; no drain)."""
+    every_steps: int = 10
+    """Evaluate every this many policy versions (optimizer steps), plus at the start and the end of the run."""
+    dataset: Optional[str] = None
+    """Held-out prompts: null is the task's held-out split (`<task>.held_out` for the built-in digit
+    tasks, never used for training); or a registered name (`reverse_digits.held_out`,
+    `copy_digits.held_out`) or `module:function` returning `Prompt`s for (num_prompts, num_digits, seed)."""
+    num_prompts: int = 64
+    """Held-out prompts per evaluation (fewer if the dataset has fewer)."""
+    num_samples: int = 1
+    """Completions per eval prompt: `eval/accuracy` averages them, `eval/pass@k` (k = this) counts a
+    prompt solved if any of them succeeds."""
+    temperature: float = 0.0
+    """Eval sampling temperature; 0 is greedy (argmax). Must be > 0 when num_samples > 1."""
+    top_p: float = 1.0
+    """Eval nucleus sampling mass (1.0 = full vocabulary; ignored when greedy)."""
+    max_new_tokens: Optional[int] = None
+    """Tokens generated per eval completion at most (null: rollout.max_new_tokens)."""
+    max_retries: int = 2
+    """Re-issues of one eval request after generation failures before that eval point is abandoned
+    (counted in `eval/failed`; training goes on). Re-issues after a weight update do not count."""
+
+
+@dataclass(frozen=True)
 class Config:
     seed: int = 0
     """Seed of the model init, the prompt order and sampling."""
@@ -305,12 +331,18 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def required_capacity(cfg: Config) -> int:
     """Groups the lookahead can have resident at once: every live group targets one of the steps
     v .. v+L, each holding at most groups_per_step, so fewer slots can deadlock a refill."""
     return (cfg.sampler.max_lookahead_versions + 1) * cfg.train.groups_per_step
+
+
+def eval_max_new_tokens(cfg: Config) -> int:
+    """Tokens per eval completion: `eval.max_new_tokens`, or the rollouts' when null."""
+    return cfg.eval.max_new_tokens if cfg.eval.max_new_tokens is not None else cfg.rollout.max_new_tokens
 
 
 def resolved_capacity(cfg: Config) -> int:

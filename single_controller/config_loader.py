@@ -38,7 +38,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from single_controller import config as config_module
-from single_controller.config import Config, required_capacity
+from single_controller.config import Config, eval_max_new_tokens, required_capacity
 
 __all__ = [
     "ConfigError",
@@ -139,6 +139,13 @@ BOUNDS: dict[str, _Bound] = {
     "megatron.data_parallel_size": _AT_LEAST_1,
     "ray.num_cpus": _AT_LEAST_1,
     "metrics.port": (0, False, 65535, False),
+    "eval.every_steps": _AT_LEAST_1,
+    "eval.num_prompts": _AT_LEAST_1,
+    "eval.num_samples": _AT_LEAST_1,
+    "eval.temperature": _AT_LEAST_0,
+    "eval.top_p": _UNIT_OPEN_CLOSED,
+    "eval.max_new_tokens": _AT_LEAST_1,
+    "eval.max_retries": _AT_LEAST_0,
 }
 
 _README_START = "<!-- config-reference:start -->"
@@ -663,18 +670,66 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
             )
         )
     out += _megatron_layout_problems(cfg)
+    out += _check_eval(cfg)
     if cfg.task.name in DIGIT_TASKS:
-        longest = cfg.task.num_digits + 2 + r.max_new_tokens
+        longest = cfg.task.num_digits + 2 + max(r.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
         if cfg.model.max_seq_len < longest:
             out.append(
                 Problem(
                     ("model.max_seq_len", "task.num_digits", "rollout.max_new_tokens"),
                     f"model.max_seq_len ({cfg.model.max_seq_len}) is shorter than the longest sequence: "
                     f"a {cfg.task.name} prompt has task.num_digits + 2 = {cfg.task.num_digits + 2} tokens, "
-                    f"plus rollout.max_new_tokens = {r.max_new_tokens} gives {longest}",
+                    f"plus the most new tokens (rollout.max_new_tokens = {r.max_new_tokens}, or "
+                    f"eval.max_new_tokens when eval is on) gives {longest}",
                 )
             )
     return out
+
+
+def _check_eval(cfg: Config) -> list[Problem]:
+    """The eval section: a resolvable dataset that yields prompts (loaded here, before anything
+    starts, only when eval is on) and sampling that can make pass@k meaningful."""
+    from single_controller.tasks import eval_dataset_name, load_eval_dataset
+
+    e = cfg.eval
+    out: list[Problem] = []
+    if e.num_samples > 1 and e.temperature == 0:
+        out.append(
+            Problem(
+                ("eval.num_samples", "eval.temperature"),
+                f"eval.num_samples = {e.num_samples} with eval.temperature = 0 (greedy): greedy samples of "
+                "a prompt are all the same, so pass@k would equal accuracy; set eval.temperature > 0 "
+                "or eval.num_samples = 1",
+            )
+        )
+    if not e.enabled and e.dataset is None:
+        return out  # the default held-out split is only looked up when eval is on
+    name = eval_dataset_name(cfg.task.name, e.dataset)
+    paths = ("eval.dataset",) if e.dataset is not None else ("eval.dataset", "task.name")
+    try:
+        fn = load_eval_dataset(cfg.task.name, e.dataset)
+    except (KeyError, ImportError, ValueError, TypeError) as err:
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        out.append(Problem(paths, f"eval.dataset: {msg}"))
+        return out
+    if not e.enabled or e.num_prompts < 1 or cfg.task.num_digits < 1:
+        return out  # (a bad count is reported by its own bound)
+    try:
+        n = len(list(fn(e.num_prompts, cfg.task.num_digits, cfg.seed))[: e.num_prompts])
+    except Exception as err:  # user code: report it as a config problem, with its cause
+        out.append(Problem(paths, f"eval.dataset {name!r} failed to load: {type(err).__name__}: {err}"))
+        return out
+    if n == 0:
+        out.append(
+            Problem(
+                paths,
+                f"eval.dataset {name!r} gave no prompts (eval.num_prompts = {e.num_prompts}, "
+                f"task.num_digits = {cfg.task.num_digits}): there is nothing to evaluate on",
+            )
+        )
+    return out
+
+
 
 
 def _megatron_layout_problems(cfg: Config) -> list[Problem]:

@@ -1,4 +1,4 @@
-"""The single controller: setup, four pumps in one TaskGroup, teardown.
+"""The single controller: setup, the pumps in one TaskGroup (eval too when `eval.enabled`), teardown.
 
 `Controller` is constructible in-process (tests, the simulated backend, benchmarks) and is also
 what the CPU-only Ray actor `ControllerActor` (see `single_controller.launch`) runs. It never
@@ -21,9 +21,10 @@ import asyncio
 import collections
 import statistics as pystats
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from pumps.advantage import advantage_pump
+from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
@@ -86,6 +87,7 @@ class ControllerStatistics:
     # tokens sampled with its own weights; empty before the first) and its configured bound.
     mismatch: dict[str, float] = field(default_factory=dict)
     mismatch_kl_bound: float = 0.0
+    eval: EvalStatistics | None = None  # None when eval is off
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,12 @@ class Controller:
         run_dir: str | None = None,
         resume: dict | None = None,
         dataloader_state: Callable[[], dict] | None = None,
+        eval_prompts: Sequence[Prompt] = (),
+        on_eval: Callable[[dict], None] | None = None,
     ):
         check_capacity(cfg)
+        if cfg.eval.enabled and not eval_prompts:
+            raise ValueError("eval.enabled is true but no eval prompts were given")
         kwargs = {"clock": clock} if clock is not None else {}
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
@@ -148,6 +154,10 @@ class Controller:
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
+        self.eval_prompts = tuple(eval_prompts)
+        self.on_eval = on_eval
+        self.eval_history: list[dict] = []
+        self.eval_tracker = EvalTracker(cfg.eval.num_samples) if cfg.eval.enabled else None
 
     async def run(self) -> RunSummary:
         """Setup, the pumps, teardown."""
@@ -167,6 +177,10 @@ class Controller:
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
                 tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
+                if self.eval_tracker is not None:
+                    tasks["eval"] = pumps.create_task(
+                        eval_pump(st, self.eval_prompts, self.eval_tracker, self._record_eval, stop_token_id=self.stop_token_id)
+                    )
         except BaseException as e:
             await self._final_checkpoint(failed=True)
             await self._teardown(failed=True)
@@ -328,6 +342,20 @@ class Controller:
         if target is not None and len(self._success) == self._success.maxlen and sum(self._success) / len(self._success) >= target:
             st.request_stop(f"success rate >= {target} over {len(self._success)} steps")
 
+    def _record_eval(self, point: EvalPoint) -> None:
+        rec = {
+            "eval/policy_version": point.version,
+            **point.metrics,
+            "eval/seconds": point.seconds,
+            "eval/reissued": point.reissued,
+            "eval/failures": point.failures,
+            "eval/trainer_version": self.state.trainer_version,
+            "time/wall_s": point.t_end - self._t0,
+        }
+        self.eval_history.append(rec)
+        if self.on_eval is not None:
+            self.on_eval(rec)
+
     # -- teardown ----------------------------------------------------------------------------
     async def _teardown(self, *, failed: bool) -> None:
         st = self.state
@@ -391,6 +419,7 @@ class Controller:
             last_checkpoint_s=st.last_checkpoint_s,
             mismatch=dict(self._mismatch),
             mismatch_kl_bound=self.cfg.metrics.mismatch_kl_bound,
+            eval=self.eval_tracker.statistics() if self.eval_tracker is not None else None,
         )
 
     def select_latency_percentiles(self) -> tuple[float, float]:

@@ -132,7 +132,7 @@ async def _drive(
 ) -> int:
     """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
     from single_controller.deadlines import within
-    from single_controller.run_output import ConsoleReporter
+    from single_controller.run_output import ConsoleReporter, is_eval_record
 
     reporter = ConsoleReporter(cfg)
     interrupted: list[str] = []
@@ -168,7 +168,7 @@ async def _drive(
                     if run_dir.wall_offset_s and "time/wall_s" in rec:
                         rec["time/wall_s"] += run_dir.wall_offset_s  # a resumed run continues the clock
                     run_dir.append_metrics(rec)
-                    reporter.step(rec)
+                    (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
                 if finished:
                     break
             summary = await run

@@ -193,6 +193,24 @@ def families(s: ControllerStatistics) -> list[Metric]:
         s.mismatch.get("train/mismatch_abs_logprob", math.nan),
     )
 
+    # -- held-out evaluation (only when eval is on) --------------------------------------------
+    if s.eval is not None:
+        ev, last = s.eval, s.eval.last
+        gauge("eval_in_progress", "1 while an eval round is running.", float(ev.in_progress))
+        counter("eval_rounds", "Eval points reported (each served entirely by one policy version).", ev.rounds)
+        counter("eval_failed_rounds", "Eval rounds abandoned after eval.max_retries failures of one request.", ev.failed)
+        counter("eval_requests", "Eval requests issued (re-issues included).", ev.requests)
+        counter("eval_reissued_requests", "Eval requests re-issued because another policy version served them.", ev.reissued)
+        counter("eval_request_failures", "Eval requests that failed (GenerationFailed or deadline) and were re-issued or gave up.", ev.request_failures)
+        if last is not None:
+            k = str(ev.num_samples)
+            gauge("eval_policy_version", "Policy version of the last eval point.", last.version)
+            gauge("eval_accuracy", "Last eval point: fraction of held-out completions with reward >= task.success_reward.", last.metrics["eval/accuracy"])
+            gauge("eval_reward_mean", "Last eval point: mean reward of the held-out completions.", last.metrics["eval/reward_mean"])
+            gauge("eval_pass_at_k", "Last eval point: fraction of held-out prompts solved by any of k samples.", labels=["k"]).add_metric([k], last.metrics[f"eval/pass@{k}"])
+            gauge("eval_last_duration", "Wall time of the last eval round.", last.seconds, unit="seconds")
+            gauge("eval_last_tokens", "Response tokens generated for the last eval point.", last.metrics["eval/tokens"])
+
     # -- storage ------------------------------------------------------------------------------
     st = s.storage
     ops = counter("storage_operations", "Row-storage calls by operation.", labels=["op"])

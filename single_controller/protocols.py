@@ -45,7 +45,19 @@ class TrainerRankDied(RuntimeError):
 @runtime_checkable
 class GenerationWorker(Protocol):
     """Samples a prompt group, scores it with the reward function next to the data, stores the rows
-    under `request.row_keys`, and returns small columns (rewards, lengths, version stamps)."""
+    under `request.row_keys`, and returns small columns (rewards, lengths, version stamps).
+
+    Eval requests (`request.eval`, evaluation while training flows, see `pumps/eval.py`):
+    * same sampling and reward function as rollouts; `sampling.temperature == 0` means greedy;
+    * nothing is written to storage (the request has no row keys) and nothing else is kept;
+    * served ahead of rollout requests still queued (a priority lane): an eval request waits at
+      most for the batch in progress, never behind the rollout backlog;
+    * the result is stamped like a rollout's: version_start / version_end are the policy versions
+      of the weights that produced its first / last token. The controller reports an eval point for
+      version v only if every result of it has version_start == version_end == v, and re-issues the
+      others, so a worker that applies weights between batches (never inside one) needs nothing more;
+    * a cancelled eval request may simply be dropped (there is nothing to clean up).
+    """
 
     name: str
 

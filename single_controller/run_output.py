@@ -6,9 +6,13 @@ Contract:
   `metrics.jsonl` with `append_metrics(record)` (flushed line by line, so a crashed run keeps every
   finished step). Records use namespaced keys (`rollout/...`, `train/...`, `pump/...`, `time/...`);
   `time/wall_s` (seconds since the directory was created) is stamped on records that lack it.
-- `save_plot()` renders `curves.png` from metrics.jsonl (matplotlib, Agg, no display needed).
+  Eval records (`eval/...` keys, `eval/policy_version`, no `step`) are appended to the same file
+  when eval is on; `is_eval_record` tells them apart.
+- `save_plot()` renders `curves.png` from metrics.jsonl (matplotlib, Agg, no display needed); the
+  held-out eval accuracy is drawn beside the training reward and success rate.
 - `ConsoleReporter(cfg)` prints one line per step (`step(record)`) from the same records, plus a
-  progress bar over `run.max_steps` when stdout is a terminal and `run.progress_bar` is true.
+  progress bar over `run.max_steps` when stdout is a terminal and `run.progress_bar` is true;
+  `eval(record)` prints an eval line without advancing the bar.
 """
 
 from __future__ import annotations
@@ -24,10 +28,16 @@ from typing import Any, Iterable, Mapping, TextIO
 
 from single_controller.config import Config
 
-__all__ = ["RunDirectory", "ConsoleReporter", "format_step_line", "read_metrics", "plot_metrics"]
+__all__ = ["RunDirectory", "ConsoleReporter", "format_step_line", "format_eval_line", "is_eval_record", "read_metrics", "plot_metrics"]
 
 STEP_KEY = "step"
 WALL_KEY = "time/wall_s"
+EVAL_VERSION_KEY = "eval/policy_version"
+
+
+def is_eval_record(record: Mapping[str, Any]) -> bool:
+    """An eval point's record (see `pumps/eval.py`), not a training step's."""
+    return EVAL_VERSION_KEY in record and STEP_KEY not in record
 _PUMP_WAIT = re.compile(r"^pump/.*wait")
 
 
@@ -71,7 +81,8 @@ class RunDirectory:
     @classmethod
     def reopen(cls, path: str | Path, cfg: Config, *, from_step: int) -> RunDirectory:
         """Continue an existing run directory (a resume): metrics records of steps >= `from_step`
-        (trained after the checkpoint, so trained again now) are dropped, later ones appended; the
+        (trained after the checkpoint, so trained again now) and eval points of versions >= `from_step`
+        (evaluated again) are dropped, later ones appended; the
         config actually used is written beside the original as `config.resume.yaml`."""
         from single_controller.config_loader import config_to_yaml
 
@@ -81,7 +92,9 @@ class RunDirectory:
         self.metrics_path = self.path / "metrics.jsonl"
         self.plot_path = self.path / "curves.png"
         (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
-        kept = [r for r in read_metrics(self.metrics_path) if r.get("step", -1) < from_step] if self.metrics_path.exists() else []
+        # eval points of versions >= from_step are measured again after the resume
+        before = lambda r: r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step  # noqa: E731
+        kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)
@@ -169,6 +182,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def _series(records: list[Mapping[str, Any]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
+    if x_key == STEP_KEY:
+        records = [r for r in records if not is_eval_record(r)]  # the index fallback counts steps only
     for i, r in enumerate(records):
         x = r.get(x_key, i if x_key == STEP_KEY else None)
         y = r.get(y_key)
@@ -217,7 +232,10 @@ def plot_metrics(records: list[Mapping[str, Any]], path: str | Path, *, title: s
     ax_success.set_ylabel("success rate", color="C1")
     ax_success.set_ylim(-0.02, 1.02)
     got_success = lines(ax_success, WALL_KEY, [("rollout/success_rate", "success rate")], color="C1")
-    if got_reward or got_success:
+    got_eval = lines(ax_success, WALL_KEY, [("eval/accuracy", "held-out eval accuracy")], color="C2", marker="o", linestyle="-")
+    if got_eval:
+        ax_reward.set_title("reward, success rate and held-out eval accuracy")
+    if got_reward or got_success or got_eval:
         handles = ax_reward.get_legend_handles_labels()[0] + ax_success.get_legend_handles_labels()[0]
         ax_reward.legend(handles=handles, loc="upper left")
     else:
@@ -289,6 +307,27 @@ def format_step_line(record: Mapping[str, Any], max_steps: int | None = None, st
     return " | ".join(parts)
 
 
+def format_eval_line(record: Mapping[str, Any]) -> str:
+    """`eval v10 | accuracy 0.953 | reward 0.981 | pass@1 0.953 | 64 prompts | 0.12s | reissued 3`."""
+    parts = [f"eval v{record.get(EVAL_VERSION_KEY, '?')}"]
+    for key, value in record.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        if key == "eval/accuracy":
+            parts.append(f"accuracy {value:.3f}")
+        elif key == "eval/reward_mean":
+            parts.append(f"reward {value:.3f}")
+        elif key.startswith("eval/pass@"):
+            parts.append(f"{key.removeprefix('eval/')} {value:.3f}")
+    if isinstance(record.get("eval/prompts"), (int, float)):
+        parts.append(f"{record['eval/prompts']:.0f} prompts")
+    if isinstance(record.get("eval/seconds"), (int, float)):
+        parts.append(f"{record['eval/seconds']:.2f}s")
+    if record.get("eval/reissued"):
+        parts.append(f"reissued {record['eval/reissued']}")
+    return " | ".join(parts)
+
+
 class ConsoleReporter:
     """One line per step, and a tqdm bar over max_steps when `stream` is a terminal.
 
@@ -326,6 +365,15 @@ class ConsoleReporter:
         if self.bar_enabled:
             self._bar.write(line, file=self.stream)
             self._bar.update(1)  # one record per step
+        else:
+            print(line, file=self.stream, flush=True)
+        return line
+
+    def eval(self, record: Mapping[str, Any]) -> str:
+        """Print an eval point's line (above the bar, which does not advance); returns the line."""
+        line = format_eval_line(record)
+        if self.bar_enabled:
+            self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream, flush=True)
         return line

@@ -29,12 +29,19 @@ from single_controller.types import Prompt
 class PromptStream:
     """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
     unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on. Its
-    position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly."""
+    position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly.
+    With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
+    draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
 
     def __init__(self, cfg: Config):
-        from single_controller.tasks import load_task
+        from single_controller.tasks import load_eval_prompts, load_task
 
         self.pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+        if cfg.eval.enabled:
+            held_out = {p.token_ids for p in load_eval_prompts(cfg)}
+            self.pool = [p for p in self.pool if p.token_ids not in held_out]
+            if not self.pool:
+                raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
         self._rng = random.Random(cfg.seed)
         self.epoch = -1
         self.cursor = 0
@@ -100,7 +107,7 @@ class ControllerService:
             storage, gens, trainer = self._sim_workers()
         else:
             storage, gens, trainer = await self._ray_workers()
-        from single_controller.tasks import TOKENIZER
+        from single_controller.tasks import TOKENIZER, load_eval_prompts
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
         prompts = PromptStream(cfg)
@@ -115,6 +122,8 @@ class ControllerService:
             run_dir=self.run_dir,
             resume=saved,
             dataloader_state=prompts.state,
+            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
+            on_eval=self._on_step,
         )
         if cfg.metrics.enabled:
             from single_controller.metrics import start_metrics_server
@@ -226,6 +235,7 @@ class ControllerService:
             "prompts": asdict(st.prompts),
             "storage": asdict(st.storage),
             "teardown_errors": list(self.controller.state.teardown_errors),
+            "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
         }
 
     async def next_records(self, cursor: int) -> tuple[list[dict], bool]:

@@ -152,7 +152,7 @@ class RunState:
         self.worker_restarts = 0
 
         self.changed = Signal()
-        self.pumps = {name: PumpClock(name) for name in PUMPS}
+        self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
 
     # -- waiting ---------------------------------------------------------------------------------
     def notify(self) -> None:

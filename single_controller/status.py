@@ -4,7 +4,7 @@
 
 Fetches the exporter's endpoint once (or every SECONDS with --watch) and prints versions, the
 last step, reward, buffer occupancy, what each pump is doing ("waiting on X for Ns" / "busy"),
-the staleness of trained groups and the last weight sync. A synchronous CLI: it never touches
+the staleness of trained groups, the last weight sync and (with eval on) the last eval point. A synchronous CLI: it never touches
 the controller's event loop; everything it shows comes from the scrape.
 
 Exit status: 0 on success, 1 if the endpoint cannot be fetched or is not an sc-grpo exporter
@@ -111,6 +111,8 @@ def render(m: dict[str, list[Sample]], url: str) -> str:
             doing = f"waiting on {on} for {_secs(current.get((pump, on), 0.0))}"
         elif finished:
             doing = "idle (run finished)"
+        elif pump == "eval" and one("sc_grpo_eval_in_progress") < 1:
+            doing = "idle (next round not due)"
         else:
             doing = "busy"
         err = f"  ({errors[pump]:.0f} errors)" if errors.get(pump, 0) > 0 else ""
@@ -132,6 +134,19 @@ def render(m: dict[str, list[Sample]], url: str) -> str:
         if syncs
         else "sync      no weight sync yet"
     )
+
+    if "sc_grpo_eval_rounds_total" in m:
+        k = next(iter(by("sc_grpo_eval_pass_at_k", "k")), None)
+        last = (
+            f"v{one('sc_grpo_eval_policy_version'):.0f} accuracy {100 * one('sc_grpo_eval_accuracy'):.1f}%"
+            f"  pass@{k} {100 * one('sc_grpo_eval_pass_at_k'):.1f}%  reward {one('sc_grpo_eval_reward_mean'):.3f}"
+            f"  ({_secs(one('sc_grpo_eval_last_duration_seconds'))})"
+            if k is not None
+            else "no point yet"
+        )
+        extra = f"   {one('sc_grpo_eval_reissued_requests_total'):.0f} re-issued" if one("sc_grpo_eval_reissued_requests_total") else ""
+        extra += f"   {one('sc_grpo_eval_failed_rounds_total'):.0f} rounds failed" if one("sc_grpo_eval_failed_rounds_total") else ""
+        lines.append(f"eval      {last}   {one('sc_grpo_eval_rounds_total'):.0f} points{extra}")
 
     faults = [
         _reasons("dropped", by("sc_grpo_groups_dropped_total", "reason")),

@@ -7,6 +7,11 @@ Contract:
 * A task is a dataset function `(num_prompts, num_digits, seed) -> list[Prompt]`, registered in
   `TASKS` by name; `prompt_id`s are `p00000`, `p00001`, ... (unique within the list), and
   `Prompt.answer` is the exact expected response text.
+* Held-out split: a digit string is held out for evaluation iff `is_held_out(digits)` (a fixed
+  hash, 1 string in `HELD_OUT_BUCKETS`), the same for every seed, pool size and digit task. The
+  training tasks (`TASKS`) never draw a held-out string; the held-out sets (`EVAL_DATASETS`,
+  `<task>.held_out`, ids `h00000`, ...) draw only those, distinct, so eval prompts and training
+  prompts are disjoint by construction. `load_eval_prompts(cfg)` resolves `eval.dataset`.
 * A reward function is `fn(prompt, response_text) -> float` (see `protocols.RewardFunction`).
 * `load_callable("module:function")` resolves the `module:function` strings of the config.
 
@@ -15,6 +20,7 @@ Nothing here downloads anything.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import random
 from dataclasses import dataclass
@@ -68,36 +74,90 @@ class CharTokenizer:
 TOKENIZER = CharTokenizer(PAD_CHAR + BOS_CHAR + EOS_CHAR + "0123456789" + _SYMBOLS)
 
 
+HELD_OUT_BUCKETS = 10  # 1 digit string in 10 is held out for evaluation
+_ENUMERATE_UP_TO = 100_000  # held-out sets of digit spaces up to this size are enumerated, not sampled
+
+
+def is_held_out(digits: str) -> bool:
+    """The fixed train/eval split of the digit tasks (independent of seed, pool size and task)."""
+    h = hashlib.blake2b(digits.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % HELD_OUT_BUCKETS == 0
+
+
+def _digit_prompt(prefix: str, i: int, digits: str, transform: Callable[[str], str]) -> Prompt:
+    return Prompt(f"{prefix}{i:05d}", tuple(TOKENIZER.encode(BOS_CHAR + digits + ">")), transform(digits))
+
+
 def _digit_prompts(num_prompts: int, num_digits: int, seed: int, transform: Callable[[str], str]) -> list[Prompt]:
+    """Training prompts: random digit strings (with repeats), never a held-out one."""
     if num_prompts < 1 or num_digits < 1:
         raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
     rng = random.Random(seed)
     prompts = []
-    for i in range(num_prompts):
+    while len(prompts) < num_prompts:
         digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
-        prompts.append(
-            Prompt(
-                prompt_id=f"p{i:05d}",
-                token_ids=tuple(TOKENIZER.encode(BOS_CHAR + digits + ">")),
-                answer=transform(digits),
-            )
-        )
+        if not is_held_out(digits):
+            prompts.append(_digit_prompt("p", len(prompts), digits, transform))
     return prompts
+
+
+def _held_out_prompts(num_prompts: int, num_digits: int, seed: int, transform: Callable[[str], str]) -> list[Prompt]:
+    """Eval prompts: distinct held-out digit strings in a seeded order (fewer if fewer exist)."""
+    if num_prompts < 1 or num_digits < 1:
+        raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
+    rng = random.Random(seed)
+    if 10**num_digits <= _ENUMERATE_UP_TO:
+        pool = [s for s in (str(i).zfill(num_digits) for i in range(10**num_digits)) if is_held_out(s)]
+        rng.shuffle(pool)
+        chosen = pool[:num_prompts]
+    else:  # a huge space: sample distinct held-out strings (about HELD_OUT_BUCKETS draws each)
+        seen: set[str] = set()
+        chosen = []
+        while len(chosen) < num_prompts:
+            digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+            if digits not in seen and is_held_out(digits):
+                seen.add(digits)
+                chosen.append(digits)
+    return [_digit_prompt("h", i, d, transform) for i, d in enumerate(chosen)]
+
+
+def _reverse(d: str) -> str:
+    return d[::-1]
+
+
+def _copy(d: str) -> str:
+    return d
 
 
 def reverse_digits(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
     """`^123>` -> `321`: exactly `num_digits` new tokens, no EOS needed."""
-    return _digit_prompts(num_prompts, num_digits, seed, lambda d: d[::-1])
+    return _digit_prompts(num_prompts, num_digits, seed, _reverse)
 
 
 def copy_digits(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
     """`^123>` -> `123`."""
-    return _digit_prompts(num_prompts, num_digits, seed, lambda d: d)
+    return _digit_prompts(num_prompts, num_digits, seed, _copy)
+
+
+def reverse_digits_held_out(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """The held-out split of `reverse_digits` (disjoint from every training pool)."""
+    return _held_out_prompts(num_prompts, num_digits, seed, _reverse)
+
+
+def copy_digits_held_out(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """The held-out split of `copy_digits` (disjoint from every training pool)."""
+    return _held_out_prompts(num_prompts, num_digits, seed, _copy)
 
 
 TASKS: dict[str, Callable[[int, int, int], list[Prompt]]] = {
     "reverse_digits": reverse_digits,
     "copy_digits": copy_digits,
+}
+
+# Held-out sets by name; `<task>.held_out` is the default eval set of task `<task>`.
+EVAL_DATASETS: dict[str, Callable[[int, int, int], list[Prompt]]] = {
+    "reverse_digits.held_out": reverse_digits_held_out,
+    "copy_digits.held_out": copy_digits_held_out,
 }
 
 
@@ -133,6 +193,32 @@ def load_callable(spec: str) -> Callable:
     if not callable(obj):
         raise TypeError(f"{spec!r} resolves to a {type(obj).__name__}, which is not callable")
     return obj
+
+
+def eval_dataset_name(task_name: str, dataset: str | None) -> str:
+    """`eval.dataset`, or the task's held-out split when it is None."""
+    return dataset if dataset is not None else f"{task_name}.held_out"
+
+
+def load_eval_dataset(task_name: str, dataset: str | None) -> Callable[[int, int, int], list[Prompt]]:
+    """A registered held-out set, or `module:function` with the task signature."""
+    name = eval_dataset_name(task_name, dataset)
+    if name in EVAL_DATASETS:
+        return EVAL_DATASETS[name]
+    if dataset is None:
+        raise KeyError(
+            f"task {task_name!r} has no registered held-out split; set eval.dataset to one of "
+            f"{sorted(EVAL_DATASETS)} or to 'module:function'"
+        )
+    if ":" in name:
+        return load_callable(name)
+    raise KeyError(f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, or give 'module:function'")
+
+
+def load_eval_prompts(cfg) -> list[Prompt]:
+    """The eval prompts of a config (`eval.dataset`, `eval.num_prompts`, `task.num_digits`, `seed`)."""
+    fn = load_eval_dataset(cfg.task.name, cfg.eval.dataset)
+    return list(fn(cfg.eval.num_prompts, cfg.task.num_digits, cfg.seed))[: cfg.eval.num_prompts]
 
 
 def load_task(name: str) -> Callable[[int, int, int], list[Prompt]]:

@@ -21,8 +21,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    n: int  # completions per prompt (the group size G)
-    temperature: float = 1.0
+    n: int  # completions per prompt (the group size G; eval: samples per prompt)
+    temperature: float = 1.0  # 0.0 means greedy (argmax), as in vLLM; logprobs are then reported at temperature 1
     top_p: float = 1.0
     max_new_tokens: int = 3
     stop_token_id: int | None = None  # generation of a row ends after this token
@@ -30,17 +30,30 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt group to generate, score and store under `row_keys` (one key per completion)."""
+    """One prompt group to generate and score.
+
+    A rollout request stores its `sampling.n` rows under `row_keys` (one key per completion).
+    An eval request (`eval=True`) has no row keys: the worker samples and scores it exactly like a
+    rollout, writes NOTHING to storage, and returns only the small columns of `GenerationResult`
+    (rewards, lengths, version stamps). Workers serve eval requests ahead of queued rollout
+    requests (a priority lane); see `protocols.GenerationWorker` for the whole contract.
+    """
 
     group_id: str
     prompt: Prompt
     sampling: SamplingParams
-    row_keys: tuple[str, ...]
+    row_keys: tuple[str, ...] = ()
+    eval: bool = False
+
+    def __post_init__(self) -> None:
+        if self.eval and self.row_keys:
+            raise ValueError(f"eval request {self.group_id} must not carry row keys (eval writes nothing)")
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What comes back to the controller: small columns only; the rows are already stored."""
+    """What comes back to the controller: small columns only; the rows are already stored (none
+    for an eval request). An eval result counts for version v only if version_start == version_end == v."""
 
     group_id: str
     rewards: tuple[float, ...]  # [G]

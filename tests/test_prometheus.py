@@ -35,6 +35,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import replace
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -44,7 +45,7 @@ import yaml
 
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, sim_prompts, sim_workers
-from single_controller.config import Config, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
+from single_controller.config import Config, EvalConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
 from single_controller.controller import Controller
 from single_controller.metrics import start_metrics_server
 from single_controller.state import Workers
@@ -174,7 +175,8 @@ class SimRun:
         self.gate.set()  # open: healthy
         faults = Faults(gate=self.gate)
         gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.01, train_group_s=0.01, faults=faults)
-        self.ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
+        cfg = replace(cfg, eval=EvalConfig(enabled=True, every_steps=5, num_prompts=8))  # the eval panels need data
+        self.ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=list(sim_prompts(8)))
         server, self.port = start_metrics_server(self.ctl.statistics)
         try:
             run = asyncio.ensure_future(self.ctl.run())

@@ -3,7 +3,10 @@
 They run the whole control plane in milliseconds, in-process, on any row storage. The generation
 worker is serial (one group at a time, `group_s` each; a weight update lands after the group in
 progress, ahead of queued ones), writes real rows with deterministic rewards, and stamps the version
-it serves; the trainer group checks the split-API state machine,
+it serves. Eval requests go through a priority lane (ahead of queued rollouts), take their share
+of `group_s` by rows (n / the last rollout group's n), write nothing, and score with `sim_eval_rewards(prompt_id, version, n)`, which depends on
+the version that served them, so a test can tell which weights produced a reported eval point.
+The trainer group checks the split-API state machine,
 fetches every row it trains (so a missing row fails the step), and logs what each step trained.
 
 Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -65,6 +70,50 @@ def sim_rewards(prompt_id: str, attempt: int, group_size: int) -> tuple[float, .
     return tuple(out)
 
 
+def sim_eval_rewards(prompt_id: str, version: int, n: int) -> tuple[float, ...]:
+    """Deterministic eval rewards in {0, 0.25, ..., 1} of (prompt, serving version): every version
+    scores differently, so a point mixing versions would not match the one it claims."""
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(f"eval/{prompt_id}/{version}/{i}".encode(), digest_size=4).digest()
+        out.append(int.from_bytes(h, "little") % 5 / 4.0)
+    return tuple(out)
+
+
+class PriorityLock:
+    """One holder at a time; on release the waiter with the lowest `priority` goes first, FIFO
+    within a priority. A waiter cancelled after it was granted the lock passes it on."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
+        self._seq = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if not self._held and not self._waiters:
+            self._held = True
+            return
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted just as we were cancelled: hand it on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            *_, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)  # the lock stays held, now by that waiter
+                return
+        self._held = False
+
+
+EVAL_LANE, ROLLOUT_LANE = 0, 1
+
+
 class SimGenerationWorker:
     def __init__(self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None):
         self.name = name
@@ -73,11 +122,13 @@ class SimGenerationWorker:
         self.faults = faults or Faults()
         self.version = 0
         self.generated: list[str] = []
-        self._lock = asyncio.Lock()  # serial: one group at a time, weight updates between groups
+        self.evaluated: list[tuple[str, int]] = []  # (eval request id, version that served it)
+        self._lock = PriorityLock()  # serial: one request at a time (eval first), weight updates between them
         self._row_cache: dict[tuple[int, int], dict] = {}
         self._busy = False
         self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
+        self._rollout_n = 1  # rows of the last rollout group: an eval request costs its share of rows
         self.dead = False
         self._death: asyncio.Event | None = None  # created lazily on the running loop
         self.calls_while_dead = 0  # requests routed to this worker while it was dead
@@ -114,7 +165,7 @@ class SimGenerationWorker:
             raise GenerationFailed(f"{self.name}: restart failed")
         self.dead, self._death = False, None
         self.version = weights.version if weights is not None else 0
-        self._lock = asyncio.Lock()
+        self._lock = PriorityLock()
         self._busy, self._pending_update = False, None
         self.restarts += 1
 
@@ -129,23 +180,32 @@ class SimGenerationWorker:
                 await asyncio.Event().wait()  # a wedged engine: only the deadline ends this
             if fault_key in self.faults.gen_delay:
                 await asyncio.sleep(self.faults.gen_delay[fault_key])  # out-of-order completion
-            async with self._lock:
-                self._busy = True
-                try:
-                    version = self.version
-                    if self.group_s:
-                        await asyncio.sleep(self.group_s)  # simulated compute, not a poll
-                    if fault_key in self.faults.gen_fail:
-                        raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
-                    result = await self._store(request, attempt, version)
-                    self.generated.append(request.group_id)
-                    if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
-                        self.dead = True  # every call in flight on it fails now, and every new one
-                        self._died().set()
-                    return result
-                finally:
-                    self._busy = False
-                    self._apply_pending_update()
+            await self._lock.acquire(EVAL_LANE if request.eval else ROLLOUT_LANE)
+            self._busy = True
+            try:
+                version = self.version
+                if not request.eval:
+                    self._rollout_n = request.sampling.n
+                cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
+                if cost:
+                    await asyncio.sleep(cost)  # simulated compute, not a poll
+                if fault_key in self.faults.gen_fail:
+                    raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
+                if request.eval:  # scored, never stored
+                    rewards = sim_eval_rewards(request.prompt.prompt_id, version, request.sampling.n)
+                    self.evaluated.append((request.group_id, version))
+                    T = request.sampling.max_new_tokens
+                    return GenerationResult(request.group_id, rewards, (T,) * request.sampling.n, len(request.prompt.token_ids), version, version)
+                result = await self._store(request, attempt, version)
+                self.generated.append(request.group_id)
+                if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
+                    self.dead = True  # every call in flight on it fails now, and every new one
+                    self._died().set()
+                return result
+            finally:
+                self._busy = False
+                self._apply_pending_update()
+                self._lock.release()
         finally:
             self._in_flight -= 1
 

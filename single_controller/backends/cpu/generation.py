@@ -2,14 +2,16 @@
 
 `GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
 per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
-function, and writes ALL rows of the batch to the row storage in ONE put (fields GENERATION_FIELDS,
-keys `request.row_keys`, tags {group_id, version_start, version_end}). The response text given to
+function, and writes ALL rows of the batch's rollout requests to the row storage in ONE put (fields
+GENERATION_FIELDS, keys `request.row_keys`, tags {group_id, version_start, version_end}); eval
+requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
+greedily. The response text given to
 the reward function excludes a final stop token. It stamps results with `version`, the policy
 version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
 
 `GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
-directly in a test): concurrent `generate()` calls queue up; one batching loop takes up to
-`max_batch_groups` of them, runs the core in a thread (`asyncio.to_thread`) and resolves each call's
+directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
+rollouts; one batching loop takes up to `max_batch_groups` of them (the eval lane first), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
 future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
 token, so a batch never sees a half-applied update and version_start == version_end.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +50,7 @@ class GenerationStatistics:
     running: int  # in the batch being sampled (actor only)
     weight_updates: int
     last_batch_s: float
+    eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
 
 
 class GenerationCore:
@@ -66,7 +70,7 @@ class GenerationCore:
         self.tokenizer = tokenizer
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
-        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0)
+        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0)
         self._last_batch_s = 0.0
         # Cancel vs. write: a cancelled group's rows must never be written after its cancel returns.
         # Both take this lock; the write skips groups cancelled before it.
@@ -104,7 +108,7 @@ class GenerationCore:
         if self.version is None:
             raise GenerationFailed("no weights loaded yet (update_weights first)")
         for r in requests:
-            if len(r.row_keys) != r.sampling.n:
+            if not r.eval and len(r.row_keys) != r.sampling.n:
                 raise ValueError(f"group {r.group_id}: {len(r.row_keys)} row keys for n={r.sampling.n}")
         version = self.version
         # One sampling pass per (prompt length, settings): rows of a pass share their prompt length.
@@ -119,15 +123,17 @@ class GenerationCore:
             prompt_ids = torch.tensor(
                 [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
             )  # [sum n, Tp]
+            greedy = temperature == 0  # logprobs then reported at temperature 1
             out = sample(
                 self.policy,
                 prompt_ids,
                 max_new_tokens=max_new,
-                temperature=temperature,
+                temperature=1.0 if greedy else temperature,
                 top_p=top_p,
                 stop_token_id=stop,
                 pad_id=self.tokenizer.pad_id,
                 generator=self.generator,
+                greedy=greedy,
             )
             token_lists, lengths = out.tokens.tolist(), out.lengths.tolist()
             row = 0
@@ -150,20 +156,13 @@ class GenerationCore:
             "prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "token_versions": [], "reward": []
         }
         cancelled = self._cancelled
+        eval_rows = eval_tokens = n_eval = 0
         for r, rows in zip(requests, responses):
             if r.group_id in cancelled:
                 results.append(None)  # cancelled while sampling: no result wanted, no row stored
                 continue
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
             rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
-            cols["prompt_ids"].extend(prompt for _ in rows)
-            cols["response_ids"].extend(ids for ids, *_ in rows)
-            cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
-            cols["response_mask"].extend(mask for _, _, mask, _ in rows)
-            cols["token_versions"].extend(torch.full((len(ids),), version, dtype=torch.int64) for ids, *_ in rows)
-            cols["reward"].extend(rewards)
-            keys.extend(r.row_keys)
-            tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)
             results.append(
                 GenerationResult(
                     group_id=r.group_id,
@@ -174,15 +173,29 @@ class GenerationCore:
                     version_end=version,
                 )
             )
-        columns: dict[str, Any] = dict(cols)
-        columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
+            if r.eval:  # scored, never stored
+                n_eval += 1
+                eval_rows += len(rows)
+                eval_tokens += sum(len(ids) for ids, *_ in rows)
+                continue
+            cols["prompt_ids"].extend(prompt for _ in rows)
+            cols["response_ids"].extend(ids for ids, *_ in rows)
+            cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
+            cols["response_mask"].extend(mask for _, _, mask, _ in rows)
+            cols["token_versions"].extend(torch.full((len(ids),), version, dtype=torch.int64) for ids, *_ in rows)
+            cols["reward"].extend(rewards)
+            keys.extend(r.row_keys)
+            tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)
         if keys:
+            columns: dict[str, Any] = dict(cols)
+            columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
             self.storage.put_rows_sync(keys, columns, tags)
         self._written.update(res.group_id for res in results if res is not None)
         self._counts["batches"] += 1
-        self._counts["groups"] += sum(res is not None for res in results)
-        self._counts["rows"] += len(keys)
-        self._counts["tokens"] += sum(len(t) for t in cols["response_ids"])
+        self._counts["groups"] += sum(res is not None for res in results) - n_eval
+        self._counts["eval_requests"] += n_eval
+        self._counts["rows"] += len(keys) + eval_rows
+        self._counts["tokens"] += sum(len(t) for t in cols["response_ids"]) + eval_tokens
         self._last_batch_s = time.perf_counter() - started
         return results
 
@@ -227,6 +240,7 @@ class GenerationActor:
         # The storage client connects on first use (or connect()): storage may still be starting.
         self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
+        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # priority lane
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
         self._has_pending: asyncio.Event | None = None
         self._weights_lock: asyncio.Lock | None = None
@@ -250,8 +264,9 @@ class GenerationActor:
         # The loop only ends by close() or a bug; either way no queued call may wait forever.
         cause = None if task.cancelled() else task.exception()
         self._closed = True
-        unserved = list(self._pending)
+        unserved = list(self._eval_pending) + list(self._pending)
         self._pending.clear()
+        self._eval_pending.clear()
         for req, fut in unserved:
             if not fut.done():
                 err = GenerationFailed(f"{self.name}: batching loop stopped before serving group {req.group_id}")
@@ -263,9 +278,12 @@ class GenerationActor:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((request, fut))
+        self._lane(request).append((request, fut))
         self._has_pending.set()
         return await fut  # cancelling the call cancels fut; the loop then skips it
+
+    def _lane(self, request: GenerationRequest) -> collections.deque:
+        return self._eval_pending if request.eval else self._pending
 
     async def generate_many(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | GenerationFailed]:
         """Several requests in one call (the client coalesces what the controller sends in one tick);
@@ -277,7 +295,7 @@ class GenerationActor:
         futs = []
         for req in requests:
             fut = loop.create_future()
-            self._pending.append((req, fut))
+            self._lane(req).append((req, fut))
             self._by_group[req.group_id] = fut
             futs.append(fut)
         self._has_pending.set()
@@ -344,7 +362,8 @@ class GenerationActor:
         await asyncio.to_thread(self._core.storage.connect)
 
     async def in_flight(self) -> int:
-        return sum(1 for _, f in self._pending if not f.done()) + self._running
+        queued = itertools.chain(self._eval_pending, self._pending)
+        return sum(1 for _, f in queued if not f.done()) + self._running
 
     async def version(self) -> int | None:
         return self._core.version
@@ -374,11 +393,12 @@ class GenerationActor:
 
     def _take_batch(self) -> list[tuple[GenerationRequest, asyncio.Future]]:
         batch = []
-        while self._pending and len(batch) < self.max_batch_groups:
-            req, fut = self._pending.popleft()
-            if not fut.done():  # skip calls cancelled while queued
-                batch.append((req, fut))
-        if not self._pending:
+        for lane in (self._eval_pending, self._pending):  # the eval lane first
+            while lane and len(batch) < self.max_batch_groups:
+                req, fut = lane.popleft()
+                if not fut.done():  # skip calls cancelled while queued
+                    batch.append((req, fut))
+        if not self._pending and not self._eval_pending:
             self._has_pending.clear()
         return batch
 

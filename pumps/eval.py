@@ -1,0 +1,253 @@
+"""Eval pump: held-out evaluation of the policy while training flows (no drain).
+
+Due versions: the first policy version (the start of the run), then every `eval.every_steps`
+policy versions, and the final version once the train and weight-sync pumps have finished. When one
+is due, a round evaluates the CURRENT policy version v: one eval request per held-out prompt
+(`GenerationRequest(eval=True)`: no row keys, the eval sampling settings, `eval.num_samples`
+completions), sent to the same generation workers as rollouts, which serve eval requests ahead of
+their queued rollouts (see `protocols.GenerationWorker`). Admission, the rollouts in flight and the
+weight syncs are never touched: training goes on while the round runs.
+
+Every result is stamped with the version that served it. A point is reported for version v only if
+every prompt's result has version_start == version_end == v. When a weight update lands mid-round,
+a result served by a newer version w retargets the round to w and every result of another version
+is re-issued (counted in `eval/reissued`); the round ends once all prompts agree on one version.
+Training is finite, so a round always ends.
+
+Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next routable
+worker) up to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`,
+reason kept) and training goes on. A dead worker (`GenerationWorkerDied`) is taken out of routing
+(the rollout pump restarts it) and its requests are re-issued without charging that budget; while
+no worker is routable, requests wait for one. Any other error is a bug and ends the run.
+
+Eval touches neither storage, the group ledger, the prompt ledger nor the replay buffer: it holds
+only the small result columns, in this pump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from single_controller.config import eval_max_new_tokens
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied
+from single_controller.state import RunState
+from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams
+
+PUMP = "eval"
+
+
+def eval_sampling(state: RunState, stop_token_id: int | None) -> SamplingParams:
+    e = state.cfg.eval
+    return SamplingParams(e.num_samples, e.temperature, e.top_p, eval_max_new_tokens(state.cfg), stop_token_id)
+
+
+def eval_metrics(results: Sequence[GenerationResult], success_reward: float) -> dict[str, float]:
+    """Scores of one round, one result per prompt, each with k = num_samples rewards.
+
+    accuracy: fraction of all completions with reward >= success_reward; pass@k: fraction of prompts
+    with at least one such completion; tokens: response tokens of the counted completions.
+    """
+    rewards = [r for res in results for r in res.rewards]  # [P*k]
+    k = len(results[0].rewards)
+    return {
+        "eval/accuracy": sum(r >= success_reward for r in rewards) / len(rewards),
+        "eval/reward_mean": math.fsum(rewards) / len(rewards),
+        f"eval/pass@{k}": sum(any(r >= success_reward for r in res.rewards) for res in results) / len(results),
+        "eval/tokens": float(sum(n for res in results for n in res.response_lengths)),
+        "eval/prompts": float(len(results)),
+    }
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    version: int  # every result of the point was served by exactly this policy version
+    metrics: dict[str, float]  # eval_metrics(...) of the round
+    seconds: float  # first request issued -> last result accepted
+    reissued: int  # requests re-issued because another version served them
+    failures: int  # failed attempts that were re-issued
+    t_end: float
+
+
+@dataclass(frozen=True)
+class EvalStatistics:
+    rounds: int  # points reported
+    failed: int  # rounds abandoned after eval.max_retries failures of one request
+    requests: int  # eval requests issued (re-issues included)
+    reissued: int  # re-issued because another policy version served them
+    request_failures: int  # GenerationFailed / deadline, over all rounds
+    in_progress: bool
+    evaluating_version: int | None  # target version of the round in progress
+    num_samples: int  # k of pass@k
+    last: EvalPoint | None
+    last_failure: str | None
+
+
+@dataclass
+class EvalTracker:
+    """Counters of the eval pump, read by `statistics()` (never by the pump's logic)."""
+
+    num_samples: int
+    rounds: int = 0
+    failed: int = 0
+    requests: int = 0
+    reissued: int = 0
+    request_failures: int = 0
+    evaluating_version: int | None = None
+    last: EvalPoint | None = None
+    last_failure: str | None = None
+    points: list[EvalPoint] = field(default_factory=list)
+
+    def statistics(self) -> EvalStatistics:
+        return EvalStatistics(
+            self.rounds, self.failed, self.requests, self.reissued, self.request_failures,
+            self.evaluating_version is not None, self.evaluating_version, self.num_samples, self.last, self.last_failure,
+        )
+
+
+async def eval_pump(
+    state: RunState,
+    prompts: Sequence[Prompt],
+    tracker: EvalTracker,
+    on_point: Callable[[EvalPoint], None],
+    *,
+    stop_token_id: int | None = None,
+) -> None:
+    cfg = state.cfg.eval
+    clk = state.pumps[PUMP]
+    sampling = eval_sampling(state, stop_token_id)
+    evaluated: int | None = None  # the last version a point was reported (or a round abandoned) for
+    due = 0
+    try:
+        while True:
+            # Exits: training and weight sync have finished and the final version has been evaluated;
+            # or the run was interrupted.
+            # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
+            # clock (whose current wait feeds the stall alert); only waits for eval results are.
+            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state) or state.abandon_open_step)
+            if state.abandon_open_step or (_training_over(state) and evaluated == state.policy_version):
+                break  # (an interrupt: the run stops on its last finished step, without a last eval)
+            point = await _round(state, prompts, sampling, tracker, clk.iterations)
+            clk.iterations += 1
+            evaluated = point.version if point is not None else state.policy_version
+            due = (evaluated // cfg.every_steps + 1) * cfg.every_steps
+            if point is not None:
+                tracker.points.append(point)
+                tracker.last = point
+                tracker.rounds += 1
+                on_point(point)
+    finally:
+        tracker.evaluating_version = None
+        clk.finished = True
+        state.notify()
+
+
+def _training_over(state: RunState) -> bool:
+    """No weight update can come any more: the policy version is final."""
+    return state.train_done and state.pumps["weight_sync"].finished
+
+
+async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int) -> EvalPoint | None:
+    """Evaluate until every prompt has a result served by one version; None if abandoned."""
+    t0 = state.clock()
+    target = state.policy_version
+    tracker.evaluating_version = target
+    accepted: dict[int, GenerationResult] = {}  # prompt index -> result served by `target`
+    attempts = [0] * len(prompts)
+    failures = [0] * len(prompts)
+    reissued = 0
+    pending: dict[asyncio.Task, int] = {}
+    abandoned: str | None = None
+    try:
+        async with asyncio.TaskGroup() as requests:
+            interrupted = requests.create_task(state.changed.wait_until(lambda: state.abandon_open_step))
+
+            def issue(i: int) -> None:
+                req = GenerationRequest(f"eval{index}-{prompts[i].prompt_id}-a{attempts[i]}", prompts[i], sampling, eval=True)
+                route = i + attempts[i]  # a re-issue goes to the next worker
+                attempts[i] += 1
+                tracker.requests += 1
+                pending[requests.create_task(_request(state, req, route), name=req.group_id)] = i
+
+            for i in range(len(prompts)):
+                issue(i)
+            while pending and abandoned is None:
+                # Exits: every prompt has a result served by `target` (nothing pending); a request
+                # failed more than eval.max_retries times (the round is abandoned); an interrupt.
+                done, _ = await state.waiting(asyncio.wait([*pending, interrupted], return_when=asyncio.FIRST_COMPLETED), PUMP, "eval results")
+                if interrupted.done():
+                    abandoned = "interrupted"
+                    break
+                for task in done:
+                    i = pending.pop(task)
+                    outcome = task.result()  # a bug raised inside _request propagates from here
+                    if isinstance(outcome, GenerationWorkerDied):
+                        issue(i)  # not the request's fault: the worker is out of routing now
+                        continue
+                    if isinstance(outcome, Exception):
+                        failures[i] += 1
+                        tracker.request_failures += 1
+                        if failures[i] > state.cfg.eval.max_retries:
+                            abandoned = f"eval request for {prompts[i].prompt_id} failed {failures[i]} times: {outcome}"
+                        else:
+                            issue(i)
+                        continue
+                    version = outcome.version_end if outcome.version_start == outcome.version_end else None
+                    if version is None or version < target:
+                        reissued += 1
+                        issue(i)  # served (partly) by weights this round no longer measures
+                        continue
+                    if version > target:  # a weight update landed mid-round: measure the newer version
+                        target = tracker.evaluating_version = version
+                        for j in list(accepted):
+                            del accepted[j]
+                            reissued += 1
+                            issue(j)
+                    accepted[i] = outcome
+            interrupted.cancel()
+            for task in pending:
+                task.cancel()  # abandoned: the other requests are not needed (eval stores nothing)
+    finally:
+        tracker.reissued += reissued
+        tracker.evaluating_version = None
+    if abandoned == "interrupted":
+        return None
+    if abandoned is not None:
+        tracker.failed += 1
+        tracker.last_failure = abandoned
+        state.pumps[PUMP].errors += 1
+        return None
+    results = [accepted[i] for i in range(len(prompts))]
+    if any(r.version_start != target or r.version_end != target for r in results):
+        raise AssertionError(f"eval round {index} would report v{target} with results of other versions")
+    metrics = eval_metrics(results, state.cfg.task.success_reward)
+    return EvalPoint(target, metrics, state.clock() - t0, reissued, sum(failures), state.clock())
+
+
+async def _request(state: RunState, req: GenerationRequest, route: int) -> GenerationResult | Exception:
+    """One eval request to routable worker `route` (mod their number); a generation failure or a
+    missed deadline is returned, not raised (a dead worker is also taken out of routing)."""
+    # A dead worker may be restarting (by the rollout pump, which restarts no one once it has exited).
+    await state.changed.wait_until(lambda: bool(state.routable()) or state.rollout_done)
+    routable = state.routable()
+    if not routable:
+        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.down_workers}")
+    worker = routable[route % len(routable)]
+    t0 = state.clock()
+    try:
+        result = await within(worker.generate(req), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: eval generate({req.group_id})")
+    except GenerationWorkerDied as e:
+        state.worker_down(worker, str(e))
+        return e
+    except (GenerationFailed, DeadlineExceeded) as e:
+        return e
+    finally:
+        state.pumps[PUMP].busy_s += state.clock() - t0  # worker-seconds, summed over concurrent requests (as rollout's)
+    if result.group_id != req.group_id:
+        raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}")
+    if len(result.rewards) != req.sampling.n:
+        raise RuntimeError(f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} ({req.group_id})")
+    return result
