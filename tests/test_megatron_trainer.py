@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_fixtures import load_hf, make_hf_dir, make_rows, rel_err, take, ray_init, VOCAB  # noqa: E402
+from megatron_fixtures import filled_storage, load_hf, make_hf_dir, make_rows, rel_err, take, ray_init, VOCAB  # noqa: E402
 
 from replay.dp_split import balanced_partition  # noqa: E402
 from single_controller.backends.cpu.model import HFCausalLMPolicy, token_logprobs  # noqa: E402
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.megatron]
 
 TRAIN = TrainConfig(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0, kl_coef=0.1)
 N_ROWS = 12
+STORED_SEED = 7  # rows the rank actors' storage holds (keys r0..r11)
 CHUNKINGS = ([12], [4, 4, 4], [1, 5, 6])  # rows per train_microbatch call
 GRAD_RTOL = 1e-5
 PARAM_ATOL = 1e-6  # 0.1% of lr; see check_params
@@ -80,7 +82,8 @@ def pair():
 
     ray_init()
     cls = ray.remote(MegatronRankActor)
-    ranks = [cls.options(num_cpus=0).remote(r, 2) for r in range(2)]
+    storage = functools.partial(filled_storage, N_ROWS, STORED_SEED)  # each rank builds the same store
+    ranks = [cls.options(num_cpus=0).remote(r, 2, storage) for r in range(2)]
     port = ray.get(ranks[0].free_port.remote())
     ray.get([r.join.remote("127.0.0.1", port, 60) for r in ranks])
     yield ranks
@@ -139,9 +142,9 @@ def check_params(params, ref_params, ref_grads):
 _REFERENCE: dict = {}
 
 
-def reference(single, hf_dir, rows, loss):
+def reference(single, hf_dir, rows, loss, tag="hf-rows"):
     """(grads, params after the step, metrics) of one full-batch step on the 1-rank trainer."""
-    key = dataclasses.astuple(loss)
+    key = (tag, *dataclasses.astuple(loss))
     if key not in _REFERENCE:
         layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
         (metrics,) = run_step([single], [layout], rows, [N_ROWS], loss)
@@ -235,6 +238,37 @@ def test_distributed_optimizer_dp2_matches_full_batch(pair, single, hf_dir, rows
     assert metrics[0]["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], rel=1e-6)
     for params in ray.get([r.hf_weights.remote() for r in pair]):  # all-gathered after the step
         check_params(params, ref_params, ref_grads)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
+    """Through `MegatronTrainerGroup.train_microbatch(TrainChunk)`: DP ranks read their token-balanced
+    share; in a TP group only the leader reads and broadcasts. Same gradients as the full batch."""
+    import ray
+
+    from replay.storage import TRAIN_FIELDS, column_nbytes
+    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.types import TrainChunk
+
+    stored = make_rows(N_ROWS, STORED_SEED)
+    loss = LossConfig(level="sequence")
+    ref_grads, _, ref_metrics = reference(single, hf_dir, stored, loss, tag="stored")
+    group = MegatronTrainerGroup(pair, build(pair, hf_dir, tp=tp))
+    lengths = [len(p) + len(r) for p, r in zip(stored["prompt_ids"], stored["response_ids"])]
+
+    async def step():
+        await group.begin_train_step(0, loss)
+        for i, (a, b) in enumerate([(0, 5), (5, 12)]):
+            keys = tuple(f"r{j}" for j in range(a, b))
+            await group.train_microbatch(TrainChunk(0, i, keys, tuple(lengths[a:b]), TRAIN_FIELDS))
+        return await group.finish_train_step(0)
+
+    result = asyncio.run(step())
+    assert result.metrics["train/sequences"] == ref_metrics["train/sequences"]
+    # Every row is read from storage exactly once (by its DP rank, or by its TP group's leader).
+    assert result.metrics["train/bytes_read"] == sum(column_nbytes(stored[f]) for f in TRAIN_FIELDS)
+    grads = ray.get([r.hf_grads.remote() for r in pair])[0]
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL
 
 
 # --- abort -----------------------------------------------------------------------------------
