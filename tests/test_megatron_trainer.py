@@ -7,9 +7,11 @@ Processes are shared to keep `import megatron.core` (5-8 s each) rare: the pytes
 TP=1 (DP=2) or TP=2 (DP=1) as each test needs (`build`).
 
 Tolerances: float32 throughout. Gradients are compared per tensor as ||a - b|| / ||b|| <= 1e-5
-(measured 1e-7..1e-6: only the summation order differs). Parameters after one AdamW step are
-compared with atol 1e-5 = 1% of lr: Adam's first step moves every weight by ~lr * sign(g), so
-elements whose gradient is ~0 can differ by up to that (measured max 2e-6..7e-6).
+(measured 1.7e-7..5.3e-7 over DP=2, 2.6e-6..3.2e-6 over TP=2: only the summation order differs).
+Parameters after one AdamW step (`check_params`): Adam's first update is lr * g / (|g| + eps), so
+where |g| >= 1e-6 they must agree to 1e-6 (measured <= 1.2e-7); where the gradient is ~0 (a nearly
+cancelling sum) rounding noise can swing the update by a fraction of lr, so there only |diff| <= lr
+(measured <= 1e-4 = 0.1 lr; a wrong gradient moves most weights by ~2 lr).
 """
 
 from __future__ import annotations
@@ -132,11 +134,14 @@ def check_params(params, ref_params, ref_grads):
     that nearly cancels; 1e-6 relative noise there can move the update by a good fraction of lr).
     So: elements whose reference gradient is >= 1e-6 (well-conditioned) must agree to PARAM_ATOL;
     every element must stay within lr of the reference (a wrong gradient moves most weights by 2 lr)."""
+    worst_all = worst_well = 0.0
     for k in ref_params:
         diff = np.abs(params[k] - ref_params[k])
         well = np.abs(ref_grads[k]) >= 1e-6
         assert diff[well].max(initial=0.0) <= PARAM_ATOL, (k, float(diff[well].max()))
         assert diff.max() <= TRAIN.lr, (k, float(diff.max()))
+        worst_all, worst_well = max(worst_all, float(diff.max())), max(worst_well, float(diff[well].max(initial=0.0)))
+    return worst_all, worst_well
 
 
 _REFERENCE: dict = {}
@@ -212,7 +217,9 @@ def test_streamed_split_api_matches_full_batch(pair, single, hf_dir, rows, tp, l
         errs = {k: rel_err(grads[k], ref_grads[k]) for k in ref_grads}
         assert max(errs.values()) <= GRAD_RTOL, (chunking, sorted(errs.items(), key=lambda kv: -kv[1])[:3])
         for params in ray.get([r.hf_weights.remote() for r in pair]):
-            check_params(params, ref_params, ref_grads)
+            worst = check_params(params, ref_params, ref_grads)
+        print(f"tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
+              f"param diff max {worst[0]:.1e} (well-conditioned {worst[1]:.1e})")
 
 
 def test_kl_option_matches_full_batch(pair, single, hf_dir, rows):
