@@ -85,4 +85,15 @@ def ray_init():
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO}/tests", "OMP_NUM_THREADS": "1"}})
+
+
+def filled_storage(n: int, seed: int):
+    """An in-memory row storage holding `make_rows(n, seed)` under keys r0..r{n-1}: built identically
+    in every rank actor (a storage_factory), so ranks really read their rows by key."""
+    from replay.storage import InMemoryRowStorage
+
+    rows = make_rows(n, seed)
+    storage = InMemoryRowStorage()
+    storage.put_rows_sync([f"r{i}" for i in range(n)], rows)
+    return storage

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from single_controller import config_loader
 from single_controller.config_loader import ConfigError, environment_problems, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -264,6 +264,19 @@ class MegatronRankActor:
         save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
         return str(out)
 
+    def save_state(self, directory: str) -> None:
+        """Every rank writes its own shard state (`rank{r}.pt`); rank 0 also writes the whole policy
+        as an HF model directory (`policy/`)."""
+        os.makedirs(directory, exist_ok=True)
+        torch.save(self.core.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
+        self.save_checkpoint(os.path.join(directory, "policy"))
+
+    def load_state(self, directory: str) -> int:
+        """Restore what `save_state` wrote with the same layout; returns the next step."""
+        state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
+        self.core.load_state_dict(state)
+        return self.core.next_step
+
     # --- checks (tests) ------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, np.ndarray]:
@@ -416,6 +429,16 @@ class MegatronTrainerGroup:
     async def save_checkpoint(self, directory: str) -> str:
         paths = await _trainer_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])
         return paths[0]
+
+    async def save_state(self, directory: str) -> None:
+        """Resume state (`protocols.Checkpointable`): every rank's shards, optimizer state, RNG, next step."""
+        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
+
+    async def load_state(self, directory: str) -> int:
+        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
+        if len(set(steps)) != 1:
+            raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
+        return steps[0]
 
     async def shutdown(self) -> None:
         from single_controller.backends.cpu.ray_workers import _kill_all

@@ -364,6 +364,36 @@ class MegatronTrainerCore:
         self._open = None
         self.aborts += 1
 
+    def layout(self) -> dict[str, Any]:
+        """What a saved state must match to be loaded here (shards differ by layout)."""
+        return {"tp": self.tp, "dp": self.dp, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
+                "distributed_optimizer": type(self.optimizer).__name__, "spec": self.spec}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's resume state between steps: its parameter shard and optimizer state (the
+        abort snapshot's contents), RNG, next step."""
+        if self._open is not None:
+            raise TrainStepStateError(f"state_dict while step {self._open.step} is open")
+        return {
+            "layout": self.layout(),
+            "snapshot": _Snapshot.take(self.params, self.optimizer),
+            "rng": torch.get_rng_state(),
+            "next_step": self.next_step,
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._open is not None:
+            raise TrainStepStateError("load_state_dict while a step is open")
+        if state["layout"] != self.layout():
+            raise ValueError(f"saved trainer state has layout {state['layout']}, this rank is {self.layout()}")
+        with self._mc():
+            state["snapshot"].restore(self.params, self.optimizer)
+        torch.set_rng_state(state["rng"])
+        self.next_step = int(state["next_step"])
+        self.steps_done = int(state["steps_done"])
+        self._last_finished = None
+
     def _require_open(self, what: str) -> _OpenStep:
         if self._open is None:
             raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")
