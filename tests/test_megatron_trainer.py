@@ -310,7 +310,7 @@ def test_checkpoint_state_round_trip_is_bit_exact(pair, hf_dir, rows, tp, distri
     run_step(pair, layouts, rows, [6, 6], LossConfig(), step=0)
     saved = ray.get([r.state_fingerprint.remote() for r in pair])
     ray.get([r.save_state.remote(str(tmp_path)) for r in pair])
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["megatron_rank0.pt", "megatron_rank1.pt"]
+    assert {"rank0.pt", "rank1.pt", "policy"} <= {f.name for f in tmp_path.iterdir()}
     run_step(pair, layouts, rows, [12], LossConfig(), step=1)  # moves params and optimizer state
     assert ray.get([r.same_state.remote(b) for r, b in zip(pair, saved)]) == [False, False]
     assert ray.get([r.load_state.remote(str(tmp_path)) for r in pair]) == [1, 1]

@@ -236,18 +236,6 @@ class MegatronRankActor:
         snap = pack_named(hf, version, prefix=prefix)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
-    def save_state(self, directory: str) -> None:
-        """Every rank writes its own shard (parameters, optimizer state, RNG)."""
-        os.makedirs(directory, exist_ok=True)
-        torch.save(self.core.state_dict(), os.path.join(directory, f"megatron_rank{self.rank}.pt"))
-
-    def load_state(self, directory: str) -> int:
-        path = os.path.join(directory, f"megatron_rank{self.rank}.pt")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: no Megatron state for rank {self.rank} (a checkpoint of another trainer layout?)")
-        self.core.load_state_dict(torch.load(path, weights_only=False))
-        return self.core.next_step
-
     def save_checkpoint(self, directory: str) -> str | None:
         """Every rank calls this; rank 0 writes an HF model directory (config.json and tokenizer
         files copied from the source directory, weights as model.safetensors)."""
@@ -416,15 +404,6 @@ class MegatronTrainerGroup:
         snaps = await _trainer_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
         snapshot = snaps[0]
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
-
-    async def save_state(self, directory: str) -> None:
-        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
-
-    async def load_state(self, directory: str) -> int:
-        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
-        if len(set(steps)) != 1:
-            raise TrainerFailed(f"Megatron ranks loaded different steps from {directory}: {steps}")
-        return steps[0]
 
     async def save_checkpoint(self, directory: str) -> str:
         paths = await _trainer_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])

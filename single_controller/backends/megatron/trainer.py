@@ -439,27 +439,3 @@ class MegatronTrainerCore:
         """Parameters + optimizer state now (for checks)."""
         return _Snapshot.take(self.params, self.optimizer)
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of a resumable checkpoint (between steps): its parameter shard and
-        optimizer state (the same snapshot abort restores, so plain and distributed optimizers
-        alike), its RNG state and the next step."""
-        if self._open is not None:
-            raise TrainStepStateError(f"state_dict while step {self._open.step} is open")
-        return {
-            "snapshot": _Snapshot.take(self.params, self.optimizer),
-            "rng": torch.get_rng_state(),
-            "next_step": self.next_step,
-            "steps_done": self.steps_done,
-            "layout": {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank},
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self._open is not None:
-            raise TrainStepStateError("load_state_dict while a step is open")
-        mine = {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank}
-        if state["layout"] != mine:
-            raise ValueError(f"checkpoint shard of {state['layout']} loaded by rank {mine}")
-        state["snapshot"].restore(self.params, self.optimizer)
-        torch.set_rng_state(state["rng"])
-        self.next_step, self.steps_done = int(state["next_step"]), int(state["steps_done"])
-        self._last_finished = None
