@@ -64,9 +64,12 @@ class ModelConfig:
     """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
     loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
     create: bool = False
-    """When `path` does not exist yet, write a random-init tiny Llama there first (as `sc-grpo
-    init-model` does): hidden size `d_model`, `n_layers` layers, `n_heads` heads (head_dim = d_model /
-    n_heads), `max_seq_len` positions, seeded by `seed`."""
+    """When `path` does not exist yet, write a random-init tiny model there first (as `sc-grpo
+    init-model` does): architecture `arch`, hidden size `d_model`, `n_layers` layers, `n_heads` heads
+    (head_dim = d_model / n_heads), `max_seq_len` positions, seeded by `seed`."""
+    arch: str = "llama"
+    """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU) or `gpt2`
+    (GPT2LMHeadModel: learned absolute positions, like the embedded TinyGPT); untied embeddings."""
 
 
 @dataclass(frozen=True)

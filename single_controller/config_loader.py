@@ -63,6 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sync.drain_policy": ("drain", "keep", "abort"),
     "vllm.device": ("cpu", "cuda"),
     "backend.trainer_device": ("cpu", "cuda"),
+    "model.arch": ("llama", "gpt2"),
     "backend.generation": ("torch", "vllm", "sim"),
     "backend.trainer": ("torch", "megatron", "sim"),
     "storage.kind": ("tq", "memory"),

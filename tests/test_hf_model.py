@@ -98,14 +98,18 @@ def test_prepare_model_dir_writes_once(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_torch_trainer_and_generator_share_the_hf_model(model_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
     parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
+    model_dir = hf_model.init_model(tmp_path / arch, arch=arch)
+    assert hf_model.model_dir_problems(model_dir, vllm_cpu=True, min_positions=8) == []
     cfg = load_config(None, [f"model.path={model_dir}"])
     trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), TrainConfig())
     snap = trainer.publish_weights(0)
     names = {e.name for e in snap.manifest.entries}
-    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # HF names, no adapter prefix
+    assert "lm_head.weight" in names  # HF checkpoint names, no adapter prefix; untied head
+    assert ("model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight") in names
     with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert names == set(f.keys())  # exactly the checkpoint's tensors
 

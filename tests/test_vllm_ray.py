@@ -56,7 +56,7 @@ def run(loop, coro, timeout=180):
 def model_dir(tmp_path_factory):
     from single_controller.backends import hf_model
 
-    return hf_model.init_model(tmp_path_factory.mktemp("vllm_ray") / "tiny", seed=0)
+    return hf_model.init_model(tmp_path_factory.mktemp("vllm_ray") / "tiny", arch="gpt2", seed=0)  # as configs/vllm_cpu.yaml
 
 
 @pytest.mark.tq

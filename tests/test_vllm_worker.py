@@ -178,6 +178,14 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
         lp, _ = token_logprobs(trainer.policy, rows["prompt_ids"], rows["response_ids"])
     gen = torch.stack(list(rows["gen_logprobs"]))
     assert float((lp[:, :2] - gen[:, :2]).abs().max()) > 100 * LOGPROB_TOL
+    # Training these rows at step v + 1: their last tokens were sampled with v + 1's weights but over
+    # v's KV cache, so they are no measure of the engine's mismatch and the metric leaves them out.
+    assert trainer.steps_done == v + 1
+    storage.put_rows_sync(list(req.row_keys), {"advantage": torch.tensor([1.0, -1.0, 0.5, -0.5])})
+    trainer.begin_train_step(v + 1, LossConfig())
+    trainer.train_microbatch(storage.get_rows_sync(list(req.row_keys), list(TRAIN_FIELDS)))
+    metrics = trainer.finish_train_step()
+    assert metrics["train/mismatch_tokens"] == 0 and "train/mismatch_kl" not in metrics
     storage.clear_rows_sync(list(req.row_keys))
 
     sampler = StalenessSampler(SamplerConfig(max_lookahead_versions=1, max_staleness_versions=1, order="fifo"))

@@ -30,6 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
 # dimensions barely turn over 10 positions, leaving the model little positional signal.
 ROPE_THETA = 100.0
+ARCHS = ("llama", "gpt2")
 VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, *range(160, 513, 16)})
 
 
@@ -42,7 +43,15 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def head_dim_of(config: dict[str, Any]) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden = config.get("hidden_size", config.get("n_embd"))
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    return int(hidden) // int(heads)
+
+
+def positions_of(config: dict[str, Any]) -> int:
+    return int(config.get("max_position_embeddings", config.get("n_positions", 0)))
 
 
 def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_positions: int = 0) -> list[str]:
@@ -92,10 +101,10 @@ def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_position
                 )
             if int(config.get("vocab_size", 0)) < TOKENIZER.vocab_size:
                 out.append(f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {TOKENIZER.vocab_size}")
-            if int(config.get("max_position_embeddings", 0)) < min_positions:
+            if positions_of(config) < min_positions:
                 out.append(
-                    f"{p / CONFIG_FILE}: max_position_embeddings {config.get('max_position_embeddings')} is "
-                    f"shorter than the longest sequence ({min_positions} tokens)"
+                    f"{p / CONFIG_FILE}: {positions_of(config)} positions (max_position_embeddings) are "
+                    f"fewer than the longest sequence ({min_positions} tokens)"
                 )
         except (KeyError, TypeError, ValueError) as e:
             out.append(f"{p / CONFIG_FILE} lacks a field every backend needs: {e!r}")
@@ -130,9 +139,13 @@ def init_model(
     seed: int = 0,
     init_std: float = 0.02,
     rope_theta: float = ROPE_THETA,
+    arch: str = "llama",
 ) -> Path:
-    """Write a random-init LlamaForCausalLM (untied embeddings, float32) and the character tokenizer
-    into `directory` (created; existing files are overwritten). Returns the directory."""
+    """Write a random-init causal LM (untied embeddings, float32) and the character tokenizer into
+    `directory` (created; existing files are overwritten). Returns the directory.
+
+    `arch="llama"`: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU). `arch="gpt2"`: GPT2LMHeadModel (learned
+    absolute positions, LayerNorm, GELU MLP), the architecture of the embedded TinyGPT."""
     import torch
     import transformers
 
@@ -140,7 +153,29 @@ def init_model(
 
     if hidden_size % head_dim:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     heads = hidden_size // head_dim
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=TOKENIZER.vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=heads,
+            n_inner=intermediate_size or 4 * hidden_size,
+            n_positions=max_positions,
+            initializer_range=init_std,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+            bos_token_id=TOKENIZER.bos_id,
+            eos_token_id=TOKENIZER.eos_id,
+            pad_token_id=TOKENIZER.pad_id,
+            torch_dtype="float32",
+        )
+        model_cls = transformers.GPT2LMHeadModel
+        return _write(directory, config, model_cls, seed)
     config = transformers.LlamaConfig(
         vocab_size=TOKENIZER.vocab_size,
         hidden_size=hidden_size,
@@ -158,9 +193,15 @@ def init_model(
         eos_token_id=TOKENIZER.eos_id,
         torch_dtype="float32",
     )
+    return _write(directory, config, transformers.LlamaForCausalLM, seed)
+
+
+def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
+    import torch
+
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).float()
+        model = model_cls(config).float()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
@@ -184,6 +225,7 @@ def prepare_model_dir(model_cfg, seed: int) -> bool:
         max_positions=model_cfg.max_seq_len,
         seed=seed,
         init_std=model_cfg.init_std,
+        arch=model_cfg.arch,
     )
     tmp.rename(target)
     return True
@@ -226,7 +268,8 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
     parser.add_argument("--max-positions", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA)
+    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
     args = parser.parse_args(argv)
     path = init_model(
         args.dir,
@@ -236,10 +279,13 @@ def main_init_model(argv: list[str] | None = None) -> int:
         max_positions=args.max_positions,
         seed=args.seed,
         rope_theta=args.rope_theta,
+        arch=args.arch,
     )
     cfg = read_config(path)
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     print(
-        f"sc-grpo: wrote {path}: LlamaForCausalLM hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-        f"{cfg['num_attention_heads']} heads of {head_dim_of(cfg)}, vocab {cfg['vocab_size']}"
+        f"sc-grpo: wrote {path}: {cfg['architectures'][0]} hidden {hidden}, {layers} layers, "
+        f"{hidden // head_dim_of(cfg)} heads of {head_dim_of(cfg)}, vocab {cfg['vocab_size']}"
     )
     return 0

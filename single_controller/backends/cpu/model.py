@@ -235,7 +235,7 @@ def save_tinygpt(model: TinyGPT, directory: str | Path) -> Path:
     save_file(state, str(directory / WEIGHTS_FILE))
     meta = {"architecture": "TinyGPT", "vocab_size": model.vocab_size, **dataclasses.asdict(model.cfg)}
     meta["checkpoint"] = None
-    for k in ("path", "create"):
+    for k in ("path", "create", "arch"):
         meta.pop(k, None)
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return directory
@@ -289,7 +289,7 @@ def build_tinygpt(cfg: ModelConfig, vocab_size: int, seed: int) -> TinyGPT:
     if cfg.checkpoint is None:
         return TinyGPT(cfg, vocab_size, seed=seed)
     model = load_tinygpt(cfg.checkpoint)
-    want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False)
+    want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False, arch=ModelConfig.arch)
     if model.cfg != want or model.vocab_size != vocab_size:
         raise ValueError(
             f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); config asks for {want} (vocab {vocab_size})"

@@ -295,10 +295,12 @@ class TrainerCore:
             out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
             out.loss_sum.backward()
         if rows.get("token_versions") is not None:
-            # Tokens sampled with the weights this step trains (version == step): their logprob gap
-            # is the generation engine's mismatch, free of staleness.
+            # Rows whose every token was sampled with the weights this step trains (version == step;
+            # then the prompt's and earlier tokens' KV cache came from them too, which a row resumed
+            # across a `keep` sync lacks): their logprob gap is the engine's mismatch, free of staleness.
             versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
-            st_mm = mismatch_stats(logp, gen, mask & (versions == st.step))
+            fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
+            st_mm = mismatch_stats(logp, gen, mask & fresh[:, None])
             for k, v in st_mm.items():
                 st.stats[k] += v
         st.tokens += out.num_tokens

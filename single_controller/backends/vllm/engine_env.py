@@ -17,7 +17,7 @@ def engine_env(device: str, kv_cache_gib: float) -> dict[str, str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process
         "TORCH_COMPILE_DISABLE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
+        "VLLM_LOGGING_LEVEL": "ERROR",  # its per-update CPU thread-binding warnings flood the console
     }
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{max(1, round(kv_cache_gib))}"  # whole GiB; 0 fails

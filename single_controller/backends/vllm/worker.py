@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -84,7 +83,9 @@ def checkpoint_names(model_dir: str) -> set[str]:
 def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
     v, path = cfg.vllm, cfg.model.path
-    positions = int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    from single_controller.backends.hf_model import positions_of, read_config
+
+    positions = positions_of(read_config(path))
     args: dict[str, Any] = dict(
         model=path,
         tokenizer=path,
