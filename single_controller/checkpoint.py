@@ -182,12 +182,14 @@ def config_fingerprint(cfg: Config) -> dict[str, Any]:
 def incompatible_keys(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint value, this config's value) for every key that differs and may not."""
     now = config_fingerprint(cfg)
+    default = config_fingerprint(Config())  # a key newer than the checkpoint had its default then
     out = []
     for key in sorted(set(saved) | set(now)):
         if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
             continue
-        if saved.get(key) != now.get(key):
-            out.append((key, saved.get(key), now.get(key)))
+        then = saved.get(key, default.get(key))
+        if then != now.get(key):
+            out.append((key, then, now.get(key)))
     return out
 
 

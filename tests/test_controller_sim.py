@@ -450,6 +450,11 @@ def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path)
     other = make_cfg(steps=5, P=3, G=2, L=1, train={"lr": 0.5})
     with pytest.raises(CheckpointError, match=r"train.groups_per_step: checkpoint 2, now 3.*train.lr"):
         check_compatible(saved, other, tmp_path)
+    # a key added to the config after the checkpoint was taken counts as its default then
+    del saved["config"]["train.lr"]
+    check_compatible(saved, make_cfg(steps=5, P=2, G=2, L=1), tmp_path)
+    with pytest.raises(CheckpointError, match=r"train.lr: checkpoint 0.001, now 0.5"):
+        check_compatible(saved, make_cfg(steps=5, P=2, G=2, L=1, train={"lr": 0.5}), tmp_path)
 
 
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):
