@@ -436,7 +436,8 @@ def test_cpu_actor_takes_the_eval_lane_first():
         assert await actor.in_flight() == 9
         gate.release.set()
         await asyncio.gather(first, *queued, *evals)
-        assert gate.batches[1] == ["eval0-h00000-a0", "eval0-h00001-a0", "grp1", "grp2"]
+        # an eval request (1 row) weighs 1/4 of a rollout group (4 rows): 2 of them + 3 groups fit in 4
+        assert gate.batches[1] == ["eval0-h00000-a0", "eval0-h00001-a0", "grp1", "grp2", "grp3"]
         assert storage.statistics().rows_put == 7 * 4  # the eval requests stored nothing
         await actor.close()
 

@@ -11,7 +11,8 @@ version of its weights; with no weights loaded yet (`version is None`) it refuse
 
 `GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
 directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
-rollouts; one batching loop takes up to `max_batch_groups` of them (the eval lane first), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
+rollouts; one batching loop takes up to `max_batch_groups` groups' worth of them (the eval lane
+first, an eval request weighed by its rows), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
 future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
 token, so a batch never sees a half-applied update and version_start == version_end.
 """
@@ -241,6 +242,7 @@ class GenerationActor:
         self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # priority lane
+        self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
         self._has_pending: asyncio.Event | None = None
         self._weights_lock: asyncio.Lock | None = None
@@ -283,6 +285,8 @@ class GenerationActor:
         return await fut  # cancelling the call cancels fut; the loop then skips it
 
     def _lane(self, request: GenerationRequest) -> collections.deque:
+        if not request.eval:
+            self._rollout_n = request.sampling.n  # rows of a rollout group: what an eval request is weighed against
         return self._eval_pending if request.eval else self._pending
 
     async def generate_many(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | GenerationFailed]:
@@ -392,12 +396,21 @@ class GenerationActor:
                 await self._serve(batch)
 
     def _take_batch(self) -> list[tuple[GenerationRequest, asyncio.Future]]:
+        """The eval lane first, then rollouts, up to `max_batch_groups` groups; an eval request counts
+        as its share of a rollout group by rows (n / the last rollout's n), so a whole eval round of
+        one-sample requests usually fits in one batch (one weight version, little delay to rollouts)."""
         batch = []
+        budget = float(self.max_batch_groups)
         for lane in (self._eval_pending, self._pending):  # the eval lane first
-            while lane and len(batch) < self.max_batch_groups:
-                req, fut = lane.popleft()
+            while lane:
+                req, fut = lane[0]
+                cost = req.sampling.n / self._rollout_n if req.eval else 1.0
+                if batch and cost > budget:
+                    break
+                lane.popleft()
                 if not fut.done():  # skip calls cancelled while queued
                     batch.append((req, fut))
+                    budget -= cost
         if not self._pending and not self._eval_pending:
             self._has_pending.clear()
         return batch
