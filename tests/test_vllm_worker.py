@@ -141,7 +141,7 @@ def test_logprobs_match_the_trainer_before_and_after_weight_updates(env, loop):
         before = copy.deepcopy(trainer.policy)
         trainer.begin_train_step(v, LossConfig())
         trainer.train_microbatch(storage.get_rows_sync(keys, list(TRAIN_FIELDS)))
-        metrics = trainer.finish_train_step()
+        metrics = trainer.finish_train_step(v)
         assert metrics["train/mismatch_tokens"] == 96
         assert metrics["train/mismatch_abs_logprob"] < LOGPROB_TOL
         assert 0 <= metrics["train/mismatch_kl"] < LOGPROB_TOL**2
@@ -184,7 +184,7 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
     storage.put_rows_sync(list(req.row_keys), {"advantage": torch.tensor([1.0, -1.0, 0.5, -0.5])})
     trainer.begin_train_step(v + 1, LossConfig())
     trainer.train_microbatch(storage.get_rows_sync(list(req.row_keys), list(TRAIN_FIELDS)))
-    metrics = trainer.finish_train_step()
+    metrics = trainer.finish_train_step(v + 1)
     assert metrics["train/mismatch_tokens"] == 0 and "train/mismatch_kl" not in metrics
     storage.clear_rows_sync(list(req.row_keys))
 
