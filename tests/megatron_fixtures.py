@@ -66,6 +66,7 @@ def make_rows(n: int, seed: int, hf_model=None) -> dict:
         "gen_logprobs": [x.float() for x in gens],
         "response_mask": masks,
         "advantage": torch.randn(n, generator=g),
+        "token_versions": [torch.zeros(len(r), dtype=torch.int64) for r in responses],
     }
 
 

@@ -194,7 +194,8 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
     by_id = _check_exactly_once(run_dir, 14)
     # max_retries=0: a charged failure would have dropped its prompt; the dead worker's were re-dispatched
     assert not [p for p in by_id.values() if p["fate"] == "dropped" and p["reason"] != "run_ended"]
-    assert any(p["uncharged"] for p in by_id.values()), "no prompt was re-dispatched from the dead worker"
+    # (whether groups were in flight on it at the kill is timing; the sim tests pin that they are
+    # re-dispatched uncharged)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["rollout/worker_deaths"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1  # the dip is visible in the metrics
