@@ -40,7 +40,6 @@ def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParam
 
 
 async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> None:
-    cfg = state.cfg
     sampling = sampling_params(state, stop_token_id)
     load = {id(w): 0 for w in state.workers.generators}
     try:

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_policy, save_policy, state_module
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
+from single_controller.backends.rank_calls import first_line, rank_call
 from single_controller.config import Config
 from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainerRankDied
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.tasks import TOKENIZER
 from single_controller.types import (
     GenerationRequest,
@@ -181,28 +182,6 @@ class TrainerRankActor:
             dist.destroy_process_group()
 
 
-async def _trainer_call(what: str, refs: list) -> list:
-    """Await one call on every rank (rank order). A rank whose process is gone raises
-    `TrainerRankDied` naming it; other remote errors become `TrainerFailed`."""
-    results = []
-    for rank, ref in enumerate(refs):
-        try:
-            results.append(await ref)
-        except (TrainStepStateError, TrainerFailed):
-            raise
-        except ray.exceptions.ActorDiedError as e:
-            raise TrainerRankDied(f"trainer rank {rank} died during {what}: {_short(e)}") from e
-        except Exception as e:
-            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {_short(e)}") from e
-    return results
-
-
-def _short(e: BaseException) -> str:
-    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 @dataclass(frozen=True)
 class TrainerGroupStatistics:
     num_ranks: int
@@ -237,7 +216,7 @@ class CpuTrainerGroup:
         )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        await _trainer_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        await rank_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
         self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -247,7 +226,7 @@ class CpuTrainerGroup:
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
         refs = [r.train_microbatch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
-        nbytes = sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+        nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes
         self._counts["bytes_read_total"] += nbytes
         self._chunks += 1
@@ -256,10 +235,10 @@ class CpuTrainerGroup:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
         split = split_chunk(chunk, len(self.ranks))
         refs = [r.prefetch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
-        await _trainer_call(f"prefetch(step={chunk.step})", refs)
+        await rank_call(f"prefetch(step={chunk.step})", refs)
 
     async def finish_train_step(self, step: int) -> StepResult:
-        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        metrics = await rank_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
         if self._step == step:
             self._step = None
             self._counts["steps_finished"] += 1
@@ -267,31 +246,31 @@ class CpuTrainerGroup:
         return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
     async def abort_train_step(self, step: int) -> None:
-        await _trainer_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        await rank_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
         if self._step == step:
             self._counts["steps_aborted"] += 1
             self._step = None
 
     async def train_status(self) -> TrainStatus:
-        statuses = await _trainer_call("train_status", [r.train_status.remote() for r in self.ranks])
+        statuses = await rank_call("train_status", [r.train_status.remote() for r in self.ranks])
         if any(s != statuses[0] for s in statuses[1:]):
             raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
         return TrainStatus(**statuses[0])
 
     async def export_weights(self, version: int) -> WeightsHandle:
-        (snapshot,) = await _trainer_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
+        (snapshot,) = await rank_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 
     async def save_checkpoint(self, directory: str) -> str:
         """Rank 0 writes its policy (safetensors + config.json, loadable as `model.checkpoint`); returns the path."""
-        (path,) = await _trainer_call(f"save_checkpoint({directory})", [self.ranks[0].save_checkpoint.remote(directory)])
+        (path,) = await rank_call(f"save_checkpoint({directory})", [self.ranks[0].save_checkpoint.remote(directory)])
         return path
 
     async def save_state(self, directory: str) -> None:
-        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
+        await rank_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
 
     async def load_state(self, directory: str) -> int:
-        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
+        steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
         if len(set(steps)) != 1:
             raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
         return steps[0]
@@ -354,9 +333,9 @@ class CpuGenerationClient:
             for req, fut in batch:
                 if not fut.done():
                     if died:
-                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {_short(e)}")
+                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {first_line(e)}")
                     else:
-                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {_short(e)}")
+                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {first_line(e)}")
                     err.__cause__ = e
                     fut.set_exception(err)
             if not isinstance(e, Exception):
@@ -374,7 +353,7 @@ class CpuGenerationClient:
         try:
             await self.actor.update_weights.remote(weights)
         except ray.exceptions.RayActorError as e:
-            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {_short(e)}") from e
+            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {first_line(e)}") from e
 
     async def restart(self, weights: WeightsHandle | None) -> None:
         """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
+from single_controller.backends.rank_calls import rank_call
 from single_controller.backends.megatron.model import LlamaSpec
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
@@ -309,20 +310,6 @@ class MegatronRankActor:
                 dist.destroy_process_group()
 
 
-async def _trainer_call(what: str, refs: list) -> list:
-    """Await one call on every rank (rank order); remote errors become `TrainerFailed` naming the rank."""
-    results = []
-    for rank, ref in enumerate(refs):
-        try:
-            results.append(await ref)
-        except (TrainStepStateError, TrainerFailed):
-            raise
-        except Exception as e:
-            lines = str(e).strip().splitlines()
-            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {lines[0] if lines else type(e).__name__}") from e
-    return results
-
-
 @dataclass(frozen=True)
 class MegatronTrainerGroupStatistics:
     num_ranks: int
@@ -360,7 +347,7 @@ class MegatronTrainerGroup:
         )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        await _trainer_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        await rank_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
         self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -370,7 +357,7 @@ class MegatronTrainerGroup:
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
         refs = [r.train_microbatch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
-        nbytes = sum(await _trainer_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
+        nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes
         self._counts["bytes_read_total"] += nbytes
         self._chunks += 1
@@ -378,10 +365,10 @@ class MegatronTrainerGroup:
     async def prefetch(self, chunk: TrainChunk) -> None:
         split = split_chunk(chunk, self.dp)
         refs = [r.prefetch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
-        await _trainer_call(f"prefetch(step={chunk.step})", refs)
+        await rank_call(f"prefetch(step={chunk.step})", refs)
 
     async def finish_train_step(self, step: int) -> StepResult:
-        metrics = await _trainer_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        metrics = await rank_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
         if self._step == step:
             self._step = None
             self._counts["steps_finished"] += 1
@@ -389,32 +376,32 @@ class MegatronTrainerGroup:
         return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
     async def abort_train_step(self, step: int) -> None:
-        await _trainer_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        await rank_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
         if self._step == step:
             self._counts["steps_aborted"] += 1
             self._step = None
 
     async def train_status(self) -> TrainStatus:
-        statuses = await _trainer_call("train_status", [r.train_status.remote() for r in self.ranks])
+        statuses = await rank_call("train_status", [r.train_status.remote() for r in self.ranks])
         if any(s != statuses[0] for s in statuses[1:]):
             raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
         return TrainStatus(**statuses[0])
 
     async def export_weights(self, version: int) -> WeightsHandle:
-        snaps = await _trainer_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
+        snaps = await rank_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
         snapshot = snaps[0]
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 
     async def save_checkpoint(self, directory: str) -> str:
-        paths = await _trainer_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])
+        paths = await rank_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])
         return paths[0]
 
     async def save_state(self, directory: str) -> None:
         """Resume state (`protocols.Checkpointable`): every rank's shards, optimizer state, RNG, next step."""
-        await _trainer_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
+        await rank_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
 
     async def load_state(self, directory: str) -> int:
-        steps = await _trainer_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
+        steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
         if len(set(steps)) != 1:
             raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
         return steps[0]
@@ -456,8 +443,8 @@ async def start_megatron_ranks(
             await storage_ready
         addr, port = await ranks[0].address.remote()
         backend = "gloo" if emulate_cpu else "nccl"
-        await _trainer_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
-        layout = await _trainer_call("build", [
+        await rank_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
+        layout = await rank_call("build", [
             r.build.remote(model_dir, train, tensor_parallel_size=tensor_parallel_size, distributed_optimizer=distributed_optimizer,
                            emulate_cpu=emulate_cpu, temperature=temperature, seed=seed)
             for r in ranks
