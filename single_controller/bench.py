@@ -147,18 +147,18 @@ def main_eval(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="RL steps per run (early stop off)")
     ap.add_argument("--every", type=int, default=10, help="eval.every_steps of the eval-on runs")
     ap.add_argument("--repeats", type=int, default=1, help="off/on pairs, alternating (the ratio of the summed times)")
-    ap.add_argument("--backend", choices=["cpu", "sim"], default=None, help="override backend.kind")
+    ap.add_argument("--backend", choices=["torch", "sim"], default=None, help="both roles on this backend (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for both runs")
     args = ap.parse_args(argv)
     common = [f"run.max_steps={args.steps}", "run.stop_at_success_rate=null", "run.progress_bar=false", "run.plot=false", "metrics.enabled=false", *args.overrides]
     if args.backend == "sim":
-        common += ["backend.kind=sim", "storage.kind=memory"]
-    elif args.backend == "cpu":
-        common += ["backend.kind=cpu"]
+        common += ["backend.generation=sim", "backend.trainer=sim", "storage.kind=memory"]
+    elif args.backend == "torch":
+        common += ["backend.generation=torch", "backend.trainer=torch"]
     off = load_config(args.config, common + ["eval.enabled=false"])
     on = load_config(args.config, common + ["eval.enabled=true", f"eval.every_steps={args.every}"])
     print(EVAL_BENCH_DOC.strip().splitlines()[0])
-    print(f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.kind}, {args.repeats} pair(s)")
+    print(f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)")
 
     async def pairs(runner) -> list[tuple[dict, dict]]:
         out = []
@@ -174,7 +174,7 @@ def main_eval(argv: list[str] | None = None) -> int:
             out.append((r_off, r_on))
         return out
 
-    if on.backend.kind == "sim":
+    if on.backend.generation == "sim":
         from single_controller.service import ControllerService
 
         def local(cfg):
