@@ -197,7 +197,7 @@ class Controller:
         """The controller's side of a checkpoint at the cut `trainer_version` (between steps).
         Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
         st = self.state
-        live = {g.group_id for g in st.ledger.all_records() if g.state not in TERMINAL}
+        live = {g.group_id for g in st.ledger.active_records() if g.state not in TERMINAL}
         prompts = st.prompts.to_dict()
         rolled_back: list[str] = []
         for p in prompts["prompts"]:
@@ -279,7 +279,7 @@ class Controller:
         if st.trainer_version == self._last_checkpoint_step:
             return
         try:
-            if any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
+            if st.ledger.count(GroupState.SELECTED):
                 step = st.trainer_version
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (final checkpoint)")
             await self.checkpoint()
@@ -360,13 +360,13 @@ class Controller:
     async def _teardown(self, *, failed: bool) -> None:
         st = self.state
         reason = "run_failed" if failed else "run_ended"
-        if failed and any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
+        if failed and st.ledger.count(GroupState.SELECTED):
             try:  # the step is open on the trainer: leave its state as it was before begin
                 step = st.trainer_version  # the open step is always the next one
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
-        active = [g for g in st.ledger.all_records() if g.resident]
+        active = list(st.ledger.active_records())
         if active:
             keys = [k for g in active for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
             try:

@@ -252,6 +252,9 @@ class RunState:
         """Generation workers that take work: not known dead, not restarting."""
         return [w for w in self.workers.generators if w.name not in self.down_workers]
 
+    def any_routable(self) -> bool:
+        return len(self.down_workers) < len(self.workers.generators)
+
     def worker_down(self, worker: GenerationWorker, why: str) -> None:
         """Take a dead worker out of routing (the rollout pump restarts it)."""
         if worker.name not in self.down_workers:
