@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -51,7 +53,7 @@ class GroupState(enum.Enum):
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
 
-RETAIN_RELEASED = 10_000  # released (terminal, rows cleared) groups kept queryable, newest first out last
+RETAIN_RELEASED = 1_000  # released (terminal, rows cleared) groups kept queryable, newest first out last
 
 ReadyKey = tuple[int, int]  # (target_step, version): every READY group of one key is alike to the sampler
 
@@ -325,20 +327,33 @@ class PromptLedgerStatistics:
 
 
 class PromptLedger:
-    """Exactly-once record of every prompt taken from the dataloader."""
+    """Exactly-once record of every prompt taken from the dataloader.
 
-    def __init__(self) -> None:
-        self._prompts: dict[str, PromptRecord] = {}
+    In memory by default. With `history` (a file path), a prompt's record leaves memory when it is
+    settled: it is appended to the file as one JSON line, so memory holds only the unsettled prompts
+    (those in flight) whatever the length of the run, and a checkpoint saves those plus the file's
+    length (`checkpoint_dict`); a resume cuts the file back to that length (`from_checkpoint`).
+    `to_dict` is the whole ledger either way (file + memory), for the end-of-run record.
+    """
+
+    def __init__(self, history: str | os.PathLike | None = None, *, append: bool = False) -> None:
+        self._prompts: dict[str, PromptRecord] = {}  # every record, or (with a history file) the unsettled ones
         self._unsettled: dict[str, PromptRecord] = {}
+        self._taken = 0
+        self._history_path = history
+        self._history = open(history, "a" if append else "w", encoding="utf-8") if history is not None else None
         # statistics, kept as the ledger changes (read on every step and every metrics scrape)
         self._trained = self._retries = 0
         self._dropped: Counter[str] = Counter()
         self._evicted: Counter[str] = Counter()
 
     def take(self, prompt: Prompt) -> PromptRecord:
+        # (with a history file, a settled prompt is no longer here: its id is unique by construction
+        # of the dataloader, `e{epoch}-{id}`, and settling it again fails below)
         if prompt.prompt_id in self._prompts:
             raise LedgerError(f"prompt {prompt.prompt_id} taken from the dataloader twice")
-        rec = PromptRecord(prompt, len(self._prompts))
+        rec = PromptRecord(prompt, self._taken)
+        self._taken += 1
         self._prompts[prompt.prompt_id] = self._unsettled[prompt.prompt_id] = rec
         return rec
 
@@ -346,7 +361,8 @@ class PromptLedger:
         return self._prompts[prompt_id]
 
     def __len__(self) -> int:
-        return len(self._prompts)
+        """Prompts taken so far."""
+        return self._taken
 
     def add_attempt(self, prompt_id: str, group_id: str) -> None:
         rec = self._prompts[prompt_id]
@@ -358,7 +374,10 @@ class PromptLedger:
     def settle(self, prompt_id: str, fate: str, *, step: int | None = None, reason: str | None = None) -> None:
         if fate not in ("trained", "dropped", "evicted"):
             raise ValueError(f"unknown fate {fate!r}")
-        rec = self._prompts[prompt_id]
+        rec = self._prompts.get(prompt_id)
+        if rec is None:
+            where = "settled before (its record is in the history file) or never taken" if self._history else "never taken"
+            raise LedgerError(f"prompt {prompt_id} settled {fate}, but it was {where}")
         if rec.fate is not None:
             raise LedgerError(
                 f"prompt {prompt_id} settled twice: already {rec.fate}"
@@ -368,6 +387,9 @@ class PromptLedger:
             raise ValueError("a trained prompt needs its step")
         rec.fate, rec.step, rec.reason = fate, step, reason
         self._count_settled(rec)
+        if self._history is not None:
+            self._history.write(json.dumps(_record_dict(rec)) + "\n")
+            del self._prompts[prompt_id]
 
     def _count_settled(self, rec: PromptRecord) -> None:
         del self._unsettled[rec.prompt.prompt_id]
@@ -386,42 +408,90 @@ class PromptLedger:
         return list(self._unsettled)
 
     def records(self) -> Iterable[PromptRecord]:
+        """The records in memory: every one, or (with a history file) the unsettled ones."""
         return self._prompts.values()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form (for checkpoints and post-mortems)."""
+        """The whole ledger, JSON-serializable (the end-of-run `prompt_ledger.json`)."""
+        prompts = [_record_dict(r) for r in self._prompts.values()]
+        if self._history_path is not None:
+            if self._history is not None:
+                self._history.flush()
+            with open(self._history_path, encoding="utf-8") as f:
+                prompts += [json.loads(line) for line in f]
+            prompts.sort(key=lambda d: d["order"])
+        return {"prompts": prompts}
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves: the whole ledger in memory; with a history file, the records in
+        memory, the counters and the file's length, made durable first (fsync)."""
+        if self._history is None:
+            return self.to_dict()
+        self._history.flush()
+        os.fsync(self._history.fileno())
         return {
-            "prompts": [
-                {
-                    "prompt_id": r.prompt.prompt_id,
-                    "token_ids": list(r.prompt.token_ids),
-                    "answer": r.prompt.answer,
-                    "order": r.order,
-                    "attempts": list(r.attempts),
-                    "uncharged": r.uncharged,
-                    "fate": r.fate,
-                    "step": r.step,
-                    "reason": r.reason,
-                }
-                for r in self._prompts.values()
-            ]
+            "prompts": [_record_dict(r) for r in self._prompts.values()],
+            "history_bytes": self._history.tell(),
+            "taken": self._taken,
+            # the history file's share (the records above count their own retries on load)
+            "counters": {
+                "trained": self._trained,
+                "retries": self._retries - sum(max(0, len(r.attempts) - 1) for r in self._prompts.values()),
+                "dropped": dict(self._dropped),
+                "evicted": dict(self._evicted),
+            },
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PromptLedger":
-        led = cls()
+    def from_dict(cls, data: dict[str, Any], history: str | os.PathLike | None = None) -> "PromptLedger":
+        """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
+        needs that file: it is cut back to the checkpoint's length (what was settled after the
+        checkpoint is forgotten, as the checkpoint's cut requires)."""
+        if "history_bytes" in data:
+            if history is None:
+                raise ValueError("this prompt ledger was saved with a history file; pass its path")
+            with open(history, "r+b") as f:
+                f.truncate(data["history_bytes"])
+        led = cls(history, append=True)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
-            rec = led.take(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]))
+            rec = PromptRecord(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
             rec.attempts = list(d["attempts"])
             rec.uncharged = d.get("uncharged", 0)
+            led._prompts[rec.prompt.prompt_id] = led._unsettled[rec.prompt.prompt_id] = rec
             led._retries += max(0, len(rec.attempts) - 1)
             if d["fate"] is not None:
                 rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]
                 led._count_settled(rec)
+        led._taken = data.get("taken", len(data["prompts"]))
+        if "counters" in data:  # the settled prompts' share lives in the history file
+            c = data["counters"]
+            led._trained += c["trained"]
+            led._retries += c["retries"]
+            led._dropped.update(c["dropped"])
+            led._evicted.update(c["evicted"])
         return led
 
+    def close(self) -> None:
+        if self._history is not None:
+            self._history.close()
+            self._history = None
+
     def statistics(self) -> PromptLedgerStatistics:
-        taken = len(self._prompts)
+        taken = self._taken
         return PromptLedgerStatistics(
             taken, taken - len(self._unsettled), self._trained, dict(self._dropped), dict(self._evicted), self._retries
         )
+
+
+def _record_dict(r: PromptRecord) -> dict[str, Any]:
+    return {
+        "prompt_id": r.prompt.prompt_id,
+        "token_ids": list(r.prompt.token_ids),
+        "answer": r.prompt.answer,
+        "order": r.order,
+        "attempts": list(r.attempts),
+        "uncharged": r.uncharged,
+        "fate": r.fate,
+        "step": r.step,
+        "reason": r.reason,
+    }

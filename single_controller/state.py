@@ -101,6 +101,7 @@ class RunState:
         workers: Workers,
         clock: Callable[[], float] = time.monotonic,
         first_step: int = 0,
+        prompt_history: str | None = None,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -114,7 +115,7 @@ class RunState:
             max_steps=cfg.run.max_steps,
             first_step=first_step,
         )
-        self.prompts = PromptLedger()
+        self.prompts = PromptLedger(prompt_history)  # settled prompts stream to `prompt_history` if given
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
@@ -140,7 +141,7 @@ class RunState:
         self.latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
         self.last_checkpoint_s = 0.0  # seconds the last checkpoint took to write
         self.step_retries = 0
-        self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.select_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the latest
         self.sync = SyncRecord()
         self.teardown_errors: list[str] = []
         self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task

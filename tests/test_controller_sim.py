@@ -436,7 +436,7 @@ def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_pat
     # exactly once over the whole run: the resumed ledger holds steps 0..8, each prompt trained once
     assert _per_step(ctl_b2) == _per_step(ctl_a)
     assert [r["step"] for r in ctl_b2.history] == list(range(4, 9))
-    for ra, rb in zip(ctl_a.history[4:], ctl_b2.history):
+    for ra, rb in zip(list(ctl_a.history)[4:], ctl_b2.history):
         assert {k: ra[k] for k in DETERMINISTIC_KEYS} == {k: rb[k] for k in DETERMINISTIC_KEYS}, ra["step"]
     assert sorted(trainer_b2.trained) == list(range(4, 9))  # the resumed trainer trained only 4..8
     assert asyncio.run(storage_b2.resident_keys()) == set() and ctl_b2.state.ledger.resident() == 0
