@@ -451,6 +451,12 @@ class PromptLedger:
             if history is None:
                 raise ValueError("this prompt ledger was saved with a history file; pass its path")
             with open(history, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < data["history_bytes"]:
+                    raise LedgerError(
+                        f"{history} holds {size} bytes, but the checkpoint counted {data['history_bytes']}: "
+                        f"the prompt history was truncated or replaced after the checkpoint"
+                    )
                 f.truncate(data["history_bytes"])
         led = cls(history, append=True)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):

@@ -137,8 +137,9 @@ class Controller:
         kwargs = {"clock": clock} if clock is not None else {}
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
-        self.prompt_history = prompt_history
-        self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompt_history=prompt_history, **kwargs)
+        # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
+        prompts = PromptLedger.from_dict(resume["prompts"], prompt_history) if resume is not None else PromptLedger(prompt_history)
+        self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_id = stop_token_id
         self.on_step = on_step
         # The last HISTORY_KEPT step records (every record also goes to `on_step`, which streams it
@@ -229,8 +230,6 @@ class Controller:
 
     def _restore(self, saved: dict) -> None:
         st = self.state
-        st.prompts.close()
-        st.prompts = PromptLedger.from_dict(saved["prompts"], self.prompt_history)
         unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
         self._success.extend(saved["success_window"])

@@ -101,7 +101,7 @@ class RunState:
         workers: Workers,
         clock: Callable[[], float] = time.monotonic,
         first_step: int = 0,
-        prompt_history: str | None = None,
+        prompts: PromptLedger | None = None,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -115,7 +115,7 @@ class RunState:
             max_steps=cfg.run.max_steps,
             first_step=first_step,
         )
-        self.prompts = PromptLedger(prompt_history)  # settled prompts stream to `prompt_history` if given
+        self.prompts = prompts if prompts is not None else PromptLedger()
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
