@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import tempfile
 import time
 from dataclasses import replace
 
@@ -244,10 +246,12 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
         storage, num_generators=workers, gen_group_s=workers * t_gen / P, train_group_s=t_train / P,
         trainer_reads_rows=False, workers_write_rows=False, keep_logs=False,
     )
-    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step)
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    summary = await ctl.run()
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:  # settled prompts stream to disk, as in a real run
+        ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step, prompt_history=os.path.join(tmp, "prompt_history.jsonl"))
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        summary = await ctl.run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        ctl.state.prompts.close()
     ends = [h["time/wall_s"] for h in summary.history]
     p50, p99 = ctl.select_latency_percentiles()
     return {
