@@ -329,3 +329,56 @@ def _long_run(steps: int, groups: int, group_size: int) -> None:
         growth_b = max(b for _, b, _ in samples[1:]) / base[1] - 1
         growth_r = max(r for _, _, r in samples[1:]) / base[2] - 1
         print(f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % (target within +-10 %)")
+
+
+# ---------------------------------------------------------------------------------------------
+# `sc-grpo bench embedded`
+EMBEDDED_BENCH_DOC = """`sc-grpo bench embedded`: the embedded default as a user runs it, against the reference loop.
+
+For each seed: runs `sc-grpo run CONFIG seed=S` as a separate command (its own Ray, TransferQueue
+and workers; the run directory in a temporary folder), then the single-process reference loop
+(`sc-grpo bench reference`) for the same seed in this process, and prints the run's start-up (as it
+reports it), its training time to the stop (success 0.9 over 5 steps), the whole command's wall
+time, and the ratio of the run's training time to the reference loop's. Targets: start-up <= 12 s,
+ratio <= 1.0, whole command <= 30 s. Measure on a quiet machine.
+"""
+
+
+def main_embedded(argv: list[str] | None = None) -> int:
+    import re
+    import subprocess
+    import sys
+
+    from single_controller.backends.cpu.reference import run_reference
+
+    ap = argparse.ArgumentParser(prog="sc-grpo bench embedded", description=EMBEDDED_BENCH_DOC.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EMBEDDED_BENCH_DOC)
+    ap.add_argument("--config", default="configs/embedded.yaml")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for the runs")
+    args = ap.parse_args(argv)
+    print(EMBEDDED_BENCH_DOC.strip().splitlines()[0], flush=True)
+    rows = []
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "single_controller", "run", args.config, f"seed={seed}", f"run.output_dir={out}", "run.progress_bar=false", *args.overrides]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            whole = time.perf_counter() - t0
+        done = re.search(r"(\d+) steps in ([\d.]+)s of training \(\+([\d.]+)s startup\): (.*)", proc.stdout)
+        if proc.returncode != 0 or done is None:
+            print(f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
+            return 1
+        steps, train_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
+        ref = run_reference(seed)
+        rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
+        print(
+            f"seed {seed}: start-up {startup_s:.1f} s | {steps} steps, training {train_s:.1f} s ({reason}) | whole command {whole:.1f} s "
+            f"| reference loop {ref.steps} steps in {ref.seconds:.1f} s{'' if ref.reached else ' (missed the target)'} | ratio {train_s / ref.seconds:.2f}",
+            flush=True,
+        )
+    n = len(rows)
+    mean = lambda i: sum(r[i] for r in rows) / n  # noqa: E731
+    print(f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "
+          f"training / reference {mean(7):.2f} (target <= 1.0)")
+    return 0
