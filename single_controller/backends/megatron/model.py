@@ -157,7 +157,7 @@ class ModelSpec:
         out = []
         if self.num_heads % tp:
             out.append(f"tensor_parallel_size {tp} does not divide the model's {self.num_heads} attention heads")
-        if self.num_kv_heads % tp and self.num_kv_heads != self.num_heads:
+        if self.num_kv_heads % tp and self.num_kv_heads != self.num_heads:  # (MHA: said above already)
             out.append(f"tensor_parallel_size {tp} does not divide the model's {self.num_kv_heads} key/value heads")
         if self.intermediate_size % tp:
             out.append(f"tensor_parallel_size {tp} does not divide the intermediate size {self.intermediate_size}")
