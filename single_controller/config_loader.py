@@ -780,29 +780,30 @@ def _megatron_environment_problems(cfg: Config) -> list[Problem]:
         out.append(
             Problem(
                 ("model.path", "backend.trainer"),
-                "backend.trainer=megatron trains a Hugging Face Llama model directory: set model.path "
+                "backend.trainer=megatron trains a Hugging Face model directory (Llama or GPT-2): set model.path "
                 "(and model.create=true to write a tiny one there)",
             )
         )
     if path is not None and (Path(path) / "config.json").is_file():
         import json
 
+        from single_controller.backends.megatron.model import ModelSpec, UnsupportedModel
+
         try:
-            hf = json.loads((Path(path) / "config.json").read_text())
-            heads = int(hf["num_attention_heads"])
-            kv = int(hf.get("num_key_value_heads") or heads)
-            inter = int(hf["intermediate_size"])
-        except (OSError, ValueError, KeyError) as e:
-            out.append(Problem(("model.path",), f"model.path: cannot read the model's heads from config.json: {e}"))
+            spec = ModelSpec.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        except UnsupportedModel as e:
+            out.append(Problem(("model.path", "backend.trainer"), f"model.path = {path}: {e}"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out.append(Problem(("model.path",), f"model.path: cannot read the model's sizes from config.json: {e!r}"))
         else:
             tp = mg.tensor_parallel_size
-            bad = [f"{n} {what}" for n, what in ((heads, "attention heads"), (kv, "key/value heads"), (inter, "intermediate size")) if n % tp]
+            bad = spec.tp_problems(tp)
             if bad:
                 out.append(
                     Problem(
                         ("megatron.tensor_parallel_size", "model.path"),
-                        f"megatron.tensor_parallel_size = {tp} does not divide the model's "
-                        f"{', '.join(bad)} ({path}/config.json); choose a divisor of {heads} and {kv}",
+                        f"megatron.tensor_parallel_size = {tp}: {'; '.join(bad)} ({path}/config.json); choose a "
+                        f"divisor of {spec.num_heads}" + (f" and {spec.num_kv_heads}" if spec.num_kv_heads != spec.num_heads else ""),
                     )
                 )
     import torch

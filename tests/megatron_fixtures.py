@@ -1,5 +1,5 @@
-"""Shared pieces of the Megatron tests: a tiny HF Llama directory, random training rows, and the
-comparison helpers. Not a test module (no test_ prefix)."""
+"""Shared pieces of the Megatron tests: a tiny HF Llama or GPT-2 directory, random training rows, and
+the comparison helpers. Not a test module (no test_ prefix)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ VOCAB = 19  # odd: TP=2 pads the vocabulary, so the padding path is exercised
 REPO = str(Path(__file__).resolve().parents[1])
 
 
-def hf_config(**over):
+def hf_config(arch: str = "llama", **over):
+    """A tiny config of `arch`: Llama with GQA (4 query heads, 2 key/value groups), or GPT-2 (2 heads,
+    non-square n_inner); both untied, head_dim 32, every size divisible by TP=2."""
+    if arch == "gpt2":
+        from transformers import GPT2Config
+
+        kw = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_inner=96, n_positions=64, layer_norm_epsilon=1e-5,
+                  tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+        kw.update(over)
+        return GPT2Config(**kw)
     from transformers import LlamaConfig
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -22,16 +31,17 @@ def hf_config(**over):
     return LlamaConfig(**kw)
 
 
-def make_hf_dir(directory: Path, seed: int = 0, **over) -> Path:
-    """A random-init LlamaForCausalLM saved with save_pretrained (float32). Weights are drawn with
-    std 0.2 so logits are far from uniform and gradients are not tiny."""
-    from transformers import LlamaForCausalLM
+def make_hf_dir(directory: Path, seed: int = 0, arch: str = "llama", **over) -> Path:
+    """A random-init LlamaForCausalLM or GPT2LMHeadModel saved with save_pretrained (float32).
+    Weights and biases are drawn with std 0.2 (norm gains around 1), so logits are far from uniform,
+    gradients are not tiny, and every bias is nonzero (a bias mapped to the wrong place shows)."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config(**over)).float()
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **over)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if ("norm" in name or ".ln_" in name) and name.endswith("weight"):
                 p.uniform_(0.8, 1.2)
             else:
                 p.normal_(0, 0.2)
@@ -40,9 +50,9 @@ def make_hf_dir(directory: Path, seed: int = 0, **over) -> Path:
 
 
 def load_hf(directory: Path):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def make_rows(n: int, seed: int, hf_model=None) -> dict:

@@ -105,3 +105,43 @@ def test_sc_grpo_run_reports_a_bad_layout_before_starting_anything(tmp_path):
     assert "must equal backend.num_trainer_ranks = 2" in " ".join((out.stderr + out.stdout).split())  # (wrapped)
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
     assert time.monotonic() - t0 < 60
+
+
+def _gpt2_model_dir(tmp_path: Path, heads: int, **over) -> Path:
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_head": heads, "n_embd": 32 * heads, "n_inner": None, "n_layer": 1, "n_positions": 32,
+        "vocab_size": 16, **over,
+    }))
+    return d
+
+
+def test_tp_must_divide_the_heads_of_a_gpt2_model_directory(tmp_path):
+    d = _gpt2_model_dir(tmp_path, heads=3)
+    cfg = load_config(CPU_CFG, [f"model.path={d}", "model.create=false", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1"])
+    problems = [p for p in environment_problems(cfg) if "megatron.tensor_parallel_size" in p.paths]
+    assert len(problems) == 1
+    assert "does not divide the model's 3 attention heads" in problems[0].message
+
+
+def test_an_unsupported_architecture_is_refused_naming_it(tmp_path):
+    d = _model_dir(tmp_path, heads=2)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "mistral"}))
+    cfg = load_config(CPU_CFG, [f"model.path={d}", "model.create=false"])
+    problems = [p for p in environment_problems(cfg) if p.paths == ("model.path", "backend.trainer")]
+    assert len(problems) == 1
+    assert "model_type is 'mistral' (supported: llama, gpt2)" in problems[0].message
+
+
+def test_gpt2_spec_reads_the_hf_fields_and_refuses_what_it_does_not_build():
+    from single_controller.backends.megatron.model import ModelSpec, UnsupportedModel
+
+    base = {"model_type": "gpt2", "n_head": 2, "n_embd": 64, "n_inner": None, "n_layer": 2, "n_positions": 32, "vocab_size": 19}
+    spec = ModelSpec.from_hf_config(base)
+    # HF GPT-2 defaults: n_inner null = 4 * n_embd, gelu_new, eps 1e-5, tied embeddings
+    assert (spec.intermediate_size, spec.activation, spec.norm_eps, spec.tie_word_embeddings) == (256, "gelu_tanh", 1e-5, True)
+    assert (spec.head_dim, spec.num_kv_heads, spec.max_position_embeddings, spec.rope_theta) == (32, 2, 32, None)
+    assert ModelSpec.from_hf_config({**base, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-6}).norm_eps == 1e-6
+    with pytest.raises(UnsupportedModel, match="activation_function is 'relu'.*scale_attn_by_inverse_layer_idx"):
+        ModelSpec.from_hf_config({**base, "activation_function": "relu", "scale_attn_by_inverse_layer_idx": True})

@@ -103,21 +103,21 @@ def hf_state():
 
 
 def _core(hf_state, **kw):
-    from single_controller.backends.megatron.model import LlamaSpec
+    from single_controller.backends.megatron.model import ModelSpec
     from single_controller.backends.megatron.trainer import MegatronTrainerCore
     from single_controller.config import TrainConfig
 
-    return MegatronTrainerCore(hf_state, LlamaSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw)
+    return MegatronTrainerCore(hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw)
 
 
 def test_ddp_buffers_need_the_emulation(world, hf_state):
     """Without the emulation Megatron's DDP cannot even be built on CPU: the call site is real."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from single_controller.backends.megatron.model import LlamaSpec, build_gpt
+    from single_controller.backends.megatron.model import ModelSpec, build_gpt
 
     with emu.cpu_emulation():
-        model = build_gpt(LlamaSpec.from_hf_config(hf_config().to_dict()), 1)
+        model = build_gpt(ModelSpec.from_hf_config(hf_config().to_dict()), 1)
     with pytest.raises((AssertionError, RuntimeError)):
         DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
 

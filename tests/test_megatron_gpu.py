@@ -23,14 +23,15 @@ from megatron_fixtures import VOCAB, load_hf, make_hf_dir, make_rows  # noqa: E4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_rank_converts_exactly_and_trains(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
     from single_controller.backends.cpu.ray_workers import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.config import TrainConfig
     from single_controller.types import LossConfig
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    d = make_hf_dir(tmp_path / "m")
+    d = make_hf_dir(tmp_path / "m", arch=arch)
     hf = load_hf(d)
     rank = MegatronRankActor(0, 1)
     rank.join("127.0.0.1", free_port(), 120, backend="nccl")

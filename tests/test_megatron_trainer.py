@@ -1,6 +1,8 @@
 """The Megatron trainer on CPU over gloo (acceptance 1-4 of issue 11): HF <-> Megatron conversion,
 gradient equivalence of the streamed split API over DP=2 and TP=2 with one full-batch step on one
-rank, bit-exact abort, step ids, and weight sync into the torch generation path.
+rank, bit-exact abort, step ids, and weight sync into the torch generation path. Conversion, one
+gradient-equivalence case per layout and weight sync run for both architectures the backend builds
+(Llama with GQA, GPT-2 with its Conv1D weights and fused c_attn); the rest on the Llama.
 
 Processes are shared to keep `import megatron.core` (5-8 s each) rare: the pytest process is a
 1-rank world (the reference), and two Ray actors form one 2-rank gloo world that is rebuilt with
@@ -11,7 +13,8 @@ Tolerances: float32 throughout. Gradients are compared per tensor as ||a - b|| /
 Parameters after one AdamW step (`check_params`): Adam's first update is lr * g / (|g| + eps), so
 where |g| >= 1e-6 they must agree to 1e-6 (measured <= 1.2e-7); where the gradient is ~0 (a nearly
 cancelling sum) rounding noise can swing the update by a fraction of lr, so there only |diff| <= lr
-(measured <= 1e-4 = 0.1 lr; a wrong gradient moves most weights by ~2 lr).
+(measured <= 1e-4 = 0.1 lr on the Llama, <= 2.3e-4 on the GPT-2, whose biases and LayerNorm
+biases add such elements; a wrong gradient moves most weights by ~2 lr).
 """
 
 from __future__ import annotations
@@ -51,14 +54,28 @@ GRAD_RTOL = 1e-5
 PARAM_ATOL = 1e-6  # 0.1% of lr; see check_params
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return make_hf_dir(tmp_path_factory.mktemp("hf") / "tiny-llama")
+ARCHS = ("llama", "gpt2")
 
 
 @pytest.fixture(scope="module")
-def rows(hf_dir):
-    return make_rows(N_ROWS, seed=1, hf_model=load_hf(hf_dir))
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_dir(root / f"tiny-{arch}", arch=arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(hf_dirs):
+    return hf_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def arch_rows(hf_dirs):
+    return {arch: make_rows(N_ROWS, seed=1, hf_model=load_hf(d)) for arch, d in hf_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def rows(arch_rows):
+    return arch_rows["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +166,7 @@ def check_params(params, ref_params, ref_grads):
 _REFERENCE: dict = {}
 
 
-def reference(single, hf_dir, rows, loss, tag="hf-rows"):
+def reference(single, hf_dir, rows, loss, tag="llama-rows"):
     """(grads, params after the step, metrics) of one full-batch step on the 1-rank trainer."""
     key = (tag, *dataclasses.astuple(loss))
     if key not in _REFERENCE:
@@ -162,7 +179,9 @@ def reference(single, hf_dir, rows, loss, tag="hf-rows"):
 # --- conversion ------------------------------------------------------------------------------
 
 
-def test_conversion_tp1_round_trip_and_logits(single, hf_dir):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversion_tp1_round_trip_and_logits(single, hf_dirs, arch):
+    hf_dir = hf_dirs[arch]
     hf = load_hf(hf_dir)
     single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
     back, sd = single.hf_weights(), hf.state_dict()
@@ -177,9 +196,11 @@ def test_conversion_tp1_round_trip_and_logits(single, hf_dir):
     assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
 
-def test_conversion_tp2_round_trip_and_logits(pair, hf_dir):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_conversion_tp2_round_trip_and_logits(pair, hf_dirs, arch):
     import ray
 
+    hf_dir = hf_dirs[arch]
     hf = load_hf(hf_dir)
     layouts = build(pair, hf_dir, tp=2)
     assert [(x["dp_rank"], x["tp_rank"]) for x in layouts] == [(0, 0), (0, 1)]
@@ -197,16 +218,56 @@ def test_conversion_tp2_round_trip_and_logits(pair, hf_dir):
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
 
+def _transpose_c_proj(hf_dir, out):
+    """A copy of the GPT-2 directory whose attention c_proj weights (square) are stored transposed:
+    what a conversion that forgot Conv1D's [in, out] layout would load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    shutil.copy(hf_dir / "config.json", out / "config.json")
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    sd = {k: v.t().contiguous() if k.endswith("attn.c_proj.weight") else v for k, v in sd.items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("mistake", ["c_proj-not-transposed", "qkv-not-per-head"])
+def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, tmp_path, monkeypatch):
+    """The logits check above can fail: a conversion with a missing transpose, or with GPT-2's fused
+    [q; k; v] taken as Megatron's layout without regrouping per head, gives other logits."""
+    from single_controller.backends.megatron import model as mm
+
+    hf_dir = hf_dirs["gpt2"]
+    hf = load_hf(hf_dir)
+    if mistake == "c_proj-not-transposed":
+        load_dir = _transpose_c_proj(hf_dir, tmp_path / "wrong")
+    else:
+        load_dir = hf_dir
+        monkeypatch.setattr(mm, "_pack_qkv", lambda q, k, v, spec: torch.cat([q, k, v]))
+    single.build(str(load_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+    assert (single.logits(ids) - want).abs().max().item() > 1e-2
+
+
 # --- gradient equivalence --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_streamed_split_api_matches_full_batch(pair, single, hf_dir, rows, tp, level):
+@pytest.mark.parametrize(
+    "arch,tp,level",
+    [("llama", 1, "token"), ("llama", 2, "token"), ("llama", 1, "sequence"), ("llama", 2, "sequence"),
+     ("gpt2", 1, "token"), ("gpt2", 2, "sequence")],
+    ids=["llama-dp2-token", "llama-tp2-token", "llama-dp2-sequence", "llama-tp2-sequence", "gpt2-dp2-token", "gpt2-tp2-sequence"],
+)
+def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows, arch, tp, level):
     import ray
 
+    hf_dir, rows = hf_dirs[arch], arch_rows[arch]
     loss = LossConfig(level=level, clip_eps=0.2, is_truncation=1.5)
-    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
+    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=f"{arch}-rows")
     assert ref_metrics["train/is_truncated_frac"] > 0  # the truncation path is exercised
     for chunking in CHUNKINGS:
         layouts = build(pair, hf_dir, tp=tp)
@@ -220,7 +281,7 @@ def test_streamed_split_api_matches_full_batch(pair, single, hf_dir, rows, tp, l
         assert max(errs.values()) <= GRAD_RTOL, (chunking, sorted(errs.items(), key=lambda kv: -kv[1])[:3])
         for params in ray.get([r.hf_weights.remote() for r in pair]):
             worst = check_params(params, ref_params, ref_grads)
-        print(f"tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
+        print(f"{arch} tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
               f"param diff max {worst[0]:.1e} (well-conditioned {worst[1]:.1e})")
 
 
@@ -396,12 +457,14 @@ def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
 # --- weight sync -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dir, rows, tp):
+def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dirs, arch_rows, arch, tp):
     """After two training steps, the exported snapshot applied to the HF model (what the torch
     generation worker does) gives the trainer's logprobs within 1e-4."""
     import ray
 
+    hf_dir, rows = hf_dirs[arch], arch_rows[arch]
     from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
 
     layouts = build(pair, hf_dir, tp=tp)

@@ -1,6 +1,6 @@
 """The Megatron-core trainer backend (`backend.trainer: megatron`; needs the `megatron` extra).
 
-* `model`: a Llama-family GPTModel and its exact weight conversion to/from Hugging Face names.
+* `model`: Llama- and GPT-2-family GPTModels and their exact weight conversion to/from Hugging Face names.
 * `trainer`: `MegatronTrainerCore`, one rank's split train API on Megatron DDP and optimizer.
 * `ray_workers`: rank actors, `MegatronTrainerGroup` (the `TrainerGroup` the controller drives) and
   the registry starter `start_megatron_trainer`.

@@ -1,21 +1,31 @@
-"""A Llama-family model in megatron-core and its exact weight conversion to and from Hugging Face.
+"""Llama- and GPT-2-family models in megatron-core and their exact weight conversion to and from
+Hugging Face.
 
-`LlamaSpec.from_hf_config(config.json dict)` reads what the model needs (sizes, heads, GQA groups,
-head_dim, RMSNorm eps, rope theta, tied or untied embeddings) and refuses what this backend does not
-build (biases, rope scaling, non-SiLU activations), naming the field. `build_gpt(spec, tp, dtype)`
-makes the `GPTModel` (local spec: no Transformer Engine, no apex): RMSNorm, SwiGLU MLP, RoPE
-(rotate-half, like HF), causal attention, `parallel_output=False` so every TP rank sees whole logits.
-The vocabulary is padded to a multiple of TP with zero rows; `MegatronPolicy` cuts the padding off
-the logits, so padded rows never receive gradient.
+`ModelSpec.from_hf_config(config.json dict)` picks the architecture from `model_type` and reads what
+the model needs; it refuses what this backend does not build, naming the field:
+  llama  sizes, heads, GQA groups, head_dim, RMSNorm eps, rope theta, tied or untied embeddings
+         (no biases, no rope scaling, SiLU only): RMSNorm, SwiGLU MLP, RoPE (rotate-half, like HF).
+  gpt2   sizes, heads, n_inner, layer_norm_epsilon, n_positions, tied or untied embeddings:
+         learned absolute positions, LayerNorm with bias, biased linears, non-gated GELU MLP (the tanh
+         approximation, HF's `gelu_new`; or exact `gelu`), attention scaled by 1/sqrt(head_dim).
+`build_gpt(spec, tp, dtype)` makes the `GPTModel` (local spec: no Transformer Engine, no apex), causal
+attention, `parallel_output=False` so every TP rank sees whole logits. The vocabulary is padded to a
+multiple of TP with zero rows; `MegatronPolicy` cuts the padding off the logits, so padded rows never
+receive gradient.
 
 Conversion works on plain name -> tensor dicts, HF names on one side and this rank's Megatron shard
 on the other:
   hf_to_megatron(hf, spec, tp, tp_rank)  -> the state dict of TP rank `tp_rank` (every tensor exact)
   megatron_to_hf(shards, spec)           -> HF tensors from the state dicts of all TP ranks (rank order)
 Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = intermediate size):
-  linear_qkv  [g * (h/g + 2) * d, H]: for each group its h/g query heads, then its key, then its value
-  linear_fc1  [2 * I/tp, H] per rank: this rank's gate rows, then its up rows
-  linear_proj, linear_fc2 split along the input dim; qkv, fc1, embedding, output layer along dim 0.
+  linear_qkv  [g * (h/g + 2) * d, H]: for each group its h/g query heads, then its key, then its
+              value (its bias [g * (h/g + 2) * d] the same way). GPT-2's fused Conv1D `c_attn`
+              is [H, 3H] = [in, out] with out = [q; k; v]: transposed, then regrouped per head.
+  linear_fc1  llama: [2 * I/tp, H] per rank: this rank's gate rows, then its up rows;
+              gpt2: c_fc transposed [I, H], split by rows (bias too).
+  linear_proj, linear_fc2 split along the input dim (their biases, added after the TP all-reduce,
+  are whole on every rank); qkv, fc1, embedding, output layer along dim 0; norms and GPT-2's
+  position embedding are whole on every rank. GPT-2's Conv1D weights are [in, out]: transposed both ways.
 """
 
 from __future__ import annotations
@@ -27,13 +37,31 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+ARCHS = ("llama", "gpt2")
+
 
 class UnsupportedModel(ValueError):
-    """The HF config asks for something this Megatron Llama does not build."""
+    """The HF config asks for something this Megatron backend does not build."""
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU (HF `gelu_new`): the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh, "gelu": F.gelu}
+# HF GPT-2 `activation_function` -> ours (gelu_new and gelu_pytorch_tanh are the same function).
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise UnsupportedModel("the Megatron backend cannot build this HF model: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
-class LlamaSpec:
+class ModelSpec:
+    arch: str  # "llama" or "gpt2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,16 +69,27 @@ class LlamaSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
+    norm_eps: float
+    rope_theta: float | None  # llama only; gpt2 learns absolute positions
     max_position_embeddings: int
     tie_word_embeddings: bool
+    activation: str  # a key of _ACTIVATIONS
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping) -> "LlamaSpec":
+    def from_hf_config(cls, cfg: Mapping) -> "ModelSpec":
+        model_type = cfg.get("model_type", "llama")
+        if model_type == "llama":
+            return cls._llama(cfg)
+        if model_type == "gpt2":
+            return cls._gpt2(cfg)
+        raise UnsupportedModel(
+            f"the Megatron backend cannot build this HF model: model_type is {model_type!r} "
+            f"(supported: {', '.join(ARCHS)})"
+        )
+
+    @classmethod
+    def _llama(cls, cfg: Mapping) -> "ModelSpec":
         problems = []
-        if cfg.get("model_type", "llama") != "llama":
-            problems.append(f"model_type is {cfg.get('model_type')!r} (only 'llama')")
         if cfg.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act is {cfg.get('hidden_act')!r} (only 'silu')")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
@@ -60,11 +99,11 @@ class LlamaSpec:
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type != "default":
             problems.append(f"rope type is {rope_type!r} (only 'default')")
-        if problems:
-            raise UnsupportedModel("the Megatron backend cannot build this HF model: " + "; ".join(problems))
+        _refuse(problems)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(
+            arch="llama",
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -72,10 +111,42 @@ class LlamaSpec:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            activation="silu",
+        )
+
+    @classmethod
+    def _gpt2(cls, cfg: Mapping) -> "ModelSpec":
+        problems = []
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in _GPT2_ACTIVATIONS:
+            problems.append(f"activation_function is {act!r} (only {', '.join(_GPT2_ACTIVATIONS)})")
+        if not cfg.get("scale_attn_weights", True):
+            problems.append("scale_attn_weights is false (only 1/sqrt(head_dim) attention scaling)")
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            problems.append("scale_attn_by_inverse_layer_idx is set")
+        if cfg.get("add_cross_attention"):
+            problems.append("add_cross_attention is set (decoder-only models only)")
+        _refuse(problems)
+        hidden = int(cfg.get("n_embd", cfg.get("hidden_size")))
+        heads = int(cfg.get("n_head", cfg.get("num_attention_heads")))
+        return cls(
+            arch="gpt2",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("n_inner") or 4 * hidden),  # HF: null means 4 * n_embd
+            num_layers=int(cfg.get("n_layer", cfg.get("num_hidden_layers"))),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads,
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            rope_theta=None,
+            max_position_embeddings=int(cfg.get("n_positions", cfg.get("max_position_embeddings", 1024))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),  # GPT2Config's default
+            activation=_GPT2_ACTIVATIONS[act],
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -86,16 +157,17 @@ class LlamaSpec:
         out = []
         if self.num_heads % tp:
             out.append(f"tensor_parallel_size {tp} does not divide the model's {self.num_heads} attention heads")
-        if self.num_kv_heads % tp:
+        if self.num_kv_heads % tp and self.num_kv_heads != self.num_heads:  # (MHA: said above already)
             out.append(f"tensor_parallel_size {tp} does not divide the model's {self.num_kv_heads} key/value heads")
         if self.intermediate_size % tp:
             out.append(f"tensor_parallel_size {tp} does not divide the intermediate size {self.intermediate_size}")
         return out
 
 
-def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
+def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    gpt2 = spec.arch == "gpt2"
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -103,12 +175,12 @@ def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.floa
         num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads,
         kv_channels=spec.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=not gpt2,
+        activation_func=_ACTIVATIONS[spec.activation],
+        add_bias_linear=gpt2,
+        add_qkv_bias=gpt2,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -127,19 +199,21 @@ def transformer_config(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.floa
     )
 
 
-def build_gpt(spec: LlamaSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
+def build_gpt(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    gpt2 = spec.arch == "gpt2"
+    extra = {} if gpt2 else {"rotary_base": spec.rope_theta}
     return GPTModel(
         config=transformer_config(spec, tp, dtype, cpu_init),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm" if gpt2 else "RMSNorm"),
         vocab_size=spec.padded_vocab(tp),
         max_sequence_length=spec.max_position_embeddings,
         parallel_output=False,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=spec.rope_theta,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
+        **extra,
     )
 
 
@@ -165,28 +239,83 @@ class MegatronPolicy:
 # --- conversion --------------------------------------------------------------------------------
 
 
-def _layer_names(i: int) -> dict[str, str]:
-    """Megatron -> HF names of layer i's tensors that map one to one (norms)."""
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    return {
-        m + "self_attention.linear_qkv.layer_norm_weight": h + "input_layernorm.weight",
-        m + "input_layernorm.weight": h + "input_layernorm.weight",
-        m + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
-        m + "mlp.linear_fc1.layer_norm_weight": h + "post_attention_layernorm.weight",
-    }
-
-
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: LlamaSpec, tp: int, tp_rank: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Megatron's per-group interleaved [q_group; k; v] rows from HF's q [h*d, ...], k, v [g*d, ...]
+    (weights [., H] or biases [.])."""
+    g, d = spec.num_kv_heads, spec.head_dim
+    qpg = spec.num_heads // g
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(g, qpg * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1).reshape(-1, *tail)
+
+
+def _unpack_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `_pack_qkv` on the whole (all TP ranks' rows) tensor."""
+    g, d = spec.num_kv_heads, spec.head_dim
+    qpg = spec.num_heads // g
+    tail = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, (qpg + 2) * d, *tail).split([qpg * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+@dataclass(frozen=True)
+class _Names:
+    """HF names of one architecture: global tensors, and per layer the tensors that map one to one
+    (`layer_same`: Megatron suffix -> HF suffix) plus the HF suffixes of the reshaped ones."""
+
+    embed: str
+    positions: str | None
+    final_norm: str  # weight name; bias by replacing "weight"
+    layer_prefix: str
+    layer_same: tuple[tuple[str, str], ...]
+
+
+_LLAMA = _Names(
+    embed="model.embed_tokens.weight",
+    positions=None,
+    final_norm="model.norm.weight",
+    layer_prefix="model.layers.",
+    layer_same=(
+        ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        ("input_layernorm.weight", "input_layernorm.weight"),
+        ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
+        ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    ),
+)
+_GPT2 = _Names(
+    embed="transformer.wte.weight",
+    positions="transformer.wpe.weight",
+    final_norm="transformer.ln_f.weight",
+    layer_prefix="transformer.h.",
+    layer_same=(
+        ("self_attention.linear_qkv.layer_norm_weight", "ln_1.weight"),
+        ("self_attention.linear_qkv.layer_norm_bias", "ln_1.bias"),
+        ("input_layernorm.weight", "ln_1.weight"),
+        ("input_layernorm.bias", "ln_1.bias"),
+        ("pre_mlp_layernorm.weight", "ln_2.weight"),
+        ("pre_mlp_layernorm.bias", "ln_2.bias"),
+        ("mlp.linear_fc1.layer_norm_weight", "ln_2.weight"),
+        ("mlp.linear_fc1.layer_norm_bias", "ln_2.bias"),
+        ("self_attention.linear_proj.bias", "attn.c_proj.bias"),  # whole on every TP rank
+        ("mlp.linear_fc2.bias", "mlp.c_proj.bias"),
+    ),
+)
+
+
+def _names(spec: ModelSpec) -> _Names:
+    return _GPT2 if spec.arch == "gpt2" else _LLAMA
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """The Megatron tensors named `names` (this rank's state-dict keys) for TP rank `tp_rank`."""
-    g, d, H = spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    qpg = spec.num_heads // g  # query heads per group
     V = spec.padded_vocab(tp)
+    N = _names(spec)
+    gpt2 = spec.arch == "gpt2"
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=0)[tp_rank]
@@ -194,48 +323,64 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: LlamaSpec, tp: int, tp_
     def cols(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=1)[tp_rank]
 
+    def layer(i: int, rest: str) -> torch.Tensor:
+        h = f"{N.layer_prefix}{i}."
+        same = dict(N.layer_same)
+        if rest in same:
+            return hf[h + same[rest]]
+        if gpt2:
+            H = spec.hidden_size
+            if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+                w = hf[h + "attn.c_attn." + rest.rsplit(".", 1)[1]]
+                w = w.t() if w.dim() == 2 else w  # Conv1D [H, 3H] -> [3H, H]
+                return rows(_pack_qkv(*w.split([H, H, H], dim=0), spec))
+            if rest == "self_attention.linear_proj.weight":
+                return cols(hf[h + "attn.c_proj.weight"].t())
+            if rest == "mlp.linear_fc1.weight":
+                return rows(hf[h + "mlp.c_fc.weight"].t())
+            if rest == "mlp.linear_fc1.bias":
+                return rows(hf[h + "mlp.c_fc.bias"])
+            if rest == "mlp.linear_fc2.weight":
+                return cols(hf[h + "mlp.c_proj.weight"].t())
+        else:
+            if rest == "self_attention.linear_qkv.weight":
+                a = h + "self_attn."
+                return rows(_pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec))
+            if rest == "self_attention.linear_proj.weight":
+                return cols(hf[h + "self_attn.o_proj.weight"])
+            if rest == "mlp.linear_fc1.weight":
+                return torch.cat([rows(hf[h + "mlp.gate_proj.weight"]), rows(hf[h + "mlp.up_proj.weight"])])
+            if rest == "mlp.linear_fc2.weight":
+                return cols(hf[h + "mlp.down_proj.weight"])
+        raise KeyError(f"no HF tensor for Megatron parameter decoder.layers.{i}.{rest}")
+
     out: dict[str, torch.Tensor] = {}
     for name in names:
         if name.endswith("._extra_state"):
             continue
         if name == "embedding.word_embeddings.weight":
-            out[name] = rows(_pad_rows(hf["model.embed_tokens.weight"], V))
+            t = rows(_pad_rows(hf[N.embed], V))
+        elif name == "embedding.position_embeddings.weight" and N.positions:
+            t = hf[N.positions]
         elif name == "output_layer.weight":
-            key = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-            out[name] = rows(_pad_rows(hf[key], V))
+            t = rows(_pad_rows(hf[N.embed if spec.tie_word_embeddings else "lm_head.weight"], V))
         elif name == "decoder.final_layernorm.weight":
-            out[name] = hf["model.norm.weight"]
+            t = hf[N.final_norm]
+        elif name == "decoder.final_layernorm.bias" and gpt2:
+            t = hf[N.final_norm[: -len("weight")] + "bias"]
         else:
             parts = name.split(".")
             if parts[:2] != ["decoder", "layers"]:
                 raise KeyError(f"no HF tensor for Megatron parameter {name}")
-            i = int(parts[2])
-            h = f"model.layers.{i}."
-            rest = ".".join(parts[3:])
-            if name in _layer_names(i):
-                out[name] = hf[_layer_names(i)[name]]
-            elif rest == "self_attention.linear_qkv.weight":
-                q = hf[h + "self_attn.q_proj.weight"].view(g, qpg * d, H)
-                k = hf[h + "self_attn.k_proj.weight"].view(g, d, H)
-                v = hf[h + "self_attn.v_proj.weight"].view(g, d, H)
-                out[name] = rows(torch.cat([q, k, v], dim=1).reshape(-1, H))
-            elif rest == "self_attention.linear_proj.weight":
-                out[name] = cols(hf[h + "self_attn.o_proj.weight"])
-            elif rest == "mlp.linear_fc1.weight":
-                out[name] = torch.cat([rows(hf[h + "mlp.gate_proj.weight"]), rows(hf[h + "mlp.up_proj.weight"])])
-            elif rest == "mlp.linear_fc2.weight":
-                out[name] = cols(hf[h + "mlp.down_proj.weight"])
-            else:
-                raise KeyError(f"no HF tensor for Megatron parameter {name}")
-        out[name] = out[name].contiguous()
+            t = layer(int(parts[2]), ".".join(parts[3:]))
+        out[name] = t.contiguous()
     return out
 
 
-def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], spec: LlamaSpec) -> dict[str, torch.Tensor]:
+def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """HF tensors from every TP rank's Megatron tensors (`shards[r]`: rank r's), padding removed."""
-    tp = len(shards)
-    g, d, H = spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    qpg = spec.num_heads // g
+    N = _names(spec)
+    gpt2 = spec.arch == "gpt2"
     first = shards[0]
 
     def cat_rows(name: str) -> torch.Tensor:
@@ -245,39 +390,35 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], spec: LlamaSpec
         return torch.cat([s[name] for s in shards], dim=1)
 
     out: dict[str, torch.Tensor] = {}
-    out["model.embed_tokens.weight"] = cat_rows("embedding.word_embeddings.weight")[: spec.vocab_size]
+    out[N.embed] = cat_rows("embedding.word_embeddings.weight")[: spec.vocab_size]
+    if N.positions:
+        out[N.positions] = first["embedding.position_embeddings.weight"]
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = cat_rows("output_layer.weight")[: spec.vocab_size]
-    out["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+    out[N.final_norm] = first["decoder.final_layernorm.weight"]
+    if gpt2:
+        out[N.final_norm[: -len("weight")] + "bias"] = first["decoder.final_layernorm.bias"]
     for i in range(spec.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for mname, hname in _layer_names(i).items():
-            if mname in first:
-                out[hname] = first[mname]
-        qkv = cat_rows(m + "self_attention.linear_qkv.weight").view(g, (qpg + 2) * d, H)
-        q, k, v = qkv.split([qpg * d, d, d], dim=1)
-        out[h + "self_attn.q_proj.weight"] = q.reshape(-1, H)
-        out[h + "self_attn.k_proj.weight"] = k.reshape(-1, H)
-        out[h + "self_attn.v_proj.weight"] = v.reshape(-1, H)
+        m, h = f"decoder.layers.{i}.", f"{N.layer_prefix}{i}."
+        for mname, hname in N.layer_same:
+            if m + mname in first:
+                out[h + hname] = first[m + mname]
+        q, k, v = _unpack_qkv(cat_rows(m + "self_attention.linear_qkv.weight"), spec)
+        if gpt2:
+            out[h + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            qb, kb, vb = _unpack_qkv(cat_rows(m + "self_attention.linear_qkv.bias"), spec)
+            out[h + "attn.c_attn.bias"] = torch.cat([qb, kb, vb])
+            out[h + "attn.c_proj.weight"] = cat_cols(m + "self_attention.linear_proj.weight").t()
+            out[h + "mlp.c_fc.weight"] = cat_rows(m + "mlp.linear_fc1.weight").t()
+            out[h + "mlp.c_fc.bias"] = cat_rows(m + "mlp.linear_fc1.bias")
+            out[h + "mlp.c_proj.weight"] = cat_cols(m + "mlp.linear_fc2.weight").t()
+            continue
+        out[h + "self_attn.q_proj.weight"] = q
+        out[h + "self_attn.k_proj.weight"] = k
+        out[h + "self_attn.v_proj.weight"] = v
         out[h + "self_attn.o_proj.weight"] = cat_cols(m + "self_attention.linear_proj.weight")
         gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
         out[h + "mlp.gate_proj.weight"] = torch.cat([gu[0] for gu in gate_up])
         out[h + "mlp.up_proj.weight"] = torch.cat([gu[1] for gu in gate_up])
         out[h + "mlp.down_proj.weight"] = cat_cols(m + "mlp.linear_fc2.weight")
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def hf_names(spec: LlamaSpec) -> list[str]:
-    """Every HF tensor name of this model, in HF's parameter order."""
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
-        h = f"model.layers.{i}."
-        names += [h + n for n in (
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-        )]
-    names.append("model.norm.weight")
-    if not spec.tie_word_embeddings:
-        names.append("lm_head.weight")
-    return names

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
 from single_controller.backends.rank_calls import rank_call
-from single_controller.backends.megatron.model import LlamaSpec
+from single_controller.backends.megatron.model import ModelSpec
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
@@ -155,7 +155,7 @@ class MegatronRankActor:
         if emulate_cpu:
             check_version()
         hf_cfg, hf_state = read_hf_dir(model_dir)
-        spec = LlamaSpec.from_hf_config(hf_cfg)
+        spec = ModelSpec.from_hf_config(hf_cfg)
         self.core = None
         with cpu_emulation(emulate_cpu):
             if mps.model_parallel_is_initialized():

@@ -39,7 +39,7 @@ from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss
 from single_controller.backends.cpu.model import pad_right, token_logprobs
 from single_controller.backends.cpu.trainer import STAT_KEYS, TrainStepStateError
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
-from single_controller.backends.megatron.model import LlamaSpec, MegatronPolicy, build_gpt, hf_to_megatron, megatron_to_hf
+from single_controller.backends.megatron.model import ModelSpec, MegatronPolicy, build_gpt, hf_to_megatron, megatron_to_hf
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
@@ -145,12 +145,12 @@ class _Snapshot:
 
 
 class MegatronTrainerCore:
-    """One rank of a TP x DP Megatron trainer, initialized from Hugging Face Llama weights."""
+    """One rank of a TP x DP Megatron trainer, initialized from Hugging Face Llama or GPT-2 weights."""
 
     def __init__(
         self,
         hf_state: Mapping[str, torch.Tensor],
-        spec: LlamaSpec,
+        spec: ModelSpec,
         cfg: TrainConfig,
         *,
         distributed_optimizer: bool = False,
