@@ -5,6 +5,7 @@ dependency is imported somewhere. That the default install needs none of the ext
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,41 @@ def test_an_undeclared_import_fails_the_check(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
     assert "single_controller/run_output.py" in out and "'tqdm' imported but" in out, out
+
+
+# The extras' packages (pyproject.toml's optional dependencies beyond the defaults), as imported.
+EXTRA_MODULES = ("transformers", "tokenizers", "vllm", "megatron")
+IMPORT_ALL_WITHOUT_EXTRAS = f"""
+import importlib, json, pkgutil, sys
+
+class BlockExtras:  # as if no extra were installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {EXTRA_MODULES!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, BlockExtras())
+imported, failed = [], []
+for pkg in ("single_controller", "pumps", "samplers", "replay"):
+    for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
+        if info.name.endswith(".__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+            imported.append(info.name)
+        except ImportError as e:
+            failed.append(f"{{info.name}}: {{e}}")
+print(json.dumps({{"imported": imported, "failed": failed}}))
+"""
+
+
+def test_every_module_imports_without_the_extras():
+    """deptry knows no extra from another; this does: an extra's package is imported only where it
+    is used (inside the backend that needs it), so every module of the default install imports, and
+    a config that needs a missing extra is refused naming it (config_loader.environment_problems)."""
+    result = subprocess.run([sys.executable, "-c", IMPORT_ALL_WITHOUT_EXTRAS], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["failed"] == [], "modules importing an extra's package at import time:\n" + "\n".join(out["failed"])
+    assert {"single_controller.backends.vllm.worker", "single_controller.backends.megatron.trainer",
+            "single_controller.backends.hf_model", "single_controller.cli"} <= set(out["imported"])
