@@ -95,6 +95,8 @@ def _cancel_in_flight(state: RunState, reason: str) -> None:
 
 
 def _needs_restart(state: RunState) -> list[GenerationWorker]:
+    if not state.down_workers:  # the common case, checked on every state change
+        return []
     return [
         w for w in state.workers.generators
         if w.name in state.down_workers and w.name not in state.restarting and w.name not in state.given_up
@@ -134,7 +136,7 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
 
 
 def _admissible(state: RunState) -> bool:
-    if state.stopping or not state.admission_open or not state.routable():
+    if state.stopping or not state.admission_open or not state.any_routable():
         return False
     if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
         return False

@@ -192,21 +192,21 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
     while True:
         if state.abandon_open_step:
             return []
-        ready = state.ledger.in_state(GroupState.READY)
-        stale = state.sampler.evictable(ready, step)
+        ready = state.ledger.ready_index()
+        stale = state.sampler.evictable_from(ready, step)
         if stale:
             await _evict(state, stale, step)
             continue
-        picked = state.sampler.select(ready, step, need)
+        picked = state.sampler.select_from(ready, step, need)
         if len(picked) >= want or _no_more_can_arrive(state):
             if waited_from is not None and picked:
                 newest = max(g.t_committed for g in picked)
                 state.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
             return picked
         waited_from = state.clock()
-        await state.wait_until(
-            lambda: len(state.sampler.select(state.ledger.in_state(GroupState.READY), step, need)) >= want
-            or bool(state.sampler.evictable(state.ledger.in_state(GroupState.READY), step))
+        await state.wait_until(  # re-checked on every state change: O(keys), not O(groups)
+            lambda: state.sampler.selectable(ready, step) >= want
+            or state.sampler.any_evictable(ready, step)
             or _no_more_can_arrive(state)
             or state.abandon_open_step,
             PUMP,
@@ -250,13 +250,20 @@ async def prefetch_pump(state: RunState) -> None:
     if not isinstance(state.workers.trainer, Prefetching):
         return
     hinted: set[str] = set()
+    seen = (-1, -1)  # (trainer version, READY marks) when the pump last looked
     while True:
-        # Exits: the train pump has finished.
-        await state.changed.wait_until(lambda: state.train_done or bool(_unhinted(state, hinted)))
+        # Exits: the train pump has finished. Looks again only when a group became READY or the
+        # trainer moved on (not on every state change: a look selects over the READY groups).
+        await state.changed.wait_until(lambda: state.train_done or (state.trainer_version, state.ledger.ready_marks) != seen)
         if state.train_done:
             return
+        if state.trainer_version != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
+            hinted = {g for g in hinted if g in state.ledger.ready_ids()}
+        seen = (state.trainer_version, state.ledger.ready_marks)
         step = state.trainer_version + 1
         groups = _unhinted(state, hinted)
+        if not groups:
+            continue
         hinted.update(g.group_id for g in groups)
         chunk = _chunk(state, step, -1, groups)
         try:
@@ -268,8 +275,7 @@ async def prefetch_pump(state: RunState) -> None:
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
     if state.trainer_version + 1 >= state.cfg.run.max_steps:
         return []
-    ready = state.ledger.in_state(GroupState.READY)
-    nxt = state.sampler.select(ready, state.trainer_version + 1, state.cfg.train.groups_per_step)
+    nxt = state.sampler.select_from(state.ledger.ready_index(), state.trainer_version + 1, state.cfg.train.groups_per_step)
     return [g for g in nxt if g.group_id not in hinted]
 
 

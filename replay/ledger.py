@@ -21,10 +21,13 @@ raises; `unsettled()` lists prompts still without a fate.
 
 from __future__ import annotations
 
+import collections
 import enum
+import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from single_controller.types import GenerationResult, Prompt
 
@@ -49,6 +52,10 @@ class GroupState(enum.Enum):
 
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
+
+RETAIN_RELEASED = 1_000  # released (terminal, rows cleared) groups kept queryable, newest first out last
+
+ReadyKey = tuple[int, int]  # (target_step, version): every READY group of one key is alike to the sampler
 
 
 @dataclass
@@ -105,17 +112,25 @@ class GroupLedger:
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_steps = max_steps
-        self._groups: dict[str, GroupRecord] = {}
+        # Every query the pumps make while waiting is O(1) or O(keys), never a scan of the groups:
+        # resident groups are indexed by state, READY ones also by (target step, version).
+        self._groups: dict[str, GroupRecord] = {}  # resident + the last RETAIN_RELEASED released
         self._active: dict[str, GroupRecord] = {}  # resident groups (non-terminal, or terminal awaiting clear)
+        self._by_state: dict[GroupState, dict[str, GroupRecord]] = {s: {} for s in GroupState}  # resident only
+        self._ready: dict[ReadyKey, dict[str, GroupRecord]] = {}
+        self._released: collections.deque[str] = collections.deque()  # released ids, oldest first
         self._live_by_step: Counter[int] = Counter()
         self._min_short_step = first_step  # steps before it are done (a resumed run)
         self._seq = 0
+        self.ready_marks = 0  # mark_ready calls so far: a cheap "something became READY" for waiters
         self._trained = 0
         self._dropped: Counter[str] = Counter()
         self._evicted: Counter[str] = Counter()
 
     # -- queries -----------------------------------------------------------------------------
     def __getitem__(self, group_id: str) -> GroupRecord:
+        """A resident group, or one of the last `RETAIN_RELEASED` released (older ones are retired:
+        their outcome lives on in the counters and the prompt ledger)."""
         return self._groups[group_id]
 
     def resident(self) -> int:
@@ -125,11 +140,24 @@ class GroupLedger:
         return len(self._active) < self.capacity
 
     def in_state(self, state: GroupState) -> list[GroupRecord]:
-        """Active groups in `state`, in dispatch order."""
-        return [g for g in self._active.values() if g.state is state]
+        """Resident groups in `state`, in dispatch order."""
+        return sorted(self._by_state[state].values(), key=lambda g: g.seq)
 
     def count(self, state: GroupState) -> int:
-        return sum(1 for g in self._active.values() if g.state is state)
+        """Resident groups in `state` (O(1))."""
+        return len(self._by_state[state])
+
+    def ready_index(self) -> dict[ReadyKey, dict[str, GroupRecord]]:
+        """READY groups by (target_step, version), for the sampler's per-key decisions (read only)."""
+        return self._ready
+
+    def ready_ids(self) -> Mapping[str, GroupRecord]:
+        """READY groups by id (read only; `in` is O(1))."""
+        return self._by_state[GroupState.READY]
+
+    def active_records(self) -> Iterable[GroupRecord]:
+        """Resident groups, in dispatch order of reservation."""
+        return self._active.values()
 
     def live(self, step: int) -> int:
         return self._live_by_step[step]
@@ -143,6 +171,7 @@ class GroupLedger:
         return s if s < self.max_steps else None
 
     def all_records(self) -> Iterable[GroupRecord]:
+        """Resident groups and the last `RETAIN_RELEASED` released ones."""
         return self._groups.values()
 
     # -- transitions ---------------------------------------------------------------------------
@@ -156,7 +185,7 @@ class GroupLedger:
             raise LedgerError(f"group {group_id} reserved twice")
         rec = GroupRecord(group_id, prompt, attempt, self._seq, target_step, policy_version, now)
         self._seq += 1
-        self._groups[group_id] = self._active[group_id] = rec
+        self._groups[group_id] = self._active[group_id] = self._by_state[GroupState.RESERVED][group_id] = rec
         self._live_by_step[target_step] += 1
         return rec
 
@@ -167,28 +196,32 @@ class GroupLedger:
                 f"group {group_id}: {len(result.rewards)} rewards / {len(result.response_lengths)} lengths "
                 f"for group size {self.group_size}"
             )
-        rec.state, rec.t_committed = GroupState.COMMITTED, now
+        rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
         rec.prompt_length = result.prompt_length
         rec.version_start, rec.version_end = result.version_start, result.version_end
+        self._move(rec, GroupState.COMMITTED)
         return rec
 
     def mark_ready(self, group_id: str, advantages: tuple[float, ...], now: float) -> GroupRecord:
         rec = self._expect(group_id, GroupState.COMMITTED, "mark_ready")
-        rec.state, rec.advantages, rec.t_ready = GroupState.READY, tuple(advantages), now
+        rec.advantages, rec.t_ready = tuple(advantages), now
+        self._move(rec, GroupState.READY)
+        self.ready_marks += 1
         return rec
 
     def select(self, group_ids: Iterable[str], step: int, now: float) -> list[GroupRecord]:
         recs = [self._expect(g, GroupState.READY, "select") for g in group_ids]
         for rec in recs:
-            rec.state, rec.trained_step, rec.t_selected = GroupState.SELECTED, step, now
+            rec.trained_step, rec.t_selected = step, now
+            self._move(rec, GroupState.SELECTED)
         return recs
 
     def mark_trained(self, group_id: str, step: int) -> GroupRecord:
         rec = self._expect(group_id, GroupState.SELECTED, "mark_trained")
         if rec.trained_step != step:
             raise LedgerError(f"group {group_id} selected for step {rec.trained_step}, trained in {step}")
-        rec.state = GroupState.TRAINED
+        self._move(rec, GroupState.TRAINED)
         self._trained += 1
         return rec
 
@@ -198,14 +231,16 @@ class GroupLedger:
         if rec.state in TERMINAL:
             raise LedgerError(f"drop({group_id}): already {rec.state.value}")
         self._leave_step(rec)
-        rec.state, rec.reason = GroupState.DROPPED, reason
+        rec.reason = reason
+        self._move(rec, GroupState.DROPPED)
         self._dropped[reason] += 1
         return rec
 
     def evict(self, group_id: str, reason: str) -> GroupRecord:
         rec = self._expect(group_id, GroupState.READY, "evict")
         self._leave_step(rec)
-        rec.state, rec.reason = GroupState.EVICTED, reason
+        rec.reason = reason
+        self._move(rec, GroupState.EVICTED)
         self._evicted[reason] += 1
         return rec
 
@@ -218,6 +253,10 @@ class GroupLedger:
             raise LedgerError(f"release({group_id}) twice")
         rec.resident = False
         del self._active[group_id]
+        del self._by_state[rec.state][group_id]
+        self._released.append(group_id)
+        while len(self._released) > RETAIN_RELEASED:  # retire the oldest: memory stays flat over a run
+            del self._groups[self._released.popleft()]
 
     def _expect(self, group_id: str, state: GroupState, op: str) -> GroupRecord:
         rec = self._groups.get(group_id)
@@ -227,26 +266,35 @@ class GroupLedger:
             raise LedgerError(f"{op}({group_id}): state {rec.state.value}, expected {state.value}")
         return rec
 
+    def _move(self, rec: GroupRecord, new: GroupState) -> None:
+        """The one place a group changes state: keeps the state and READY indexes current."""
+        old, gid = rec.state, rec.group_id
+        del self._by_state[old][gid]
+        self._by_state[new][gid] = rec
+        if old is GroupState.READY:
+            key = (rec.target_step, rec.version)
+            bucket = self._ready[key]
+            del bucket[gid]
+            if not bucket:
+                del self._ready[key]
+        if new is GroupState.READY:
+            self._ready.setdefault((rec.target_step, rec.version), {})[gid] = rec
+        rec.state = new
+
     def _leave_step(self, rec: GroupRecord) -> None:
         self._live_by_step[rec.target_step] -= 1
         self._min_short_step = min(self._min_short_step, rec.target_step)
 
     def statistics(self) -> LedgerStatistics:
-        by_state: Counter[str] = Counter()
-        in_flight: Counter[int] = Counter()
-        oldest_ready = None
-        for g in self._active.values():
-            by_state["clearing" if g.state in TERMINAL else g.state.value] += 1
-            if g.state is GroupState.RESERVED:
-                in_flight[g.version_reserved] += 1
-            elif g.state is GroupState.READY and (oldest_ready is None or g.t_ready < oldest_ready):
-                oldest_ready = g.t_ready
-        for s in ("reserved", "committed", "ready", "selected", "clearing"):
-            by_state.setdefault(s, 0)
+        by_state = {s.value: len(self._by_state[s]) for s in GroupState if s not in TERMINAL}
+        by_state["clearing"] = sum(len(self._by_state[s]) for s in TERMINAL)
+        in_flight = Counter(g.version_reserved for g in self._by_state[GroupState.RESERVED].values())
+        # each READY bucket is in mark_ready order, so its first group is its oldest
+        oldest_ready = min((next(iter(b.values())).t_ready for b in self._ready.values()), default=None)
         return LedgerStatistics(
             capacity=self.capacity,
             resident=len(self._active),
-            by_state=dict(by_state),
+            by_state=by_state,
             reserved_total=self._seq,
             trained_total=self._trained,
             dropped_by_reason=dict(self._dropped),
@@ -279,34 +327,57 @@ class PromptLedgerStatistics:
 
 
 class PromptLedger:
-    """Exactly-once record of every prompt taken from the dataloader."""
+    """Exactly-once record of every prompt taken from the dataloader.
 
-    def __init__(self) -> None:
-        self._prompts: dict[str, PromptRecord] = {}
+    In memory by default. With `history` (a file path), a prompt's record leaves memory when it is
+    settled: it is appended to the file as one JSON line, so memory holds only the unsettled prompts
+    (those in flight) whatever the length of the run, and a checkpoint saves those plus the file's
+    length (`checkpoint_dict`); a resume cuts the file back to that length (`from_checkpoint`).
+    `to_dict` is the whole ledger either way (file + memory), for the end-of-run record.
+    """
+
+    def __init__(self, history: str | os.PathLike | None = None, *, append: bool = False) -> None:
+        self._prompts: dict[str, PromptRecord] = {}  # every record, or (with a history file) the unsettled ones
+        self._unsettled: dict[str, PromptRecord] = {}
+        self._taken = 0
+        self._history_path = history
+        self._history = open(history, "a" if append else "w", encoding="utf-8") if history is not None else None
+        # statistics, kept as the ledger changes (read on every step and every metrics scrape)
+        self._trained = self._retries = 0
+        self._dropped: Counter[str] = Counter()
+        self._evicted: Counter[str] = Counter()
 
     def take(self, prompt: Prompt) -> PromptRecord:
+        # (with a history file, a settled prompt is no longer here: its id is unique by construction
+        # of the dataloader, `e{epoch}-{id}`, and settling it again fails below)
         if prompt.prompt_id in self._prompts:
             raise LedgerError(f"prompt {prompt.prompt_id} taken from the dataloader twice")
-        rec = PromptRecord(prompt, len(self._prompts))
-        self._prompts[prompt.prompt_id] = rec
+        rec = PromptRecord(prompt, self._taken)
+        self._taken += 1
+        self._prompts[prompt.prompt_id] = self._unsettled[prompt.prompt_id] = rec
         return rec
 
     def __getitem__(self, prompt_id: str) -> PromptRecord:
         return self._prompts[prompt_id]
 
     def __len__(self) -> int:
-        return len(self._prompts)
+        """Prompts taken so far."""
+        return self._taken
 
     def add_attempt(self, prompt_id: str, group_id: str) -> None:
         rec = self._prompts[prompt_id]
         if rec.fate is not None:
             raise LedgerError(f"prompt {prompt_id} already {rec.fate}; no new attempt allowed")
         rec.attempts.append(group_id)
+        self._retries += len(rec.attempts) > 1
 
     def settle(self, prompt_id: str, fate: str, *, step: int | None = None, reason: str | None = None) -> None:
         if fate not in ("trained", "dropped", "evicted"):
             raise ValueError(f"unknown fate {fate!r}")
-        rec = self._prompts[prompt_id]
+        rec = self._prompts.get(prompt_id)
+        if rec is None:
+            where = "settled before (its record is in the history file) or never taken" if self._history else "never taken"
+            raise LedgerError(f"prompt {prompt_id} settled {fate}, but it was {where}")
         if rec.fate is not None:
             raise LedgerError(
                 f"prompt {prompt_id} settled twice: already {rec.fate}"
@@ -315,6 +386,17 @@ class PromptLedger:
         if fate == "trained" and step is None:
             raise ValueError("a trained prompt needs its step")
         rec.fate, rec.step, rec.reason = fate, step, reason
+        self._count_settled(rec)
+        if self._history is not None:
+            self._history.write(json.dumps(_record_dict(rec)) + "\n")
+            del self._prompts[prompt_id]
+
+    def _count_settled(self, rec: PromptRecord) -> None:
+        del self._unsettled[rec.prompt.prompt_id]
+        if rec.fate == "trained":
+            self._trained += 1
+        else:
+            (self._dropped if rec.fate == "dropped" else self._evicted)[rec.reason or "?"] += 1
 
     def charged_attempts(self, prompt_id: str) -> int:
         """Attempts that count against the retry budget."""
@@ -322,53 +404,100 @@ class PromptLedger:
         return len(rec.attempts) - rec.uncharged
 
     def unsettled(self) -> list[str]:
-        return [pid for pid, r in self._prompts.items() if r.fate is None]
+        """Prompts without a fate yet, in the order they were taken."""
+        return list(self._unsettled)
 
     def records(self) -> Iterable[PromptRecord]:
+        """The records in memory: every one, or (with a history file) the unsettled ones."""
         return self._prompts.values()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form (for checkpoints and post-mortems)."""
+        """The whole ledger, JSON-serializable (the end-of-run `prompt_ledger.json`)."""
+        prompts = [_record_dict(r) for r in self._prompts.values()]
+        if self._history_path is not None:
+            if self._history is not None:
+                self._history.flush()
+            with open(self._history_path, encoding="utf-8") as f:
+                prompts += [json.loads(line) for line in f]
+            prompts.sort(key=lambda d: d["order"])
+        return {"prompts": prompts}
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves: the whole ledger in memory; with a history file, the records in
+        memory, the counters and the file's length, made durable first (fsync)."""
+        if self._history is None:
+            return self.to_dict()
+        self._history.flush()
+        os.fsync(self._history.fileno())
         return {
-            "prompts": [
-                {
-                    "prompt_id": r.prompt.prompt_id,
-                    "token_ids": list(r.prompt.token_ids),
-                    "answer": r.prompt.answer,
-                    "order": r.order,
-                    "attempts": list(r.attempts),
-                    "uncharged": r.uncharged,
-                    "fate": r.fate,
-                    "step": r.step,
-                    "reason": r.reason,
-                }
-                for r in self._prompts.values()
-            ]
+            "prompts": [_record_dict(r) for r in self._prompts.values()],
+            "history_bytes": self._history.tell(),
+            "taken": self._taken,
+            # the history file's share (the records above count their own retries on load)
+            "counters": {
+                "trained": self._trained,
+                "retries": self._retries - sum(max(0, len(r.attempts) - 1) for r in self._prompts.values()),
+                "dropped": dict(self._dropped),
+                "evicted": dict(self._evicted),
+            },
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PromptLedger":
-        led = cls()
+    def from_dict(cls, data: dict[str, Any], history: str | os.PathLike | None = None) -> "PromptLedger":
+        """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
+        needs that file: it is cut back to the checkpoint's length (what was settled after the
+        checkpoint is forgotten, as the checkpoint's cut requires)."""
+        if "history_bytes" in data:
+            if history is None:
+                raise ValueError("this prompt ledger was saved with a history file; pass its path")
+            with open(history, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < data["history_bytes"]:
+                    raise LedgerError(
+                        f"{history} holds {size} bytes, but the checkpoint counted {data['history_bytes']}: "
+                        f"the prompt history was truncated or replaced after the checkpoint"
+                    )
+                f.truncate(data["history_bytes"])
+        led = cls(history, append=True)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
-            rec = led.take(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]))
+            rec = PromptRecord(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
             rec.attempts = list(d["attempts"])
             rec.uncharged = d.get("uncharged", 0)
-            rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]
+            led._prompts[rec.prompt.prompt_id] = led._unsettled[rec.prompt.prompt_id] = rec
+            led._retries += max(0, len(rec.attempts) - 1)
+            if d["fate"] is not None:
+                rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]
+                led._count_settled(rec)
+        led._taken = data.get("taken", len(data["prompts"]))
+        if "counters" in data:  # the settled prompts' share lives in the history file
+            c = data["counters"]
+            led._trained += c["trained"]
+            led._retries += c["retries"]
+            led._dropped.update(c["dropped"])
+            led._evicted.update(c["evicted"])
         return led
 
+    def close(self) -> None:
+        if self._history is not None:
+            self._history.close()
+            self._history = None
+
     def statistics(self) -> PromptLedgerStatistics:
-        settled = trained = retries = 0
-        dropped: Counter[str] = Counter()
-        evicted: Counter[str] = Counter()
-        for r in self._prompts.values():
-            retries += max(0, len(r.attempts) - 1)
-            if r.fate is None:
-                continue
-            settled += 1
-            if r.fate == "trained":
-                trained += 1
-            elif r.fate == "dropped":
-                dropped[r.reason or "?"] += 1
-            else:
-                evicted[r.reason or "?"] += 1
-        return PromptLedgerStatistics(len(self._prompts), settled, trained, dict(dropped), dict(evicted), retries)
+        taken = self._taken
+        return PromptLedgerStatistics(
+            taken, taken - len(self._unsettled), self._trained, dict(self._dropped), dict(self._evicted), self._retries
+        )
+
+
+def _record_dict(r: PromptRecord) -> dict[str, Any]:
+    return {
+        "prompt_id": r.prompt.prompt_id,
+        "token_ids": list(r.prompt.token_ids),
+        "answer": r.prompt.answer,
+        "order": r.order,
+        "attempts": list(r.attempts),
+        "uncharged": r.uncharged,
+        "fate": r.fate,
+        "step": r.step,
+        "reason": r.reason,
+    }

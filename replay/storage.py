@@ -199,10 +199,12 @@ class InMemoryRowStorage:
     # The synchronous core; the async methods below are what the Protocol names.
     def put_rows_sync(self, keys, columns, tags=None) -> None:
         validate_put(self.schema, keys, columns, tags)
+        # keep copies: a jagged column row by row, a dense one in one clone whose rows are views
+        kept = {name: col if self.schema[name].jagged else col.clone() for name, col in columns.items()}
         for i, key in enumerate(keys):
             row = self._rows.setdefault(key, {})
-            for name, col in columns.items():
-                row[name] = col[i].clone() if self.schema[name].jagged else col[i].clone()
+            for name, col in kept.items():
+                row[name] = col[i].clone() if self.schema[name].jagged else col[i]
             if tags is not None:
                 self._tags.setdefault(key, {}).update(tags[i])
         self._counts["puts"] += 1

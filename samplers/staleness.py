@@ -12,17 +12,19 @@ Knobs (`SamplerConfig`):
 - `abort_stale_in_flight`: at a weight sync, in-flight rollouts that could only ever train above S
   are cancelled (their prompts are re-dispatched).
 
-`select` never waits. Waiting belongs to `replay.buffer.ReplayBuffer`, woken by commits and
-version bumps.
+`select` never waits: the train pump waits, re-checking on every state change. Those re-checks
+are per key, never per group: READY groups sharing (target step, version) are alike to every rule
+here, so `selectable` / `any_evictable` over the ledger's READY index cost O(keys), whatever the
+number of groups (the keys span at most the lookahead and staleness windows).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from replay.ledger import GroupRecord
+from replay.ledger import GroupRecord, ReadyKey
 from single_controller.config import SamplerConfig
 
 ORDERS = ("in_order", "fifo", "freshest")
@@ -64,14 +66,19 @@ class StalenessSampler:
     def staleness(group: GroupRecord, train_step: int) -> int:
         return train_step - group.version
 
-    def _eligible(self, group: GroupRecord, train_step: int) -> bool:
-        if self.staleness(group, train_step) > self.max_staleness:
+    # The two rules, on a group's (target step, version): everything below derives from them.
+    def _eligible_key(self, target_step: int, version: int, train_step: int) -> bool:
+        if train_step - version > self.max_staleness:
             return False
-        return group.target_step == train_step if self.in_order else True
+        return target_step == train_step if self.in_order else True
+
+    def _evictable_key(self, target_step: int, version: int, train_step: int) -> bool:
+        # too stale; or (in order) its step is over
+        return train_step - version > self.max_staleness or (self.in_order and target_step < train_step)
 
     def select(self, ready: Sequence[GroupRecord], train_step: int, max_groups: int) -> list[GroupRecord]:
         """Ready groups step `train_step` may train now, best first, at most `max_groups`."""
-        chosen = [g for g in ready if self._eligible(g, train_step)]
+        chosen = [g for g in ready if self._eligible_key(g.target_step, g.version, train_step)]
         if self.cfg.order == "freshest":
             chosen.sort(key=lambda g: (-g.version, g.seq))
         else:
@@ -80,13 +87,24 @@ class StalenessSampler:
 
     def evictable(self, ready: Sequence[GroupRecord], train_step: int) -> list[GroupRecord]:
         """Ready groups that can never be trained from `train_step` on."""
-        out = []
-        for g in ready:
-            if self.staleness(g, train_step) > self.max_staleness:
-                out.append(g)
-            elif self.in_order and g.target_step < train_step:
-                out.append(g)  # its step is over
-        return out
+        return [g for g in ready if self._evictable_key(g.target_step, g.version, train_step)]
+
+    # -- the same decisions over the ledger's READY index (`GroupLedger.ready_index()`) ---------
+    def selectable(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int) -> int:
+        """How many READY groups step `train_step` may train now (O(keys))."""
+        return sum(len(b) for (t, v), b in index.items() if self._eligible_key(t, v, train_step))
+
+    def any_evictable(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int) -> bool:
+        return any(self._evictable_key(t, v, train_step) for t, v in index)
+
+    def select_from(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int, max_groups: int) -> list[GroupRecord]:
+        """`select` over the eligible keys only."""
+        eligible = [g for (t, v), b in index.items() if self._eligible_key(t, v, train_step) for g in b.values()]
+        return self.select(eligible, train_step, max_groups)
+
+    def evictable_from(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int) -> list[GroupRecord]:
+        stale = [g for (t, v), b in index.items() if self._evictable_key(t, v, train_step) for g in b.values()]
+        return sorted(stale, key=lambda g: g.seq)
 
     def should_abort_in_flight(self, group: GroupRecord, train_step: int) -> bool:
         """True if an in-flight group could only be trained above the staleness bound."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import tempfile
 import time
 from dataclasses import replace
 
@@ -202,4 +204,181 @@ def main_eval(argv: list[str] | None = None) -> int:
     ratio = tp_on / tp_off
     print(f"eval off: {tp_off:.3f} steps/s; eval on (every {args.every}): {tp_on:.3f} steps/s")
     print(f"throughput ratio eval-on / eval-off: {ratio:.3f} (target >= 0.9)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `sc-grpo bench scale`
+SCALE_BENCH_DOC = """`sc-grpo bench scale`: the control plane at production sizes, on simulated workers.
+
+For each point (prompt groups per step P, simulated generation workers W; G rows per group) runs
+the controller synchronously (L = 0, one chunk per step) and asynchronously (L = 1, chunks of
+`--chunk` groups) with generation and training each taking T seconds per step (each worker serves
+its share of the groups one at a time, W * T / P seconds per group), and prints:
+  overlap     (async steps/s / sync steps/s) / the physical limit 2, steady state (target >= 0.95)
+  cpu/group   process CPU seconds of the async run / groups trained (target <= 100 us). This is an
+              upper bound for the controller: the simulated workers' coroutines and the in-memory
+              storage run on the same thread (they skip the row reads and writes real workers do in
+              their own processes; the controller's own advantage puts and row clears are counted)
+  select p50/p99  commit -> select latency when the train pump was waiting (target p99 < 1 ms)
+  rss         the process's resident memory after the point
+Then a long run (--long-steps, default 10,000, of --long-groups groups, no simulated latency)
+samples memory every 10 % of its steps: Python heap blocks (sys.getallocatedblocks) and RSS,
+which should stay flat (target +-10 %) once the pipeline is full.
+"""
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def scale_config(steps: int, groups: int, group_size: int, lookahead: int, chunk: int) -> Config:
+    cfg = overlap_config(steps, groups, lookahead, chunk)
+    return replace(cfg, rollout=replace(cfg.rollout, group_size=group_size))
+
+
+async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on_step=None) -> dict:
+    storage = InMemoryRowStorage()
+    P = cfg.train.groups_per_step
+    gens, trainer = sim_workers(
+        storage, num_generators=workers, gen_group_s=workers * t_gen / P, train_group_s=t_train / P,
+        trainer_reads_rows=False, workers_write_rows=False, keep_logs=False,
+    )
+    with tempfile.TemporaryDirectory() as tmp:  # settled prompts stream to disk, as in a real run
+        ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step, prompt_history=os.path.join(tmp, "prompt_history.jsonl"))
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        summary = await ctl.run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        ctl.state.prompts.close()
+    ends = [h["time/wall_s"] for h in summary.history]
+    p50, p99 = ctl.select_latency_percentiles()
+    return {
+        "steps_per_s": (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else float("nan"),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "groups": summary.steps * P,
+        "p50": p50,
+        "p99": p99,
+    }
+
+
+def main_scale(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sc-grpo bench scale", description=SCALE_BENCH_DOC.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCALE_BENCH_DOC)
+    ap.add_argument("--groups", default="16,64,256,1024", help="prompt groups per step, swept at --workers-at")
+    ap.add_argument("--workers", default="1,8,64", help="simulated generation workers, swept at --groups-at")
+    ap.add_argument("--workers-at", type=int, default=8, help="workers while sweeping groups")
+    ap.add_argument("--groups-at", type=int, default=256, help="groups per step while sweeping workers")
+    ap.add_argument("--group-size", type=int, default=16, help="G: rows per group")
+    ap.add_argument("--t", type=float, default=0.5, help="generation = training seconds per step")
+    ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
+    ap.add_argument("--chunk", type=int, default=4, help="min groups per chunk in async mode")
+    ap.add_argument("--long-steps", type=int, default=10_000, help="steps of the memory run (0: skip it)")
+    ap.add_argument("--long-groups", type=int, default=2, help="groups per step of the memory run")
+    args = ap.parse_args(argv)
+    groups = [int(x) for x in args.groups.split(",") if x]
+    workers = [int(x) for x in args.workers.split(",") if x]
+    points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
+    print(SCALE_BENCH_DOC.strip().splitlines()[0])
+    print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups")
+    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'cpu/group':>10} {'select p50':>10} {'p99':>8} {'rss MB':>7}")
+    worst = {"overlap": float("inf"), "cpu": 0.0, "p99": 0.0}
+    for P, W in points:
+        sync = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
+        asy = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
+        overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
+        cpu_per_group = asy["cpu_s"] / asy["groups"]
+        worst["overlap"] = min(worst["overlap"], overlap)
+        worst["cpu"] = max(worst["cpu"], cpu_per_group)
+        worst["p99"] = max(worst["p99"], asy["p99"])
+        print(
+            f"{P:>11} {W:>7} {sync['steps_per_s']:>9.3f} {asy['steps_per_s']:>10.3f} {overlap:>7.3f} "
+            f"{cpu_per_group * 1e6:>8.1f}us {asy['p50'] * 1e3:>8.3f}ms {asy['p99'] * 1e3:>6.3f}ms {_rss_mb():>7.1f}",
+            flush=True,
+        )
+    print(f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), cpu/group {worst['cpu'] * 1e6:.1f} us (target <= 100), "
+          f"select p99 {worst['p99'] * 1e3:.3f} ms (target < 1)")
+    if args.long_steps > 0:
+        _long_run(args.long_steps, args.long_groups, args.group_size)
+    return 0
+
+
+def _long_run(steps: int, groups: int, group_size: int) -> None:
+    import gc
+    import sys
+
+    every = max(1, steps // 10)
+    samples: list[tuple[int, int, float]] = []
+
+    def on_step(rec: dict) -> None:
+        if (rec["step"] + 1) % every == 0:
+            gc.collect()
+            samples.append((rec["step"] + 1, sys.getallocatedblocks(), _rss_mb()))
+
+    cfg = scale_config(steps, groups, group_size, 1, 1)
+    r = asyncio.run(_scale_run(cfg, 1, 0.0, 0.0, on_step=on_step))
+    print(f"long run: {steps} steps of {groups} groups (G = {group_size}), no simulated latency: {r['wall_s']:.1f} s, "
+          f"{r['cpu_s'] / r['groups'] * 1e6:.1f} us CPU per group")
+    print(f"{'step':>7} {'heap blocks':>12} {'rss MB':>8}")
+    for step, blocks, rss in samples:
+        print(f"{step:>7} {blocks:>12} {rss:>8.1f}")
+    if len(samples) >= 3:
+        base = samples[1]  # after the first 10 %: the pipeline and caches are warm
+        growth_b = max(b for _, b, _ in samples[1:]) / base[1] - 1
+        growth_r = max(r for _, _, r in samples[1:]) / base[2] - 1
+        print(f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % (target within +-10 %)")
+
+
+# ---------------------------------------------------------------------------------------------
+# `sc-grpo bench embedded`
+EMBEDDED_BENCH_DOC = """`sc-grpo bench embedded`: the embedded default as a user runs it, against the reference loop.
+
+For each seed: runs `sc-grpo run CONFIG seed=S` as a separate command (its own Ray, TransferQueue
+and workers; the run directory in a temporary folder), then the single-process reference loop
+(`sc-grpo bench reference`) for the same seed in this process, and prints the run's start-up (as it
+reports it), its training time to the stop (success 0.9 over 5 steps), the whole command's wall
+time, and the ratio of the run's training time to the reference loop's. Targets: start-up <= 12 s,
+ratio <= 1.0, whole command <= 30 s. Measure on a quiet machine.
+"""
+
+
+def main_embedded(argv: list[str] | None = None) -> int:
+    import re
+    import subprocess
+    import sys
+
+    from single_controller.backends.cpu.reference import run_reference
+
+    ap = argparse.ArgumentParser(prog="sc-grpo bench embedded", description=EMBEDDED_BENCH_DOC.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EMBEDDED_BENCH_DOC)
+    ap.add_argument("--config", default="configs/embedded.yaml")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for the runs")
+    args = ap.parse_args(argv)
+    print(EMBEDDED_BENCH_DOC.strip().splitlines()[0], flush=True)
+    rows = []
+    for seed in args.seeds:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "single_controller", "run", args.config, f"seed={seed}", f"run.output_dir={out}", "run.progress_bar=false", *args.overrides]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            whole = time.perf_counter() - t0
+        done = re.search(r"(\d+) steps in ([\d.]+)s of training \(\+([\d.]+)s startup\): (.*)", proc.stdout)
+        if proc.returncode != 0 or done is None:
+            print(f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
+            return 1
+        steps, train_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
+        ref = run_reference(seed)
+        rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
+        print(
+            f"seed {seed}: start-up {startup_s:.1f} s | {steps} steps, training {train_s:.1f} s ({reason}) | whole command {whole:.1f} s "
+            f"| reference loop {ref.steps} steps in {ref.seconds:.1f} s{'' if ref.reached else ' (missed the target)'} | ratio {train_s / ref.seconds:.2f}",
+            flush=True,
+        )
+    n = len(rows)
+    mean = lambda i: sum(r[i] for r in rows) / n  # noqa: E731
+    print(f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "
+          f"training / reference {mean(7):.2f} (target <= 1.0)")
     return 0

@@ -17,16 +17,43 @@ T = TypeVar("T")
 
 
 class Signal:
+    """Waiters register a predicate; `notify()` schedules one check (per loop iteration, however
+    many notifications arrive in it) that evaluates every registered predicate and wakes only the
+    waiters whose predicate holds. A check runs after the notifying task's current step, so it sees
+    every mutation made before that task's next await. A waiter whose predicate does not hold costs
+    one predicate call, not a task switch; a predicate that raises wakes its waiter with the error."""
+
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future]] = []
+        self._scheduled = False
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+        if self._waiters and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._check)
+
+    def _check(self) -> None:
+        self._scheduled = False
+        waiting = []
+        for predicate, fut in self._waiters:
+            if fut.done():  # the waiter was cancelled
+                continue
+            try:
+                ready = predicate()
+            except BaseException as e:  # the waiter re-raises it
+                fut.set_exception(e)
+                continue
+            if ready:
+                fut.set_result(None)
+            else:
+                waiting.append((predicate, fut))
+        self._waiters = waiting
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         while not predicate():
-            await self._event.wait()
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append((predicate, fut))
+            await fut
 
 
 class ChannelClosed(RuntimeError):

@@ -3,8 +3,10 @@
 Layout (under `<run dir>/checkpoints/`):
 
     step_000040/           one checkpoint, taken between steps: 40 optimizer steps applied
-        controller.json    versions, the prompt ledger (rolled back to the cut), the dataloader
-                           position, the success window, counters, the config it was taken with
+        controller.json    versions, the prompt ledger (rolled back to the cut: the unsettled
+                           prompts, plus the length of the run's prompt_history.jsonl that holds
+                           the settled ones), the dataloader position, the success window,
+                           counters, the config it was taken with
         trainer/           the trainer backend's own state (policy, optimizer, RNG), see
                            `protocols.Checkpointable`
     latest                 the name of the newest complete checkpoint

@@ -33,6 +33,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "replay.tq_bench:main",
         "TransferQueue row storage put/get throughput",
     ),
+    "scale": (
+        "single_controller.bench:main_scale",
+        "the control plane at 16-1024 groups per step and 1-64 workers; memory over 10,000 steps",
+    ),
+    "embedded": (
+        "single_controller.bench:main_embedded",
+        "the embedded default for 3 seeds: start-up, training time vs the reference loop, whole command",
+    ),
     "eval": (
         "single_controller.bench:main_eval",
         "training throughput with held-out evaluation every N steps vs eval off",

@@ -99,6 +99,9 @@ class RunSummary:
     checkpoint: CheckpointInfo | None = None  # the newest checkpoint written, if any
 
 
+HISTORY_KEPT = 1000
+
+
 def check_capacity(cfg: Config) -> None:
     need, have = required_capacity(cfg), resolved_capacity(cfg)
     if have < need:
@@ -126,6 +129,7 @@ class Controller:
         dataloader_state: Callable[[], dict] | None = None,
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
+        prompt_history: str | None = None,
     ):
         check_capacity(cfg)
         if cfg.eval.enabled and not eval_prompts:
@@ -133,10 +137,14 @@ class Controller:
         kwargs = {"clock": clock} if clock is not None else {}
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
-        self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, **kwargs)
+        # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
+        prompts = PromptLedger.from_dict(resume["prompts"], prompt_history) if resume is not None else PromptLedger(prompt_history)
+        self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_id = stop_token_id
         self.on_step = on_step
-        self.history: list[dict] = []
+        # The last HISTORY_KEPT step records (every record also goes to `on_step`, which streams it
+        # to metrics.jsonl): the controller's memory stays flat over a long run.
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_KEPT)
         self._mismatch: dict[str, float] = {}
         self._success = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
@@ -190,15 +198,15 @@ class Controller:
             raise
         await self._final_checkpoint(failed=False)
         await self._teardown(failed=False)
-        return RunSummary(st.trainer_version, st.stop_reason or "finished", st.clock() - self._t0, self.history, self.last_checkpoint)
+        return RunSummary(st.trainer_version, st.stop_reason or "finished", st.clock() - self._t0, list(self.history), self.last_checkpoint)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
         """The controller's side of a checkpoint at the cut `trainer_version` (between steps).
         Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
         st = self.state
-        live = {g.group_id for g in st.ledger.all_records() if g.state not in TERMINAL}
-        prompts = st.prompts.to_dict()
+        live = {g.group_id for g in st.ledger.active_records() if g.state not in TERMINAL}
+        prompts = st.prompts.checkpoint_dict()
         rolled_back: list[str] = []
         for p in prompts["prompts"]:
             if p["fate"] is None:
@@ -222,7 +230,6 @@ class Controller:
 
     def _restore(self, saved: dict) -> None:
         st = self.state
-        st.prompts = PromptLedger.from_dict(saved["prompts"])
         unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
         self._success.extend(saved["success_window"])
@@ -279,7 +286,7 @@ class Controller:
         if st.trainer_version == self._last_checkpoint_step:
             return
         try:
-            if any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
+            if st.ledger.count(GroupState.SELECTED):
                 step = st.trainer_version
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (final checkpoint)")
             await self.checkpoint()
@@ -360,13 +367,13 @@ class Controller:
     async def _teardown(self, *, failed: bool) -> None:
         st = self.state
         reason = "run_failed" if failed else "run_ended"
-        if failed and any(g.state is GroupState.SELECTED for g in st.ledger.all_records()):
+        if failed and st.ledger.count(GroupState.SELECTED):
             try:  # the step is open on the trainer: leave its state as it was before begin
                 step = st.trainer_version  # the open step is always the next one
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
-        active = [g for g in st.ledger.all_records() if g.resident]
+        active = list(st.ledger.active_records())
         if active:
             keys = [k for g in active for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
             try:

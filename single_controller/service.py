@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import random
 import time
 import traceback
@@ -89,7 +90,8 @@ class ControllerService:
         self.resume = resume
         self.resumed_from: dict | None = None
         self.controller = None
-        self.records: list[dict] = []
+        self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
+        self._records_base = 0  # records before it were read by the driver (`next_records`) and dropped
         self._changed = asyncio.Event()
         self._finished = False
         self._metrics_server = None
@@ -124,6 +126,8 @@ class ControllerService:
             dataloader_state=prompts.state,
             eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
             on_eval=self._on_step,
+            # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
+            prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
         )
         if cfg.metrics.enabled:
             from single_controller.metrics import start_metrics_server
@@ -239,11 +243,18 @@ class ControllerService:
         }
 
     async def next_records(self, cursor: int) -> tuple[list[dict], bool]:
-        """Records from `cursor` on, waiting until there is one or the run has finished."""
-        while len(self.records) <= cursor and not self._finished:
+        """Records from `cursor` (an index over the run) on, waiting until there is one or the run
+        has finished. Asking from `cursor` acknowledges every record before it: those are dropped,
+        so the controller's memory stays flat however long the run."""
+        if cursor > self._records_base:
+            del self.records[: cursor - self._records_base]
+            self._records_base = cursor
+        while self._records_base + len(self.records) <= cursor and not self._finished:
             self._changed.clear()
             await self._changed.wait()
-        return self.records[cursor:], self._finished and len(self.records) <= cursor
+        if cursor < self._records_base:
+            raise ValueError(f"records before {self._records_base} were already read and dropped (asked from {cursor})")
+        return self.records[cursor - self._records_base :], self._finished and self._records_base + len(self.records) <= cursor
 
     async def save_checkpoint(self, directory: str) -> str:
         if self._workers is None:
@@ -255,6 +266,8 @@ class ControllerService:
         return None if self.controller is None else self.controller.state.prompts.to_dict()
 
     async def close(self) -> None:
+        if self.controller is not None:
+            self.controller.state.prompts.close()
         if self._metrics_server is not None:
             server, self._metrics_server = self._metrics_server, None
             await asyncio.to_thread(server.stop)  # blocks up to 0.5 s

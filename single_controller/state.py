@@ -101,6 +101,7 @@ class RunState:
         workers: Workers,
         clock: Callable[[], float] = time.monotonic,
         first_step: int = 0,
+        prompts: PromptLedger | None = None,
     ):
         self.cfg = cfg
         self.clock = clock
@@ -114,7 +115,7 @@ class RunState:
             max_steps=cfg.run.max_steps,
             first_step=first_step,
         )
-        self.prompts = PromptLedger()
+        self.prompts = prompts if prompts is not None else PromptLedger()
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
@@ -140,7 +141,7 @@ class RunState:
         self.latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
         self.last_checkpoint_s = 0.0  # seconds the last checkpoint took to write
         self.step_retries = 0
-        self.select_latency_s: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.select_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the latest
         self.sync = SyncRecord()
         self.teardown_errors: list[str] = []
         self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
@@ -251,6 +252,9 @@ class RunState:
     def routable(self) -> list[GenerationWorker]:
         """Generation workers that take work: not known dead, not restarting."""
         return [w for w in self.workers.generators if w.name not in self.down_workers]
+
+    def any_routable(self) -> bool:
+        return len(self.down_workers) < len(self.workers.generators)
 
     def worker_down(self, worker: GenerationWorker, why: str) -> None:
         """Take a dead worker out of routing (the rollout pump restarts it)."""

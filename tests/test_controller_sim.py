@@ -388,13 +388,15 @@ async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
 
 
 # -- issue 9: checkpoint and resume on the simulated backend ------------------------------------
-async def _run_with_dir(cfg, run_dir, *, resume=None, skip=0):
+async def _run_with_dir(cfg, run_dir, *, resume=None, skip=0, history=False):
     import itertools
 
     storage = InMemoryRowStorage()
     gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
     prompts = itertools.islice(sim_prompts(), skip, None)
-    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(run_dir), resume=resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hist = str(run_dir / "prompt_history.jsonl") if history else None
+    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(run_dir), resume=resume, prompt_history=hist)
 
     async def go():
         if resume is not None:
@@ -406,31 +408,32 @@ async def _run_with_dir(cfg, run_dir, *, resume=None, skip=0):
 
 def _per_step(ctl) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
-    for r in ctl.state.prompts.records():
-        if r.fate == "trained":
-            out.setdefault(r.step, []).append(r.prompt.prompt_id)
+    for r in ctl.state.prompts.to_dict()["prompts"]:  # the whole ledger, with or without a history file
+        if r["fate"] == "trained":
+            out.setdefault(r["step"], []).append(r["prompt_id"])
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 DETERMINISTIC_KEYS = ("rollout/reward_mean", "rollout/success_rate", "rollout/groups", "train/rows", "train/loss")
 
 
-async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path):
+@pytest.mark.parametrize("history", [False, True], ids=["ledger_in_memory", "prompt_history_file"])
+async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, history):
     full_cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 0, "at_exit": False})
     ctl_a, trainer_a, storage_a, _ = await _run_with_dir(full_cfg, tmp_path / "a")
     # The same run "crashes" after step 5 with its last checkpoint at step 4, then resumes.
     first = make_cfg(steps=5, P=3, G=2, L=1, checkpoint={"every_steps": 4, "at_exit": False})
-    ctl_b1, _, storage_b1, s1 = await _run_with_dir(first, tmp_path / "b")
+    ctl_b1, _, storage_b1, s1 = await _run_with_dir(first, tmp_path / "b", history=history)
     assert s1.checkpoint.step == 4
     saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
     assert saved["step"] == 4 and saved["rolled_back"], "groups in flight at the cut are rolled back"
     check_compatible(saved, full_cfg, tmp_path / "b")  # max_steps may change on resume
-    ctl_b2, trainer_b2, storage_b2, s2 = await _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"])
+    ctl_b2, trainer_b2, storage_b2, s2 = await _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"], history=history)
     assert s2.steps == 9 and trainer_b2.optimizer_steps == 9
     # exactly once over the whole run: the resumed ledger holds steps 0..8, each prompt trained once
     assert _per_step(ctl_b2) == _per_step(ctl_a)
     assert [r["step"] for r in ctl_b2.history] == list(range(4, 9))
-    for ra, rb in zip(ctl_a.history[4:], ctl_b2.history):
+    for ra, rb in zip(list(ctl_a.history)[4:], ctl_b2.history):
         assert {k: ra[k] for k in DETERMINISTIC_KEYS} == {k: rb[k] for k in DETERMINISTIC_KEYS}, ra["step"]
     assert sorted(trainer_b2.trained) == list(range(4, 9))  # the resumed trainer trained only 4..8
     assert await storage_b2.resident_keys() == set() and ctl_b2.state.ledger.resident() == 0

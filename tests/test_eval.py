@@ -485,7 +485,7 @@ async def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
     from single_controller.run_output import ConsoleReporter, RunDirectory, is_eval_record
 
     ctl, *_ = await run_eval_sim(eval_cfg(steps=6, every=3))
-    records = sorted(ctl.history + ctl.eval_history, key=lambda r: r["time/wall_s"])
+    records = sorted([*ctl.history, *ctl.eval_history], key=lambda r: r["time/wall_s"])
     with RunDirectory(Config(run=RunConfig(output_dir=str(tmp_path), plot=True))) as rd:
         for r in records:
             rd.append_metrics(r)

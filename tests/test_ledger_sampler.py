@@ -6,6 +6,8 @@ evict / drop / version bumps / failures and checks the invariants after every st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -158,6 +160,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.n = 0
         self.terminal_seen: dict[str, GroupState] = {}
         self.selected_this_step: list[str] = []
+        self.clock = 0
 
     def _ready(self):
         return self.ledger.in_state(GroupState.READY)
@@ -185,7 +188,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def make_ready(self, data):
         g = data.draw(st.sampled_from(self.ledger.in_state(GroupState.COMMITTED)))
-        self.ledger.mark_ready(g.group_id, (0.0, 0.0), 0)
+        self.clock += 1
+        self.ledger.mark_ready(g.group_id, (0.0, 0.0), self.clock)
 
     @precondition(lambda self: self.ledger.count(GroupState.RESERVED) + self.ledger.count(GroupState.COMMITTED) > 0)
     @rule(data=st.data())
@@ -240,6 +244,22 @@ class LedgerMachine(RuleBasedStateMachine):
         # live groups per step never exceed groups_per_step
         for s in range(8):
             assert self.ledger.live(s) <= self.P
+        # the incremental indexes agree with a scan of the resident groups
+        active = list(self.ledger.active_records())
+        for state in GroupState:
+            assert self.ledger.count(state) == sum(g.state is state for g in active), state
+            assert self.ledger.in_state(state) == sorted((g for g in active if g.state is state), key=lambda g: g.seq)
+        ready = [g for g in active if g.state is GroupState.READY]
+        index = self.ledger.ready_index()
+        assert sorted(g.group_id for b in index.values() for g in b.values()) == sorted(g.group_id for g in ready)
+        for step in range(self.step, self.step + 3):  # the per-key decisions equal the per-group ones
+            assert self.sampler.selectable(index, step) == len(self.sampler.select(ready, step, 10**9))
+            assert self.sampler.select_from(index, step, self.P) == self.sampler.select(ready, step, self.P)
+            assert self.sampler.any_evictable(index, step) == bool(self.sampler.evictable(ready, step))
+            assert self.sampler.evictable_from(index, step) == self.sampler.evictable(ready, step)
+        stats = self.ledger.statistics()
+        assert stats.resident == len(active) and sum(stats.by_state.values()) == len(active)
+        assert stats.oldest_ready_t == min((g.t_ready for g in ready), default=None)
 
     def teardown(self):
         if not hasattr(self, "ledger"):
@@ -255,3 +275,54 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- the prompt ledger with a history file (settled records leave memory) -------------------------
+def _settle_some(led: PromptLedger, ids, fate="trained", step=0):
+    for i in ids:
+        led.add_attempt(f"p{i}", f"p{i}-a0")
+        if fate == "trained":
+            led.settle(f"p{i}", "trained", step=step)
+        else:
+            led.settle(f"p{i}", fate, reason="zero_variance")
+
+
+def test_prompt_history_keeps_only_unsettled_prompts_in_memory_and_the_whole_ledger_on_disk(tmp_path):
+    hist = tmp_path / "prompt_history.jsonl"
+    mem, led = PromptLedger(), PromptLedger(hist)
+    for ledger in (mem, led):
+        for i in range(6):
+            ledger.take(prompt(i))
+        _settle_some(ledger, [0, 1, 2])
+        _settle_some(ledger, [3], fate="dropped")
+        ledger.add_attempt("p4", "p4-a0")
+        ledger.add_attempt("p4", "p4-a1")
+    assert [r.prompt.prompt_id for r in led.records()] == ["p4", "p5"]  # the settled ones left memory
+    assert led.to_dict() == mem.to_dict() and led.statistics() == mem.statistics()  # (flushes the file)
+    assert len(hist.read_text().splitlines()) == 4
+    assert len(led) == 6 and led.unsettled() == ["p4", "p5"]
+    with pytest.raises(LedgerError, match="history file"):
+        led.settle("p0", "trained", step=1)  # exactly once holds for records on disk too
+
+
+def test_prompt_history_checkpoint_cuts_the_file_back_on_resume(tmp_path):
+    hist = tmp_path / "prompt_history.jsonl"
+    led = PromptLedger(hist)
+    for i in range(8):
+        led.take(prompt(i))
+    _settle_some(led, [0, 1])
+    led.add_attempt("p2", "p2-a0")
+    led.add_attempt("p2", "p2-a1")  # one retry, still open at the checkpoint
+    saved = json.loads(json.dumps(led.checkpoint_dict()))  # what controller.json holds
+    assert [d["prompt_id"] for d in saved["prompts"]] == ["p2", "p3", "p4", "p5", "p6", "p7"]
+    at_cut = led.statistics()
+    _settle_some(led, [3, 4], step=1)  # after the checkpoint: a crash forgets these
+    led.close()
+    resumed = PromptLedger.from_dict(saved, hist)
+    assert resumed.statistics() == at_cut and len(resumed) == 8
+    assert len(hist.read_text().splitlines()) == 2  # cut back to the checkpoint's length
+    _settle_some(resumed, [3], step=1)
+    assert [d["prompt_id"] for d in resumed.to_dict()["prompts"] if d["fate"]] == ["p0", "p1", "p3"]
+    assert resumed.statistics().retries == 1 and resumed.statistics().trained == 3
+    with pytest.raises(ValueError, match="history file"):
+        PromptLedger.from_dict(saved)

@@ -115,14 +115,19 @@ EVAL_LANE, ROLLOUT_LANE = 0, 1
 
 
 class SimGenerationWorker:
-    def __init__(self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None):
+    def __init__(
+        self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None,
+        writes_rows: bool = True, keep_logs: bool = True,
+    ):
         self.name = name
         self.storage = storage
         self.group_s = group_s
         self.faults = faults or Faults()
+        self.writes_rows = writes_rows
         self.version = 0
-        self.generated: list[str] = []
-        self.evaluated: list[tuple[str, int]] = []  # (eval request id, version that served it)
+        logs = list if keep_logs else _Discard
+        self.generated: list[str] = logs()
+        self.evaluated: list[tuple[str, int]] = logs()  # (eval request id, version that served it)
         self._lock = PriorityLock()  # serial: one request at a time (eval first), weight updates between them
         self._row_cache: dict[tuple[int, int], dict] = {}
         self._busy = False
@@ -212,13 +217,16 @@ class SimGenerationWorker:
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         G, T = request.sampling.n, request.sampling.max_new_tokens
         rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
+        result = GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
+        if not self.writes_rows:
+            return result
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
         versions = [torch.full((T,), version, dtype=torch.int64)] * G
         columns = {**rows, "prompt_ids": [prompt] * G, "token_versions": versions, "reward": torch.tensor(rewards, dtype=torch.float32)}
         tags = [{"group_id": request.group_id, "version_start": version, "version_end": version}] * G
         await self.storage.put_rows(request.row_keys, columns, tags)
-        return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
+        return result
 
     def _rows(self, G: int, T: int) -> dict:
         if (G, T) not in self._row_cache:
@@ -273,7 +281,9 @@ class SimTrainerGroup:
         finish_s: float = 0.0,
         faults: Faults | None = None,
         fetch_rows: bool = True,
+        keep_logs: bool = True,
     ):
+        self.keep_logs = keep_logs
         self.storage = storage
         self.group_s = group_s
         self.finish_s = finish_s
@@ -312,6 +322,8 @@ class SimTrainerGroup:
         if step != self.version:
             raise RuntimeError(f"begin_train_step({step}) but the trainer's next step is {self.version}")
         self._open, self._step, self.bytes_read = [], step, 0
+        if not self.keep_logs:
+            self.attempts.pop(step - 1, None)  # only the open step's attempts matter
         self.attempts[step] = self.attempts.get(step, -1) + 1
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -345,7 +357,8 @@ class SimTrainerGroup:
         keys = self._open
         if len(set(keys)) != len(keys):
             raise RuntimeError(f"step {step} trained a row twice")
-        self.trained[step] = keys
+        if self.keep_logs:
+            self.trained[step] = keys
         self._open = self._step = None
         self.version += 1
         self.optimizer_steps += 1
@@ -397,9 +410,23 @@ def sim_workers(
     train_group_s: float = 0.0,
     faults: Faults | None = None,
     trainer_reads_rows: bool = True,
+    workers_write_rows: bool = True,
+    keep_logs: bool = True,
 ) -> tuple[Sequence[SimGenerationWorker], SimTrainerGroup]:
-    """`trainer_reads_rows=False`: the fake trainer skips reading its rows (which it would otherwise do
-    on the controller's own thread, unlike a real trainer in its own process)."""
+    """For benchmarks of the controller alone: `trainer_reads_rows=False` / `workers_write_rows=False`
+    skip the row reads and writes the fake workers would otherwise do on the controller's own thread
+    (real workers do them in their own processes; the trainer must not read rows nobody wrote), and
+    `keep_logs=False` drops the per-group logs tests read (a long benchmark run keeps memory flat)."""
     faults = faults or Faults()
-    gens = [SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults) for i in range(num_generators)]
-    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows)
+    gens = [
+        SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults, writes_rows=workers_write_rows, keep_logs=keep_logs)
+        for i in range(num_generators)
+    ]
+    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
+
+
+class _Discard(list):
+    """A log that keeps nothing (`keep_logs=False`)."""
+
+    def append(self, item) -> None:
+        pass
