@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -234,6 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with usage on bad arguments, 0 on --help
+    # A config's `module:function` names (task.name, task.reward_fn, eval.dataset) import from the
+    # current directory, as under `python -m single_controller`; Ray puts the driver's current
+    # directory on its workers' path too, so a user's reward module is found everywhere.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.func(args)
     except ConfigError as e:

@@ -184,7 +184,10 @@ def load_callable(spec: str) -> Callable:
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(f"cannot import module {module_name!r} named in {spec!r}: {e}") from e
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name and module_name.split(".")[0] == e.name.split(".")[0]:
+            hint = " (modules are imported from the current directory and the Python path: run from the directory that holds it, or add that to PYTHONPATH)"
+        raise ImportError(f"cannot import module {module_name!r} named in {spec!r}: {e}{hint}") from e
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)

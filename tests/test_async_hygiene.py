@@ -67,3 +67,20 @@ def test_control_plane_never_reads_rows():
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("get_rows"):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "row reads in the control plane:\n" + "\n".join(bad)
+
+
+# Tests run coroutines as `async def test_...` (pytest-asyncio, asyncio_mode = "auto"), not through
+# hand-rolled `asyncio.run` wrappers. The exception: tests that drive Ray actors with blocking
+# `ray.get` between a few awaited group calls (an async test would block its own loop there).
+ASYNCIO_RUN_ALLOWED = {"test_megatron_trainer.py"}
+
+
+def test_tests_use_pytest_asyncio_not_asyncio_run():
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name in ASYNCIO_RUN_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and _dotted(node.func) == "asyncio.run":
+                bad.append(f"tests/{path.name}:{node.lineno}")
+    assert not bad, "asyncio.run in tests (write `async def test_...` instead):\n" + "\n".join(bad)

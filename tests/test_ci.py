@@ -25,8 +25,8 @@ def readme_commands(text: str) -> list[str]:
     return [l for l in block.group(1).splitlines() if l.strip() and not l.lstrip().startswith("#")]
 
 
-def run_ci(*args: str, readme: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CI="true", CI_SKIP_SYSTEM="1", CI_SKIP_README1="1")
+def run_ci(*args: str, readme: Path | None = None, timeout: float = 120, readme1: bool = False) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CI="true", CI_SKIP_SYSTEM="1", CI_SKIP_README1="0" if readme1 else "1")
     if readme is not None:
         env["CI_README"] = str(readme)
     return subprocess.run(["bash", str(CI), *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -86,3 +86,18 @@ def test_a_readme_without_two_commands_fails_ci(tmp_path):
     readme.write_text("```bash\npython -m pytest -q\n```\n")
     result = run_ci(readme=readme)
     assert result.returncode == 1 and "exactly 2 commands, found 1" in result.stderr
+
+
+def test_readme_command_1_runs_alone_in_a_fresh_venv(tmp_path):
+    """The readme1 phase runs command 1 in a new virtual environment, after the tests: a package the
+    test environment has (here omegaconf, a default dependency) is missing there, so a default
+    dependency left out of pyproject.toml fails CI even though the test extras would have hidden it."""
+    readme = tmp_path / "README.md"
+    probe = "import sys; assert sys.prefix != sys.base_prefix, 'not in a venv'; import omegaconf"
+    readme.write_text(f'```bash\npython -c "{probe}"\necho installing && true\n```\n')
+    result = run_ci(readme=readme, readme1=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "No module named 'omegaconf'" in result.stderr
+    assert re.search(r"<== \[readme1\] \d+s, exit 1", result.stdout)
+    # the command got the phase's run arguments (a fresh output dir, no progress bar, any free port)
+    assert re.search(r"==> \[readme1\] python -m venv .* && python -c .* run\.output_dir=\S+ run\.progress_bar=false metrics\.port=0", result.stdout)

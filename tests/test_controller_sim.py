@@ -56,17 +56,14 @@ class HangingClearStorage(InMemoryRowStorage):
         await super().clear_rows(keys)
 
 
-def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None):
+async def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None):
     storage = InMemoryRowStorage() if hang_clear is None else HangingClearStorage(hang_clear)
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, prompts if prompts is not None else sim_prompts(), storage, Workers(gens, trainer))
     storage.ctl = ctl
 
-    async def go():
-        return await asyncio.wait_for(ctl.run(), timeout)
-
     try:
-        summary = asyncio.run(go())
+        summary = await asyncio.wait_for(ctl.run(), timeout)
         err = None
     except RunFailed as e:
         summary, err = None, e
@@ -77,9 +74,9 @@ def trained_prompts(trainer) -> dict[int, list[str]]:
     return {s: sorted({k.split("-a")[0] for k in keys}) for s, keys in trainer.trained.items()}
 
 
-def assert_clean_end(ctl, trainer, storage):
+async def assert_clean_end(ctl, trainer, storage):
     """Nothing resident, every prompt settled exactly once, nothing trained twice."""
-    assert asyncio.run(storage.resident_keys()) == set()
+    assert await storage.resident_keys() == set()
     assert ctl.state.ledger.resident() == 0
     assert ctl.state.prompts.unsettled() == []
     all_keys = [k for keys in trainer.trained.values() for k in keys]
@@ -93,26 +90,26 @@ def assert_clean_end(ctl, trainer, storage):
 
 # -- L = 0 is the naive synchronous loop -------------------------------------------------------
 @pytest.mark.parametrize("delays", [False, True])
-def test_lookahead_zero_trains_what_a_naive_sync_loop_trains(delays):
+async def test_lookahead_zero_trains_what_a_naive_sync_loop_trains(delays):
     steps, P = 5, 4
     faults = Faults(gen_delay={(f"p{i:06d}", 0): 0.001 * ((7 * i) % 5) for i in range(steps * P)} if delays else {})
-    ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=steps, P=P, L=0, chunk=P), faults)
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=steps, P=P, L=0, chunk=P), faults)
     assert err is None
     # The naive loop: step k generates prompts k*P .. (k+1)*P-1 with the step-k weights, then trains them.
     naive = {k: [f"p{i:06d}" for i in range(k * P, (k + 1) * P)] for k in range(steps)}
     assert trained_prompts(trainer) == naive
     assert all(h["train/staleness_max"] == 0 for h in summary.history)
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_async_overlaps_with_bounded_staleness():
-    ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=8, L=1, chunk=1), gen_s=0.002, train_s=0.002)
+async def test_async_overlaps_with_bounded_staleness():
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=8, L=1, chunk=1), gen_s=0.002, train_s=0.002)
     assert err is None and summary.steps == 8
     assert max(h["train/staleness_max"] for h in summary.history) == 1  # it really ran ahead
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
+async def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
     class PrefetchingTrainer(SimTrainerGroup):
         def __init__(self, storage):
             super().__init__(storage, group_s=0.002)
@@ -125,7 +122,7 @@ def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
     gens, _ = sim_workers(storage, gen_group_s=0.001)
     trainer = PrefetchingTrainer(storage)
     ctl = Controller(make_cfg(steps=8, L=1, chunk=1), sim_prompts(), storage, Workers(gens, trainer))
-    asyncio.run(asyncio.wait_for(ctl.run(), 20))
+    await asyncio.wait_for(ctl.run(), 20)
     assert trainer.hints, "no prefetch hint was sent"
     step_of = {k: s for s, keys in trainer.trained.items() for k in keys}
     for version, step, keys in trainer.hints:
@@ -133,70 +130,67 @@ def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
         assert step in (version, version + 1), "a hint names the step after the one in progress"
         for k in keys:
             assert step_of[k] == step, "hinted rows must be trained in the step they were hinted for"
-    assert_clean_end(ctl, trainer, storage)
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
 # -- faults ------------------------------------------------------------------------------------
-def test_trainer_failure_mid_step_aborts_and_retries():
-    clean = run_sim(make_cfg(steps=5, L=0, chunk=2))
-    faulty = run_sim(make_cfg(steps=5, L=0, chunk=2), Faults(train_fail={(2, 0, 0)}))
+async def test_trainer_failure_mid_step_aborts_and_retries():
+    clean = await run_sim(make_cfg(steps=5, L=0, chunk=2))
+    faulty = await run_sim(make_cfg(steps=5, L=0, chunk=2), Faults(train_fail={(2, 0, 0)}))
     ctl, trainer, storage, summary, err = faulty
     assert err is None and summary.steps == 5
     assert trainer.aborts == 1 and ctl.state.step_retries == 1
     assert trained_prompts(trainer) == trained_prompts(clean[1]), "the retried step trained other groups"
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_trainer_failing_past_retries_fails_the_run_with_its_cause():
+async def test_trainer_failing_past_retries_fails_the_run_with_its_cause():
     fails = {(1, 0, a) for a in range(3)}
-    ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=4, L=1, train={"max_step_retries": 2}), Faults(train_fail=fails))
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, L=1, train={"max_step_retries": 2}), Faults(train_fail=fails))
     assert isinstance(err, RunFailed) and err.pump == "train"
     assert "train step 1 failed 3 times" in str(err) and "injected trainer failure" in str(err)
     assert trainer.aborts == 3
-    assert_clean_end(ctl, trainer, storage)  # teardown cleared rows and settled every prompt
+    await assert_clean_end(ctl, trainer, storage)  # teardown cleared rows and settled every prompt
     fates = Counter(r.reason for r in ctl.state.prompts.records() if r.fate == "dropped")
     assert fates["run_failed"] > 0
 
 
-def test_generation_failure_is_retried():
-    ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=3, L=0, chunk=4), Faults(gen_fail={("p000003", 0)}))
+async def test_generation_failure_is_retried():
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=3, L=0, chunk=4), Faults(gen_fail={("p000003", 0)}))
     assert err is None
     rec = ctl.state.prompts["p000003"]
     assert rec.attempts == ["p000003-a0", "p000003-a1"] and rec.fate == "trained" and rec.step == 0
     assert ctl.state.ledger.statistics().dropped_by_reason == {"generation_failed": 1}
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_generation_failure_drops_when_policy_says_drop_and_the_step_is_refilled():
+async def test_generation_failure_drops_when_policy_says_drop_and_the_step_is_refilled():
     cfg = make_cfg(steps=3, L=0, chunk=4, rollout={"on_failure": "drop"})
-    ctl, trainer, storage, summary, err = run_sim(cfg, Faults(gen_fail={("p000003", 0)}))
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(gen_fail={("p000003", 0)}))
     assert err is None
     rec = ctl.state.prompts["p000003"]
     assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "generation_failed", ["p000003-a0"])
     assert all(len(v) == 4 for v in trained_prompts(trainer).values()), "step 0 was not refilled"
     assert "p000004" in trained_prompts(trainer)[0]  # the refill is the next prompt in order
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_stalled_generation_hits_its_deadline_and_is_retried():
+async def test_stalled_generation_hits_its_deadline_and_is_retried():
     cfg = make_cfg(steps=2, L=0, chunk=4, timeouts={"generate_s": 0.2})
-    ctl, trainer, storage, summary, err = run_sim(cfg, Faults(gen_stall={("p000001", 0)}))
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(gen_stall={("p000001", 0)}))
     assert err is None
     assert ctl.state.prompts["p000001"].attempts == ["p000001-a0", "p000001-a1"]
     assert ctl.state.pumps["rollout"].errors == 1
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_deadline_error_names_what_was_awaited():
-    async def go():
+async def test_deadline_error_names_what_was_awaited():
+    with pytest.raises(DeadlineExceeded, match=r"timed out after 0.01s waiting for generation worker g0: generate\(p1-a0\)"):
         await within(asyncio.Event().wait(), 0.01, "generation worker g0: generate(p1-a0)")
 
-    with pytest.raises(DeadlineExceeded, match=r"timed out after 0.01s waiting for generation worker g0: generate\(p1-a0\)"):
-        asyncio.run(go())
 
-
-def test_a_failing_pump_stops_the_run_with_its_cause():
+async def test_a_failing_pump_stops_the_run_with_its_cause():
     class BrokenStorage(InMemoryRowStorage):
         async def put_rows(self, keys, columns, tags=None):
             if "advantage" in columns:
@@ -207,10 +201,10 @@ def test_a_failing_pump_stops_the_run_with_its_cause():
     gens, trainer = sim_workers(storage)
     ctl = Controller(make_cfg(steps=3), sim_prompts(), storage, Workers(gens, trainer))
     with pytest.raises(RunFailed, match="advantage pump failed: OSError: disk on fire") as info:
-        asyncio.run(asyncio.wait_for(ctl.run(), 10))
+        await asyncio.wait_for(ctl.run(), 10)
     assert isinstance(info.value.__cause__, OSError)
     assert ctl.state.prompts.unsettled() == []
-    assert asyncio.run(storage.resident_keys()) == set()
+    assert await storage.resident_keys() == set()
 
 
 def test_capacity_that_cannot_satisfy_lookahead_is_rejected_before_anything_starts():
@@ -221,23 +215,23 @@ def test_capacity_that_cannot_satisfy_lookahead_is_rejected_before_anything_star
     assert gens[0].generated == []
 
 
-def test_dataloader_exhaustion_trains_the_partial_last_step_and_ends():
-    ctl, trainer, storage, summary, err = run_sim(make_cfg(steps=10, P=4, L=1), prompts=sim_prompts(10))
+async def test_dataloader_exhaustion_trains_the_partial_last_step_and_ends():
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=10, P=4, L=1), prompts=sim_prompts(10))
     assert err is None
     assert [len(v) for v in trained_prompts(trainer).values()] == [4, 4, 2]
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_early_stop_cancels_in_flight_and_settles_everything():
+async def test_early_stop_cancels_in_flight_and_settles_everything():
     cfg = make_cfg(steps=50, L=1, run={"stop_at_success_rate": 0.0, "success_window": 2})
-    ctl, trainer, storage, summary, err = run_sim(cfg, gen_s=0.001)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, gen_s=0.001)
     assert err is None and summary.steps == 2 and "success rate" in summary.stop_reason
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_zero_variance_groups_are_dropped_and_refilled():
+async def test_zero_variance_groups_are_dropped_and_refilled():
     cfg = make_cfg(steps=4, P=4, G=2, L=1, advantage={"drop_zero_variance": True})
-    ctl, trainer, storage, summary, err = run_sim(cfg)
+    ctl, trainer, storage, summary, err = await run_sim(cfg)
     assert err is None
     zero = [r for r in ctl.state.prompts.records() if r.reason == "zero_variance"]
     assert zero, "expected some zero-variance groups with G=2 and 5 reward levels"
@@ -245,10 +239,10 @@ def test_zero_variance_groups_are_dropped_and_refilled():
         assert len(set(sim_rewards(r.prompt.prompt_id, 0, 2))) == 1
     assert all(len(v) == 4 for v in trained_prompts(trainer).values())
     assert ctl.state.zero_variance_groups == len(zero)
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_drain_policy_syncs_with_nothing_in_flight():
+async def test_drain_policy_syncs_with_nothing_in_flight():
     cfg = make_cfg(steps=5, L=1, sync={"drain_policy": "drain"})
     storage = InMemoryRowStorage()
     gens, trainer = sim_workers(storage, gen_group_s=0.001, train_group_s=0.001)
@@ -262,35 +256,35 @@ def test_drain_policy_syncs_with_nothing_in_flight():
             return await orig(handle)
 
         g.update_weights = spy
-    asyncio.run(asyncio.wait_for(ctl.run(), 20))
+    await asyncio.wait_for(ctl.run(), 20)
     assert seen and set(seen) == {0}
 
 
-def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatches_it():
+async def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatches_it():
     # p000003 (for step 1, dispatched ahead with L=1) is slow: it is still in flight at the first weight
     # sync, which aborts it (partial group discarded); the prompt is generated again on the new
     # weights and trained.
     cfg = make_cfg(steps=5, P=2, L=1, chunk=1, sync={"drain_policy": "abort"})
     faults = Faults(gen_delay={("p000003", 0): 0.5})
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
     assert err is None
     rec = ctl.state.prompts["p000003"]
     assert rec.attempts[0] == "p000003-a0" and len(rec.attempts) >= 2 and rec.fate == "trained"
     assert ctl.state.ledger["p000003-a0"].reason == "sync_abort"
     assert ctl.state.sync.aborted_in_flight >= 1
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_abort_stale_in_flight_redispatches_the_prompt():
+async def test_abort_stale_in_flight_redispatches_the_prompt():
     # Window mode: p000000's first attempt is slow; by the time it could finish it is too stale.
     cfg = make_cfg(steps=6, P=2, L=1, S=1, chunk=1, order="fifo", sampler={"abort_stale_in_flight": True})
     faults = Faults(gen_delay={("p000000", 0): 1.0})
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
     assert err is None
     rec = ctl.state.prompts["p000000"]
     assert rec.attempts[0] == "p000000-a0" and len(rec.attempts) >= 2
     assert ctl.state.sampler.statistics().aborted_in_flight_total >= 1
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
 # -- no deadlock, no bound violated, nothing lost, under arbitrary configs and faults ----------
@@ -310,7 +304,7 @@ def test_abort_stale_in_flight_redispatches_the_prompt():
     train_fail=st.sets(st.tuples(st.integers(0, 5), st.integers(0, 2), st.just(0)), max_size=2),
     delays=st.lists(st.integers(0, 3), min_size=30, max_size=30),
 )
-def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chunk, spare, order, in_flight, drain, drop_zero, gen_fail, train_fail, delays):
+async def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chunk, spare, order, in_flight, drain, drop_zero, gen_fail, train_fail, delays):
     S = L + extra
     cfg = make_cfg(
         steps=6, P=P, G=G, L=L, S=S, chunk=min(chunk, P), order=order, in_flight=in_flight,
@@ -322,7 +316,7 @@ def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chun
         train_fail=set(train_fail),
         gen_delay={(f"p{i:06d}", 0): d * 0.001 for i, d in enumerate(delays)},
     )
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, timeout=20)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, timeout=20)
     assert err is None, err
     assert summary.steps == 6
     for step, keys in trainer.trained.items():
@@ -330,22 +324,22 @@ def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chun
         assert len(groups) == P
         for gid in groups:
             assert ctl.state.sampler.staleness(ctl.state.ledger[gid], step) <= S
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
 # -- issue 9: defects of durable runs (each test failed before its fix) ------------------------
-def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
+async def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
     # The trainer's finish takes 0.2 s, its deadline is 0.1 s: the call keeps running remotely after
     # the controller stops waiting. The controller must ask where the trainer stands and take the
     # recorded result, not abort (a no-op on a finished step) and replay (a second optimizer step).
     monkeypatch.setattr(SimTrainerGroup, "__init__", _with_finish_s(SimTrainerGroup.__init__, 0.2))
     cfg = make_cfg(steps=3, P=2, G=2, L=1, timeouts={"train_call_s": 0.1})
-    ctl, trainer, storage, summary, err = run_sim(cfg)
+    ctl, trainer, storage, summary, err = await run_sim(cfg)
     assert err is None, err
     assert summary.steps == 3
     assert trainer.optimizer_steps == 3 == trainer.version
     assert ctl.state.late_finishes == 3 and ctl.state.aborted_steps == 0
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
 def _with_finish_s(init, finish_s):
@@ -356,7 +350,7 @@ def _with_finish_s(init, finish_s):
     return patched
 
 
-def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure():
+async def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure():
     # L=1 with staleness bound 0: groups made for step s+1 on version s are stale when trained, so
     # every step evicts. The first clear of evicted rows hangs past the storage deadline.
     cfg = make_cfg(steps=4, P=2, G=2, L=1, S=0, timeouts={"storage_s": 0.1})
@@ -370,31 +364,31 @@ def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure():
             return True
         return False
 
-    ctl, trainer, storage, summary, err = run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
     assert err is None, err
     assert hung, "the scenario never evicted"
     assert ctl.state.aborted_steps == 0 and ctl.state.step_retries == 0
     assert ctl.state.storage_retries >= 1
     assert summary.steps == 4
-    assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
+    await assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
 
 
-def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
+async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
     # Every group scores 1.0 for every sample: all zero-variance. Without a cap the step would be
     # refilled forever and no step would ever finish.
     faults = Faults(rewards=lambda prompt_id, attempt, G: (1.0,) * G)
     cfg = make_cfg(steps=3, P=2, G=2, L=1, advantage={"drop_zero_variance": True, "max_zero_variance_drops_per_step": 3})
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, timeout=10)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, timeout=10)
     assert err is None, err
     assert summary.steps == 3
     assert all(len(keys) == 2 * 2 for keys in trainer.trained.values())
     assert sum(ctl.state.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
     assert ctl.state.zero_variance_kept >= 3 * 2
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
 # -- issue 9: checkpoint and resume on the simulated backend ------------------------------------
-def _run_with_dir(cfg, run_dir, *, resume=None, skip=0, history=False):
+async def _run_with_dir(cfg, run_dir, *, resume=None, skip=0, history=False):
     import itertools
 
     storage = InMemoryRowStorage()
@@ -409,7 +403,7 @@ def _run_with_dir(cfg, run_dir, *, resume=None, skip=0, history=False):
             await trainer.load_state(str(latest_checkpoint(run_dir) / "trainer"))
         return await asyncio.wait_for(ctl.run(), 30)
 
-    return ctl, trainer, storage, asyncio.run(go())
+    return ctl, trainer, storage, await go()
 
 
 def _per_step(ctl) -> dict[int, list[str]]:
@@ -424,17 +418,17 @@ DETERMINISTIC_KEYS = ("rollout/reward_mean", "rollout/success_rate", "rollout/gr
 
 
 @pytest.mark.parametrize("history", [False, True], ids=["ledger_in_memory", "prompt_history_file"])
-def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, history):
+async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, history):
     full_cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 0, "at_exit": False})
-    ctl_a, trainer_a, storage_a, _ = _run_with_dir(full_cfg, tmp_path / "a")
+    ctl_a, trainer_a, storage_a, _ = await _run_with_dir(full_cfg, tmp_path / "a")
     # The same run "crashes" after step 5 with its last checkpoint at step 4, then resumes.
     first = make_cfg(steps=5, P=3, G=2, L=1, checkpoint={"every_steps": 4, "at_exit": False})
-    ctl_b1, _, storage_b1, s1 = _run_with_dir(first, tmp_path / "b", history=history)
+    ctl_b1, _, storage_b1, s1 = await _run_with_dir(first, tmp_path / "b", history=history)
     assert s1.checkpoint.step == 4
     saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
     assert saved["step"] == 4 and saved["rolled_back"], "groups in flight at the cut are rolled back"
     check_compatible(saved, full_cfg, tmp_path / "b")  # max_steps may change on resume
-    ctl_b2, trainer_b2, storage_b2, s2 = _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"], history=history)
+    ctl_b2, trainer_b2, storage_b2, s2 = await _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"], history=history)
     assert s2.steps == 9 and trainer_b2.optimizer_steps == 9
     # exactly once over the whole run: the resumed ledger holds steps 0..8, each prompt trained once
     assert _per_step(ctl_b2) == _per_step(ctl_a)
@@ -442,13 +436,13 @@ def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_pat
     for ra, rb in zip(list(ctl_a.history)[4:], ctl_b2.history):
         assert {k: ra[k] for k in DETERMINISTIC_KEYS} == {k: rb[k] for k in DETERMINISTIC_KEYS}, ra["step"]
     assert sorted(trainer_b2.trained) == list(range(4, 9))  # the resumed trainer trained only 4..8
-    assert asyncio.run(storage_b2.resident_keys()) == set() and ctl_b2.state.ledger.resident() == 0
+    assert await storage_b2.resident_keys() == set() and ctl_b2.state.ledger.resident() == 0
     assert ctl_b2.state.prompts.unsettled() == []
 
 
-def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):
+async def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):
     cfg = make_cfg(steps=2, P=2, G=2, L=1, checkpoint={"every_steps": 1})
-    _run_with_dir(cfg, tmp_path)
+    await _run_with_dir(cfg, tmp_path)
     saved = read_controller_state(latest_checkpoint(tmp_path))
     other = make_cfg(steps=5, P=3, G=2, L=1, train={"lr": 0.5})
     with pytest.raises(CheckpointError, match=r"train.groups_per_step: checkpoint 2, now 3.*train.lr"):
@@ -460,9 +454,9 @@ def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path)
         check_compatible(saved, make_cfg(steps=5, P=2, G=2, L=1, train={"lr": 0.5}), tmp_path)
 
 
-def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):
+async def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):
     cfg = make_cfg(steps=4, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
-    _run_with_dir(cfg, tmp_path)
+    await _run_with_dir(cfg, tmp_path)
     good = latest_checkpoint(tmp_path)
     assert good.name == "step_000004"
     # a half-written next checkpoint (the process died before the rename) changes nothing
@@ -473,10 +467,10 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, monkey
 
 # -- issue 9: generation worker death -----------------------------------------------------------
 @pytest.mark.parametrize("restart_ok", [True, False])
-def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(restart_ok):
+async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(restart_ok):
     faults = Faults(die_after={"sim-gen-0": 5}, restart_fails=set() if restart_ok else {"sim-gen-0"})
     cfg = make_cfg(steps=8, P=4, G=2, L=1, rollout={"max_retries": 0})
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.003)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.003)
     assert err is None, err
     assert summary.steps == 8
     gens = ctl.state.workers.generators
@@ -489,14 +483,14 @@ def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(resta
     assert fates["dropped"] == 0 or all(r.reason == "run_ended" for r in ctl.state.prompts.records() if r.fate == "dropped")
     died = [r for r in ctl.state.prompts.records() if r.uncharged]
     assert died and all(r.fate == "trained" for r in died if r.reason != "run_ended")
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
 
 
-def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
+async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
     faults = Faults(die_after={"sim-gen-0": 3, "sim-gen-1": 3}, restart_fails={"sim-gen-0", "sim-gen-1"})
     cfg = make_cfg(steps=50, P=4, G=2, L=1)
-    ctl, trainer, storage, summary, err = run_sim(cfg, faults, gen_s=0.002, timeout=20)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.002, timeout=20)
     assert err is not None and err.pump == "rollout"
     assert type(err.__cause__).__name__ == "NoGenerationWorkers", err
     assert "no generation worker is left" in str(err.__cause__)
-    assert asyncio.run(storage.resident_keys()) == set() and ctl.state.prompts.unsettled() == []
+    assert await storage.resident_keys() == set() and ctl.state.prompts.unsettled() == []

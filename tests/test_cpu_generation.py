@@ -99,141 +99,129 @@ def handle(version: int, seed: int) -> WeightsHandle:
     return WeightsHandle(version, snap, snap.manifest.num_bytes)
 
 
-def test_actor_batches_concurrent_requests_and_applies_weights_between_batches():
-    async def main():
-        storage = InMemoryRowStorage()
-        actor = make_actor(storage, max_batch_groups=4)
-        assert await actor.update_weights(handle(0, seed=0)) == 0
-        src = trained_like_model(0)
-        weights = await actor.get_weights()
-        assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in src.named_parameters())
+async def test_actor_batches_concurrent_requests_and_applies_weights_between_batches():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    assert await actor.update_weights(handle(0, seed=0)) == 0
+    src = trained_like_model(0)
+    weights = await actor.get_weights()
+    assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in src.named_parameters())
 
-        gate = GatedCore(actor._core)
-        gate.release.set()
-        results = await asyncio.gather(*(actor.generate(request(i)) for i in range(10)))
-        assert gate.batches == [[f"grp{i}" for i in range(4)], [f"grp{i}" for i in range(4, 8)], ["grp8", "grp9"]]
-        assert storage.statistics().puts == 3  # one put per batch
-        assert [r.group_id for r in results] == [f"grp{i}" for i in range(10)]
-        assert await actor.in_flight() == 0
+    gate = GatedCore(actor._core)
+    gate.release.set()
+    results = await asyncio.gather(*(actor.generate(request(i)) for i in range(10)))
+    assert gate.batches == [[f"grp{i}" for i in range(4)], [f"grp{i}" for i in range(4, 8)], ["grp8", "grp9"]]
+    assert storage.statistics().puts == 3  # one put per batch
+    assert [r.group_id for r in results] == [f"grp{i}" for i in range(10)]
+    assert await actor.in_flight() == 0
 
-        # A weight update waits for the batch being sampled; that batch keeps the old version.
-        gate.release.clear()
-        gate.started.clear()
-        first = asyncio.create_task(actor.generate(request(10)))
-        await asyncio.to_thread(gate.started.wait, 10)
-        assert await actor.in_flight() == 1
-        update = asyncio.create_task(actor.update_weights(handle(1, seed=1)))
-        queued = asyncio.create_task(actor.generate(request(11)))
-        for _ in range(20):
-            await asyncio.sleep(0)  # give the update every chance to (wrongly) get through
-        assert not update.done() and await actor.version() == 0
-        assert await actor.in_flight() == 2
-        gate.release.set()
-        assert (await first).version_start == 0
-        assert await update == 1
-        r11 = await queued
-        assert (r11.version_start, r11.version_end) == (1, 1)
-        weights = await actor.get_weights()
-        assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in trained_like_model(1).named_parameters())
-        with pytest.raises(ValueError, match="older"):
-            await actor.update_weights(handle(0, seed=0))
-        await actor.close()
-
-    asyncio.run(main())
-
-
-def test_actor_cancel_failure_and_close():
-    async def main():
-        storage = InMemoryRowStorage()
-        actor = make_actor(storage, max_batch_groups=1)
-        with pytest.raises(GenerationFailed, match="no weights"):
-            await actor.generate(request(0))  # refused before any update, delivered to the caller
+    # A weight update waits for the batch being sampled; that batch keeps the old version.
+    gate.release.clear()
+    gate.started.clear()
+    first = asyncio.create_task(actor.generate(request(10)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    assert await actor.in_flight() == 1
+    update = asyncio.create_task(actor.update_weights(handle(1, seed=1)))
+    queued = asyncio.create_task(actor.generate(request(11)))
+    for _ in range(20):
+        await asyncio.sleep(0)  # give the update every chance to (wrongly) get through
+    assert not update.done() and await actor.version() == 0
+    assert await actor.in_flight() == 2
+    gate.release.set()
+    assert (await first).version_start == 0
+    assert await update == 1
+    r11 = await queued
+    assert (r11.version_start, r11.version_end) == (1, 1)
+    weights = await actor.get_weights()
+    assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in trained_like_model(1).named_parameters())
+    with pytest.raises(ValueError, match="older"):
         await actor.update_weights(handle(0, seed=0))
-        gate = GatedCore(actor._core)
-        busy = asyncio.create_task(actor.generate(request(1)))
-        await asyncio.to_thread(gate.started.wait, 10)
-        cancelled = asyncio.create_task(actor.generate(request(2)))
-        later = asyncio.create_task(actor.generate(request(3)))
-        await asyncio.sleep(0)
-        cancelled.cancel()
-        gate.release.set()
-        await busy
-        await later
-        assert cancelled.cancelled()
-        assert gate.batches == [["grp1"], ["grp3"]]  # the cancelled queued request never ran
-        assert not (await storage.resident_keys()) & set(row_keys("grp2", 4))
-
-        # A failing batch fails its callers and the loop goes on serving.
-        def broken(requests):
-            raise RuntimeError("reward server down")
-
-        gate.inner = broken
-        with pytest.raises(GenerationFailed, match="reward server down"):
-            await actor.generate(request(4))
-        gate.inner = actor._core.__class__.generate.__get__(actor._core)
-        assert (await actor.generate(request(5))).group_id == "grp5"
-
-        # close fails what is queued and refuses new work
-        gate.release.clear()
-        gate.started.clear()
-        running = asyncio.create_task(actor.generate(request(6)))
-        await asyncio.to_thread(gate.started.wait, 10)
-        queued = asyncio.create_task(actor.generate(request(7)))
-        await asyncio.sleep(0)
-        await actor.close()
-        with pytest.raises(GenerationFailed, match="stopped before serving group grp7"):
-            await queued
-        with pytest.raises(GenerationFailed, match="closed while sampling group grp6"):
-            await running
-        with pytest.raises(GenerationFailed, match="closed"):
-            await actor.generate(request(8))
-        gate.release.set()
-
-    asyncio.run(main())
+    await actor.close()
 
 
-def test_cancel_of_a_group_being_sampled_means_its_rows_are_never_written():
+async def test_actor_cancel_failure_and_close():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=1)
+    with pytest.raises(GenerationFailed, match="no weights"):
+        await actor.generate(request(0))  # refused before any update, delivered to the caller
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    busy = asyncio.create_task(actor.generate(request(1)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    cancelled = asyncio.create_task(actor.generate(request(2)))
+    later = asyncio.create_task(actor.generate(request(3)))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    gate.release.set()
+    await busy
+    await later
+    assert cancelled.cancelled()
+    assert gate.batches == [["grp1"], ["grp3"]]  # the cancelled queued request never ran
+    assert not (await storage.resident_keys()) & set(row_keys("grp2", 4))
+
+    # A failing batch fails its callers and the loop goes on serving.
+    def broken(requests):
+        raise RuntimeError("reward server down")
+
+    gate.inner = broken
+    with pytest.raises(GenerationFailed, match="reward server down"):
+        await actor.generate(request(4))
+    gate.inner = actor._core.__class__.generate.__get__(actor._core)
+    assert (await actor.generate(request(5))).group_id == "grp5"
+
+    # close fails what is queued and refuses new work
+    gate.release.clear()
+    gate.started.clear()
+    running = asyncio.create_task(actor.generate(request(6)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    queued = asyncio.create_task(actor.generate(request(7)))
+    await asyncio.sleep(0)
+    await actor.close()
+    with pytest.raises(GenerationFailed, match="stopped before serving group grp7"):
+        await queued
+    with pytest.raises(GenerationFailed, match="closed while sampling group grp6"):
+        await running
+    with pytest.raises(GenerationFailed, match="closed"):
+        await actor.generate(request(8))
+    gate.release.set()
+
+
+async def test_cancel_of_a_group_being_sampled_means_its_rows_are_never_written():
     """Issue 9, defect 2: a group cancelled while its batch samples must not be stored afterwards
     (the controller clears its keys right after the cancel returns). Checked by listing every key."""
 
-    async def main():
-        storage = InMemoryRowStorage()
-        actor = make_actor(storage, max_batch_groups=4)
-        await actor.update_weights(handle(0, seed=0))
-        gate = GatedCore(actor._core)
-        call = asyncio.create_task(actor.generate_many([request(1), request(2)]))
-        await asyncio.to_thread(gate.started.wait, 10)  # grp1 and grp2 are being sampled
-        assert await actor.cancel("grp1") is False  # nothing stored yet, and now nothing will be
-        gate.release.set()
-        results = await call
-        assert isinstance(results[0], GenerationFailed) and results[1].group_id == "grp2"
-        assert await storage.resident_keys() == set(row_keys("grp2", 4))
-        await actor.close()
-
-    asyncio.run(main())
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    call = asyncio.create_task(actor.generate_many([request(1), request(2)]))
+    await asyncio.to_thread(gate.started.wait, 10)  # grp1 and grp2 are being sampled
+    assert await actor.cancel("grp1") is False  # nothing stored yet, and now nothing will be
+    gate.release.set()
+    results = await call
+    assert isinstance(results[0], GenerationFailed) and results[1].group_id == "grp2"
+    assert await storage.resident_keys() == set(row_keys("grp2", 4))
+    await actor.close()
 
 
-def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_resume():
-    async def main():
-        storage = InMemoryRowStorage()
-        actor = make_actor(storage, max_batch_groups=1)
-        await actor.update_weights(handle(0, seed=0))
-        gate = GatedCore(actor._core)
-        running = asyncio.create_task(actor.generate(request(0)))
-        await asyncio.to_thread(gate.started.wait, 10)
-        pause = asyncio.create_task(actor.pause())
-        queued = asyncio.create_task(actor.generate(request(1)))
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not pause.done(), "pause returned while a batch was still sampling"
-        gate.release.set()
-        assert (await running).group_id == "grp0"
-        assert await pause == 1  # grp1 is queued, not served
-        await asyncio.sleep(0.3)  # real time for a (wrongly) unpaused loop to sample grp1 on its thread
-        assert not queued.done() and gate.batches == [["grp0"]]
-        await actor.resume()
-        assert (await asyncio.wait_for(queued, 10)).group_id == "grp1"
-        assert gate.batches == [["grp0"], ["grp1"]]
-        await actor.close()
-
-    asyncio.run(main())
+async def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_resume():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=1)
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    running = asyncio.create_task(actor.generate(request(0)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    pause = asyncio.create_task(actor.pause())
+    queued = asyncio.create_task(actor.generate(request(1)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not pause.done(), "pause returned while a batch was still sampling"
+    gate.release.set()
+    assert (await running).group_id == "grp0"
+    assert await pause == 1  # grp1 is queued, not served
+    await asyncio.sleep(0.3)  # real time for a (wrongly) unpaused loop to sample grp1 on its thread
+    assert not queued.done() and gate.batches == [["grp0"]]
+    await actor.resume()
+    assert (await asyncio.wait_for(queued, 10)).group_id == "grp1"
+    assert gate.batches == [["grp0"], ["grp1"]]
+    await actor.close()

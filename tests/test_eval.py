@@ -116,7 +116,7 @@ def hold(ctl, gens, prompt_id: str, until) -> None:
         g.generate = held
 
 
-def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None, on_step=None):
+async def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None, on_step=None):
     storage = KeySpyStorage()
     gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
     ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=prompts)
@@ -133,7 +133,7 @@ def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators
             leftover.extend(t for t in asyncio.all_tasks() if t is not asyncio.current_task())
 
     try:
-        summary, err = asyncio.run(go()), None
+        summary, err = await go(), None
     except RunFailed as e:
         summary, err = None, e
     assert leftover == [], f"tasks left behind: {leftover}"
@@ -153,20 +153,20 @@ def assert_points_served_by_their_version(ctl):
         assert {k: rec[k] for k in expected_point(v)} == expected_point(v), f"point v{v} mixes versions"
 
 
-def assert_eval_left_nothing(ctl, gens, trainer, storage):
+async def assert_eval_left_nothing(ctl, gens, trainer, storage):
     """Eval wrote no row, entered neither ledger, and no eval request is still in a worker."""
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
     rollout_keys = {k for g in gens for gid in g.generated for k in row_keys(gid, ctl.cfg.rollout.group_size)}
     assert storage.put_keys and storage.put_keys <= rollout_keys, "an eval request wrote rows"
     assert not any(r.group_id.startswith("eval") for r in ctl.state.ledger.all_records())
     assert not any(r.prompt.prompt_id.startswith("h") for r in ctl.state.prompts.records())
-    assert all(asyncio.run(g.in_flight()) == 0 for g in gens)
+    assert [await g.in_flight() for g in gens] == [0] * len(gens)
     assert ctl.eval_tracker.statistics().in_progress is False
     assert ctl.state.pumps["eval"].finished
 
 
-def test_eval_points_at_start_every_k_versions_and_end_each_served_by_one_version():
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(steps=12, every=4))
+async def test_eval_points_at_start_every_k_versions_and_end_each_served_by_one_version():
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(steps=12, every=4))
     assert err is None and summary.steps == 12
     versions = [r["eval/policy_version"] for r in ctl.eval_history]
     assert versions[0] == 0 and versions[-1] == 12, versions  # the start and the end of the run
@@ -179,15 +179,15 @@ def test_eval_points_at_start_every_k_versions_and_end_each_served_by_one_versio
     assert_points_served_by_their_version(ctl)
     served = Counter(v for g in gens for _, v in g.evaluated)
     assert sum(served.values()) == ctl.eval_tracker.statistics().requests
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_weight_update_during_eval_reissues_and_reports_one_version():
+async def test_weight_update_during_eval_reissues_and_reports_one_version():
     # h00003's first attempt of every round is held until training has moved two versions past
     # the round's start, so each round sees a newer version and must re-issue the rest.
     slow = EVAL_PROMPTS[3].prompt_id
     cfg = eval_cfg(steps=30, every=10)
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
     assert err is None and summary.steps == 30
     first = ctl.eval_history[0]
     assert first["eval/policy_version"] > 0 and first["eval/reissued"] >= len(EVAL_PROMPTS) - 1
@@ -195,10 +195,10 @@ def test_weight_update_during_eval_reissues_and_reports_one_version():
     assert len(round0) >= 2, "the first round was meant to straddle a weight update"
     assert ctl.eval_tracker.statistics().reissued > 0
     assert_points_served_by_their_version(ctl)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_without_reissue_a_point_mixes_versions(monkeypatch):
+async def test_without_reissue_a_point_mixes_versions(monkeypatch):
     # The pre-fix behaviour (every result counts, whatever version served it) in the same run
     # reports a point whose results came from two versions: the check above can fail.
     import pumps.eval as ev
@@ -211,28 +211,28 @@ def test_without_reissue_a_point_mixes_versions(monkeypatch):
 
     monkeypatch.setattr(ev, "_round", lax_round)
     slow = EVAL_PROMPTS[3].prompt_id
-    ctl, *_ = run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
+    ctl, *_ = await run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
     with pytest.raises(AssertionError, match="mixes versions"):
         assert_points_served_by_their_version(ctl)
 
 
-def test_generation_failure_during_eval_is_reissued():
+async def test_generation_failure_during_eval_is_reissued():
     bad = EVAL_PROMPTS[2].prompt_id  # fails on its first attempt in every round
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(), Faults(gen_fail={(bad, 0)}))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(), Faults(gen_fail={(bad, 0)}))
     assert err is None and summary.steps == 12
     st = ctl.eval_tracker.statistics()
     assert st.failed == 0 and st.request_failures == st.rounds == len(ctl.eval_history) >= 3
     assert all(r["eval/failures"] == 1 for r in ctl.eval_history)
     assert_points_served_by_their_version(ctl)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_generation_worker_death_during_eval_reissues_uncharged():
+async def test_generation_worker_death_during_eval_reissues_uncharged():
     # sim-gen-0 dies when its first rollout group is done, while its share of the first round's
     # eval requests waits behind it: they fail with GenerationWorkerDied and are re-issued to
     # sim-gen-1 (eval.max_retries = 0: a charged failure would abandon the round).
     cfg = eval_cfg(steps=8, every=4, eval={"max_retries": 0}, rollout={"max_worker_restarts": 2})
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, Faults(die_after={"sim-gen-0": 1}), gen_s=0.01)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, Faults(die_after={"sim-gen-0": 1}), gen_s=0.01)
     assert err is None and summary.steps == 8
     st = ctl.eval_tracker.statistics()
     assert ctl.state.worker_deaths == 1 and gens[0].restarts == 1
@@ -241,51 +241,51 @@ def test_generation_worker_death_during_eval_reissues_uncharged():
     assert any(gid.startswith("eval0-") and not gid.endswith("-a0") for gid in first_round), "nothing was re-issued"
     assert [r["eval/policy_version"] for r in ctl.eval_history][-1] == 8
     assert_points_served_by_their_version(ctl)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_eval_request_failing_past_retries_abandons_the_round_not_the_run():
+async def test_eval_request_failing_past_retries_abandons_the_round_not_the_run():
     bad = EVAL_PROMPTS[2].prompt_id
     faults = Faults(gen_fail={(bad, a) for a in range(3)})  # eval.max_retries = 2: the 3rd failure gives up
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(eval={"max_retries": 2}), faults)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(eval={"max_retries": 2}), faults)
     assert err is None and summary.steps == 12  # training went on
     st = ctl.eval_tracker.statistics()
     assert ctl.eval_history == [] and st.failed >= 3 and "failed 3 times" in st.last_failure
     assert ctl.state.pumps["eval"].errors == st.failed
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_stalled_eval_request_hits_its_deadline_and_is_reissued():
+async def test_stalled_eval_request_hits_its_deadline_and_is_reissued():
     stuck = EVAL_PROMPTS[1].prompt_id
     cfg = eval_cfg(steps=6, every=3, timeouts={"generate_s": 0.2})
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, Faults(gen_stall={(stuck, 0)}))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, Faults(gen_stall={(stuck, 0)}))
     assert err is None and summary.steps == 6
     assert ctl.eval_history and all(r["eval/failures"] == 1 for r in ctl.eval_history)
     assert_points_served_by_their_version(ctl)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_run_end_during_eval_reports_the_final_version_and_ends():
+async def test_run_end_during_eval_reports_the_final_version_and_ends():
     # The first round's held request outlives training: the round follows the versions to the
     # final one, which is then the end-of-run point; nothing hangs waiting for more updates.
     slow = EVAL_PROMPTS[0].prompt_id
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.train_done))
     assert err is None and summary.steps == 5
     assert [r["eval/policy_version"] for r in ctl.eval_history] == [5]
     assert ctl.eval_history[0]["eval/trainer_version"] == 5
     assert_points_served_by_their_version(ctl)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_early_stop_during_eval_still_evaluates_the_final_version():
+async def test_early_stop_during_eval_still_evaluates_the_final_version():
     cfg = eval_cfg(steps=50, every=100, run={"stop_at_success_rate": 0.0, "success_window": 2})
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.train_done))
     assert err is None and summary.steps == 2
     assert ctl.eval_history[-1]["eval/policy_version"] == 2
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
-def test_interrupt_during_eval_stops_without_a_last_round():
+async def test_interrupt_during_eval_stops_without_a_last_round():
     # The first round waits (a held request) when the run is interrupted after step 2: the round
     # is dropped, no end-of-run round starts, and the run stops on its last finished step.
     def interrupt(ctl, rec):
@@ -293,28 +293,28 @@ def test_interrupt_during_eval_stops_without_a_last_round():
             ctl.state.request_stop("interrupted", abandon_open_step=True)
 
     cfg = eval_cfg(steps=20, every=2)
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: False), on_step=interrupt)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: False), on_step=interrupt)
     assert err is None and 3 <= summary.steps < 20
     assert ctl.eval_history == [] and ctl.eval_tracker.statistics().failed == 0
     assert ctl.eval_tracker.statistics().requests == len(EVAL_PROMPTS)  # one round, never re-issued
-    assert_clean_end(ctl, trainer, storage)
+    await assert_clean_end(ctl, trainer, storage)
     assert ctl.state.pumps["eval"].finished
 
 
-def test_run_failure_during_eval_cancels_it_and_leaves_nothing():
+async def test_run_failure_during_eval_cancels_it_and_leaves_nothing():
     stuck = EVAL_PROMPTS[0].prompt_id  # would stall past the whole test: only cancellation ends it
     faults = Faults(gen_stall={(stuck, 0)}, train_fail={(1, 0, a) for a in range(3)})
     cfg = eval_cfg(steps=6, timeouts={"generate_s": 60}, train={"max_step_retries": 2})
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, faults, timeout=20)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, faults, timeout=20)
     assert isinstance(err, RunFailed) and err.pump == "train"
     assert ctl.eval_history == []
-    assert_clean_end(ctl, trainer, storage)
-    assert all(asyncio.run(g.in_flight()) == 0 for g in gens)
+    await assert_clean_end(ctl, trainer, storage)
+    assert [await g.in_flight() for g in gens] == [0] * len(gens)
     assert storage.put_keys <= {k for g in gens for gid in g.generated for k in row_keys(gid, ctl.cfg.rollout.group_size)}
 
 
-def test_eval_off_adds_no_pump():
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(make_cfg(steps=3), prompts=())
+async def test_eval_off_adds_no_pump():
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(make_cfg(steps=3), prompts=())
     assert err is None and "eval" not in ctl.state.pumps and ctl.statistics().eval is None
     assert all(g.evaluated == [] for g in gens)
 
@@ -327,49 +327,43 @@ def test_eval_on_without_prompts_is_refused():
 
 
 # -- the workers' eval lane ----------------------------------------------------------------------
-def test_priority_lock_serves_lower_priority_first_fifo_within():
-    async def main():
-        lock, order = PriorityLock(), []
-        await lock.acquire(1)
+async def test_priority_lock_serves_lower_priority_first_fifo_within():
+    lock, order = PriorityLock(), []
+    await lock.acquire(1)
 
-        async def take(tag, prio):
-            await lock.acquire(prio)
-            order.append(tag)
-            lock.release()
-
-        tasks = [asyncio.create_task(take(t, p)) for t, p in [("r1", 1), ("r2", 1), ("e1", 0), ("x", 0), ("e2", 0)]]
-        await asyncio.sleep(0)
-        tasks[3].cancel()  # a cancelled waiter is skipped
+    async def take(tag, prio):
+        await lock.acquire(prio)
+        order.append(tag)
         lock.release()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert order == ["e1", "e2", "r1", "r2"]
 
-    asyncio.run(main())
+    tasks = [asyncio.create_task(take(t, p)) for t, p in [("r1", 1), ("r2", 1), ("e1", 0), ("x", 0), ("e2", 0)]]
+    await asyncio.sleep(0)
+    tasks[3].cancel()  # a cancelled waiter is skipped
+    lock.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == ["e1", "e2", "r1", "r2"]
 
 
-def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothing():
-    async def main():
-        storage = InMemoryRowStorage()
-        w = SimGenerationWorker("g", storage, group_s=0.005)
-        sp = SamplingParams(2, max_new_tokens=3)
-        rollouts = [GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2)) for i in range(4)]
-        done: list[str] = []
+async def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothing():
+    storage = InMemoryRowStorage()
+    w = SimGenerationWorker("g", storage, group_s=0.005)
+    sp = SamplingParams(2, max_new_tokens=3)
+    rollouts = [GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2)) for i in range(4)]
+    done: list[str] = []
 
-        async def go(req):
-            res = await w.generate(req)
-            done.append(res.group_id)
-            return res
+    async def go(req):
+        res = await w.generate(req)
+        done.append(res.group_id)
+        return res
 
-        tasks = [asyncio.create_task(go(r)) for r in rollouts]
-        await asyncio.sleep(0.001)  # p0 is being generated, p1..p3 queue
-        ev = GenerationRequest("eval0-h1-a0", Prompt("h1", (1, 2)), SamplingParams(3, temperature=0.0), eval=True)
-        res = await go(ev)
-        await asyncio.gather(*tasks)
-        assert done[:2] == ["p0-a0", "eval0-h1-a0"]
-        assert res.rewards == sim_eval_rewards("h1", 0, 3) and (res.version_start, res.version_end) == (0, 0)
-        assert storage.statistics().rows_put == 8 and w.evaluated == [("eval0-h1-a0", 0)]
-
-    asyncio.run(main())
+    tasks = [asyncio.create_task(go(r)) for r in rollouts]
+    await asyncio.sleep(0.001)  # p0 is being generated, p1..p3 queue
+    ev = GenerationRequest("eval0-h1-a0", Prompt("h1", (1, 2)), SamplingParams(3, temperature=0.0), eval=True)
+    res = await go(ev)
+    await asyncio.gather(*tasks)
+    assert done[:2] == ["p0-a0", "eval0-h1-a0"]
+    assert res.rewards == sim_eval_rewards("h1", 0, 3) and (res.version_start, res.version_end) == (0, 0)
+    assert storage.statistics().rows_put == 8 and w.evaluated == [("eval0-h1-a0", 0)]
 
 
 def test_eval_request_carries_no_row_keys():
@@ -387,7 +381,7 @@ def _cpu_core(storage, version=0):
     return GenerationCore(model, storage, "single_controller.tasks:positional_match_reward", seed=0, version=version), model
 
 
-def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
+async def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
     from single_controller.backends.cpu.sampling import sample
     from single_controller.tasks import positional_match_reward
 
@@ -399,7 +393,7 @@ def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
     evals = [GenerationRequest(f"eval0-{p.prompt_id}-a0", p, greedy, eval=True) for p in prompts]
     results = core.generate([evals[0], rollout, *evals[1:]])
     assert storage.statistics().puts == 1 and storage.statistics().rows_put == 4
-    assert set(asyncio.run(storage.resident_keys())) == set(row_keys("g0", 4))
+    assert set(await storage.resident_keys()) == set(row_keys("g0", 4))
     out = sample(model, torch.tensor([p.token_ids for p in prompts]), max_new_tokens=3, greedy=True)
     for i, (p, res) in enumerate(zip(prompts, [results[0], *results[2:]])):
         text = TOKENIZER.decode(out.row(i)[0].tolist())
@@ -410,7 +404,7 @@ def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
     assert core.statistics().eval_requests == 6 and core.statistics().groups == 1
 
 
-def test_cpu_actor_takes_the_eval_lane_first():
+async def test_cpu_actor_takes_the_eval_lane_first():
     from single_controller.backends.cpu.generation import GenerationActor
     from single_controller.backends.cpu.trainer import pack_weights
     from single_controller.config import ModelConfig
@@ -419,29 +413,26 @@ def test_cpu_actor_takes_the_eval_lane_first():
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from test_cpu_generation import GatedCore, request
 
-    async def main():
-        storage = InMemoryRowStorage()
-        actor = GenerationActor("gen-eval", ModelConfig(), lambda: storage, "single_controller.tasks:positional_match_reward", max_batch_groups=4)
-        _, model = _cpu_core(storage)
-        snap = pack_weights(model, 0)
-        await actor.update_weights(WeightsHandle(0, snap, snap.manifest.num_bytes))
-        gate = GatedCore(actor._core)
-        first = asyncio.create_task(actor.generate(request(0)))
-        await asyncio.to_thread(gate.started.wait, 10)
-        queued = [asyncio.create_task(actor.generate(request(i))) for i in range(1, 7)]
-        greedy = SamplingParams(1, temperature=0.0)
-        evals = [asyncio.create_task(actor.generate(GenerationRequest(f"eval0-{p.prompt_id}-a0", p, greedy, eval=True))) for p in EVAL_PROMPTS[:2]]
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert await actor.in_flight() == 9
-        gate.release.set()
-        await asyncio.gather(first, *queued, *evals)
-        # an eval request (1 row) weighs 1/4 of a rollout group (4 rows): 2 of them + 3 groups fit in 4
-        assert gate.batches[1] == ["eval0-h00000-a0", "eval0-h00001-a0", "grp1", "grp2", "grp3"]
-        assert storage.statistics().rows_put == 7 * 4  # the eval requests stored nothing
-        await actor.close()
-
-    asyncio.run(main())
+    storage = InMemoryRowStorage()
+    actor = GenerationActor("gen-eval", ModelConfig(), lambda: storage, "single_controller.tasks:positional_match_reward", max_batch_groups=4)
+    _, model = _cpu_core(storage)
+    snap = pack_weights(model, 0)
+    await actor.update_weights(WeightsHandle(0, snap, snap.manifest.num_bytes))
+    gate = GatedCore(actor._core)
+    first = asyncio.create_task(actor.generate(request(0)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    queued = [asyncio.create_task(actor.generate(request(i))) for i in range(1, 7)]
+    greedy = SamplingParams(1, temperature=0.0)
+    evals = [asyncio.create_task(actor.generate(GenerationRequest(f"eval0-{p.prompt_id}-a0", p, greedy, eval=True))) for p in EVAL_PROMPTS[:2]]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert await actor.in_flight() == 9
+    gate.release.set()
+    await asyncio.gather(first, *queued, *evals)
+    # an eval request (1 row) weighs 1/4 of a rollout group (4 rows): 2 of them + 3 groups fit in 4
+    assert gate.batches[1] == ["eval0-h00000-a0", "eval0-h00001-a0", "grp1", "grp2", "grp3"]
+    assert storage.statistics().rows_put == 7 * 4  # the eval requests stored nothing
+    await actor.close()
 
 
 # -- config ----------------------------------------------------------------------------------------
@@ -473,10 +464,10 @@ def test_eval_dataset_with_no_prompts_or_no_held_out_split_is_refused(monkeypatc
 
 
 # -- what it leaves: metrics.jsonl records, Prometheus, curves.png, the console -------------------
-def test_prometheus_exports_the_last_eval_point():
+async def test_prometheus_exports_the_last_eval_point():
     from single_controller.metrics import families
 
-    ctl, *_ = run_eval_sim(eval_cfg(steps=4, every=2))
+    ctl, *_ = await run_eval_sim(eval_cfg(steps=4, every=2))
     samples = {s.name: s for fam in families(ctl.statistics()) for s in fam.samples}
     last = ctl.eval_history[-1]
     assert samples["sc_grpo_eval_accuracy"].value == last["eval/accuracy"]
@@ -484,16 +475,16 @@ def test_prometheus_exports_the_last_eval_point():
     assert samples["sc_grpo_eval_policy_version"].value == 4
     assert samples["sc_grpo_eval_rounds_total"].value == len(ctl.eval_history)
     assert samples["sc_grpo_eval_in_progress"].value == 0
-    off, *_ = run_eval_sim(make_cfg(steps=2), prompts=())
+    off, *_ = await run_eval_sim(make_cfg(steps=2), prompts=())
     assert not any(s.name.startswith("sc_grpo_eval") for fam in families(off.statistics()) for s in fam.samples)
 
 
-def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
+async def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
     import io
 
     from single_controller.run_output import ConsoleReporter, RunDirectory, is_eval_record
 
-    ctl, *_ = run_eval_sim(eval_cfg(steps=6, every=3))
+    ctl, *_ = await run_eval_sim(eval_cfg(steps=6, every=3))
     records = sorted([*ctl.history, *ctl.eval_history], key=lambda r: r["time/wall_s"])
     with RunDirectory(Config(run=RunConfig(output_dir=str(tmp_path), plot=True))) as rd:
         for r in records:
@@ -550,14 +541,14 @@ def test_embedded_run_with_eval_reports_accuracy_rising_from_zero(tmp_path):
     assert (run_dir / "curves.png").exists()
 
 
-def test_status_shows_the_last_eval_point():
+async def test_status_shows_the_last_eval_point():
     from prometheus_client.exposition import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
     from single_controller.metrics import ControllerCollector, parse_metrics
     from single_controller.status import render
 
-    ctl, *_ = run_eval_sim(eval_cfg(steps=4, every=2))
+    ctl, *_ = await run_eval_sim(eval_cfg(steps=4, every=2))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControllerCollector(ctl.statistics))
     text = render(parse_metrics(generate_latest(registry).decode()), "http://x")
@@ -577,7 +568,7 @@ def test_status_shows_the_last_eval_point():
     eval_delay=st.dictionaries(st.integers(0, 7), st.integers(1, 30), max_size=3),
     gen_fail=st.sets(st.integers(0, 20), max_size=3),
 )
-def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every, samples, num_generators, eval_fail, eval_delay, gen_fail):
+async def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every, samples, num_generators, eval_fail, eval_delay, gen_fail):
     cfg = make_cfg(
         steps=6, L=L, eval={"enabled": True, "every_steps": every, "num_prompts": 8, "num_samples": samples,
                             "temperature": 1.0, "max_retries": 2},
@@ -587,14 +578,14 @@ def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every
         gen_fail={(ids[i], a) for i, a in eval_fail} | {(f"p{i:06d}", 0) for i in gen_fail},
         gen_delay={(ids[i], 0): ms * 0.001 for i, ms in eval_delay.items()},
     )
-    ctl, gens, trainer, storage, summary, err = run_eval_sim(cfg, faults, num_generators=num_generators, timeout=20)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, faults, num_generators=num_generators, timeout=20)
     assert err is None and summary.steps == 6
     assert ctl.eval_history and ctl.eval_history[-1]["eval/policy_version"] == 6  # at most 2 failures each: never abandoned
     for rec in ctl.eval_history:
         v = rec["eval/policy_version"]
         res = [GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, v, samples), (3,) * samples, 5, v, v) for p in EVAL_PROMPTS]
         assert {k: rec[k] for k in eval_metrics(res, 1.0)} == eval_metrics(res, 1.0)
-    assert_eval_left_nothing(ctl, gens, trainer, storage)
+    await assert_eval_left_nothing(ctl, gens, trainer, storage)
 
 
 def test_resume_drops_eval_points_that_will_be_measured_again(tmp_path):

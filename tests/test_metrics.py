@@ -302,7 +302,7 @@ def test_scrape_errors_surface_as_http_errors():
 
 # ---------------------------------------------------------------------------------------------
 # (b) the controller on the sim backend, scraped over HTTP
-def test_sim_run_scraped_over_http():
+async def test_sim_run_scraped_over_http():
     async def go():
         storage = InMemoryRowStorage()
         gate = asyncio.Event()
@@ -322,7 +322,7 @@ def test_sim_run_scraped_over_http():
             await asyncio.to_thread(server.stop)
         return summary, before, after, trainer
 
-    summary, before, m, trainer = asyncio.run(go())
+    summary, before, m, trainer = await go()
     # Mid-run (generation gated): every slot reserved, in flight on version 0, nothing trained yet.
     assert value(before, "sc_grpo_buffer_groups", state="reserved") == CAPACITY
     assert value(before, "sc_grpo_buffer_capacity_groups") == CAPACITY
@@ -358,7 +358,7 @@ def test_sim_run_scraped_over_http():
     assert value(m, "sc_grpo_step_last_duration_seconds") == last["time/step_s"]
 
 
-def test_generation_stall_grows_the_train_pumps_wait_and_fires_the_stall_condition():
+async def test_generation_stall_grows_the_train_pumps_wait_and_fires_the_stall_condition():
     async def go():
         clock = FakeClock()
         storage = InMemoryRowStorage()
@@ -383,7 +383,7 @@ def test_generation_stall_grows_the_train_pumps_wait_and_fires_the_stall_conditi
             await asyncio.to_thread(server.stop)
         return at_start, stalled, done, rc, out.getvalue()
 
-    at_start, stalled, done, rc, shown = asyncio.run(go())
+    at_start, stalled, done, rc, shown = await go()
     assert value(at_start, "sc_grpo_pump_current_wait_seconds", pump="train", on="ready groups") == 0.0
     assert stall_alert_firing(at_start) == set()
     # The wait in progress is exactly the time the clock moved, on what the train pump awaits.
@@ -417,7 +417,7 @@ class BlockingTrainer(SimTrainerGroup):
         await super().train_microbatch(chunk)
 
 
-def test_stalled_trainer_fills_the_buffer_to_capacity():
+async def test_stalled_trainer_fills_the_buffer_to_capacity():
     async def go():
         clock = FakeClock()
         storage = InMemoryRowStorage()
@@ -444,7 +444,7 @@ def test_stalled_trainer_fills_the_buffer_to_capacity():
             await asyncio.to_thread(server.stop)
         return first, full, done
 
-    first, full, done = asyncio.run(go())
+    first, full, done = await go()
     assert value(full, "sc_grpo_buffer_resident_groups") == value(full, "sc_grpo_buffer_capacity_groups") == CAPACITY
     # The first chunk (at least min_groups_per_chunk = 4, at most a step) is on the blocked trainer;
     # every other slot holds a ready group.
