@@ -151,6 +151,8 @@ class SimGenerationWorker:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self._check_alive()
+        if self.name not in self.faults.die_after:  # it cannot die mid-request: no death watch
+            return await self._generate(request)
         death = asyncio.ensure_future(self._died().wait())
         work = asyncio.ensure_future(self._generate(request))
         try:
