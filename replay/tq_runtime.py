@@ -297,15 +297,16 @@ def stop_tq(timeout_s: float = 60.0) -> None:
             _drop_client()
 
 
-def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig):  # -> TQRowStorage
-    """Start or attach (per `cfg.attach`) and return the row storage of `cfg.partition`."""
+def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None):  # -> TQRowStorage
+    """Start or attach (per `cfg.attach`) and return the row storage of `partition` (default
+    `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`)."""
     from replay.tq_storage import TQRowStorage
 
     if cfg.attach:
         attach_tq(timeouts.setup_s)
     else:
         start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s)
-    return TQRowStorage(cfg.partition, timeout_s=timeouts.storage_s)
+    return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s)
 
 
 def _drop_client() -> None:

@@ -291,6 +291,16 @@ class TQRowStorage:
     async def resident_keys(self) -> set[str]:
         return set(await self.list_rows())
 
+    async def drop_partition_if_empty(self) -> bool:
+        """Remove this partition from TQ's controller when it holds no key (a run sharing a TQ that
+        outlives it leaves nothing behind); returns whether it did. Never touches a key."""
+        if await self.list_rows():
+            return False
+        if self.partition not in await self._call(tq.get_client().async_get_partition_list(), "TQ partition list"):
+            return False
+        await self._call(tq.get_client().async_clear_partition(self.partition), f"TQ clear_partition({self.partition!r})")
+        return True
+
     def statistics(self) -> StorageStatistics:
         with self._lock:
             resident = len(self._resident) if self._resident is not None else -1
