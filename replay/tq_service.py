@@ -29,7 +29,7 @@ NAMESPACE = "sc-grpo-storage"
 def _connect(address: str) -> None:
     from single_controller.ray_runtime import prepare_environment
 
-    prepare_environment()
+    prepare_environment(local=False)
     import logging
 
     import ray

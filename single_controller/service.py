@@ -263,15 +263,19 @@ class ControllerService:
         }
 
     def _placement(self) -> dict:
-        """Where this run's processes ran: the controller's node and each trainer rank's (Ray node ids)."""
-        out: dict[str, Any] = {"controller_node": None, "trainer_nodes": []}
+        """Where this run's processes ran: its Ray namespace, the controller's node and each trainer
+        rank's (Ray node ids)."""
+        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": []}
         if self.cfg.backend.generation == "sim":
             return out
+        import ray
+
         from single_controller.backends.rank_calls import node_info
 
         try:
             out["controller_node"] = node_info()["node_id"]
-        except Exception:  # not in a Ray worker (tests driving the service in-process)
+            out["ray_namespace"] = ray.get_runtime_context().namespace
+        except Exception:  # Ray is not initialized here (tests driving the service in-process)
             pass
         trainer = self._workers[1] if self._workers is not None else None
         out["trainer_nodes"] = [n["node_id"] for n in getattr(trainer, "rank_nodes", [])]

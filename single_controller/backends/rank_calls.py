@@ -125,6 +125,7 @@ async def place_ranks(placement: str, world: int, bundle: Mapping[str, float], t
             f"backend.num_trainer_ranks, or use backend.trainer_placement=pack"
         )
     group = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_SPREAD")
+    timeout_s = timeout_s / 2  # within the caller's setup deadline, so this error is the one reported
     try:
         await within(group.ready(), timeout_s, f"a STRICT_SPREAD placement group of {world} x {dict(bundle)} (trainer ranks)")
     except DeadlineExceeded as e:
