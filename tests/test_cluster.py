@@ -206,15 +206,40 @@ def _run_cmd(tmp: Path, name: str, address: str, *overrides: str) -> list[str]:
     ]
 
 
-def _scrape_when_printed(run: Lines, found: dict, timeout: float) -> None:
-    """On the `metrics on URL` line, fetch that URL at once (the run is starting to train)."""
+def _fetch(url: str) -> dict:
     try:
-        line = run.wait_for("metrics on ", timeout)
-        url = line.split("metrics on ", 1)[1].strip()
         with urllib.request.urlopen(url, timeout=10) as resp:
-            found["url"], found["status"], found["body"] = url, resp.status, resp.read().decode()
+            return {"url": url, "status": resp.status, "body": resp.read().decode()}
     except Exception as e:  # reported by the test's assertion
-        found["error"] = f"{type(e).__name__}: {e}"
+        return {"url": url, "error": f"{type(e).__name__}: {e}"}
+
+
+def _metrics_urls_while_both_serve(runs: list[Lines], timeout: float) -> list[dict]:
+    """Scrape both runs' printed metrics URLs while both serve. Whichever run prints its URL first
+    has its driver held (SIGSTOP: its controller actor, and the metrics server in it, run on, but
+    the run cannot end) until the other has printed its own; then both URLs are fetched."""
+    urls: list[str | None] = [None, None]
+    printed = [threading.Event(), threading.Event()]
+
+    def watch(i: int) -> None:
+        try:
+            urls[i] = runs[i].wait_for("metrics on ", timeout).split("metrics on ", 1)[1].strip()
+        finally:
+            printed[i].set()
+
+    for i in range(2):
+        threading.Thread(target=watch, args=(i,), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not any(e.is_set() for e in printed) and time.monotonic() < deadline:
+        time.sleep(0.02)  # test code: waiting for a subprocess's output line
+    first = 0 if printed[0].is_set() else 1
+    os.kill(runs[first].proc.pid, signal.SIGSTOP)
+    try:
+        printed[1 - first].wait(max(0.0, deadline - time.monotonic()))
+        assert None not in urls, f"a run printed no metrics URL: {urls}\n" + "\n".join(r.tail(20) for r in runs)
+        return [_fetch(url) for url in urls]
+    finally:
+        os.kill(runs[first].proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -256,13 +281,8 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
         Lines(_run_cmd(tmp_path, "b", cluster.address, *common), cwd=tmp_path, env=env),
     ]
     try:
-        scrapes: list[dict] = [{}, {}]
-        scrapers = [threading.Thread(target=_scrape_when_printed, args=(r, f, 240), daemon=True) for r, f in zip(runs, scrapes)]
-        for s in scrapers:
-            s.start()
+        scrapes = _metrics_urls_while_both_serve(runs, 240)
         codes = [r.proc.wait(timeout=300) for r in runs]
-        for s in scrapers:
-            s.join(5)
     finally:
         for r in runs:
             if r.proc.poll() is None:
@@ -284,7 +304,7 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
         assert sa[key] != sb[key], key
     assert sa["placement"]["ray_namespace"] != sb["placement"]["ray_namespace"]
     assert sa["storage_partition"] == f"rollout-{sa['run_id']}"
-    # each printed URL is the one that served; both asked for 19464, so one moved to a later port
+    # each printed URL is the one that served, both at once; both asked for 19464, so one moved on
     for s, scrape in zip(summaries, scrapes):
         assert "error" not in scrape, scrape
         assert scrape["url"] == s["metrics_url"] and scrape["status"] == 200
