@@ -42,11 +42,11 @@ def serve(address: str, storage_units: int, timeout_s: float) -> int:
     from single_controller.deadlines import DeadlineExceeded
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    _connect(address)
     import ray
 
-    _connect(address)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
+        signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
             info = start_tq(storage_units, timeout_s=timeout_s)

@@ -296,9 +296,15 @@ class TQRowStorage:
         outlives it leaves nothing behind); returns whether it did. Never touches a key."""
         if await self.list_rows():
             return False
-        if self.partition not in await self._call(tq.get_client().async_get_partition_list(), "TQ partition list"):
+        client = tq.get_client()
+        if self.partition not in await self._call(client.async_get_partition_list(), "TQ partition list"):
             return False
-        await self._call(tq.get_client().async_clear_partition(self.partition), f"TQ clear_partition({self.partition!r})")
+        # TQ 0.1.11's public clear_partition() skips a partition without samples ("non-existent"), so
+        # ask the controller directly to drop its (empty) metadata, as clear_partition does last.
+        drop = getattr(client, "_clear_partition_in_controller", None)
+        if drop is None:
+            return False
+        await self._call(drop(self.partition), f"TQ drop of the empty partition {self.partition!r}")
         return True
 
     def statistics(self) -> StorageStatistics:
