@@ -265,7 +265,7 @@ class ControllerService:
     def _placement(self) -> dict:
         """Where this run's processes ran: its Ray namespace, the controller's node and each trainer
         rank's (Ray node ids)."""
-        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": []}
+        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": [], "trainer_node_ips": []}
         if self.cfg.backend.generation == "sim":
             return out
         import ray
@@ -279,6 +279,7 @@ class ControllerService:
             pass
         trainer = self._workers[1] if self._workers is not None else None
         out["trainer_nodes"] = [n["node_id"] for n in getattr(trainer, "rank_nodes", [])]
+        out["trainer_node_ips"] = [n["node_ip"] for n in getattr(trainer, "rank_nodes", [])]
         return out
 
     async def next_records(self, cursor: int) -> tuple[list[dict], bool]:

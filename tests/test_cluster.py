@@ -128,7 +128,7 @@ class Cluster:
         ]
         self.nodes.append(Lines(head, cwd=self.tmp, env=self.env))
         self.nodes[0].wait_for("Ray runtime started", START_S)
-        second = ray + [f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=2", '--resources={"node_b": 1}', *self._ports()]
+        second = ray + [f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=3", '--resources={"node_b": 1}', *self._ports()]
         self.nodes.append(Lines(second, cwd=self.tmp, env=self.env))
         self.nodes[1].wait_for("Ray runtime started", START_S)
 
@@ -299,6 +299,7 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
     # A's two ranks ran on the two nodes (they met at rank 0's node address)
     assert len(sa["placement"]["trainer_nodes"]) == 2
     assert len(set(sa["placement"]["trainer_nodes"])) == 2, sa["placement"]
+    assert sa["placement"]["trainer_node_ips"] == ["127.0.0.1", "127.0.0.1"]  # the nodes' registered address
     # nothing shared between the runs: run ids, Ray namespaces, TQ partitions, metrics URLs
     for key in ("run_id", "storage_partition", "metrics_url"):
         assert sa[key] != sb[key], key

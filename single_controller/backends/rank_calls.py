@@ -12,8 +12,8 @@ reserves a STRICT_SPREAD placement group, one bundle per rank, so no two ranks s
 cluster that cannot do that is refused with `TrainerPlacementError` naming its nodes: at once when
 it has fewer alive nodes than ranks, else when the group is not placed within the deadline.
 
-Rendezvous: rank actors expose `node_address()` (this node's IP as Ray sees it and a port free on
-that IP) and `node_info()`; `rendezvous(rank0)` asks rank 0 for its address, which every rank then
+Rendezvous: rank actors expose `node_address()` (the IP this node registered with the cluster and a
+port free on that IP) and `node_info()`; `rendezvous(rank0)` asks rank 0 for its address, which every rank then
 uses as MASTER_ADDR / MASTER_PORT. Nothing assumes the ranks share a host.
 """
 
@@ -71,15 +71,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_ip() -> str:
+    """The address this node registered with the cluster (what other nodes reach it at). Not
+    `ray.util.get_node_ip_address()`: in a worker process that may guess another interface (e.g.
+    eth0 for a node started with --node-ip-address=127.0.0.1)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n.get("NodeID") == node_id and n.get("NodeManagerAddress"):
+            return n["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
 def node_address() -> tuple[str, int]:
-    """(this node's IP as Ray sees it, a port free on that IP): a rank 0's rendezvous address."""
-    ip = ray.util.get_node_ip_address()
+    """(this node's registered IP, a port free on that IP): a rank 0's rendezvous address."""
+    ip = node_ip()
     return ip, free_port(ip)
 
 
 def node_info() -> dict[str, str]:
     """Where the calling actor runs: {"node_id", "node_ip"}."""
-    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip()}
 
 
 async def rendezvous(rank0: Any) -> tuple[str, int]:
