@@ -299,7 +299,7 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
     # A's two ranks ran on the two nodes (they met at rank 0's node address)
     assert len(sa["placement"]["trainer_nodes"]) == 2
     assert len(set(sa["placement"]["trainer_nodes"])) == 2, sa["placement"]
-    assert sa["placement"]["trainer_node_ips"] == ["127.0.0.1", "127.0.0.1"]  # the nodes' registered address
+    assert len(sa["placement"]["trainer_node_ips"]) == 2 and all(sa["placement"]["trainer_node_ips"])
     # nothing shared between the runs: run ids, Ray namespaces, TQ partitions, metrics URLs
     for key in ("run_id", "storage_partition", "metrics_url"):
         assert sa[key] != sb[key], key

@@ -12,9 +12,10 @@ reserves a STRICT_SPREAD placement group, one bundle per rank, so no two ranks s
 cluster that cannot do that is refused with `TrainerPlacementError` naming its nodes: at once when
 it has fewer alive nodes than ranks, else when the group is not placed within the deadline.
 
-Rendezvous: rank actors expose `node_address()` (the IP this node registered with the cluster and a
-port free on that IP) and `node_info()`; `rendezvous(rank0)` asks rank 0 for its address, which every rank then
-uses as MASTER_ADDR / MASTER_PORT. Nothing assumes the ranks share a host.
+Rendezvous: `rendezvous(rank0)` has rank 0 open a torch TCPStore on the IP its node registered
+with the cluster (`node_address()`, actor side) and returns that address; every rank then joins
+the group through it (`join_store` -> `init_process_group(store=...)`). Nothing assumes the ranks
+share a host. `node_info()` says where an actor runs.
 """
 
 from __future__ import annotations
@@ -82,10 +83,37 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+_MASTER_STORE: list = []  # rank 0's TCPStore, opened by node_address() before any rank connects
+
+
 def node_address() -> tuple[str, int]:
-    """(this node's registered IP, a port free on that IP): a rank 0's rendezvous address."""
+    """Rank 0: open the group's rendezvous (a torch TCPStore server) on this node's registered IP
+    and a port it picks, and return (ip, port). Listening before any other rank is told where, so
+    none of them meets a refused connection (torch's retry backoff then sleeps up to a minute)."""
+    import datetime
+
+    import torch.distributed as dist
+
     ip = node_ip()
-    return ip, free_port(ip)
+    _MASTER_STORE.clear()
+    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+    _MASTER_STORE.append(store)
+    return ip, store.port
+
+
+def join_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float):
+    """The rendezvous store for `dist.init_process_group(store=...)`: rank 0's own (from
+    `node_address`, or opened now at the given address), a client of it elsewhere."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        if _MASTER_STORE:
+            return _MASTER_STORE[0]
+        return dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
 
 
 def node_info() -> dict[str, str]:

@@ -41,6 +41,7 @@ from single_controller.backends.rank_calls import (
     RankPlacement,
     first_line,
     free_port,
+    join_store,
     node_address,
     node_info,
     place_ranks,
@@ -94,10 +95,9 @@ class TrainerRankActor:
         self.storage.connect()
         pg = None
         if self.world_size > 1:
-            os.environ["MASTER_ADDR"] = str(master_addr)
-            os.environ["MASTER_PORT"] = str(master_port)
+            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
             dist.init_process_group(
-                "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
             )
             pg = dist.group.WORLD
         device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")

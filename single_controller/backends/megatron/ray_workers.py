@@ -35,6 +35,7 @@ from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
     RankPlacement,
     free_port,
+    join_store,
     node_address,
     node_info,
     place_ranks,
@@ -136,11 +137,10 @@ class MegatronRankActor:
             self.storage.connect()
         if dist.is_initialized():
             return
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray gives each rank actor one GPU
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        store = join_store(master_addr, int(master_port), self.rank, self.world_size, timeout_s)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
     def build(
         self,
