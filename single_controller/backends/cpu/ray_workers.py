@@ -1,8 +1,8 @@
 """The embedded CPU backend on Ray: trainer-rank and generation actors, and the controller-side
 adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
 
-* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group whose rendezvous is rank 0's
-  node IP and a port free there (`rank_calls.rendezvous`), so ranks may sit on different nodes
+* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group that meets at a TCPStore rank 0
+  opens on its node's IP (`rank_calls.rendezvous`), so ranks may sit on different nodes
   (`backend.trainer_placement`). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
   the actor); the controller only sends keys.
 * `CpuTrainerGroup` splits each `TrainChunk` across ranks with `replay.dp_split` (balanced by
