@@ -75,13 +75,12 @@ def configure_env(num_threads: int | None = None) -> dict[str, str]:
     """Set TQ's and Ray's environment knobs (only those not already set); returns the values in effect.
 
     * `TQ_NUM_THREADS=<cores>`: otherwise TQ logs a thread warning on every put/get, in every process.
-    * `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: Ray (and so TQ's ZMQ sockets, which carry pickles) binds
+    * `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (only before ray is imported): Ray (and so TQ's ZMQ sockets, which carry pickles) binds
       to 127.0.0.1 instead of the first NIC.
     """
-    wanted = {
-        "TQ_NUM_THREADS": str(num_threads if num_threads is not None else default_num_threads()),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    }
+    wanted = {"TQ_NUM_THREADS": str(num_threads if num_threads is not None else default_num_threads())}
+    if "ray" not in sys.modules:  # it only matters before Ray starts; a Ray worker has its node's address
+        wanted["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     newly_set = [name for name in wanted if name not in os.environ]
     for name in newly_set:
         os.environ[name] = wanted[name]
@@ -297,15 +296,16 @@ def stop_tq(timeout_s: float = 60.0) -> None:
             _drop_client()
 
 
-def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig):  # -> TQRowStorage
-    """Start or attach (per `cfg.attach`) and return the row storage of `cfg.partition`."""
+def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None):  # -> TQRowStorage
+    """Start or attach (per `cfg.attach`) and return the row storage of `partition` (default
+    `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`)."""
     from replay.tq_storage import TQRowStorage
 
     if cfg.attach:
         attach_tq(timeouts.setup_s)
     else:
         start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s)
-    return TQRowStorage(cfg.partition, timeout_s=timeouts.storage_s)
+    return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s)
 
 
 def _drop_client() -> None:

@@ -291,6 +291,22 @@ class TQRowStorage:
     async def resident_keys(self) -> set[str]:
         return set(await self.list_rows())
 
+    async def drop_partition_if_empty(self) -> bool:
+        """Remove this partition from TQ's controller when it holds no key (a run sharing a TQ that
+        outlives it leaves nothing behind); returns whether it did. Never touches a key."""
+        if await self.list_rows():
+            return False
+        client = tq.get_client()
+        if self.partition not in await self._call(client.async_get_partition_list(), "TQ partition list"):
+            return False
+        # TQ 0.1.11's public clear_partition() skips a partition without samples ("non-existent"), so
+        # ask the controller directly to drop its (empty) metadata, as clear_partition does last.
+        drop = getattr(client, "_clear_partition_in_controller", None)
+        if drop is None:
+            return False
+        await self._call(drop(self.partition), f"TQ drop of the empty partition {self.partition!r}")
+        return True
+
     def statistics(self) -> StorageStatistics:
         with self._lock:
             resident = len(self._resident) if self._resident is not None else -1

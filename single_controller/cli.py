@@ -122,6 +122,11 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
     return int(fn([args.dir, *args.args]))
 
 
+def _cmd_storage(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("replay.tq_service:main")
+    return int(fn(list(args.args)))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     fn = _load_entry_point("single_controller.status:main")
     return int(fn(["--url", args.url] if args.url else []))
@@ -138,6 +143,7 @@ commands:
   bench    run a benchmark:          sc-grpo bench overlap --help
   status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
   init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
+  storage  a TransferQueue for runs:  sc-grpo storage serve --address HEAD_IP:6379
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
 The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
@@ -212,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own)")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "storage",
+        help="serve a TransferQueue on a Ray cluster that outlives runs, or list its partitions",
+        description="serve: start a TransferQueue on the Ray cluster at --address and keep it until "
+        "Ctrl-C / SIGTERM; runs attach to it with ray.address=ADDRESS storage.attach=true, each in its "
+        "own partition. list: print its partitions and keys.",
+        epilog="examples:\n  sc-grpo storage serve --address 10.0.0.1:6379\n"
+        "  sc-grpo storage list --address 10.0.0.1:6379 --keys",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve|list and their options (--help)")
+    p.set_defaults(func=_cmd_storage)
 
     p = sub.add_parser(
         "init-model",

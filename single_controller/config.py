@@ -213,6 +213,11 @@ class BackendConfig:
     """Generation worker actors."""
     num_trainer_ranks: int = 1
     """Data-parallel trainer ranks (gloo DDP on CPU)."""
+    trainer_placement: str = "pack"
+    """Where the trainer ranks go on the Ray cluster: `pack` (no constraint: Ray's default, the ranks
+    share a node while it has room) or `spread` (a STRICT_SPREAD placement group: every rank on its
+    own node; refused, naming the nodes, when the cluster cannot do that). Either way the ranks meet
+    at rank 0's node IP and a port free there."""
     trainer_device: str = "cpu"
     """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
     torch_threads: int = 1
@@ -258,9 +263,13 @@ class StorageConfig:
     kind: str = "tq"
     """`tq`: TransferQueue on the local (or attached) Ray; `memory`: in-process (sim backend only)."""
     partition: str = "rollout"
-    """TransferQueue partition holding the rollout rows."""
+    """Prefix of the run's TransferQueue partition: its rows go to `<partition>-<run id>` (the run id is
+    the run directory's name plus a random suffix, kept across resumes), so runs sharing one
+    TransferQueue never see or clear each other's keys."""
     attach: bool = False
-    """Attach to a TransferQueue already running on the Ray cluster instead of starting one."""
+    """Attach to a TransferQueue already running on the Ray cluster (`sc-grpo storage serve`)
+    instead of starting one; the run leaves every other partition alone and drops its own when it
+    ends empty."""
     num_storage_units: int = 1
     """TransferQueue storage units started (each needs one logical Ray CPU)."""
 
@@ -268,7 +277,9 @@ class StorageConfig:
 @dataclass(frozen=True)
 class RayConfig:
     address: Optional[str] = None
-    """Attach to this Ray cluster (e.g. `ray://host:10001` or `auto`); null starts a local one."""
+    """Attach to this Ray cluster (e.g. `auto`, `HEAD_IP:6379` or `ray://host:10001`); null starts a
+    local one. Each run gets its own Ray namespace, `sc-grpo-<run id>`, so runs sharing a cluster
+    never collide on actor names."""
     num_cpus: Optional[int] = None
     """Logical CPUs of a local Ray (null: enough for TQ + workers + controller, whatever the core count)."""
 
@@ -280,7 +291,8 @@ class MetricsConfig:
     host: str = "127.0.0.1"
     """Bind address of the metrics endpoint (loopback unless you choose otherwise)."""
     port: int = 9464
-    """Port of the metrics endpoint (0: any free port; the run prints it)."""
+    """Port of the metrics endpoint; when it is taken (e.g. by another run on this host) the next free
+    one up to port + 15, then any free port (0: any free port). The run prints the URL it bound."""
     mismatch_kl_bound: float = 0.001
     """Bound on the training-inference mismatch (`train/mismatch_kl`, the KL between the generation
     engine's and the trainer's token distributions on tokens both computed with the same weights),

@@ -66,6 +66,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ("llama", "gpt2"),
     "backend.generation": ("torch", "vllm", "sim"),
     "backend.trainer": ("torch", "megatron", "sim"),
+    "backend.trainer_placement": ("pack", "spread"),
     "storage.kind": ("tq", "memory"),
 }
 
@@ -581,6 +582,15 @@ def _check_cross_field(cfg: Config) -> list[Problem]:
                 f"storage.kind=memory works only with the sim backends (got backend.generation="
                 f"{b.generation}): real workers run in other processes and cannot read "
                 "the controller's memory; use storage.kind=tq",
+            )
+        )
+    if b.trainer_placement == "spread" and b.num_trainer_ranks > 1 and cfg.ray.address is None:
+        out.append(
+            Problem(
+                ("backend.trainer_placement", "ray.address"),
+                f"backend.trainer_placement=spread puts each of the {b.num_trainer_ranks} trainer ranks on its own "
+                "node, but without ray.address the run starts a one-node local Ray; attach to a cluster "
+                "(ray.address=HEAD_IP:PORT) or use backend.trainer_placement=pack",
             )
         )
     m = cfg.model

@@ -82,7 +82,9 @@ def _run_on_ray(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
     # Logical CPUs: TQ takes 1 + storage units; workers and the controller ask for none, so this
     # never oversubscribes the real cores (one torch thread per worker process does that job).
     min_cpus = 1 + cfg.storage.num_storage_units + 1
-    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads)) as session:
+    # One Ray namespace per run: runs sharing a cluster never collide on actor names.
+    namespace = f"sc-grpo-{run_dir.run_id}"
+    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads), namespace=namespace) as session:
         print(f"sc-grpo: ray {time.perf_counter() - t_start:.1f}s", flush=True)
         # TransferQueue is started by the controller actor, beside the workers' own start-up.
         return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
@@ -94,7 +96,9 @@ async def _drive_actor(cfg: Config, run_dir, t_start: float, resume: bool, sessi
     from single_controller.service import ControllerService
 
     actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerService)
-    actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64).remote(cfg, str(run_dir.path.resolve()), resume)
+    actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64, **_on_this_node()).remote(
+        cfg, str(run_dir.path.resolve()), resume, run_dir.run_id
+    )
 
     async def call(method: str, *args: Any) -> Any:
         return await getattr(actor, method).remote(*args)
@@ -105,10 +109,23 @@ async def _drive_actor(cfg: Config, run_dir, t_start: float, resume: bool, sessi
         ray.kill(actor)
 
 
+def _on_this_node() -> dict:
+    """Scheduling options that keep the controller on the driver's node: the metrics URL printed
+    here (loopback by default) is then the one that serves, and the run directory is local to it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:  # a Ray client driver (ray://) is on no node: let Ray choose
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+
+
 async def _drive_local(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
     from single_controller.service import ControllerService
 
-    service = ControllerService(cfg, str(run_dir.path.resolve()), resume)
+    service = ControllerService(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id)
 
     async def call(method: str, *args: Any) -> Any:
         return await getattr(service, method)(*args)
@@ -151,8 +168,8 @@ async def _drive(
     try:
         info = await within(call("setup"), cfg.timeouts.setup_s, "controller setup (storage, workers, metrics)")
         t_ready = time.perf_counter()
-        if info.get("metrics_port"):
-            print(f"sc-grpo: metrics on http://{cfg.metrics.host}:{info['metrics_port']}/metrics", flush=True)
+        if info.get("metrics_url"):
+            print(f"sc-grpo: metrics on {info['metrics_url']}", flush=True)
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
         print(f"sc-grpo: started in {t_ready - t_start:.1f}s ({parts}); training", flush=True)
         if interrupted:  # a signal during start-up

@@ -7,7 +7,9 @@ Contract:
   its own `CollectorRegistry` (never the global one).
 - `start_metrics_server(stats_fn, host="127.0.0.1", port=0)` binds loopback unless a host is
   passed (`MetricsConfig.host`), serves from a daemon thread and returns `(server, bound_port)`;
-  `server.stop()` shuts it down and closes the socket.
+  `server.stop()` shuts it down and closes the socket. `serve_from_config` moves on to the next
+  free port when `metrics.port` is taken (two runs on one host never fight over it); `server.url`
+  is the URL actually bound.
 - Consistency: the controller's state lives on one event loop and is mutated between awaits, so
   `stats_fn` must not run concurrently with it. With `loop` (default: the loop running in the
   thread that starts the server) each scrape schedules `stats_fn` on that loop and waits for it,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import ipaddress
 import logging
 import math
@@ -359,12 +362,27 @@ def start_metrics_server(
     return server, bound_port
 
 
+PORT_SEARCH = 16  # metrics.port taken: try the next ports up to port + 15, then any free port
+
+
 def serve_from_config(cfg: MetricsConfig, stats_fn: StatsFn, *, loop: asyncio.AbstractEventLoop | None = None) -> MetricsServer | None:
-    """`start_metrics_server` per `MetricsConfig`; None when metrics are disabled."""
+    """`start_metrics_server` per `MetricsConfig`; None when metrics are disabled. A taken
+    `cfg.port` (another run on this host) is not an error: the next free port up to
+    `cfg.port + 15` is used, then any free one; `server.url` is what was actually bound."""
     if not cfg.enabled:
         return None
-    server, _ = start_metrics_server(stats_fn, cfg.host, cfg.port, loop=loop)
-    return server
+    candidates = [cfg.port + i for i in range(PORT_SEARCH) if cfg.port + i <= 65535] if cfg.port else []
+    for port in [*candidates, 0]:
+        try:
+            server, _ = start_metrics_server(stats_fn, cfg.host, port, loop=loop)
+        except OSError as e:
+            if port == 0 or e.errno != errno.EADDRINUSE:
+                raise
+            continue
+        if cfg.port and server.port != cfg.port:
+            log.warning("metrics.port %d is taken; serving metrics on %s", cfg.port, server.url)
+        return server
+    raise AssertionError("unreachable: port 0 either binds or raises")
 
 
 def _is_loopback(host: str) -> bool:

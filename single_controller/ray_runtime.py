@@ -1,8 +1,8 @@
 """Ray's lifetime for one run: start (or attach), interrupt handling, and a shutdown that leaves nothing.
 
 Contract of `ray_session(cfg, min_cpus=...)`:
-- Sets `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, `TQ_NUM_THREADS=<cpu count>` and `RAY_AUTH_MODE=disabled`
-  (unless already set) before importing ray, then starts a local Ray (no dashboard, `cfg.num_cpus`
+- Sets `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (local Ray only), `TQ_NUM_THREADS=<cpu count>` and
+  `RAY_AUTH_MODE=disabled` (unless already set) before importing ray, then starts a local Ray (no dashboard, `cfg.num_cpus`
   or max(min_cpus, cpu count) logical CPUs) or attaches to `cfg.address`.
 - On exit, whatever the cause (return, exception, KeyboardInterrupt), it shuts Ray down and then makes
   sure no process of *this* session survives: the driver's descendants (gcs_server, raylet, agents,
@@ -44,9 +44,15 @@ _TERM_S = 2.0  # SIGTERM -> SIGKILL for stragglers
 _EXIT_INTERRUPTED = 130
 
 
-def prepare_environment() -> None:
-    """Environment Ray and TransferQueue read at import/start; must run before `import ray`."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+def prepare_environment(*, local: bool = True) -> None:
+    """Environment Ray and TransferQueue read at import/start; must run before `import ray`.
+
+    `local`: this process starts its own one-node Ray, which then stays on the loopback
+    (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`). A driver attaching to a cluster leaves that alone:
+    with it, Ray takes 127.0.0.1 for the driver's node IP and cannot find its raylet among nodes
+    on a real network address (and `ray start --address` refuses to add a node)."""
+    if local:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("TQ_NUM_THREADS", str(os.cpu_count() or 1))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -288,7 +294,7 @@ def ray_session(
     `cfg.num_cpus` or max(min_cpus, os.cpu_count()). `env_vars` go to every worker (`runtime_env`),
     e.g. `worker_env(cfg.backend.torch_threads)`.
     """
-    prepare_environment()
+    prepare_environment(local=cfg.address is None)
     import ray
 
     tracker_ref: list[_Tracker] = []

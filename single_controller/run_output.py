@@ -2,7 +2,9 @@
 
 Contract:
 - `RunDirectory(cfg)` creates `<run.output_dir>/<run.name>-<YYYYmmdd-HHMMSS>` (a `-2`, `-3`... suffix if
-  that exists), writes the resolved `config.yaml` into it, and appends one JSON object per step to
+  that exists), writes the resolved `config.yaml` into it, and its `run_id` (the directory name plus
+  a random suffix: unique even across output directories and machines; a resume keeps it) into
+  `run_id`. The run id names the run's Ray namespace and TransferQueue partition. It appends one JSON object per step to
   `metrics.jsonl` with `append_metrics(record)` (flushed line by line, so a crashed run keeps every
   finished step). Records use namespaced keys (`rollout/...`, `train/...`, `pump/...`, `time/...`);
   `time/wall_s` (seconds since the directory was created) is stamped on records that lack it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 import sys
 import time
 from datetime import datetime
@@ -30,6 +33,7 @@ from single_controller.config import Config
 
 __all__ = ["RunDirectory", "ConsoleReporter", "format_step_line", "format_eval_line", "is_eval_record", "read_metrics", "plot_metrics"]
 
+RUN_ID_FILE = "run_id"
 STEP_KEY = "step"
 WALL_KEY = "time/wall_s"
 EVAL_VERSION_KEY = "eval/policy_version"
@@ -69,6 +73,8 @@ class RunDirectory:
         self.metrics_path = path / "metrics.jsonl"
         self.plot_path = path / "curves.png"
         self.config_path.write_text(config_to_yaml(cfg), encoding="utf-8")
+        self.run_id = f"{path.name}-{secrets.token_hex(3)}"
+        (path / RUN_ID_FILE).write_text(self.run_id + "\n", encoding="utf-8")
         self.wall_offset_s = 0.0  # a resumed run's records continue the wall clock of the first part
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
@@ -92,6 +98,8 @@ class RunDirectory:
         self.metrics_path = self.path / "metrics.jsonl"
         self.plot_path = self.path / "curves.png"
         (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        id_file = self.path / RUN_ID_FILE
+        self.run_id = id_file.read_text(encoding="utf-8").strip() if id_file.exists() else self.path.name
         # eval points of versions >= from_step are measured again after the resume
         before = lambda r: r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step  # noqa: E731
         kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []

@@ -16,6 +16,7 @@ import os
 import random
 import time
 import traceback
+import uuid
 from dataclasses import asdict
 from typing import Any, Iterator
 
@@ -80,13 +81,29 @@ def make_dataloader(cfg: Config) -> Iterator[Prompt]:
     return PromptStream(cfg)
 
 
+def run_id_of(run_dir: str | None) -> str:
+    """The run id kept in the run directory (`RunDirectory`), else a fresh random one."""
+    from pathlib import Path
+
+    from single_controller.run_output import RUN_ID_FILE
+
+    if run_dir is not None and (Path(run_dir) / RUN_ID_FILE).exists():
+        return (Path(run_dir) / RUN_ID_FILE).read_text(encoding="utf-8").strip()
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
 class ControllerService:
-    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False):
+    """`run_id` names this run's TransferQueue partition (`<storage.partition>-<run id>`): runs
+    sharing one TQ never touch each other's keys (default: the run directory's, else a fresh one)."""
+
+    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, run_id: str | None = None):
         from single_controller.controller import check_capacity
 
         check_capacity(cfg)
         self.cfg = cfg
         self.run_dir = run_dir  # checkpoints go to <run_dir>/checkpoints (None: no checkpoints)
+        self.run_id = run_id or run_id_of(run_dir)
+        self.partition = f"{cfg.storage.partition}-{self.run_id}"
         self.resume = resume
         self.resumed_from: dict | None = None
         self.controller = None
@@ -97,6 +114,8 @@ class ControllerService:
         self._metrics_server = None
         self._workers: tuple[Any, Any] | None = None
         self.metrics_port: int | None = None
+        self.metrics_url: str | None = None
+        self._storage = None
         self._started_tq = False
         self.setup_times: dict[str, float] = {}
 
@@ -130,12 +149,12 @@ class ControllerService:
             prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
         )
         if cfg.metrics.enabled:
-            from single_controller.metrics import start_metrics_server
+            from single_controller.metrics import serve_from_config
 
-            self._metrics_server, self.metrics_port = start_metrics_server(
-                self.controller.statistics, host=cfg.metrics.host, port=cfg.metrics.port
-            )
-        return {"metrics_port": self.metrics_port, **self.setup_times}
+            self._metrics_server = serve_from_config(cfg.metrics, self.controller.statistics)
+            self.metrics_port = self._metrics_server.port
+            self.metrics_url = self._metrics_server.url
+        return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
     async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
         """The newest checkpoint of the run directory into the trainer, the dataloader position, and
@@ -184,13 +203,14 @@ class ControllerService:
         t0 = time.perf_counter()
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
-            storage = open_tq_storage(cfg.storage, cfg.timeouts)  # starts TQ, or attaches per storage.attach
+            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition)  # starts TQ, or attaches per storage.attach
             self._started_tq = not cfg.storage.attach
+            self._storage = storage
             self.setup_times["transferqueue_s"] = time.perf_counter() - t0
             return storage
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
-        factory = functools.partial(TQRowStorage.attach, cfg.storage.partition, timeout_s=cfg.timeouts.storage_s)
+        factory = functools.partial(TQRowStorage.attach, self.partition, timeout_s=cfg.timeouts.storage_s)
         what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
         gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
@@ -229,6 +249,10 @@ class ControllerService:
             left = [f"<listing failed: {type(e).__name__}: {e}>"]
         return {
             "steps": steps,
+            "run_id": self.run_id,
+            "storage_partition": self.partition if self.cfg.storage.kind == "tq" else None,
+            "metrics_url": self.metrics_url,
+            "placement": self._placement(),
             "storage_keys_left": len(left),
             "storage_keys_left_sample": left[:10],
             "stop_reason": reason,
@@ -241,6 +265,26 @@ class ControllerService:
             "teardown_errors": list(self.controller.state.teardown_errors),
             "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
         }
+
+    def _placement(self) -> dict:
+        """Where this run's processes ran: its Ray namespace, the controller's node and each trainer
+        rank's (Ray node ids)."""
+        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": [], "trainer_node_ips": []}
+        if self.cfg.backend.generation == "sim":
+            return out
+        import ray
+
+        from single_controller.backends.rank_calls import node_info
+
+        try:
+            out["controller_node"] = node_info()["node_id"]
+            out["ray_namespace"] = ray.get_runtime_context().namespace
+        except Exception:  # Ray is not initialized here (tests driving the service in-process)
+            pass
+        trainer = self._workers[1] if self._workers is not None else None
+        out["trainer_nodes"] = [n["node_id"] for n in getattr(trainer, "rank_nodes", [])]
+        out["trainer_node_ips"] = [n["node_ip"] for n in getattr(trainer, "rank_nodes", [])]
+        return out
 
     async def next_records(self, cursor: int) -> tuple[list[dict], bool]:
         """Records from `cursor` (an index over the run) on, waiting until there is one or the run
@@ -282,3 +326,9 @@ class ControllerService:
 
             self._started_tq = False
             await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it
+        elif self._storage is not None and self.cfg.storage.attach:
+            storage, self._storage = self._storage, None
+            try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
+                await storage.drop_partition_if_empty()
+            except Exception as e:
+                print(f"sc-grpo: could not drop the empty partition {self.partition!r}: {e}", flush=True)

@@ -263,6 +263,26 @@ def test_binds_loopback_unless_configured():
         public.stop()
 
 
+def test_a_taken_port_moves_to_the_next_free_one_and_the_url_says_so():
+    # Two runs on one host both ask for the same metrics.port: the second serves on the next free
+    # port, and its `url` (what the run prints) is the one that answers.
+    first = serve_from_config(MetricsConfig(port=0), handmade_statistics)  # stands for the other run
+    taken = first.port
+    try:
+        if taken + 15 > 65535:
+            pytest.skip("ephemeral port too close to 65535 to probe upward")
+        second = serve_from_config(MetricsConfig(port=taken), handmade_statistics)
+        try:
+            assert taken < second.port <= taken + 15
+            assert second.url == f"http://127.0.0.1:{second.port}/metrics"
+            assert value(scrape_sync(second.url), "sc_grpo_policy_version") == 5
+            assert value(scrape_sync(first.url), "sc_grpo_policy_version") == 5  # the first one is untouched
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+
+
 def test_scrape_errors_surface_as_http_errors():
     def broken() -> ControllerStatistics:
         raise RuntimeError("statistics exploded")

@@ -288,6 +288,23 @@ def test_tq_and_memory_raise_identical_errors(tq_cluster, loop):
 
 
 @pytest.mark.tq
+def test_tq_drop_partition_only_when_empty_and_never_anothers(tq_cluster, loop):
+    # Runs sharing one TransferQueue: a run's end drops its own partition once empty, and only it.
+    import transfer_queue as tq
+
+    mine, other = new_tq_storage(timeout_s=30.0), new_tq_storage(timeout_s=30.0)
+    keys, cols, tags = make_rows("g0")
+    run(loop, mine.put_rows(keys, cols, tags))
+    run(loop, other.put_rows(keys, cols, tags))  # the same key names, in another partition
+    assert run(loop, mine.drop_partition_if_empty()) is False  # still holds rows: kept
+    run(loop, mine.clear_rows(keys))
+    assert run(loop, mine.drop_partition_if_empty()) is True
+    partitions = tq.get_client().get_partition_list()
+    assert mine.partition not in partitions and other.partition in partitions
+    assert set(run(loop, other.list_rows())) == set(keys)  # untouched
+    assert run(loop, mine.drop_partition_if_empty()) is False  # gone already: a no-op
+
+
 def test_tq_deadline_names_the_call_and_client_survives(tq_cluster, loop):
     keys, cols, _ = make_rows("deadline", 2)
     fast = new_tq_storage(timeout_s=1e-6)  # expires at the first network await

@@ -1,18 +1,44 @@
-"""Fan-out calls to trainer rank actors, shared by every trainer backend on Ray.
+"""Trainer ranks on Ray, shared by every trainer backend: fan-out calls, placement, rendezvous.
 
 `await rank_call("finish_train_step(3)", [r.finish_train_step.remote(3) for r in ranks])` awaits
 every rank in rank order. A rank whose process is gone raises `TrainerRankDied` naming it (the run
 stops and resumes from its checkpoint); any other remote error becomes `TrainerFailed` naming the
 rank (the train pump asks where the trainer stands, then aborts and retries the step);
 `TrainStepStateError` (split API out of order) passes through unchanged.
+
+Placement (`backend.trainer_placement`): `place_ranks` returns the `.options()` of each rank actor.
+`pack` adds nothing (Ray's default scheduling: the ranks share a node while it has room); `spread`
+reserves a STRICT_SPREAD placement group, one bundle per rank, so no two ranks share a node. A
+cluster that cannot do that is refused with `TrainerPlacementError` naming its nodes: at once when
+it has fewer alive nodes than ranks, else when the group is not placed within the deadline.
+
+Rendezvous: `rendezvous(rank0)` has rank 0 open a torch TCPStore on the IP its node registered
+with the cluster (`node_address()`, actor side) and returns that address; every rank then joins
+the group through it (`join_store` -> `init_process_group(store=...)`). Nothing assumes the ranks
+share a host. `node_info()` says where an actor runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
 import ray
 
 from single_controller.backends.cpu.trainer import TrainStepStateError
+from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied
+
+PLACEMENTS = ("pack", "spread")
+# A bundle needs some resource; trainer ranks on CPU ask Ray for none (TransferQueue may hold every
+# logical CPU), so their spread bundles reserve this token share of a CPU.
+CPU_BUNDLE = {"CPU": 0.01}
+
+
+class TrainerPlacementError(RuntimeError):
+    """The cluster cannot place the trainer ranks as `backend.trainer_placement` asks."""
 
 
 async def rank_call(what: str, refs: list) -> list:
@@ -33,3 +59,137 @@ def first_line(e: BaseException) -> str:
     """The first line of a (possibly multi-line, Ray-wrapped) error message."""
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendezvous (actor side, then controller side)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """The address this node registered with the cluster (what other nodes reach it at). Not
+    `ray.util.get_node_ip_address()`: in a worker process that may guess another interface (e.g.
+    eth0 for a node started with --node-ip-address=127.0.0.1)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n.get("NodeID") == node_id and n.get("NodeManagerAddress"):
+            return n["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
+_MASTER_STORE: list = []  # rank 0's TCPStore, opened by node_address() before any rank connects
+
+
+def node_address() -> tuple[str, int]:
+    """Rank 0: open the group's rendezvous (a torch TCPStore server) on this node's registered IP
+    and a port it picks, and return (ip, port). Listening before any other rank is told where, so
+    none of them meets a refused connection (torch's retry backoff then sleeps up to a minute)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    ip = node_ip()
+    _MASTER_STORE.clear()
+    store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+    _MASTER_STORE.append(store)
+    return ip, store.port
+
+
+def join_store(master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float):
+    """The rendezvous store for `dist.init_process_group(store=...)`: rank 0's own (from
+    `node_address`, or opened now at the given address), a client of it elsewhere."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        if _MASTER_STORE:
+            return _MASTER_STORE[0]
+        return dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+
+
+def node_info() -> dict[str, str]:
+    """Where the calling actor runs: {"node_id", "node_ip"}."""
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip()}
+
+
+async def rendezvous(rank0: Any) -> tuple[str, int]:
+    """MASTER_ADDR / MASTER_PORT of a rank group: rank 0's node IP and a port free there."""
+    (address,) = await rank_call("rendezvous address", [rank0.node_address.remote()])
+    return address[0], int(address[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Placement
+
+
+@dataclass
+class RankPlacement:
+    """`options[r]`: what rank r's actor adds to its `.options()`; `release()` frees the reservation."""
+
+    options: list[dict[str, Any]]
+    group: Any = field(default=None, repr=False)  # the placement group (spread), else None
+
+    def release(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                ray.util.remove_placement_group(group)
+            except Exception:  # Ray already gone: nothing is reserved any more
+                pass
+
+
+async def place_ranks(placement: str, world: int, bundle: Mapping[str, float], timeout_s: float) -> RankPlacement:
+    """Reserve where `world` rank actors go (see the module docstring); `bundle`: what one rank needs."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"trainer placement {placement!r}: expected one of {PLACEMENTS}")
+    if placement == "pack" or world == 1:
+        return RankPlacement([{} for _ in range(world)])
+    nodes = await asyncio.to_thread(_alive_nodes)
+    if len(nodes) < world:
+        raise TrainerPlacementError(
+            f"backend.trainer_placement=spread puts each of the {world} trainer ranks on its own node, but the "
+            f"Ray cluster has {len(nodes)} alive node(s) ({_describe(nodes)}); add nodes, lower "
+            f"backend.num_trainer_ranks, or use backend.trainer_placement=pack"
+        )
+    group = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_SPREAD")
+    timeout_s = timeout_s / 2  # within the caller's setup deadline, so this error is the one reported
+    try:
+        await within(group.ready(), timeout_s, f"a STRICT_SPREAD placement group of {world} x {dict(bundle)} (trainer ranks)")
+    except DeadlineExceeded as e:
+        ray.util.remove_placement_group(group)
+        nodes = await asyncio.to_thread(_alive_nodes)
+        raise TrainerPlacementError(
+            f"backend.trainer_placement=spread: the cluster could not place {world} trainer ranks on {world} "
+            f"distinct nodes with {dict(bundle)} free on each within {timeout_s:g}s; nodes: {_describe(nodes)}"
+        ) from e
+    except BaseException:
+        ray.util.remove_placement_group(group)
+        raise
+    return RankPlacement(
+        [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)} for r in range(world)],
+        group,
+    )
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _describe(nodes: list[dict]) -> str:
+    def res(n: dict) -> str:
+        r = n.get("Resources", {})
+        return ", ".join(f"{k}={r[k]:g}" for k in ("CPU", "GPU") if k in r)
+
+    return "; ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID', '')[:8]}: {res(n)})" for n in nodes) or "none"

@@ -1,8 +1,9 @@
 """The embedded CPU backend on Ray: trainer-rank and generation actors, and the controller-side
 adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
 
-* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group (MASTER_ADDR=127.0.0.1, a free
-  port picked by rank 0). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
+* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group that meets at a TCPStore rank 0
+  opens on its node's IP (`rank_calls.rendezvous`), so ranks may sit on different nodes
+  (`backend.trainer_placement`). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
   the actor); the controller only sends keys.
 * `CpuTrainerGroup` splits each `TrainChunk` across ranks with `replay.dp_split` (balanced by
   tokens), one microbatch per rank per chunk (so every rank runs the same number of microbatches); finish returns
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -36,7 +36,18 @@ import torch.distributed as dist
 from single_controller.backends.cpu.generation import GenerationActor
 from single_controller.backends.cpu.model import build_policy, save_policy, state_module
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
-from single_controller.backends.rank_calls import first_line, rank_call
+from single_controller.backends.rank_calls import (
+    CPU_BUNDLE,
+    RankPlacement,
+    first_line,
+    free_port,
+    join_store,
+    node_address,
+    node_info,
+    place_ranks,
+    rank_call,
+    rendezvous,
+)
 from single_controller.config import Config
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
@@ -58,12 +69,6 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write on the actor
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TrainerRankActor:
     """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
     one at a time in the actor's process)."""
@@ -77,19 +82,22 @@ class TrainerRankActor:
         self.core: TrainerCore | None = None
         self._last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
-    def free_port(self) -> int:
-        return free_port()
+    def node_address(self) -> tuple[str, int]:
+        """(this node's IP, a port free there): the group's rendezvous when this is rank 0."""
+        return node_address()
 
-    def setup(self, master_port: int | None, timeout_s: float) -> int:
-        """Connect to storage, join the gloo group (all ranks call this concurrently) and build the
-        policy; returns the parameter count."""
+    def node_info(self) -> dict[str, str]:
+        return node_info()
+
+    def setup(self, master_addr: str | None, master_port: int | None, timeout_s: float) -> int:
+        """Connect to storage, join the gloo group at rank 0's address (all ranks call this
+        concurrently) and build the policy; returns the parameter count."""
         self.storage.connect()
         pg = None
         if self.world_size > 1:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(master_port)
+            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
             dist.init_process_group(
-                "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
             )
             pg = dist.group.WORLD
         device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
@@ -185,6 +193,7 @@ class TrainerRankActor:
 @dataclass(frozen=True)
 class TrainerGroupStatistics:
     num_ranks: int
+    rank_nodes: tuple[str, ...]  # Ray node id of each rank
     open_step: int | None
     steps_finished: int
     steps_aborted: int
@@ -194,12 +203,15 @@ class TrainerGroupStatistics:
 
 
 class CpuTrainerGroup:
-    """`TrainerGroup` over `TrainerRankActor` handles (rank order)."""
+    """`TrainerGroup` over `TrainerRankActor` handles (rank order); `rank_nodes` and `placement`
+    (released at shutdown) come from `start_torch_trainer`."""
 
-    def __init__(self, rank_handles: Sequence[Any]):
+    def __init__(self, rank_handles: Sequence[Any], *, rank_nodes: Sequence[dict] = (), placement: RankPlacement | None = None):
         if not rank_handles:
             raise ValueError("need at least one trainer rank")
         self.ranks = list(rank_handles)
+        self.rank_nodes = [dict(n) for n in rank_nodes]  # node_info() of each rank
+        self.placement = placement
         self._step: int | None = None
         self._bytes_read = 0
         self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
@@ -209,6 +221,7 @@ class CpuTrainerGroup:
     def statistics(self) -> TrainerGroupStatistics:
         return TrainerGroupStatistics(
             num_ranks=len(self.ranks),
+            rank_nodes=tuple(n["node_id"] for n in self.rank_nodes),
             open_step=self._step,
             chunks_in_open_step=self._chunks,
             bytes_read_open_step=self._bytes_read,
@@ -276,7 +289,11 @@ class CpuTrainerGroup:
         return steps[0]
 
     async def shutdown(self) -> None:
-        await _kill_all(self.ranks)
+        try:
+            await _kill_all(self.ranks)
+        finally:
+            if self.placement is not None:
+                self.placement.release()
 
 
 class CpuGenerationClient:
@@ -453,18 +470,24 @@ async def start_torch_trainer(
     options: dict | None = None,
     dtype: str = "float32",
 ) -> CpuTrainerGroup:
-    """Start `backend.num_trainer_ranks` trainer ranks, join their gloo group and build the policy
-    (the `registry` starter contract)."""
+    """Start `backend.num_trainer_ranks` trainer ranks where `backend.trainer_placement` puts them,
+    join their gloo group at rank 0's address and build the policy (the `registry` starter contract)."""
     world = cfg.backend.num_trainer_ranks
     rank_cls = ray.remote(TrainerRankActor)
-    res = {"num_cpus": 0, "num_gpus": 1} if cfg.backend.trainer_device == "cuda" else {"num_cpus": 0}
-    ranks = [rank_cls.options(**{**res, **(options or {})}).remote(r, world, cfg, storage_factory, dtype) for r in range(world)]
-    group = CpuTrainerGroup(ranks)
+    cuda = cfg.backend.trainer_device == "cuda"
+    res = {"num_cpus": 0, "num_gpus": 1} if cuda else {"num_cpus": 0}
+    placement = await place_ranks(cfg.backend.trainer_placement, world, {"GPU": 1} if cuda else CPU_BUNDLE, cfg.timeouts.setup_s)
+    ranks = [
+        rank_cls.options(**{**res, **placement.options[r], **(options or {})}).remote(r, world, cfg, storage_factory, dtype)
+        for r in range(world)
+    ]
+    group = CpuTrainerGroup(ranks, placement=placement)
     try:
         if storage_ready is not None:
             await storage_ready
-        port = await ranks[0].free_port.remote() if world > 1 else None
-        await asyncio.gather(*(r.setup.remote(port, cfg.timeouts.setup_s) for r in ranks))
+        addr, port = await rendezvous(ranks[0]) if world > 1 else (None, None)
+        await rank_call("setup", [r.setup.remote(addr, port, cfg.timeouts.setup_s) for r in ranks])
+        group.rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
     except BaseException:
         await asyncio.shield(group.shutdown())
         raise

@@ -31,7 +31,17 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
-from single_controller.backends.rank_calls import rank_call
+from single_controller.backends.rank_calls import (
+    CPU_BUNDLE,
+    RankPlacement,
+    free_port,
+    join_store,
+    node_address,
+    node_info,
+    place_ranks,
+    rank_call,
+    rendezvous,
+)
 from single_controller.backends.megatron.model import ModelSpec
 from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
@@ -112,15 +122,14 @@ class MegatronRankActor:
         self._last_extra: dict[str, float] = {}
 
     def free_port(self) -> int:
-        from single_controller.backends.cpu.ray_workers import free_port
-
         return free_port()
 
-    def address(self) -> tuple[str, int]:
-        """(this node's IP, a free port): the rendezvous of the world when this is rank 0."""
-        import ray
+    def node_address(self) -> tuple[str, int]:
+        """(this node's IP, a port free there): the rendezvous of the world when this is rank 0."""
+        return node_address()
 
-        return ray.util.get_node_ip_address(), self.free_port()
+    def node_info(self) -> dict[str, str]:
+        return node_info()
 
     def join(self, master_addr: str, master_port: int, timeout_s: float, backend: str = "gloo") -> None:
         """Join the world (all ranks call this concurrently) and connect to storage."""
@@ -128,11 +137,10 @@ class MegatronRankActor:
             self.storage.connect()
         if dist.is_initialized():
             return
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray gives each rank actor one GPU
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        store = join_store(master_addr, int(master_port), self.rank, self.world_size, timeout_s)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
     def build(
         self,
@@ -313,6 +321,7 @@ class MegatronRankActor:
 @dataclass(frozen=True)
 class MegatronTrainerGroupStatistics:
     num_ranks: int
+    rank_nodes: tuple[str, ...]  # Ray node id of each rank
     data_parallel_size: int
     tensor_parallel_size: int
     open_step: int | None
@@ -325,12 +334,23 @@ class MegatronTrainerGroupStatistics:
 
 class MegatronTrainerGroup:
     """`TrainerGroup` over `MegatronRankActor` handles in rank order, after `build` (its `layout`:
-    one {"dp_rank", "tp_rank", ...} per rank)."""
+    one {"dp_rank", "tp_rank", ...} per rank); `rank_nodes` (node_info() per rank) and `placement`
+    (released at shutdown) come from `start_megatron_ranks`."""
 
-    def __init__(self, rank_handles: Sequence[Any], layout: Sequence[Mapping[str, int]], weight_prefix: str = ""):
+    def __init__(
+        self,
+        rank_handles: Sequence[Any],
+        layout: Sequence[Mapping[str, int]],
+        weight_prefix: str = "",
+        *,
+        rank_nodes: Sequence[Mapping[str, str]] = (),
+        placement: RankPlacement | None = None,
+    ):
         if not rank_handles or len(layout) != len(rank_handles):
             raise ValueError("need one layout entry per trainer rank")
         self.ranks = list(rank_handles)
+        self.rank_nodes = [dict(n) for n in rank_nodes]
+        self.placement = placement
         self.dp_ranks = [int(x["dp_rank"]) for x in layout]
         self.dp, self.tp = int(layout[0]["dp"]), int(layout[0]["tp"])
         self.weight_prefix = weight_prefix
@@ -342,7 +362,7 @@ class MegatronTrainerGroup:
 
     def statistics(self) -> MegatronTrainerGroupStatistics:
         return MegatronTrainerGroupStatistics(
-            num_ranks=len(self.ranks), data_parallel_size=self.dp, tensor_parallel_size=self.tp,
+            num_ranks=len(self.ranks), rank_nodes=tuple(n["node_id"] for n in self.rank_nodes), data_parallel_size=self.dp, tensor_parallel_size=self.tp,
             open_step=self._step, chunks_in_open_step=self._chunks, bytes_read_open_step=self._bytes_read, **self._counts,
         )
 
@@ -409,7 +429,11 @@ class MegatronTrainerGroup:
     async def shutdown(self) -> None:
         from single_controller.backends.cpu.ray_workers import _kill_all
 
-        await _kill_all(self.ranks)
+        try:
+            await _kill_all(self.ranks)
+        finally:
+            if self.placement is not None:
+                self.placement.release()
 
 
 async def start_megatron_ranks(
@@ -428,22 +452,26 @@ async def start_megatron_ranks(
     actor_options: dict | None = None,
     storage_ready: Any = None,
     weight_prefix: str = "",
+    placement: str = "pack",
 ) -> MegatronTrainerGroup:
-    """Start `num_ranks` rank actors, join them into one world (gloo when emulating CPU, else NCCL with
-    one GPU per rank) and build the trainer; returns the group."""
+    """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
+    them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
+    rank) and build the trainer; returns the group."""
     import ray
 
     opts = {"num_cpus": 0, **(actor_options or {})}
     if not emulate_cpu:
         opts.setdefault("num_gpus", 1)
+    where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": 1}, setup_timeout_s)
     cls = ray.remote(MegatronRankActor)
-    ranks = [cls.options(**opts).remote(r, num_ranks, storage_factory, torch_threads) for r in range(num_ranks)]
+    ranks = [cls.options(**{**opts, **where.options[r]}).remote(r, num_ranks, storage_factory, torch_threads) for r in range(num_ranks)]
     try:
         if storage_ready is not None:
             await storage_ready
-        addr, port = await ranks[0].address.remote()
+        addr, port = await rendezvous(ranks[0])
         backend = "gloo" if emulate_cpu else "nccl"
         await rank_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
+        rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
         layout = await rank_call("build", [
             r.build.remote(model_dir, train, tensor_parallel_size=tensor_parallel_size, distributed_optimizer=distributed_optimizer,
                            emulate_cpu=emulate_cpu, temperature=temperature, seed=seed)
@@ -452,9 +480,12 @@ async def start_megatron_ranks(
     except BaseException:
         from single_controller.backends.cpu.ray_workers import _kill_all
 
-        await asyncio.shield(_kill_all(ranks))
+        try:
+            await asyncio.shield(_kill_all(ranks))
+        finally:
+            where.release()
         raise
-    return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix)
+    return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix, rank_nodes=rank_nodes, placement=where)
 
 
 async def start_megatron_trainer(
@@ -481,4 +512,5 @@ async def start_megatron_trainer(
         torch_threads=cfg.backend.torch_threads,
         actor_options=options,
         storage_ready=storage_ready,
+        placement=cfg.backend.trainer_placement,
     )
