@@ -12,5 +12,5 @@ fx_run "$log" "$FX_CONFIG" "${FX_COMMON[@]}" run.max_steps="$STEPS" \
   sampler.max_lookahead_versions=0 sampler.max_staleness_versions=0 train.min_groups_per_chunk=8
 run=$(fx_run_dir "$log")
 fx_check finished "$run" --steps "$STEPS"
-fx_check exactly-once "$run" --steps "$STEPS"
 fx_check sync-equivalent "$run" --steps "$STEPS"
+fx_check exactly-once "$run" --steps "$STEPS"
