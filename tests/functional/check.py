@@ -175,7 +175,8 @@ def check_worker_killed(run: Path, a) -> str:
     require(deaths == a.deaths, f"rollout/worker_deaths is {deaths} at the end, expected {a.deaths}")
     low = min(x["rollout/workers_routable"] for x in rec)
     require(low < a.workers, f"rollout/workers_routable never dropped below {a.workers}: the kill was not seen")
-    return f"worker death: {deaths} counted, routable workers dipped to {low}, restarts {rec[-1]['rollout/worker_restarts']}"
+    again = sum(1 for p in ledger(run) if p["uncharged"] > 0)  # in flight on the dead worker (timing)
+    return f"worker death: {deaths} counted, routable workers dipped to {low}, {again} prompts re-dispatched uncharged, restarts {rec[-1]['rollout/worker_restarts']}"
 
 
 def check_resumed(run: Path, a) -> str:
