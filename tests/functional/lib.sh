@@ -69,8 +69,16 @@ fx_fail() {
 # fx_pick CPU_VALUE GPU_VALUE: the value for this device (smaller limits on the CPU).
 fx_pick() { if [[ "$FX_DEVICE" == gpu ]]; then echo "$2"; else echo "$1"; fi; }
 
-# fx_check SUBCOMMAND ARGS...: an assertion of check.py; its message names what is wrong.
-fx_check() { "${FX_CHECK[@]}" "$@" || fx_fail "check.py $1 failed (see above)"; }
+# fx_check SUBCOMMAND ARGS...: an assertion of check.py; on failure its message (what is wrong, with
+# the numbers) is the FAIL line.
+fx_check() {
+  local out
+  if out=$("${FX_CHECK[@]}" "$@" 2>&1); then
+    echo "$out" >&2
+  else
+    fx_fail "$out"
+  fi
+}
 
 # fx_start LOG ARGS...: start `sc-grpo run ARGS` in a session of its own, output to LOG; sets FX_PID
 # (= the session id). ARGS is a config file or --resume DIR, then key=value overrides.
