@@ -71,7 +71,8 @@ def check_finished(run: Path, a) -> str:
 
 def check_exactly_once(run: Path, a) -> str:
     """Every prompt taken has exactly one fate; steps 0..N-1 each trained groups_per_step distinct
-    prompts; nothing trained twice; nothing dropped or evicted except with an allowed reason."""
+    prompts; nothing trained twice; nothing dropped or evicted except with an allowed reason, and
+    only prompts taken after the first N x groups_per_step (the run's end drops those)."""
     cfg = config(run)
     p_per_step = cfg.train.groups_per_step
     prompts = ledger(run)
@@ -84,6 +85,15 @@ def check_exactly_once(run: Path, a) -> str:
     allowed = set(a.allow_reason)
     bad = [(p["prompt_id"], p["fate"], p["reason"]) for p in prompts if p["fate"] != "trained" and p["reason"] not in allowed]
     require(not bad, f"{len(bad)} prompts dropped/evicted with a reason other than {sorted(allowed)}: {bad[:5]}")
+    # The run's end may drop only what was taken for steps beyond the last one: a prompt taken
+    # among the first steps x groups_per_step (dataloader order) must have been trained.
+    n_early = a.steps * p_per_step
+    early = sorted((p["order"], p["prompt_id"]) for p in prompts if p["fate"] != "trained" and p["order"] < n_early)
+    require(
+        not early,
+        f"{len(early)} prompts taken for the first {a.steps} steps (dataloader order < {n_early}) were never trained "
+        f"(dropped/evicted instead): (order, id) {early[:8]}",
+    )
     per_step = trained_by_step(prompts)
     counts = {k: len(v) for k, v in sorted(per_step.items())}
     want = {k: p_per_step for k in range(a.steps)}
