@@ -149,7 +149,8 @@ def check_mismatch(run: Path, a) -> str:
 def check_sync_equivalent(run: Path, a) -> str:
     """Lookahead 0 trained what a synchronous loop would: step k trained the k-th block of
     groups_per_step prompts of the dataloader, every token of it sampled with the weights of step k
-    (train/mismatch_tokens == train/tokens) and staleness 0; nothing was taken beyond one more block."""
+    (train/mismatch_tokens == train/tokens) and staleness 0, no more than one step's groups resident
+    at any step's end; nothing was taken beyond one more block."""
     from single_controller.service import make_dataloader
 
     cfg = config(run)
@@ -169,6 +170,11 @@ def check_sync_equivalent(run: Path, a) -> str:
     taken = summary(run)["prompts"]["taken"]
     require(taken <= (a.steps + 1) * p, f"{taken} prompts taken from the dataloader; a synchronous loop of {a.steps} steps takes at most {(a.steps + 1) * p}")
     for x in records(run):
+        require(
+            x["replay/resident_groups"] <= p,
+            f"step {x['step']} ended with {x['replay/resident_groups']} groups resident; a synchronous loop holds at most "
+            f"one step's {p} (rollouts for the next step started before this one's weights were synced)",
+        )
         require(x["train/staleness_max"] == 0, f"step {x['step']} trained a group {x['train/staleness_max']} versions stale (synchronous: 0)")
         require(
             x["train/mismatch_tokens"] == x["train/tokens"],
