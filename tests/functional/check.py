@@ -191,7 +191,8 @@ def check_worker_killed(run: Path, a) -> str:
     require(deaths == a.deaths, f"rollout/worker_deaths is {deaths} at the end, expected {a.deaths}")
     low = min(x["rollout/workers_routable"] for x in rec)
     require(low < a.workers, f"rollout/workers_routable never dropped below {a.workers}: the kill was not seen")
-    again = sum(1 for p in ledger(run) if p["uncharged"] > 0)  # in flight on the dead worker (timing)
+    again = sum(1 for p in ledger(run) if p["uncharged"] > 0)  # in flight on the dead worker
+    require(again >= a.min_redispatched, f"{again} prompts were re-dispatched uncharged, expected at least {a.min_redispatched} (the dead worker's in-flight groups)")
     return f"worker death: {deaths} counted, routable workers dipped to {low}, {again} prompts re-dispatched uncharged, restarts {rec[-1]['rollout/worker_restarts']}"
 
 
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reaches", type=int)
     ap.add_argument("--deaths", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--min-redispatched", type=int, default=0)
     ap.add_argument("--from-step", type=int)
     a = ap.parse_args(argv)
     try:
