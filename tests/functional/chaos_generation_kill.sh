@@ -7,7 +7,7 @@
 # run's end may drop a prompt.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-STEPS=$(fx_pick 16 30)
+STEPS=$(fx_pick 24 40)
 KILL_AT=$(fx_pick 4 10)
 log="$FX_OUT/run.log"
 fx_start "$log" "$FX_CONFIG" "${FX_COMMON[@]}" run.max_steps="$STEPS" \

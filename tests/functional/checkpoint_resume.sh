@@ -5,11 +5,11 @@
 # groups_per_step prompts, no prompt twice and none lost; metrics.jsonl holds each step once.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-STEPS=$(fx_pick 14 30)
 EVERY=$(fx_pick 4 10)
-KILL_AT=$(fx_pick 6 15)  # past the first checkpoint, before the second: steps are lost and redone
+KILL_AT=$(fx_pick 6 15)  # past the first checkpoint: steps after the newest one are lost and redone
+MORE=$(fx_pick 6 10)     # steps the resumed run trains past the checkpoint
 log1="$FX_OUT/run1.log"
-fx_start "$log1" "$FX_CONFIG" "${FX_COMMON[@]}" run.max_steps="$STEPS" checkpoint.every_steps="$EVERY"
+fx_start "$log1" "$FX_CONFIG" "${FX_COMMON[@]}" run.max_steps=100000 checkpoint.every_steps="$EVERY"
 fx_wait_step "$FX_PID" "$log1" "$KILL_AT"
 done_steps=$(($(fx_last_step "$log1") + 1))
 fx_log "kill -9 of the whole run after $done_steps steps"
@@ -17,11 +17,11 @@ fx_kill_run "$FX_PID"
 run=$(fx_run_dir "$log1")
 ckpt=$("${FX_CHECK[@]}" latest-checkpoint "$run") || fx_fail "no checkpoint after the kill" "$log1"
 ((ckpt > 0 && ckpt < done_steps)) || fx_fail "the newest checkpoint is of step $ckpt; expected one between 1 and $((done_steps - 1))"
-((ckpt < STEPS)) || fx_fail "the run was killed too late (checkpoint of step $ckpt of $STEPS)"
-fx_log "resuming from the checkpoint of step $ckpt ($((done_steps - ckpt)) steps to redo)"
+STEPS=$((ckpt + MORE))
+fx_log "resuming from the checkpoint of step $ckpt ($((done_steps - ckpt)) steps to redo), to step $STEPS"
 
 log2="$FX_OUT/run2.log"
-fx_run "$log2" --resume "$run"
+fx_run "$log2" --resume "$run" run.max_steps="$STEPS"
 grep -q "from the checkpoint of step $ckpt\$" "$log2" || fx_fail "the resumed run did not say it continues from step $ckpt" "$log2"
 fx_check resumed "$run" --from-step "$ckpt"
 fx_check finished "$run" --steps "$STEPS"

@@ -103,7 +103,7 @@ fx_wait_step() {
   while (($(fx_last_step "$log") < step)); do
     kill -0 "$pid" 2>/dev/null || fx_fail "the run ended before step $step" "$log"
     ((SECONDS - t0 < timeout)) || fx_fail "the run did not reach step $step within ${timeout}s" "$log"
-    sleep 1
+    sleep 0.2
   done
 }
 
