@@ -88,9 +88,11 @@ fx_start() {
   setsid "$FX_PY" -m single_controller run "$@" >"$log" 2>&1 </dev/null &
   FX_PID=$!
   FX_SESSIONS+=("$FX_PID")
-  local sid
-  sid=$(ps -o sid= -p "$FX_PID" | tr -d ' ' || true)
-  [[ -z "$sid" || "$sid" == "$FX_PID" ]] || fx_fail "the run (pid $FX_PID) did not get a session of its own (sid $sid)"
+  local sid t0=$SECONDS
+  while sid=$(ps -o sid= -p "$FX_PID" | tr -d ' ') && [[ "$sid" != "$FX_PID" ]]; do  # setsid not done yet
+    ((SECONDS - t0 < 10)) || fx_fail "the run (pid $FX_PID) did not get a session of its own (sid $sid)"
+    sleep 0.05
+  done
   fx_log "started sc-grpo run $* (pid $FX_PID, log $log)"
 }
 
