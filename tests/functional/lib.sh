@@ -162,7 +162,7 @@ fx_kill_run() {
     ((SECONDS - t0 < 30)) || fx_fail "processes of the killed run survive: $pids"
     sleep 0.2
   done
-  wait "$sid" 2>/dev/null || true
+  { wait "$sid"; } 2>/dev/null || true  # (without bash's "Killed" job notice)
 }
 
 # fx_assert_no_leftovers SID: after the run exited, no process of its session may stay (30 s grace).
