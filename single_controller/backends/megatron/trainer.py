@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss
+from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
 from single_controller.backends.cpu.model import pad_right, token_logprobs
 from single_controller.backends.cpu.trainer import STAT_KEYS, TrainStepStateError
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
@@ -298,6 +298,13 @@ class MegatronTrainerCore:
                     ref, _ = token_logprobs(ref_policy, rows["prompt_ids"], rows["response_ids"], self.temperature)
             out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]), mask, st.loss, ref_logprobs=ref)
             out.loss_sum.backward()
+            if rows.get("token_versions") is not None:
+                # the engine's mismatch: rows whose every token was sampled with the weights this step
+                # trains (as in backends/cpu/trainer.py)
+                versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
+                fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
+                for k, v in mismatch_stats(logp, gen, mask & fresh[:, None]).items():
+                    st.stats[k] += v
         st.tokens += out.num_tokens
         st.sequences += out.num_sequences
         st.loss_sum += float(out.loss_sum.detach())
@@ -350,6 +357,11 @@ class MegatronTrainerCore:
         }
         if st.loss.kl_coef > 0:
             metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
+        mm_tokens = stat_sums["mm_tokens"]
+        metrics["train/mismatch_tokens"] = mm_tokens
+        if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
+            metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
+            metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
         self._last_finished = (st.step, dict(metrics))
         return metrics
 

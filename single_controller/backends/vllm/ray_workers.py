@@ -10,6 +10,10 @@ The client coalesces the requests the controller issues in one event-loop tick i
 in-flight rule, the run's end) the client awaits the actor's `cancel` before letting the
 cancellation through: the caller's own clean-up (clearing the group's keys) then runs after the
 worker has guaranteed that no row of that group is or will be stored.
+
+A dead actor process surfaces as `GenerationWorkerDied` (from `generate` and `update_weights`), and
+`restart(weights)` replaces it (a new actor and engine, connected to storage, with `weights`), as
+the torch backend's client does: the rollout pump re-dispatches its prompts and restarts it.
 """
 
 from __future__ import annotations
@@ -20,18 +24,20 @@ from typing import Any, Awaitable, Callable, Sequence
 import ray
 
 from single_controller.backends.cpu.ray_workers import _kill_all
+from single_controller.backends.rank_calls import first_line
 from single_controller.config import Config
 from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 CANCEL_TIMEOUT_S = 30.0
 
 
 class VllmGenerationClient:
-    def __init__(self, name: str, actor_handle: Any):
+    def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
         self.name = name
         self.actor = actor_handle
+        self._spawn = spawn  # starts a replacement actor (restart after a death)
         self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._deliveries: set[asyncio.Task] = set()
 
@@ -68,9 +74,13 @@ class VllmGenerationClient:
         try:
             results = await ref
         except BaseException as e:
+            died = isinstance(e, ray.exceptions.RayActorError)
             for req, fut in batch:
                 if not fut.done():
-                    err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {e}")
+                    if died:
+                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {first_line(e)}")
+                    else:
+                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {e}")
                     err.__cause__ = e
                     fut.set_exception(err)
             if not isinstance(e, Exception):
@@ -85,7 +95,19 @@ class VllmGenerationClient:
                 fut.set_result(res)
 
     async def update_weights(self, weights: WeightsHandle) -> None:
-        await self.actor.update_weights.remote(weights)
+        try:
+            await self.actor.update_weights.remote(weights)
+        except ray.exceptions.RayActorError as e:
+            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {first_line(e)}") from e
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        """Replace a dead actor: start a new one (and its engine), connect it to storage, apply `weights`."""
+        if self._spawn is None or weights is None:
+            raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
+        ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
+        self.actor = self._spawn()
+        await self.actor.connect.remote()
+        await self.update_weights(weights)
 
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
@@ -115,13 +137,17 @@ async def start_vllm_generation(
 
     res = {"num_cpus": 0, "num_gpus": 1} if cfg.vllm.device == "cuda" else {"num_cpus": 0}
     actor_cls = ray.remote(VllmGenerationActor)
-    clients = [
-        VllmGenerationClient(
-            f"vllm{i}",
-            actor_cls.options(**{**res, **(options or {})}).remote(f"vllm{i}", cfg, storage_factory, seed=cfg.seed * 1000 + i),
-        )
-        for i in range(cfg.backend.num_generation_workers)
-    ]
+
+    def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
+        def spawn() -> Any:
+            return actor_cls.options(**{**res, **(options or {})}).remote(f"vllm{i}", cfg, storage_factory, seed=cfg.seed * 1000 + i)
+
+        return spawn
+
+    clients = []
+    for i in range(cfg.backend.num_generation_workers):
+        spawn = spawner(i)
+        clients.append(VllmGenerationClient(f"vllm{i}", spawn(), spawn))
     try:
         if storage_ready is not None:
             await storage_ready
