@@ -21,7 +21,6 @@ from typing import Protocol, Sequence
 import torch
 
 from replay.ledger import GroupRecord, GroupState
-from replay.storage import row_keys
 from single_controller.deadlines import within
 from single_controller.state import RunState
 
@@ -76,7 +75,6 @@ async def advantage_pump(state: RunState, logprob_passes: Sequence[LogprobPass] 
 
 
 async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) -> None:
-    G = state.cfg.rollout.group_size
     clk = state.pumps[PUMP]
     t0 = state.clock()
     keep: list[tuple[GroupRecord, tuple[float, ...]]] = []
@@ -96,7 +94,7 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
     if keep:
         for lp in logprob_passes:
             await lp.run([rec for rec, _ in keep])
-        keys = [k for rec, _ in keep for k in row_keys(rec.group_id, G)]
+        keys = [k for rec, _ in keep for k in rec.keys]
         flat = [a for _, advs in keep for a in advs]
         if not all(map(math.isfinite, flat)):
             raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 
 from replay.ledger import GroupRecord, GroupState
-from replay.storage import row_keys
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Restartable
 from single_controller.state import RunState
@@ -159,7 +158,7 @@ def _finished(state: RunState) -> bool:
 
 async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
     cfg = state.cfg
-    keys = row_keys(rec.group_id, cfg.rollout.group_size)
+    keys = rec.keys
     request = GenerationRequest(rec.group_id, rec.prompt, sampling, keys)
     clk = state.pumps[PUMP]
     try:

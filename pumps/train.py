@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from replay.ledger import GroupRecord, GroupState
-from replay.storage import TRAIN_FIELDS, row_keys
+from replay.storage import TRAIN_FIELDS
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import Prefetching, TrainerFailed, TrainerRankDied
@@ -178,8 +178,7 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
 
 
 def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
-    G = state.cfg.rollout.group_size
-    keys = tuple(k for g in groups for k in row_keys(g.group_id, G))
+    keys = tuple(k for g in groups for k in g.keys)
     lengths = tuple(n for g in groups for n in g.seq_lengths())
     return TrainChunk(step, index, keys, lengths, TRAIN_FIELDS)
 

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from replay.storage import row_keys
 from single_controller.types import GenerationResult, Prompt
 
 
@@ -67,6 +68,7 @@ class GroupRecord:
     target_step: int
     version_reserved: int  # policy version when dispatched
     t_reserved: float
+    keys: tuple[str, ...] = ()  # its rows' keys in storage (`row_keys`), made once at reserve
     state: GroupState = GroupState.RESERVED
     resident: bool = True  # holds a capacity slot until its rows are cleared
     version_start: int | None = None
@@ -183,7 +185,7 @@ class GroupLedger:
         group_id = f"{prompt.prompt_id}-a{attempt}"
         if group_id in self._groups:
             raise LedgerError(f"group {group_id} reserved twice")
-        rec = GroupRecord(group_id, prompt, attempt, self._seq, target_step, policy_version, now)
+        rec = GroupRecord(group_id, prompt, attempt, self._seq, target_step, policy_version, now, row_keys(group_id, self.group_size))
         self._seq += 1
         self._groups[group_id] = self._active[group_id] = self._by_state[GroupState.RESERVED][group_id] = rec
         self._live_by_step[target_step] += 1

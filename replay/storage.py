@@ -13,8 +13,6 @@ simulated backend. `replay.tq_storage.TQRowStorage` is the TransferQueue impleme
 
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -49,7 +47,6 @@ TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "
 BULK_FIELDS = frozenset(f.name for f in ROLLOUT_FIELDS if f.bulk)
 
 
-@functools.lru_cache(maxsize=1 << 14)  # a group's keys are asked for at dispatch, advantages, chunk and clear
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
     return tuple(f"{group_id}_g{i}" for i in range(group_size))
 

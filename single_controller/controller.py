@@ -29,7 +29,7 @@ from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
-from replay.storage import RowStorage, StorageStatistics, row_keys
+from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, config_fingerprint, write_checkpoint
@@ -375,7 +375,7 @@ class Controller:
                 st.teardown_errors.append(f"abort_train_step: {e}")
         active = list(st.ledger.active_records())
         if active:
-            keys = [k for g in active for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
+            keys = [k for g in active for k in g.keys]
             try:
                 await within(st.storage.clear_rows(keys), self.cfg.timeouts.storage_s, "storage clear at teardown")
             except Exception as e:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
-from replay.storage import RowStorage, row_keys
+from replay.storage import RowStorage
 from samplers.staleness import StalenessSampler
 from single_controller.channels import Signal
 from single_controller.config import Config, resolved_capacity
@@ -178,7 +178,7 @@ class RunState:
         """Clear terminal groups' rows, then release their slots. Retries a failing clear (a slot is
         freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
         `what` when the storage stays down."""
-        keys = [k for g in groups for k in row_keys(g.group_id, self.cfg.rollout.group_size)]
+        keys = [k for g in groups for k in g.keys]
         for attempt in range(1, CLEAR_ATTEMPTS + 1):
             try:
                 await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)

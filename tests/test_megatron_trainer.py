@@ -311,7 +311,7 @@ def test_distributed_optimizer_dp2_matches_full_batch(pair, single, hf_dir, rows
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
+async def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
     """Through `MegatronTrainerGroup.train_microbatch(TrainChunk)`: DP ranks read their token-balanced
     share; in a TP group only the leader reads and broadcasts. Same gradients as the full batch."""
     import ray
@@ -326,14 +326,11 @@ def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
     group = MegatronTrainerGroup(pair, build(pair, hf_dir, tp=tp))
     lengths = [len(p) + len(r) for p, r in zip(stored["prompt_ids"], stored["response_ids"])]
 
-    async def step():
-        await group.begin_train_step(0, loss)
-        for i, (a, b) in enumerate([(0, 5), (5, 12)]):
-            keys = tuple(f"r{j}" for j in range(a, b))
-            await group.train_microbatch(TrainChunk(0, i, keys, tuple(lengths[a:b]), TRAIN_FIELDS))
-        return await group.finish_train_step(0)
-
-    result = asyncio.run(step())
+    await group.begin_train_step(0, loss)
+    for i, (a, b) in enumerate([(0, 5), (5, 12)]):
+        keys = tuple(f"r{j}" for j in range(a, b))
+        await group.train_microbatch(TrainChunk(0, i, keys, tuple(lengths[a:b]), TRAIN_FIELDS))
+    result = await group.finish_train_step(0)
     assert result.metrics["train/sequences"] == ref_metrics["train/sequences"]
     # Every row is read from storage exactly once (by its DP rank, or by its TP group's leader).
     assert result.metrics["train/bytes_read"] == sum(column_nbytes(stored[f]) for f in TRAIN_FIELDS)
@@ -388,7 +385,7 @@ def test_abort_detects_a_changed_optimizer_state(single, hf_dir, rows):
     assert not single.same_state(before)
 
 
-def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_path):
+async def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_path):
     """Resume (main's `Checkpointable`): save after a step, train on, load: parameters, optimizer
     state and next step are back bit-exactly, and the next step lands where it did the first time."""
     import ray
@@ -399,11 +396,11 @@ def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_path):
     group = MegatronTrainerGroup(pair, layouts)
     run_step(pair, layouts, rows, [6, 6], LossConfig(), step=0)
     saved = ray.get([r.state_fingerprint.remote() for r in pair])
-    asyncio.run(group.save_state(str(tmp_path / "ckpt")))
+    await group.save_state(str(tmp_path / "ckpt"))
     first = run_step(pair, layouts, rows, [12], LossConfig(level="sequence"), step=1)
     after_first = ray.get([r.hf_weights.remote() for r in pair])[0]
     assert not all(ray.get([r.same_state.remote(b) for r, b in zip(pair, saved)]))
-    assert asyncio.run(group.load_state(str(tmp_path / "ckpt"))) == 1
+    assert await group.load_state(str(tmp_path / "ckpt")) == 1
     assert ray.get([r.same_state.remote(b) for r, b in zip(pair, saved)]) == [True, True]
     assert ray.get(pair[0].train_status.remote())["next_step"] == 1
     again = run_step(pair, layouts, rows, [12], LossConfig(level="sequence"), step=1)
@@ -416,7 +413,7 @@ def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_path):
 # --- step ids --------------------------------------------------------------------------------
 
 
-def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
+async def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
     import ray
 
     from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
@@ -425,33 +422,30 @@ def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
     group = MegatronTrainerGroup(pair, layouts)
     assert isinstance(group, TrainerGroup)
 
-    async def scenario():
-        assert await group.train_status() == TrainStatus(0, None, None)
-        with pytest.raises(TrainStepStateError):
-            await group.begin_train_step(3, LossConfig())  # not the next step
-        await group.begin_train_step(0, LossConfig())
-        with pytest.raises(TrainStepStateError):
-            await group.begin_train_step(0, LossConfig())  # already open
-        await asyncio.gather(*(r.train_microbatch_rows.remote(take(rows, range(6 * i, 6 * i + 6))) for i, r in enumerate(pair)))
-        first = await group.finish_train_step(0)
-        weights = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
-        again = await group.finish_train_step(0)  # a retried finish: the recorded result, no second step
-        assert again.metrics == first.metrics
-        weights_again = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
-        assert all(np.array_equal(weights[0][k], weights_again[0][k]) for k in weights[0])
-        await group.abort_train_step(0)  # abort of a finished step: a no-op
-        weights_after_abort = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
-        assert all(np.array_equal(weights[0][k], weights_after_abort[0][k]) for k in weights[0])
-        assert await group.train_status() == TrainStatus(1, None, 0)
-        with pytest.raises(TrainStepStateError):
-            await group.finish_train_step(1)  # never begun
-        await group.begin_train_step(1, LossConfig())
-        assert await group.train_status() == TrainStatus(1, 1, 0)
-        await group.abort_train_step(1)
-        await group.begin_train_step(1, LossConfig())  # re-begin the aborted step
-        await group.abort_train_step(1)
-
-    asyncio.run(scenario())
+    assert await group.train_status() == TrainStatus(0, None, None)
+    with pytest.raises(TrainStepStateError):
+        await group.begin_train_step(3, LossConfig())  # not the next step
+    await group.begin_train_step(0, LossConfig())
+    with pytest.raises(TrainStepStateError):
+        await group.begin_train_step(0, LossConfig())  # already open
+    await asyncio.gather(*(r.train_microbatch_rows.remote(take(rows, range(6 * i, 6 * i + 6))) for i, r in enumerate(pair)))
+    first = await group.finish_train_step(0)
+    weights = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
+    again = await group.finish_train_step(0)  # a retried finish: the recorded result, no second step
+    assert again.metrics == first.metrics
+    weights_again = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
+    assert all(np.array_equal(weights[0][k], weights_again[0][k]) for k in weights[0])
+    await group.abort_train_step(0)  # abort of a finished step: a no-op
+    weights_after_abort = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
+    assert all(np.array_equal(weights[0][k], weights_after_abort[0][k]) for k in weights[0])
+    assert await group.train_status() == TrainStatus(1, None, 0)
+    with pytest.raises(TrainStepStateError):
+        await group.finish_train_step(1)  # never begun
+    await group.begin_train_step(1, LossConfig())
+    assert await group.train_status() == TrainStatus(1, 1, 0)
+    await group.abort_train_step(1)
+    await group.begin_train_step(1, LossConfig())  # re-begin the aborted step
+    await group.abort_train_step(1)
 
 
 # --- weight sync -----------------------------------------------------------------------------
@@ -459,7 +453,7 @@ def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
-def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dirs, arch_rows, arch, tp):
+async def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dirs, arch_rows, arch, tp):
     """After two training steps, the exported snapshot applied to the HF model (what the torch
     generation worker does) gives the trainer's logprobs within 1e-4."""
     import ray
@@ -472,11 +466,8 @@ def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dirs, arch_rows,
         run_step(pair, layouts, rows, [6, 6], LossConfig(), step=step)
     group = MegatronTrainerGroup(pair, layouts)
 
-    async def export():
-        handle = await group.export_weights(2)
-        return handle, await resolve_snapshot(handle.payload)
-
-    handle, snapshot = asyncio.run(export())
+    handle = await group.export_weights(2)
+    snapshot = await resolve_snapshot(handle.payload)
     assert handle.version == 2 and handle.num_bytes == sum(b.nbytes for b in snapshot.buckets)
     generator = load_hf(hf_dir)
     before = {n: p.detach().clone() for n, p in generator.named_parameters()}

@@ -187,6 +187,7 @@ class SimGenerationWorker:
                 await asyncio.Event().wait()  # a wedged engine: only the deadline ends this
             if fault_key in self.faults.gen_delay:
                 await asyncio.sleep(self.faults.gen_delay[fault_key])  # out-of-order completion
+            arrived = asyncio.get_running_loop().time()
             await self._lock.acquire(EVAL_LANE if request.eval else ROLLOUT_LANE)
             self._busy = True
             try:
@@ -195,7 +196,7 @@ class SimGenerationWorker:
                     self._rollout_n = request.sampling.n
                 cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
                 if cost:
-                    await asyncio.sleep(cost)  # simulated compute, not a poll
+                    await _busy(self, cost, arrived)  # simulated compute, not a poll
                 if fault_key in self.faults.gen_fail:
                     raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
                 if request.eval:  # scored, never stored
@@ -341,7 +342,7 @@ class SimTrainerGroup:
             self.bytes_read += sum(t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col]))
         if self.group_s:
             n_groups = max(1, len({k.rsplit("_g", 1)[0] for k in chunk.row_keys}))
-            await asyncio.sleep(self.group_s * n_groups)  # simulated compute
+            await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
         if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
         self._open.extend(chunk.row_keys)
@@ -425,6 +426,17 @@ def sim_workers(
         for i in range(num_generators)
     ]
     return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
+
+
+async def _busy(worker, seconds: float, arrived: float) -> None:
+    """`seconds` of simulated compute on a serial worker, timed against the worker's own schedule:
+    it ends `seconds` after the previous piece of work ended, or after the request `arrived` if the
+    worker was idle then. A timer that fires late (the event loop's timers are millisecond-grained)
+    delays one piece, not every piece after it: many sub-millisecond pieces add up to their total."""
+    loop = asyncio.get_running_loop()
+    start = max(getattr(worker, "_free_at", 0.0), arrived)
+    worker._free_at = start + seconds
+    await asyncio.sleep(max(0.0, worker._free_at - loop.time()))
 
 
 class _Discard(list):
