@@ -339,27 +339,7 @@ class TrainerCore:
         self._open = None
         self.steps_done += 1
         self.next_step = st.step + 1
-        metrics = {
-            "train/loss": loss_sum / n,
-            "train/grad_norm": grad_norm,
-            "train/tokens": tokens,
-            "train/sequences": sequences,
-            "train/microbatches": float(st.microbatches),
-            "train/clip_frac": stat_sums["clipped"] / max(tokens, 1),
-            "train/is_weight_mean": stat_sums["is_weight"] / max(tokens, 1),
-            "train/is_truncated_frac": stat_sums["is_truncated"] / max(tokens, 1),
-            "train/gen_logprob_gap": stat_sums["gen_gap"] / max(tokens, 1),
-            "train/lr": float(self.optimizer.param_groups[0]["lr"]),
-            "train/step_s": time.perf_counter() - st.started,
-            "train/bytes_read": float(st.bytes_read),
-        }
-        if st.loss.kl_coef > 0:
-            metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
-        mm_tokens = stat_sums["mm_tokens"]
-        metrics["train/mismatch_tokens"] = mm_tokens
-        if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
-            metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
-            metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
+        metrics = step_metrics(st, n, loss_sum, tokens, sequences, stat_sums, grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]))
         self._last_finished = (st.step, dict(metrics))
         return metrics
 
@@ -411,3 +391,30 @@ class TrainerCore:
         if self._open is None:
             raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")
         return self._open
+
+
+def step_metrics(st, n: float, loss_sum: float, tokens: float, sequences: float, stat_sums: dict, grad_norm: float, *, lr: float) -> dict[str, float]:
+    """A finished step's metrics from its all-reduced sums (`st`: the open step's record), the same
+    for every trainer backend."""
+    metrics = {
+        "train/loss": loss_sum / n,
+        "train/grad_norm": grad_norm,
+        "train/tokens": tokens,
+        "train/sequences": sequences,
+        "train/microbatches": float(st.microbatches),
+        "train/clip_frac": stat_sums["clipped"] / max(tokens, 1),
+        "train/is_weight_mean": stat_sums["is_weight"] / max(tokens, 1),
+        "train/is_truncated_frac": stat_sums["is_truncated"] / max(tokens, 1),
+        "train/gen_logprob_gap": stat_sums["gen_gap"] / max(tokens, 1),
+        "train/lr": lr,
+        "train/step_s": time.perf_counter() - st.started,
+        "train/bytes_read": float(st.bytes_read),
+    }
+    if st.loss.kl_coef > 0:
+        metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
+    mm_tokens = stat_sums["mm_tokens"]
+    metrics["train/mismatch_tokens"] = mm_tokens
+    if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
+        metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
+        metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
+    return metrics

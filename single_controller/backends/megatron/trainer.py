@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
 from single_controller.backends.cpu.model import pad_right, token_logprobs
-from single_controller.backends.cpu.trainer import STAT_KEYS, TrainStepStateError
+from single_controller.backends.cpu.trainer import STAT_KEYS, TrainStepStateError, step_metrics
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
 from single_controller.backends.megatron.model import ModelSpec, MegatronPolicy, build_gpt, hf_to_megatron, megatron_to_hf
 from single_controller.config import TrainConfig
@@ -341,27 +341,7 @@ class MegatronTrainerCore:
         self._open = None
         self.steps_done += 1
         self.next_step = st.step + 1
-        metrics = {
-            "train/loss": loss_sum / n,
-            "train/grad_norm": grad_norm,
-            "train/tokens": tokens,
-            "train/sequences": sequences,
-            "train/microbatches": float(st.microbatches),
-            "train/clip_frac": stat_sums["clipped"] / max(tokens, 1),
-            "train/is_weight_mean": stat_sums["is_weight"] / max(tokens, 1),
-            "train/is_truncated_frac": stat_sums["is_truncated"] / max(tokens, 1),
-            "train/gen_logprob_gap": stat_sums["gen_gap"] / max(tokens, 1),
-            "train/lr": float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"]),
-            "train/step_s": time.perf_counter() - st.started,
-            "train/bytes_read": float(st.bytes_read),
-        }
-        if st.loss.kl_coef > 0:
-            metrics["train/kl"] = stat_sums["kl"] / max(tokens, 1)
-        mm_tokens = stat_sums["mm_tokens"]
-        metrics["train/mismatch_tokens"] = mm_tokens
-        if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
-            metrics["train/mismatch_abs_logprob"] = stat_sums["mm_abs"] / mm_tokens
-            metrics["train/mismatch_kl"] = stat_sums["mm_kl"] / mm_tokens
+        metrics = step_metrics(st, n, loss_sum, tokens, sequences, stat_sums, grad_norm, lr=float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"]))
         self._last_finished = (st.step, dict(metrics))
         return metrics
 
