@@ -217,6 +217,9 @@ class Controller:
             "prompts": prompts,
             "rolled_back": rolled_back,
             "dataloader": {"taken": len(st.prompts), **(self._dataloader_state() if self._dataloader_state else {})},
+            # the step records since the previous checkpoint: the driver writes metrics.jsonl behind
+            # the controller, so a crash can lose the last ones a resume does not train again
+            "records": [dict(r) for r in self.history if r["step"] >= (self._last_checkpoint_step or 0)],
             "success_window": list(self._success),
             "counters": {
                 "zero_variance_groups": st.zero_variance_groups,

@@ -47,8 +47,11 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
             print(f"sc-grpo: wrote a random-init model to {cfg.model.path}", flush=True)
     t_start = time.perf_counter()
     if resume_dir is not None:
+        from single_controller.checkpoint import latest_checkpoint, read_controller_state
+
         step = _check_resumable(cfg, resume_dir)  # before anything starts
-        run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step)
+        recovered = read_controller_state(latest_checkpoint(resume_dir)).get("records", [])
+        run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step, recovered=recovered)
         print(f"sc-grpo: resuming {run_dir.path} from the checkpoint of step {step}", flush=True)
     else:
         run_dir = RunDirectory.create(cfg)

@@ -85,10 +85,12 @@ class RunDirectory:
         return cls(cfg, now=now)
 
     @classmethod
-    def reopen(cls, path: str | Path, cfg: Config, *, from_step: int) -> RunDirectory:
+    def reopen(cls, path: str | Path, cfg: Config, *, from_step: int, recovered: list[dict] = ()) -> RunDirectory:
         """Continue an existing run directory (a resume): metrics records of steps >= `from_step`
         (trained after the checkpoint, so trained again now) and eval points of versions >= `from_step`
-        (evaluated again) are dropped, later ones appended; the
+        (evaluated again) are dropped, later ones appended; step records before `from_step` that the
+        file lacks (the driver was killed before writing them) are taken from `recovered` (the
+        checkpoint's); the
         config actually used is written beside the original as `config.resume.yaml`."""
         from single_controller.config_loader import config_to_yaml
 
@@ -103,6 +105,8 @@ class RunDirectory:
         # eval points of versions >= from_step are measured again after the resume
         before = lambda r: r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step  # noqa: E731
         kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []
+        have = {r["step"] for r in kept if not is_eval_record(r) and "step" in r}
+        kept += sorted((r for r in recovered if r["step"] < from_step and r["step"] not in have), key=lambda r: r["step"])
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)

@@ -185,3 +185,19 @@ def test_write_json_and_create(tmp_path):
     with RunDirectory.create(cfg_in(tmp_path), now=NOW) as run:
         path = run.write_json("summary.json", {"steps": np.int64(3), "wall_s": float("inf"), "ok": True})
         assert json.loads(path.read_text()) == {"steps": 3, "wall_s": None, "ok": True}
+
+
+def test_reopen_fills_step_records_the_killed_driver_never_wrote_from_the_checkpoint(tmp_path):
+    """A kill -9 can land after the controller checkpointed step 8 but before the driver wrote the
+    record of step 7: the resume takes it from the checkpoint's records, and drops steps >= 8."""
+    import json
+
+    from single_controller.config import Config
+    from single_controller.run_output import RunDirectory
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/wall_s": float(s)}) + "\n" for s in range(7)))
+    recovered = [{"step": s, "time/wall_s": float(s)} for s in range(4, 10)]
+    rd = RunDirectory.reopen(tmp_path, Config(), from_step=8, recovered=recovered)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(8))
+    assert rd.wall_offset_s == 7.0
