@@ -22,14 +22,15 @@ Ray is imported lazily so that importing this module does not freeze Ray's envir
 from __future__ import annotations
 
 import contextlib
-
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from single_controller.config import StorageConfig, TimeoutConfig
 from single_controller.deadlines import DeadlineExceeded
@@ -127,7 +128,7 @@ def _controller() -> Any | None:
 
 def client_connected() -> bool:
     """Whether this process has a TQ client (after `start_tq` / `attach_tq`)."""
-    import transfer_queue as tq
+    tq = import_transfer_queue()
 
     try:
         tq.get_client()
@@ -188,8 +189,6 @@ def start_tq(
             )
         check_ray_cpus(num_storage_units, ray.available_resources().get("CPU", 0.0))
 
-        import transfer_queue as tq
-
         conf = {
             # KV API only; polling mode keeps a starving low-level fetch from stalling the controller.
             "controller": {"polling_mode": True},
@@ -202,7 +201,7 @@ def start_tq(
         t0 = time.perf_counter()
         try:
             with _gets_off_the_loop():
-                _call_with_deadline(lambda: tq.init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
+                _call_with_deadline(lambda: _init_tq(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
         except BaseException:
             _kill_tq_actors(num_storage_units)
             _reset_tq_globals()
@@ -210,6 +209,138 @@ def start_tq(
         _owned = TQRuntimeInfo(True, num_storage_units, time.perf_counter() - t0)
         log.info("replay/tq started: %d storage unit(s) in %.1fs", num_storage_units, _owned.startup_s)
         return _owned
+
+
+def import_transfer_queue() -> Any:
+    """`import transfer_queue` (after `configure_env()`), with tensordict imported without
+    `torch._dynamo` (see `without_dynamo_at_import`)."""
+    if "transfer_queue" in sys.modules:
+        return sys.modules["transfer_queue"]
+    configure_env()
+    without_dynamo_at_import()
+    import transfer_queue
+
+    return transfer_queue
+
+
+@contextlib.contextmanager
+def _compiler_wrappers_as_identity() -> Iterator[None]:
+    import torch.compiler as compiler
+
+    if "torch._dynamo" in sys.modules:  # already paid for: nothing to save
+        yield
+        return
+    saved = compiler.allow_in_graph, compiler.assume_constant_result
+    compiler.allow_in_graph = compiler.assume_constant_result = _identity  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        compiler.allow_in_graph, compiler.assume_constant_result = saved
+
+
+def _identity(fn: T) -> T:
+    return fn
+
+
+class _TensordictLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        with _compiler_wrappers_as_identity():
+            self.inner.exec_module(module)
+
+
+class _TensordictFinder(importlib.abc.MetaPathFinder):
+    """Finds `tensordict` once, with a loader that runs its import under `_compiler_wrappers_as_identity`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "tensordict":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _TensordictLoader(spec.loader)
+        return spec
+
+
+def without_dynamo_at_import() -> None:
+    """Make the first `import tensordict` of this process skip `torch._dynamo` (1.3-1.6 s of CPU in
+    every process that imports TransferQueue: its controller and storage units, our controller, every
+    worker; on two cores, most of a run's start-up was this).
+
+    tensordict wraps a few functorch functions with `torch.compiler.allow_in_graph` and
+    `assume_constant_result` at import time, and both import all of Dynamo. Those wrappers only matter
+    when tensordict code runs under `torch.compile`, which nothing of TQ does: while tensordict's
+    modules execute they are identity functions, and `torch.compiler` is restored right after. Costs
+    nothing until tensordict is imported (torch is not imported here); a no-op once it is, or when
+    Dynamo is already loaded."""
+    if "tensordict" in sys.modules or any(isinstance(f, _TensordictFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _TensordictFinder())
+
+
+def worker_process_setup() -> None:
+    """Ray `worker_process_setup_hook` of our runs (`ray_runtime.ray_session(setup_hook=...)`): runs in
+    every worker process before its actor class is loaded, TQ's own actors included, so TransferQueue
+    comes in without Dynamo there too (`without_dynamo_at_import`; nothing is imported here)."""
+    without_dynamo_at_import()
+
+
+# What `_init_tq` needs from TQ's interface module; `tq.init` itself is used when any is missing.
+_INIT_INTERNALS = (
+    "_TQ_CONTROLLER",
+    "_TQ_STORAGE",
+    "_maybe_create_tq_client",
+    "TransferQueueController",
+    "StorageBootstrapProvider",
+    "process_zmq_server_info",
+)
+
+
+def _init_tq(conf: dict) -> None:
+    """`tq.init(conf)` with its controller and storage units starting at the same time.
+
+    `tq.init` waits for the controller's process to be up before it creates the storage units, so two
+    actor start-ups (each a Python process importing torch and TQ, ~2.5 s on two cores) run one after
+    the other. The storage units need nothing from the controller, and the controller gets the
+    storage units' addresses only with the config stored at the end: here both are created first and
+    waited for together; the rest is what `tq.init` does (config stored on the controller, this
+    process's client). Checked against TransferQueue 0.1.11; any other layout falls back to `tq.init`."""
+    from importlib import resources
+
+    import ray
+    from omegaconf import OmegaConf
+
+    tq = import_transfer_queue()
+    import transfer_queue.interface as tqi
+    if not all(hasattr(tqi, name) for name in _INIT_INTERNALS) or tqi._TQ_CONTROLLER is not None:
+        tq.init(conf)
+        return
+    final = OmegaConf.merge(
+        OmegaConf.create({}, flags={"allow_objects": True}),
+        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
+        conf,
+    )
+    sampler_name = final.controller.sampler
+    sampler_cls = getattr(tqi, sampler_name, None) if isinstance(sampler_name, str) else None
+    provider = tqi.StorageBootstrapProvider.get_provider(final.backend.storage_backend)
+    if sampler_cls is None or provider is None or final.metrics.enabled:
+        tq.init(conf)
+        return
+    controller = tqi.TransferQueueController.options(name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE).remote(
+        sampler=sampler_cls(), polling_mode=final.controller.polling_mode
+    )
+    tqi._TQ_CONTROLLER = controller
+    # creates the units and waits for their addresses while the controller's process starts
+    tqi._TQ_STORAGE = {final.backend.storage_backend: provider(final)}
+    final.controller.zmq_info = tqi.process_zmq_server_info(controller)
+    ray.get(controller.store_config.remote(final))
+    tqi._maybe_create_tq_client(final)
 
 
 @contextlib.contextmanager
@@ -242,8 +373,8 @@ def _attach_tq(timeout_s: float) -> TQRuntimeInfo:
     if client_connected():
         return TQRuntimeInfo(False, -1, 0.0)
     import ray
-    import transfer_queue as tq
 
+    tq = import_transfer_queue()
     t0 = time.perf_counter()
     controller = _controller()
     if controller is None:
@@ -294,6 +425,14 @@ def stop_tq(timeout_s: float = 60.0) -> None:
             # Attached (must not kill the shared controller), or Ray is gone (and TQ's actors with it):
             # drop this process's client only, so a later start/attach builds a fresh one.
             _drop_client()
+
+
+def attach_tq_storage(partition: str, timeout_s: float):  # -> TQRowStorage
+    """`TQRowStorage.attach(partition, timeout_s=...)`, importable without importing TQ: a worker's
+    storage factory, pickled by reference, so the controller can start workers before it imports TQ."""
+    from replay.tq_storage import TQRowStorage
+
+    return TQRowStorage.attach(partition, timeout_s=timeout_s)
 
 
 def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None):  # -> TQRowStorage

@@ -38,6 +38,7 @@ __all__ = ["RaySession", "ray_session", "worker_env", "prepare_environment", "DE
 
 T = TypeVar("T")
 
+WORKER_SETUP_HOOK = "replay.tq_runtime.worker_process_setup"
 DEFAULT_GRACE_S = 25.0  # first interrupt -> forced exit after this long; keeps Ctrl-C under 30 s
 _WAIT_EXIT_S = 5.0  # after ray.shutdown, how long the session's processes get to exit on their own
 _TERM_S = 2.0  # SIGTERM -> SIGKILL for stragglers
@@ -287,12 +288,17 @@ def ray_session(
     env_vars: Mapping[str, str] | None = None,
     namespace: str | None = "sc-grpo",
     grace_s: float = DEFAULT_GRACE_S,
+    setup_hook: str | None = WORKER_SETUP_HOOK,
 ) -> Iterator[RaySession]:
     """Start a local Ray (or attach to `cfg.address`) for the body; see the module docstring.
 
     `min_cpus`: logical CPUs the run needs (TQ storage units + workers + controller); a local Ray gets
     `cfg.num_cpus` or max(min_cpus, os.cpu_count()). `env_vars` go to every worker (`runtime_env`),
-    e.g. `worker_env(cfg.backend.torch_threads)`.
+    e.g. `worker_env(cfg.backend.torch_threads)`. `setup_hook` ("module.function") runs in every
+    worker process before its actor class loads (Ray's `worker_process_setup_hook`); by default
+    TransferQueue is imported there without torch._dynamo (`replay.tq_runtime.worker_process_setup`).
+    A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
+    runtime environment, so they were never used and only took CPU while the run started.
     """
     prepare_environment(local=cfg.address is None)
     import ray
@@ -315,10 +321,15 @@ def ray_session(
     kwargs: dict[str, Any] = dict(log_to_driver=log_to_driver, logging_level=logging.WARNING)
     if namespace is not None:
         kwargs["namespace"] = namespace
+    runtime_env: dict[str, Any] = {}
     if env_vars:
-        kwargs["runtime_env"] = {"env_vars": dict(env_vars)}
+        runtime_env["env_vars"] = dict(env_vars)
+    if setup_hook:
+        runtime_env["worker_process_setup_hook"] = setup_hook
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     if owned:
-        kwargs.update(num_cpus=num_cpus, include_dashboard=False)
+        kwargs.update(num_cpus=num_cpus, include_dashboard=False, _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     else:
         kwargs["address"] = cfg.address
 

@@ -195,8 +195,8 @@ class ControllerService:
 
     async def _ray_workers(self):
         """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
-        from replay.tq_runtime import open_tq_storage
-        from replay.tq_storage import TQRowStorage
+        # TQ itself is imported on the storage thread: the worker processes start first
+        from replay.tq_runtime import attach_tq_storage, open_tq_storage
         from single_controller.backends.registry import start_workers
 
         cfg = self.cfg
@@ -210,7 +210,7 @@ class ControllerService:
             return storage
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
-        factory = functools.partial(TQRowStorage.attach, self.partition, timeout_s=cfg.timeouts.storage_s)
+        factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s)
         what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
         gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
