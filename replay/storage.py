@@ -47,6 +47,14 @@ TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "
 BULK_FIELDS = frozenset(f.name for f in ROLLOUT_FIELDS if f.bulk)
 
 
+def row_bulk_fields(schema: Mapping[str, FieldSpec]) -> tuple[str, ...]:
+    """A row's bulk jagged fields (token ids, logprobs, mask, versions), in schema order. They are
+    written together: a put carrying any of them replaces all of the row's (TQRowStorage stores them
+    as one packed field; InMemoryRowStorage drops the ones the put lacks), so every storage reads
+    back the same rows."""
+    return tuple(name for name, spec in schema.items() if spec.bulk and spec.jagged)
+
+
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
     return tuple(f"{group_id}_g{i}" for i in range(group_size))
 
@@ -201,8 +209,12 @@ class InMemoryRowStorage:
         validate_put(self.schema, keys, columns, tags)
         # keep copies: a jagged column row by row, a dense one in one clone whose rows are views
         kept = {name: col if self.schema[name].jagged else col.clone() for name, col in columns.items()}
+        bulk = set(row_bulk_fields(self.schema))
+        replaced = bulk - set(columns) if bulk & set(columns) else set()  # a put of bulk fields replaces them all
         for i, key in enumerate(keys):
             row = self._rows.setdefault(key, {})
+            for name in replaced:
+                row.pop(name, None)
             for name, col in kept.items():
                 row[name] = col[i].clone() if self.schema[name].jagged else col[i]
             if tags is not None:

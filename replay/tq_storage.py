@@ -53,6 +53,7 @@ from replay.storage import (  # noqa: E402
     StorageReadError,
     StorageStatistics,
     column_nbytes,
+    row_bulk_fields,
     validate_put,
     validate_read,
 )
@@ -83,27 +84,19 @@ _MAX_PROBED_KEYS = 64  # error path: keys probed one by one to name those regist
 # (`sc-grpo bench storage`; the embedded run spent ~90 ms of CPU per step in TQ). The packed row is a
 # uint8 tensor: an int64 header with each packed field's element count (-1: not in this put), then
 # each present field's bytes in schema order, each padded to 8 bytes. Scalar fields stay TQ fields of
-# their own (the controller reads them without touching bulk data). A put writes a row's packed fields
-# together: a later put of bulk fields to the same key replaces them all.
+# their own (the controller reads them without touching bulk data). A put of bulk fields replaces all
+# of the row's bulk fields (`replay.storage`: the same in every row storage).
 PACKED_FIELD = "bulk"
 
 
 def packed_specs(schema: Mapping[str, FieldSpec]) -> tuple[FieldSpec, ...]:
-    """The fields that travel packed: bulk, jagged, with a numpy dtype (schema order)."""
-    out = []
-    for spec in schema.values():
-        if spec.bulk and spec.jagged:
-            try:
-                torch.empty(0, dtype=spec.dtype).numpy()
-            except TypeError:  # e.g. bfloat16: stays a field of its own
-                continue
-            out.append(spec)
-    return tuple(out)
+    """The fields that travel packed: bulk and jagged (`replay.storage.row_bulk_fields`), schema order."""
+    return tuple(schema[name] for name in row_bulk_fields(schema))
 
 
 def stored_fields(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> list[str]:
     """The TQ fields that hold `fields`."""
-    packed = {s.name for s in packed_specs(schema)}
+    packed = set(row_bulk_fields(schema))
     out = [f for f in fields if f not in packed]
     if any(f in packed for f in fields):
         out.append(PACKED_FIELD)
@@ -118,9 +111,9 @@ def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> li
         header = np.full(len(specs), -1, dtype=np.int64)
         chunks = [b""]
         for i, col in present:
-            a = col[b].detach().contiguous().numpy()
-            header[i] = a.size
-            raw = a.tobytes()
+            t = col[b].detach().contiguous()
+            header[i] = t.numel()
+            raw = t.view(torch.uint8).numpy().tobytes()
             chunks.append(raw + b"\0" * (-len(raw) % 8))
         chunks[0] = header.tobytes()
         rows.append(torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8))
@@ -128,25 +121,24 @@ def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> li
 
 
 def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], packed: Sequence[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Packed rows -> the `wanted` fields' columns; a field missing from any row is left out whole
-    (validate_read then names it), never returned short."""
+    """Packed rows -> the `wanted` fields' columns (each row its own tensor); a field missing from any
+    row is left out whole (validate_read then names it), never returned short."""
     wanted_set = set(wanted)
-    dtypes = [torch.empty(0, dtype=s.dtype).numpy().dtype for s in specs]
+    itemsizes = [torch.empty(0, dtype=s.dtype).element_size() for s in specs]
     out: dict[str, list[torch.Tensor]] = {s.name: [] for s in specs if s.name in wanted_set}
     absent: set[str] = set()
     head = 8 * len(specs)
     for row in packed:
-        buf = row.numpy()
-        header = buf[:head].view(np.int64)
+        header = row[:head].clone().view(torch.int64).tolist()
         offset = head
         for i, spec in enumerate(specs):
-            n = int(header[i])
+            n = header[i]
             if n < 0:
                 absent.add(spec.name)
                 continue
-            nbytes = n * dtypes[i].itemsize
-            if spec.name in out:
-                out[spec.name].append(torch.from_numpy(buf[offset : offset + nbytes].view(dtypes[i]).copy()))
+            nbytes = n * itemsizes[i]
+            if spec.name in out:  # a copy at offset 0: a dtype view needs aligned storage
+                out[spec.name].append(row[offset : offset + nbytes].clone().view(spec.dtype))
             offset += nbytes + (-nbytes % 8)
     return {name: col for name, col in out.items() if name not in absent}
 

@@ -208,6 +208,8 @@ async def _drive(
         summary = {**summary, "stop_reason": f"failed: {e}", "failure": {"pump": None, "error": f"{type(e).__name__}: {e}", "traceback": _format_tb(e)}}
     finally:
         await _write_records(cfg, run_dir, call, summary, t_start, t_ready)
+        if summary["failure"] is None and cfg.run.plot:
+            run_dir.start_plot()  # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
         try:
             await within(call("close"), 60, "controller close")
         except Exception as e:
@@ -215,8 +217,6 @@ async def _drive(
     if summary["failure"] is not None:
         _print_failure(run_dir, summary)
         return EXIT_FAILED
-    if cfg.run.plot:
-        run_dir.save_plot()
     if interrupted:
         ck = summary.get("checkpoint")
         where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""

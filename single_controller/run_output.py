@@ -24,6 +24,7 @@ import math
 import re
 import secrets
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -51,6 +52,8 @@ _PUMP_WAIT = re.compile(r"^pump/.*wait")
 
 class RunDirectory:
     """`<output_dir>/<name>-<timestamp>` with config.yaml, metrics.jsonl and (at the end) curves.png."""
+
+    _plotting: threading.Thread | None = None  # start_plot()'s render, joined by close()
 
     def __init__(self, cfg: Config, *, now: datetime | None = None):
         from single_controller.config_loader import config_to_yaml
@@ -140,7 +143,26 @@ class RunDirectory:
         plot_metrics(self.read_metrics(), self.plot_path, title=self.path.name)
         return self.plot_path
 
+    def start_plot(self) -> None:
+        """`save_plot()` on a background thread (matplotlib's import and rendering take ~1 s of CPU,
+        which then overlaps the run's shutdown); `close()` waits for it and reports a failure."""
+        if self._metrics is not None:
+            self._metrics.flush()
+        records = self.read_metrics()
+
+        def render() -> None:
+            try:
+                plot_metrics(records, self.plot_path, title=self.path.name)
+            except Exception as e:  # a plot never fails a run that trained
+                print(f"sc-grpo: could not render {self.plot_path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+        self._plotting = threading.Thread(target=render, name="sc-grpo-plot", daemon=True)
+        self._plotting.start()
+
     def close(self) -> None:
+        plotting, self._plotting = self._plotting, None
+        if plotting is not None:
+            plotting.join()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -312,23 +312,28 @@ class ControllerService:
     async def close(self) -> None:
         if self.controller is not None:
             self.controller.state.prompts.close()
+        stopping_metrics = None
         if self._metrics_server is not None:
             server, self._metrics_server = self._metrics_server, None
-            await asyncio.to_thread(server.stop)  # blocks up to 0.5 s
-        if self._workers is not None:
-            from single_controller.backends.registry import shutdown_workers
+            stopping_metrics = asyncio.ensure_future(asyncio.to_thread(server.stop))  # blocks up to 0.5 s: beside the rest
+        try:
+            if self._workers is not None:
+                from single_controller.backends.registry import shutdown_workers
 
-            gens, trainer = self._workers
-            self._workers = None
-            await within(shutdown_workers(gens, trainer), 60, "shutting down the workers")
-        if self._started_tq:
-            from replay.tq_runtime import stop_tq
+                gens, trainer = self._workers
+                self._workers = None
+                await within(shutdown_workers(gens, trainer), 60, "shutting down the workers")
+            if self._started_tq:
+                from replay.tq_runtime import stop_tq
 
-            self._started_tq = False
-            await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it
-        elif self._storage is not None and self.cfg.storage.attach:
-            storage, self._storage = self._storage, None
-            try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
-                await storage.drop_partition_if_empty()
-            except Exception as e:
-                print(f"sc-grpo: could not drop the empty partition {self.partition!r}: {e}", flush=True)
+                self._started_tq = False
+                await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it
+            elif self._storage is not None and self.cfg.storage.attach:
+                storage, self._storage = self._storage, None
+                try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
+                    await storage.drop_partition_if_empty()
+                except Exception as e:
+                    print(f"sc-grpo: could not drop the empty partition {self.partition!r}: {e}", flush=True)
+        finally:
+            if stopping_metrics is not None:
+                await stopping_metrics

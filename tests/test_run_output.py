@@ -119,6 +119,17 @@ def test_save_plot_writes_a_valid_png(tmp_path):
     assert_png(path)
 
 
+def test_start_plot_renders_in_the_background_and_close_waits_for_it(tmp_path):
+    run = RunDirectory(cfg_in(tmp_path), now=NOW)
+    for record in synthetic(20):
+        run.append_metrics(record)
+    run.start_plot()  # the records written so far, flushed first
+    assert run._plotting is not None
+    run.close()  # joins the render
+    assert run._plotting is None
+    assert_png(run.path / "curves.png")
+
+
 def test_plot_with_missing_keys_or_no_records_still_renders(tmp_path):
     sparse = [{"step": s, "rollout/reward_mean": 0.1 * s} for s in range(5)]
     assert_png(plot_metrics(sparse, tmp_path / "sparse.png"))

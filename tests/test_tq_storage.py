@@ -205,6 +205,19 @@ def test_short_read_names_missing_fields(storage, loop):
         run(loop, storage.get_rows(keys, ["logits"]))
 
 
+def test_a_put_of_bulk_fields_replaces_all_of_the_rows_bulk_fields(storage, loop):
+    # TQRowStorage packs a row's bulk fields into one TQ field; the in-memory storage behaves the same
+    keys, cols, _ = make_rows("rebulk", 3, seed=4)
+    run(loop, storage.put_rows(keys, cols))
+    new_ids = [torch.arange(i + 2) for i in range(3)]
+    run(loop, storage.put_rows(keys, {"response_ids": new_ids}))
+    got = run(loop, storage.get_rows(keys, ["response_ids", "reward"]))
+    assert all(torch.equal(g, w) for g, w in zip(got["response_ids"], new_ids))
+    assert torch.equal(got["reward"], cols["reward"])  # scalar fields are untouched
+    with pytest.raises(StorageReadError, match=r"missing fields \['prompt_ids', 'gen_logprobs'\]"):
+        run(loop, storage.get_rows(keys, ["prompt_ids", "response_ids", "gen_logprobs"]))
+
+
 def test_clear_leaves_zero_keys(storage, loop):
     keys, cols, tags = make_rows("clear", 8)
     run(loop, storage.put_rows(keys, cols, tags))
@@ -265,6 +278,50 @@ def test_statistics_count_this_clients_bytes(storage, loop):
 
 
 # ---------------------------------------------------------------- TQ only
+def test_packed_rows_round_trip_every_dtype_and_empty_rows():
+    from replay.storage import FieldSpec
+    from replay.tq_storage import pack_rows, unpack_rows
+
+    specs = (
+        FieldSpec("a", torch.int64, jagged=True, bulk=True),
+        FieldSpec("b", torch.bool, jagged=True, bulk=True),
+        FieldSpec("c", torch.bfloat16, jagged=True, bulk=True),
+        FieldSpec("d", torch.float32, jagged=True, bulk=True),
+    )
+    g = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 3, 7]
+    cols = {
+        "a": [torch.randint(-(2**62), 2**62, (n,), generator=g) for n in lengths],
+        "b": [torch.rand(n, generator=g) > 0.5 for n in lengths],
+        "c": [torch.randn(n, generator=g).to(torch.bfloat16) for n in lengths],
+        "d": [torch.randn(n, generator=g) for n in lengths],
+    }
+    packed = pack_rows(specs, len(lengths), cols)
+    assert all(p.dtype == torch.uint8 and p.numel() % 8 == 0 for p in packed)
+    got = unpack_rows(specs, ["d", "a", "b", "c"], packed)
+    for name in cols:
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), name
+    # a field the put did not carry is left out whole, never returned short
+    partial = pack_rows(specs, 2, {"a": cols["a"][:2]})
+    assert set(unpack_rows(specs, ["a", "d"], partial)) == {"a"}
+
+
+@pytest.mark.tq
+def test_tq_rows_hold_the_bulk_fields_in_one_packed_field(tq_cluster, loop):
+    from replay.tq_runtime import import_transfer_queue
+    from replay.tq_storage import PACKED_FIELD
+
+    tq = import_transfer_queue()
+    storage = new_tq_storage(timeout_s=30.0)
+    keys, cols, _ = make_rows("packed", 4, seed=5)
+    run(loop, storage.put_rows(keys, cols))
+    td = run(loop, tq.async_kv_batch_get(keys=keys, partition_id=storage.partition, select_fields=[PACKED_FIELD, "reward"]))
+    assert td.batch_size[0] == 4 and set(td.keys()) == {PACKED_FIELD, "reward"}
+    assert td.get(PACKED_FIELD).dtype == torch.uint8
+    got = run(loop, storage.get_rows(keys, GENERATION_FIELDS))
+    assert_columns_equal(got, cols, [0, 1, 2, 3])
+
+
 @pytest.mark.tq
 def test_tq_and_memory_raise_identical_errors(tq_cluster, loop):
     tq_store, mem = new_tq_storage(), InMemoryRowStorage()
