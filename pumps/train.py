@@ -7,7 +7,8 @@ the step's rows (in the background; slots free once cleared) -> trainer version 
 weight-sync pump through a channel of capacity 1 (so training never runs more than one snapshot
 ahead of the generation workers).
 
-The trainer group fetches the rows itself: a chunk carries keys and lengths, never tensors.
+The trainer group fetches the rows itself: a chunk carries keys, lengths and the rows' advantages
+(one float each), never tensors.
 Before each selection, ready groups the sampler can no longer train are evicted (rows cleared,
 prompts re-dispatched within `rollout.max_retries`, else settled `evicted`).
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from replay.ledger import GroupRecord, GroupState
-from replay.storage import TRAIN_FIELDS
+from replay.storage import TRAIN_ROW_FIELDS
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import Prefetching, TrainerFailed, TrainerRankDied
@@ -180,7 +181,8 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
 def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
     keys = tuple(k for g in groups for k in g.keys)
     lengths = tuple(n for g in groups for n in g.seq_lengths())
-    return TrainChunk(step, index, keys, lengths, TRAIN_FIELDS)
+    advantages = tuple(a for g in groups for a in g.advantages)  # computed by the advantage pump, never stored
+    return TrainChunk(step, index, keys, lengths, TRAIN_ROW_FIELDS, advantages)
 
 
 async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:

@@ -179,3 +179,14 @@ class RowPrefetcher:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._entries.clear()
+
+
+def with_advantages(rows: Mapping[str, Any], advantages: Sequence[float] | None) -> Mapping[str, Any]:
+    """`rows` plus the `advantage` column a train chunk carried (one float per row, in row order);
+    unchanged when it carried none (the column was read with the rows)."""
+    if advantages is None:
+        return rows
+    n = len(rows["prompt_ids"])
+    if len(advantages) != n:
+        raise ValueError(f"{len(advantages)} advantages for {n} rows")
+    return {**rows, "advantage": torch.tensor(list(advantages), dtype=torch.float32)}

@@ -44,6 +44,8 @@ ROLLOUT_FIELDS: tuple[FieldSpec, ...] = (
 ROLLOUT_SCHEMA: dict[str, FieldSpec] = {f.name: f for f in ROLLOUT_FIELDS}
 GENERATION_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "advantage")
+# What a trainer rank reads from storage when the chunk carries the advantages (`TrainChunk.advantages`).
+TRAIN_ROW_FIELDS = tuple(f for f in TRAIN_FIELDS if f != "advantage")
 BULK_FIELDS = frozenset(f.name for f in ROLLOUT_FIELDS if f.bulk)
 
 

@@ -103,44 +103,78 @@ def stored_fields(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> lis
     return out
 
 
-def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> list[torch.Tensor]:
-    """Per row, the packed uint8 tensor of the `specs` fields present in `columns`."""
-    present = [(i, columns[s.name]) for i, s in enumerate(specs) if s.name in columns]
-    rows = []
-    for b in range(num_rows):
-        header = np.full(len(specs), -1, dtype=np.int64)
-        chunks = [b""]
-        for i, col in present:
-            t = col[b].detach().contiguous()
-            header[i] = t.numel()
-            raw = t.view(torch.uint8).numpy().tobytes()
-            chunks.append(raw + b"\0" * (-len(raw) % 8))
-        chunks[0] = header.tobytes()
-        rows.append(torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8))
-    return rows
+def _gather(starts: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Indices of the byte runs [starts[i], starts[i] + nbytes[i]) laid end to end."""
+    total = int(nbytes.sum())
+    run_base = np.cumsum(nbytes) - nbytes  # where each run begins in the output
+    return np.repeat(starts - run_base, nbytes) + np.arange(total, dtype=np.int64)
 
 
-def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], packed: Sequence[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Packed rows -> the `wanted` fields' columns (each row its own tensor); a field missing from any
-    row is left out whole (validate_read then names it), never returned short."""
-    wanted_set = set(wanted)
-    itemsizes = [torch.empty(0, dtype=s.dtype).element_size() for s in specs]
-    out: dict[str, list[torch.Tensor]] = {s.name: [] for s in specs if s.name in wanted_set}
-    absent: set[str] = set()
-    head = 8 * len(specs)
-    for row in packed:
-        header = row[:head].clone().view(torch.int64).tolist()
-        offset = head
-        for i, spec in enumerate(specs):
-            n = header[i]
-            if n < 0:
-                absent.add(spec.name)
-                continue
-            nbytes = n * itemsizes[i]
-            if spec.name in out:  # a copy at offset 0: a dtype view needs aligned storage
-                out[spec.name].append(row[offset : offset + nbytes].clone().view(spec.dtype))
-            offset += nbytes + (-nbytes % 8)
-    return {name: col for name, col in out.items() if name not in absent}
+def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> torch.Tensor:
+    """The `specs` fields present in `columns` -> one packed uint8 row per key, as TQ takes rows:
+    a dense [B, L] tensor when every row has the same length, else a jagged NestedTensor.
+    Vectorized over rows (one concatenation per field): no per-row tensor ops."""
+    F = len(specs)
+    head = 8 * F
+    header = np.full((num_rows, F), -1, dtype=np.int64)  # element counts; -1: field not in this put
+    flats: list[tuple[int, np.ndarray]] = []
+    for i, spec in enumerate(specs):
+        if spec.name not in columns:
+            continue
+        rows = [t.detach().reshape(-1) for t in columns[spec.name]]
+        header[:, i] = [t.numel() for t in rows]
+        flat = torch.cat(rows) if rows else torch.empty(0, dtype=spec.dtype)
+        flats.append((i, flat.contiguous().view(torch.uint8).numpy()))
+    itemsizes = np.array([torch.empty(0, dtype=s.dtype).element_size() for s in specs], dtype=np.int64)
+    sizes = np.maximum(header, 0) * itemsizes  # bytes per (row, field)
+    padded = sizes + (-sizes % 8)
+    row_len = head + padded.sum(axis=1)  # [B]
+    row_start = np.cumsum(row_len) - row_len
+    field_start = row_start[:, None] + head + np.cumsum(padded, axis=1) - padded  # [B, F]
+    out = np.zeros(int(row_len.sum()), dtype=np.uint8)
+    out[_gather(row_start, np.full(num_rows, head, dtype=np.int64))] = header.view(np.uint8).reshape(-1)
+    for i, flat in flats:
+        out[_gather(field_start[:, i], sizes[:, i])] = flat
+    values = torch.from_numpy(out)
+    if num_rows and (row_len == row_len[0]).all():
+        return values.view(num_rows, int(row_len[0]))  # [B, L]
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(row_len)]))  # [B+1]
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def _packed_buffer(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """What TQ returned for the packed field -> (all rows' bytes, each row's start in them)."""
+    if value.is_nested and value.layout == torch.jagged and value._lengths is None:
+        offsets = value.offsets().numpy()
+        return value.values().numpy(), offsets[:-1].astype(np.int64)
+    if not value.is_nested:  # dense [B, L]
+        B, L = value.shape
+        return value.reshape(-1).numpy(), np.arange(B, dtype=np.int64) * L
+    rows = _rows(value)  # strided nested (mixed layouts): one copy
+    lengths = np.array([r.numel() for r in rows], dtype=np.int64)
+    return torch.cat(rows).numpy() if rows else np.zeros(0, np.uint8), np.cumsum(lengths) - lengths
+
+
+def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], value: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """The packed field as TQ returned it -> the `wanted` fields' columns (one 1-D tensor per row,
+    views of one buffer per field). A field missing from any row is left out whole (validate_read
+    then names it), never returned short."""
+    F = len(specs)
+    head = 8 * F
+    buf, row_start = _packed_buffer(value)
+    B = len(row_start)
+    header = buf[_gather(row_start, np.full(B, head, dtype=np.int64))].view(np.int64).reshape(B, F)
+    itemsizes = np.array([torch.empty(0, dtype=s.dtype).element_size() for s in specs], dtype=np.int64)
+    sizes = np.maximum(header, 0) * itemsizes
+    padded = sizes + (-sizes % 8)
+    field_start = row_start[:, None] + head + np.cumsum(padded, axis=1) - padded  # [B, F]
+    out: dict[str, list[torch.Tensor]] = {}
+    for i, spec in enumerate(specs):
+        if spec.name not in wanted or (header[:, i] < 0).any():
+            continue
+        data = torch.from_numpy(buf[_gather(field_start[:, i], sizes[:, i])])  # a fresh, aligned copy
+        out[spec.name] = list(torch.split(data.view(spec.dtype), header[:, i].tolist()))
+    return out
 
 
 def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Columns) -> TensorDict:
@@ -154,7 +188,7 @@ def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Colum
             if name not in packed:
                 data[name] = _jagged(list(col)) if schema[name].jagged else col.detach()
         if any(name in packed for name in columns):
-            data[PACKED_FIELD] = _jagged(pack_rows(specs, num_rows, columns))
+            data[PACKED_FIELD] = pack_rows(specs, num_rows, columns)
     return TensorDict(data, batch_size=[num_rows])
 
 
@@ -189,7 +223,7 @@ def from_tensordict(schema: Mapping[str, FieldSpec], fields: Sequence[str], td: 
     specs = packed_specs(schema)
     packed = {s.name for s in specs}
     if PACKED_FIELD in present and any(f in packed for f in fields):
-        out.update(unpack_rows(specs, [f for f in fields if f in packed], _rows(td.get(PACKED_FIELD))))
+        out.update(unpack_rows(specs, [f for f in fields if f in packed], td.get(PACKED_FIELD)))
     for name in fields:
         if name not in present or name in packed:
             continue

@@ -7,7 +7,7 @@ appear in these records: they live in the row storage under the keys named here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,18 @@ class TrainChunk:
     row_keys: tuple[str, ...]
     seq_lengths: tuple[int, ...]  # prompt + response tokens per row, for token-balanced DP splits
     fields: tuple[str, ...]  # fields each rank must read for these rows
+    # Per row (aligned with row_keys): the rows' advantages, which the controller computed and carries
+    # here, so ranks read only the bulk fields. Empty: the rows' `advantage` field is read from storage.
+    advantages: tuple[float, ...] = ()
+
+    def rank_advantages(self, keys: Sequence[str]) -> list[float] | None:
+        """The advantages of `keys` (a rank's share of this chunk), or None when the chunk carries none."""
+        if not self.advantages:
+            return None
+        if len(self.advantages) != len(self.row_keys):
+            raise ValueError(f"chunk {self.chunk_index}: {len(self.advantages)} advantages for {len(self.row_keys)} keys")
+        by_key = dict(zip(self.row_keys, self.advantages))
+        return [by_key[k] for k in keys]
 
 
 @dataclass(frozen=True)

@@ -190,14 +190,12 @@ async def test_deadline_error_names_what_was_awaited():
         await within(asyncio.Event().wait(), 0.01, "generation worker g0: generate(p1-a0)")
 
 
-async def test_a_failing_pump_stops_the_run_with_its_cause():
-    class BrokenStorage(InMemoryRowStorage):
-        async def put_rows(self, keys, columns, tags=None):
-            if "advantage" in columns:
-                raise OSError("disk on fire")
-            return await super().put_rows(keys, columns, tags)
+async def test_a_failing_pump_stops_the_run_with_its_cause(monkeypatch):
+    def broken(rewards, **kw):
+        raise OSError("disk on fire")
 
-    storage = BrokenStorage()
+    monkeypatch.setattr("pumps.advantage.grpo_advantages", broken)
+    storage = InMemoryRowStorage()
     gens, trainer = sim_workers(storage)
     ctl = Controller(make_cfg(steps=3), sim_prompts(), storage, Workers(gens, trainer))
     with pytest.raises(RunFailed, match="advantage pump failed: OSError: disk on fire") as info:
@@ -205,6 +203,42 @@ async def test_a_failing_pump_stops_the_run_with_its_cause():
     assert isinstance(info.value.__cause__, OSError)
     assert ctl.state.prompts.unsettled() == []
     assert await storage.resident_keys() == set()
+
+
+async def test_advantages_travel_in_the_chunks_and_are_never_stored():
+    """The trainer gets each row's advantage with its chunk (what the advantage pump computed from
+    the group's rewards), and the storage never sees an `advantage` column."""
+    from pumps.advantage import grpo_advantages
+
+    class Recording(InMemoryRowStorage):
+        fields_put: set = set()
+
+        async def put_rows(self, keys, columns, tags=None):
+            self.fields_put = self.fields_put | set(columns)
+            return await super().put_rows(keys, columns, tags)
+
+    storage = Recording()
+    gens, trainer = sim_workers(storage)
+    chunks = []
+    train_microbatch = trainer.train_microbatch
+
+    async def spy(chunk):
+        chunks.append(chunk)
+        await train_microbatch(chunk)
+
+    trainer.train_microbatch = spy
+    ctl = Controller(make_cfg(steps=3), sim_prompts(), storage, Workers(gens, trainer))
+    await asyncio.wait_for(ctl.run(), 30)
+    assert chunks and "advantage" not in storage.fields_put
+    cfg = ctl.cfg.advantage
+    for chunk in chunks:
+        assert "advantage" not in chunk.fields and len(chunk.advantages) == len(chunk.row_keys)
+        by_group: dict[str, list[float]] = {}
+        for key, a in zip(chunk.row_keys, chunk.advantages):
+            by_group.setdefault(key.rsplit("_g", 1)[0], []).append(a)
+        for group_id, advs in by_group.items():
+            rewards = ctl.state.ledger[group_id].rewards
+            assert tuple(advs) == grpo_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)
 
 
 def test_capacity_that_cannot_satisfy_lookahead_is_rejected_before_anything_starts():

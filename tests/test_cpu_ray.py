@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from replay.storage import TRAIN_FIELDS, row_keys  # noqa: E402
+from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E402
 from single_controller.backends.cpu.model import TinyGPT, load_tinygpt  # noqa: E402
 from single_controller.backends.cpu.trainer import TrainerCore, TrainStepStateError  # noqa: E402
 from single_controller.config import BackendConfig, Config  # noqa: E402
@@ -127,8 +127,13 @@ def test_generate_train_sync_abort(workers, loop):
 
     async def train_step(step, chunks):
         await group.begin_train_step(step, LossConfig())
+        flat_adv = adv.reshape(-1).tolist()
         for ci, (a, b) in enumerate(chunks):
-            await group.train_microbatch(TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS))
+            if ci % 2 == 0:  # advantages read from storage with the rows
+                chunk = TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS)
+            else:  # carried by the chunk, as the train pump sends them: each rank gets its keys' share
+                chunk = TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_ROW_FIELDS, tuple(flat_adv[a:b]))
+            await group.train_microbatch(chunk)
         return await group.finish_train_step(step)
 
     before = run(loop, rank_weights(group, 0))

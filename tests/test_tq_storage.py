@@ -296,11 +296,19 @@ def test_packed_rows_round_trip_every_dtype_and_empty_rows():
         "c": [torch.randn(n, generator=g).to(torch.bfloat16) for n in lengths],
         "d": [torch.randn(n, generator=g) for n in lengths],
     }
-    packed = pack_rows(specs, len(lengths), cols)
-    assert all(p.dtype == torch.uint8 and p.numel() % 8 == 0 for p in packed)
-    got = unpack_rows(specs, ["d", "a", "b", "c"], packed)
-    for name in cols:
-        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), name
+    packed = pack_rows(specs, len(lengths), cols)  # ragged rows: a jagged NestedTensor
+    assert packed.is_nested and packed.dtype == torch.uint8
+    assert all(r.numel() % 8 == 0 for r in packed.unbind())
+    for value in (packed, torch.nested.nested_tensor(list(packed.unbind()))):  # jagged, and strided as TQ may return
+        got = unpack_rows(specs, ["d", "a", "b", "c"], value)
+        for name in cols:
+            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), name
+    # equal-length rows go dense [B, L]
+    same = {name: [col[3]] * 3 for name, col in cols.items()}
+    dense = pack_rows(specs, 3, same)
+    assert not dense.is_nested and dense.shape[0] == 3
+    got = unpack_rows(specs, ["a", "c"], dense)
+    assert set(got) == {"a", "c"} and all(torch.equal(x, cols["c"][3]) for x in got["c"])
     # a field the put did not carry is left out whole, never returned short
     partial = pack_rows(specs, 2, {"a": cols["a"][:2]})
     assert set(unpack_rows(specs, ["a", "d"], partial)) == {"a"}

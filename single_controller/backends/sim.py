@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from replay.storage import TRAIN_FIELDS, RowStorage
+from replay.fetch import with_advantages
+from replay.storage import RowStorage
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.types import (
     GenerationRequest,
@@ -338,8 +339,10 @@ class SimTrainerGroup:
         if chunk.step != self._step:
             raise RuntimeError(f"chunk of step {chunk.step} in step {self._step}")
         if self.fetch_rows:
-            rows = await self.storage.get_rows(chunk.row_keys, TRAIN_FIELDS)
+            rows = await self.storage.get_rows(chunk.row_keys, chunk.fields)
             self.bytes_read += sum(t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col]))
+            if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
+                raise RuntimeError(f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)")
         if self.group_s:
             n_groups = max(1, len({k.rsplit("_g", 1)[0] for k in chunk.row_keys}))
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute

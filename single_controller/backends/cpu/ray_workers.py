@@ -62,7 +62,7 @@ from single_controller.types import (
     WeightsHandle,
 )
 from replay.dp_split import split_chunk
-from replay.fetch import RowPrefetcher
+from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -114,13 +114,15 @@ class TrainerRankActor:
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.core.begin_train_step(step, loss)
 
-    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> int:
-        """Fetch this rank's rows and accumulate their gradients; returns the bytes read."""
+    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None) -> int:
+        """Fetch this rank's rows and accumulate their gradients; returns the bytes read. `advantages`
+        (one per key) come with the call; None: the rows' `advantage` field is among `fields`."""
         if not self.core.step_open:  # before touching storage
             raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
         if keys:
             rows = self.prefetcher.fetch(list(keys), list(fields))
             nbytes = sum(column_nbytes(c) for c in rows.values())
+            rows = with_advantages(rows, advantages)
         else:
             rows, nbytes = {"prompt_ids": []}, 0
         self.core.train_microbatch(rows, bytes_read=nbytes)
@@ -238,7 +240,10 @@ class CpuTrainerGroup:
         if len(chunk.seq_lengths) != len(chunk.row_keys):
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
-        refs = [r.train_microbatch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
+        refs = []
+        for i, r in enumerate(self.ranks):
+            keys = split.rank_keys(i)
+            refs.append(r.train_microbatch_keys.remote(keys, list(chunk.fields), chunk.rank_advantages(keys)))
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes
         self._counts["bytes_read_total"] += nbytes

@@ -47,7 +47,7 @@ from single_controller.config import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 from replay.dp_split import split_chunk
-from replay.fetch import RowPrefetcher, fetch_and_broadcast
+from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 
 HF_CONFIG = "config.json"
@@ -182,7 +182,7 @@ class MegatronRankActor:
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.core.begin_train_step(step, loss)
 
-    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> int:
+    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None) -> int:
         """Read this rank's rows (TP leader reads, broadcasts to its TP group) and accumulate their
         gradients; returns the bytes this rank read from storage."""
         if not self.core.step_open:  # before touching storage or a collective
@@ -205,6 +205,8 @@ class MegatronRankActor:
                     schema=self.storage.schema,
                 )
             nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
+        if keys:
+            rows = with_advantages(rows, advantages)  # every rank of a TP group got the same ones
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
@@ -376,7 +378,10 @@ class MegatronTrainerGroup:
         if len(chunk.seq_lengths) != len(chunk.row_keys):
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
-        refs = [r.train_microbatch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
+        refs = [
+            r.train_microbatch_keys.remote(split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d)))
+            for r, d in zip(self.ranks, self.dp_ranks)
+        ]
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes
         self._counts["bytes_read_total"] += nbytes
