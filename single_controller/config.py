@@ -362,3 +362,18 @@ def eval_max_new_tokens(cfg: Config) -> int:
 
 def resolved_capacity(cfg: Config) -> int:
     return cfg.buffer.capacity_groups if cfg.buffer.capacity_groups is not None else required_capacity(cfg)
+
+
+class CapacityConfigError(ValueError):
+    """The buffer capacity cannot hold what the lookahead admits: the run would deadlock."""
+
+
+def check_capacity(cfg: Config) -> None:
+    need, have = required_capacity(cfg), resolved_capacity(cfg)
+    if have < need:
+        raise CapacityConfigError(
+            f"buffer.capacity_groups={have} cannot satisfy sampler.max_lookahead_versions="
+            f"{cfg.sampler.max_lookahead_versions} with train.groups_per_step={cfg.train.groups_per_step}: "
+            f"(L + 1) * groups_per_step = {need} slots are needed, or a refill for the oldest step "
+            f"could wait forever behind groups of later steps"
+        )

@@ -33,15 +33,11 @@ from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, config_fingerprint, write_checkpoint
-from single_controller.config import Config, required_capacity, resolved_capacity
+from single_controller.config import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
 from single_controller.deadlines import within
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
-
-
-class CapacityConfigError(ValueError):
-    """The buffer capacity cannot hold what the lookahead admits: the run would deadlock."""
 
 
 class RunFailed(RuntimeError):
@@ -100,17 +96,6 @@ class RunSummary:
 
 
 HISTORY_KEPT = 1000
-
-
-def check_capacity(cfg: Config) -> None:
-    need, have = required_capacity(cfg), resolved_capacity(cfg)
-    if have < need:
-        raise CapacityConfigError(
-            f"buffer.capacity_groups={have} cannot satisfy sampler.max_lookahead_versions="
-            f"{cfg.sampler.max_lookahead_versions} with train.groups_per_step={cfg.train.groups_per_step}: "
-            f"(L + 1) * groups_per_step = {need} slots are needed, or a refill for the oldest step "
-            f"could wait forever behind groups of later steps"
-        )
 
 
 class Controller:

@@ -32,6 +32,10 @@ class GenerationWorkerDied(GenerationFailed):
     charging their retry budget, and restarts it (`Restartable`) before it takes work again."""
 
 
+class TrainStepStateError(RuntimeError):
+    """The split API was called out of order (begin twice, microbatch or finish with no step open)."""
+
+
 class TrainerFailed(RuntimeError):
     """A trainer error inside a step; the train pump asks the trainer where it stands, then aborts
     the step and retries it (or takes the result of a finish that landed after all)."""

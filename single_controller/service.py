@@ -96,8 +96,14 @@ class ControllerService:
     """`run_id` names this run's TransferQueue partition (`<storage.partition>-<run id>`): runs
     sharing one TQ never touch each other's keys (default: the run directory's, else a fresh one)."""
 
-    def __init__(self, cfg: Config, run_dir: str | None = None, resume: bool = False, run_id: str | None = None):
-        from single_controller.controller import check_capacity
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | None = None,
+        resume: bool = False,
+        run_id: str | None = None,
+    ):
+        from single_controller.config import check_capacity
 
         check_capacity(cfg)
         self.cfg = cfg
@@ -120,14 +126,15 @@ class ControllerService:
         self.setup_times: dict[str, float] = {}
 
     async def setup(self) -> dict:
-        from single_controller.controller import Controller
-        from single_controller.state import Workers
-
         cfg = self.cfg
         if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
             storage, gens, trainer = self._sim_workers()
         else:
             storage, gens, trainer = await self._ray_workers()
+        # Imported only now (torch, via the ledger's row schema): the worker processes were started
+        # first, so their own imports run beside this one.
+        from single_controller.controller import Controller
+        from single_controller.state import Workers
         from single_controller.tasks import TOKENIZER, load_eval_prompts
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None

@@ -250,3 +250,49 @@ def test_shutdown_stops_the_actors(workers, loop):
         run(loop, gens[0].version())
     with pytest.raises(ray.exceptions.RayActorError):
         run(loop, group.ranks[1].get_weights.remote())
+
+
+def test_actor_stand_ins_match_their_classes_and_the_controller_starts_workers_before_torch():
+    """The controller hands Ray light stand-ins (`backends.deferred`) so the worker processes start
+    before the controller imports torch; every stand-in must forward exactly its class's methods."""
+    import subprocess
+    import sys
+
+    from single_controller.backends.cpu.ray_workers import GenerationActor, TrainerRankActor
+    from single_controller.backends.deferred import check_deferred, deferred_actor
+
+    check_deferred(TrainerRankActor)
+    check_deferred(GenerationActor)
+    stale = deferred_actor("single_controller.backends.cpu.trainer_actor:TrainerRankActor", {"setup": False, "gone": True})
+    with pytest.raises(AssertionError, match=r"missing \[.*'begin_train_step'.*\], extra \['gone'\]"):
+        check_deferred(stale)
+    probe = (
+        "import sys\n"
+        "from single_controller.config import Config\n"
+        "from single_controller.service import ControllerService\n"
+        "ControllerService(Config())\n"
+        "import single_controller.backends.registry, single_controller.backends.cpu.ray_workers, replay.tq_runtime\n"
+        "print(sorted(m for m in ('torch', 'transfer_queue') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+async def test_a_stand_in_builds_its_class_on_creation_and_forwards_sync_and_async_calls():
+    from single_controller.backends.deferred import deferred_actor
+
+    Stand = deferred_actor("collections:Counter", {"most_common": False, "update": False})
+    c = Stand("abca")
+    assert type(c).__name__ == "Counter" and c.most_common(1) == [("a", 2)]
+    c.update("bb")
+    assert c.most_common(1) == [("b", 3)]
+
+    Async = deferred_actor("asyncio:Queue", {"put": True, "get": True, "qsize": False})
+    q = Async()
+
+    async def roundtrip():
+        await q.put(7)
+        return q.qsize(), await q.get()
+
+    assert await roundtrip() == (1, 7)

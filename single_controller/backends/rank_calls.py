@@ -27,9 +27,8 @@ from typing import Any, Mapping
 
 import ray
 
-from single_controller.backends.cpu.trainer import TrainStepStateError
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import TrainerFailed, TrainerRankDied
+from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
 
 PLACEMENTS = ("pack", "spread")
 # A bundle needs some resource; trainer ranks on CPU ask Ray for none (TransferQueue may hold every

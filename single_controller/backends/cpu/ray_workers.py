@@ -24,34 +24,25 @@ error; `TrainStepStateError` (split API called out of order) passes through unch
 from __future__ import annotations
 
 import asyncio
-import datetime
-import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 import ray
-import torch
-import torch.distributed as dist
 
-from single_controller.backends.cpu.generation import GenerationActor
-from single_controller.backends.cpu.model import build_policy, save_policy, state_module
-from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
+from replay.dp_split import split_chunk
+from single_controller.backends.deferred import deferred_actor
 from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
     RankPlacement,
     first_line,
-    free_port,
-    join_store,
-    node_address,
-    node_info,
+    free_port,  # noqa: F401  (re-exported: tests and the Megatron backend import it from here)
     place_ranks,
     rank_call,
     rendezvous,
 )
 from single_controller.config import Config
 from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
-from single_controller.tasks import TOKENIZER
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainStepStateError
 from single_controller.types import (
     GenerationRequest,
     GenerationResult,
@@ -61,135 +52,33 @@ from single_controller.types import (
     TrainStatus,
     WeightsHandle,
 )
-from replay.dp_split import split_chunk
-from replay.fetch import RowPrefetcher, with_advantages
-from replay.storage import LazyRowStorage, column_nbytes
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# The actor classes, as light stand-ins (`backends.deferred`): the controller starts their processes
+# before it imports torch or the model code; each process imports its own class. Method lists are
+# checked against the real classes by tests/test_cpu_ray.py.
+TrainerRankActor = deferred_actor(
+    "single_controller.backends.cpu.trainer_actor:TrainerRankActor",
+    dict.fromkeys(
+        (
+            "abort_train_step", "begin_train_step", "close", "connect_storage", "export_weights", "finish_train_step",
+            "get_grads", "get_weights", "load_state", "node_address", "node_info", "prefetch_keys", "save_checkpoint",
+            "save_state", "setup", "statistics", "train_microbatch_keys", "train_status",
+        ),
+        False,
+    ),
+)
+GenerationActor = deferred_actor(
+    "single_controller.backends.cpu.generation:GenerationActor",
+    dict.fromkeys(
+        (
+            "cancel", "close", "connect", "generate", "generate_many", "get_weights", "in_flight", "pause", "resume",
+            "statistics", "update_weights", "version",
+        ),
+        True,
+    ),
+)
+
 CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write on the actor
-
-
-class TrainerRankActor:
-    """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
-    one at a time in the actor's process)."""
-
-    def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
-        torch.set_num_threads(cfg.backend.torch_threads)
-        self.rank, self.world_size, self.cfg = rank, world_size, cfg
-        self.dtype = _DTYPES[dtype]
-        self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
-        self.prefetcher = RowPrefetcher(self.storage)
-        self.core: TrainerCore | None = None
-        self._last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
-
-    def node_address(self) -> tuple[str, int]:
-        """(this node's IP, a port free there): the group's rendezvous when this is rank 0."""
-        return node_address()
-
-    def node_info(self) -> dict[str, str]:
-        return node_info()
-
-    def setup(self, master_addr: str | None, master_port: int | None, timeout_s: float) -> int:
-        """Connect to storage, join the gloo group at rank 0's address (all ranks call this
-        concurrently) and build the policy; returns the parameter count."""
-        self.storage.connect()
-        pg = None
-        if self.world_size > 1:
-            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
-            dist.init_process_group(
-                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
-            )
-            pg = dist.group.WORLD
-        device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
-        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(device=device, dtype=self.dtype)
-        self.core = TrainerCore(
-            policy,
-            self.cfg.train,
-            temperature=self.cfg.rollout.temperature,
-            process_group=pg,
-            bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
-        )
-        return sum(p.numel() for p in policy.parameters())
-
-    def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        self.core.begin_train_step(step, loss)
-
-    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None) -> int:
-        """Fetch this rank's rows and accumulate their gradients; returns the bytes read. `advantages`
-        (one per key) come with the call; None: the rows' `advantage` field is among `fields`."""
-        if not self.core.step_open:  # before touching storage
-            raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
-        if keys:
-            rows = self.prefetcher.fetch(list(keys), list(fields))
-            nbytes = sum(column_nbytes(c) for c in rows.values())
-            rows = with_advantages(rows, advantages)
-        else:
-            rows, nbytes = {"prompt_ids": []}, 0
-        self.core.train_microbatch(rows, bytes_read=nbytes)
-        return nbytes
-
-    def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
-        """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
-        self.prefetcher.prefetch(list(keys), list(fields))
-
-    def finish_train_step(self, step: int) -> dict[str, float]:
-        fresh = self.core.step_open
-        metrics = self.core.finish_train_step(step)
-        if fresh:
-            pf = self.prefetcher
-            metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
-            pf.hits = pf.misses = 0
-            self._last_extra = {"train/prefetch_hit_rate": metrics["train/prefetch_hit_rate"]}
-        else:
-            metrics.update(self._last_extra)
-        return metrics
-
-    def abort_train_step(self, step: int) -> None:
-        self.core.abort_train_step(step)
-
-    def train_status(self) -> dict[str, int | None]:
-        return self.core.status()
-
-    def export_weights(self, version: int) -> WeightSnapshot:
-        snap = self.core.publish_weights(version)
-        return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
-
-    def save_checkpoint(self, directory: str) -> str:
-        if self.core.step_open:
-            raise TrainStepStateError("save_checkpoint while a train step is open")
-        return str(save_policy(self.core.policy, directory, self.cfg.model))
-
-    def save_state(self, directory: str) -> None:
-        """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
-        all-reduce) and a loadable policy; every rank writes its own RNG state."""
-        os.makedirs(directory, exist_ok=True)
-        state = self.core.state_dict()
-        torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
-        if self.rank == 0:
-            torch.save(state, os.path.join(directory, "trainer.pt"))
-            save_policy(self.core.policy, os.path.join(directory, "policy"), self.cfg.model)
-
-    def load_state(self, directory: str) -> int:
-        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
-        rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
-        state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
-        self.core.load_state_dict(state)
-        return self.core.next_step
-
-    def get_weights(self) -> dict[str, Any]:
-        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
-
-    def statistics(self) -> TrainerStatistics:
-        return self.core.statistics()
-
-    def get_grads(self) -> dict[str, Any]:
-        """The gradient the last finished step applied (for checks)."""
-        return {n: p.grad.detach().cpu().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
-
-    def close(self) -> None:
-        self.prefetcher.close()
-        if self.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -488,10 +377,13 @@ async def start_torch_trainer(
     ]
     group = CpuTrainerGroup(ranks, placement=placement)
     try:
-        if storage_ready is not None:
-            await storage_ready
+        # The group and the policy (torch, the optimizer's first use of Dynamo: seconds of CPU) are
+        # built while the storage service is still starting; only the storage client waits for it.
         addr, port = await rendezvous(ranks[0]) if world > 1 else (None, None)
         await rank_call("setup", [r.setup.remote(addr, port, cfg.timeouts.setup_s) for r in ranks])
+        if storage_ready is not None:
+            await storage_ready
+        await rank_call("connect_storage", [r.connect_storage.remote() for r in ranks])
         group.rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
     except BaseException:
         await asyncio.shield(group.shutdown())

@@ -41,12 +41,8 @@ from torch import nn
 from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
 from single_controller.backends.cpu.model import pad_right, state_module, token_logprobs
 from single_controller.config import TrainConfig
-from single_controller.protocols import TrainerFailed
+from single_controller.protocols import TrainerFailed, TrainStepStateError  # noqa: F401  (re-exported)
 from single_controller.types import LossConfig
-
-
-class TrainStepStateError(RuntimeError):
-    """The split API was called out of order (begin twice, microbatch or finish with no step open)."""
 
 
 # --- weight snapshots --------------------------------------------------------------------------
