@@ -24,6 +24,7 @@ error; `TrainStepStateError` (split API called out of order) passes through unch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -95,7 +96,14 @@ class TrainerGroupStatistics:
 
 class CpuTrainerGroup:
     """`TrainerGroup` over `TrainerRankActor` handles (rank order); `rank_nodes` and `placement`
-    (released at shutdown) come from `start_torch_trainer`."""
+    (released at shutdown) come from `start_torch_trainer`.
+
+    Calls are pipelined: a rank runs its calls one at a time in the order they were sent, so a call
+    can be sent before the previous one's answer is back without changing what runs. `begin_train_step`
+    sends the ranks' begins and returns; the step's first microbatch (or whatever comes next) waits for
+    their answers after sending its own, so a failed begin is reported there. A successful finish of
+    step s sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
+    Each saves a round trip between the controller and the ranks per step (~5 ms each on two cores)."""
 
     def __init__(self, rank_handles: Sequence[Any], *, rank_nodes: Sequence[dict] = (), placement: RankPlacement | None = None):
         if not rank_handles:
@@ -108,6 +116,37 @@ class CpuTrainerGroup:
         self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
+        self._begin: tuple[int, list] | None = None  # (step, refs) of begins sent, not yet answered
+        self._export: tuple[int, Any] | None = None  # (version, ref) of an export sent after a finish
+        self._draining: set[asyncio.Future] = set()
+
+    def _drop_export(self) -> None:
+        if self._export is not None:
+            self._discard(self._export[1])
+            self._export = None
+
+    def _discard(self, ref: Any) -> None:
+        """Let an answer nobody will use arrive (and its error, if any, be dropped quietly)."""
+
+        async def drain() -> None:
+            with contextlib.suppress(Exception):
+                await ref
+
+        task = asyncio.ensure_future(drain())
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    async def _begun(self) -> None:
+        """Wait for the begins sent last (raises their error)."""
+        if self._begin is not None:
+            step, refs = self._begin
+            self._begin = None
+            try:
+                await rank_call(f"begin_train_step({step})", refs)
+            except BaseException:
+                if self._step == step:
+                    self._step = None
+                raise
 
     def statistics(self) -> TrainerGroupStatistics:
         return TrainerGroupStatistics(
@@ -120,7 +159,11 @@ class CpuTrainerGroup:
         )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        await rank_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        await self._begun()
+        if self._step is not None:  # what the ranks would answer, said before anything is sent
+            raise TrainStepStateError(f"begin_train_step({step}): step {self._step} is open")
+        self._drop_export()  # the weights change from here on
+        self._begin = (step, [r.begin_train_step.remote(step, loss) for r in self.ranks])
         self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -133,6 +176,7 @@ class CpuTrainerGroup:
         for i, r in enumerate(self.ranks):
             keys = split.rank_keys(i)
             refs.append(r.train_microbatch_keys.remote(keys, list(chunk.fields), chunk.rank_advantages(keys)))
+        await self._begun()  # sent before this microbatch: its answer is due first
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes
         self._counts["bytes_read_total"] += nbytes
@@ -145,7 +189,17 @@ class CpuTrainerGroup:
         await rank_call(f"prefetch(step={chunk.step})", refs)
 
     async def finish_train_step(self, step: int) -> StepResult:
-        metrics = await rank_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
+        refs = [r.finish_train_step.remote(step) for r in self.ranks]
+        # What the caller asks for next, sent now: rank 0 runs it right after its finish. If the finish
+        # fails the step stays open there and this export fails too; it is then discarded.
+        export = self.ranks[0].export_weights.remote(step + 1)
+        try:
+            await self._begun()
+            metrics = await rank_call(f"finish_train_step({step})", refs)
+        except BaseException:
+            self._discard(export)
+            raise
+        self._export = (step + 1, export)
         if self._step == step:
             self._step = None
             self._counts["steps_finished"] += 1
@@ -153,19 +207,38 @@ class CpuTrainerGroup:
         return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
     async def abort_train_step(self, step: int) -> None:
-        await rank_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
+        refs = [r.abort_train_step.remote(step) for r in self.ranks]
+        self._drop_export()
+        try:
+            await self._begun()
+        except (TrainerFailed, TrainStepStateError):
+            pass  # a begin that failed opened nothing: the abort is then a no-op on the ranks
+        await rank_call(f"abort_train_step({step})", refs)
         if self._step == step:
             self._counts["steps_aborted"] += 1
             self._step = None
 
     async def train_status(self) -> TrainStatus:
-        statuses = await rank_call("train_status", [r.train_status.remote() for r in self.ranks])
+        refs = [r.train_status.remote() for r in self.ranks]
+        try:
+            await self._begun()
+        except (TrainerFailed, TrainStepStateError):
+            pass  # the status says where the ranks stand after it
+        statuses = await rank_call("train_status", refs)
         if any(s != statuses[0] for s in statuses[1:]):
             raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
         return TrainStatus(**statuses[0])
 
     async def export_weights(self, version: int) -> WeightsHandle:
-        (snapshot,) = await rank_call(f"export_weights({version})", [self.ranks[0].export_weights.remote(version)])
+        sent, self._export = self._export, None
+        if sent is not None and sent[0] == version:
+            ref = sent[1]
+        else:
+            if sent is not None:
+                self._discard(sent[1])
+            ref = self.ranks[0].export_weights.remote(version)
+        await self._begun()
+        (snapshot,) = await rank_call(f"export_weights({version})", [ref])
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 
     async def save_checkpoint(self, directory: str) -> str:
@@ -177,6 +250,7 @@ class CpuTrainerGroup:
         await rank_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
 
     async def load_state(self, directory: str) -> int:
+        self._drop_export()  # sent before these weights were loaded
         steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
         if len(set(steps)) != 1:
             raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
