@@ -121,8 +121,8 @@ def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> to
     for i, spec in enumerate(specs):
         if spec.name not in columns:
             continue
-        rows = [t.detach().reshape(-1) for t in columns[spec.name]]
-        header[:, i] = [t.numel() for t in rows]
+        rows = list(columns[spec.name])  # 1-D tensors (validate_put); callers hold no grad here
+        header[:, i] = [t.shape[0] for t in rows]
         flat = torch.cat(rows) if rows else torch.empty(0, dtype=spec.dtype)
         flats.append((i, flat.contiguous().view(torch.uint8).numpy()))
     itemsizes = np.array([torch.empty(0, dtype=s.dtype).element_size() for s in specs], dtype=np.int64)
