@@ -139,6 +139,12 @@ class RowPrefetcher:
         self._batch = 0
         self.hits = self.misses = 0
 
+    def take_hit_rate(self) -> float:
+        """The share of fetches served by a prefetch since the last call (0 when none); resets the counts."""
+        rate = self.hits / max(1, self.hits + self.misses)
+        self.hits = self.misses = 0
+        return rate
+
     def prefetch(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         keys = [k for k in keys if k not in self._entries]
         if not keys:

@@ -192,3 +192,23 @@ def _describe(nodes: list[dict]) -> str:
         return ", ".join(f"{k}={r[k]:g}" for k in ("CPU", "GPU") if k in r)
 
     return "; ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID', '')[:8]}: {res(n)})" for n in nodes) or "none"
+
+
+class RankStepCalls:
+    """The split-API calls a trainer rank actor forwards to its core as they are (`self.core`; the
+    rank's `self.prefetcher`, None where the rank reads nothing, supplies the prefetch hit rate)."""
+
+    _last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
+
+    def finish_train_step(self, step: int) -> dict[str, float]:
+        fresh = self.core.step_open
+        metrics = self.core.finish_train_step(step)
+        if fresh and self.prefetcher is not None:  # a retried finish reports the step's figures again
+            self._last_extra = {"train/prefetch_hit_rate": self.prefetcher.take_hit_rate()}
+        return {**metrics, **self._last_extra}
+
+    def abort_train_step(self, step: int) -> None:
+        self.core.abort_train_step(step)
+
+    def train_status(self) -> dict[str, int | None]:
+        return self.core.status()

@@ -19,7 +19,7 @@ from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.cpu.model import build_policy, save_policy, state_module
 from single_controller.backends.cpu.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
-from single_controller.backends.rank_calls import join_store, node_address, node_info
+from single_controller.backends.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.config import Config
 from single_controller.tasks import TOKENIZER
 from single_controller.types import LossConfig
@@ -27,7 +27,7 @@ from single_controller.types import LossConfig
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class TrainerRankActor:
+class TrainerRankActor(RankStepCalls):
     """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
     one at a time in the actor's process)."""
 
@@ -38,7 +38,6 @@ class TrainerRankActor:
         self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
         self.prefetcher = RowPrefetcher(self.storage)
         self.core: TrainerCore | None = None
-        self._last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP, a port free there): the group's rendezvous when this is rank 0."""
@@ -94,24 +93,6 @@ class TrainerRankActor:
     def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
         self.prefetcher.prefetch(list(keys), list(fields))
-
-    def finish_train_step(self, step: int) -> dict[str, float]:
-        fresh = self.core.step_open
-        metrics = self.core.finish_train_step(step)
-        if fresh:
-            pf = self.prefetcher
-            metrics["train/prefetch_hit_rate"] = pf.hits / max(1, pf.hits + pf.misses)
-            pf.hits = pf.misses = 0
-            self._last_extra = {"train/prefetch_hit_rate": metrics["train/prefetch_hit_rate"]}
-        else:
-            metrics.update(self._last_extra)
-        return metrics
-
-    def abort_train_step(self, step: int) -> None:
-        self.core.abort_train_step(step)
-
-    def train_status(self) -> dict[str, int | None]:
-        return self.core.status()
 
     def export_weights(self, version: int) -> WeightSnapshot:
         snap = self.core.publish_weights(version)

@@ -34,6 +34,7 @@ from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEn
 from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
     RankPlacement,
+    RankStepCalls,
     free_port,
     join_store,
     node_address,
@@ -108,7 +109,7 @@ class _PrefetchedReader:
         return self.prefetcher.fetch(keys, fields)
 
 
-class MegatronRankActor:
+class MegatronRankActor(RankStepCalls):
     """One Megatron trainer rank (run with `ray.remote(MegatronRankActor)`); methods are synchronous
     and run one at a time in the actor's process."""
 
@@ -119,7 +120,6 @@ class MegatronRankActor:
         self.prefetcher = RowPrefetcher(self.storage) if self.storage is not None else None
         self.core = None
         self.model_dir: str | None = None
-        self._last_extra: dict[str, float] = {}
 
     def free_port(self) -> int:
         return free_port()
@@ -218,22 +218,6 @@ class MegatronRankActor:
         """Start reading rows this rank will probably train soon (TP leaders only read)."""
         if self.core.tp_rank == 0:
             self.prefetcher.prefetch(list(keys), list(fields))
-
-    def finish_train_step(self, step: int) -> dict[str, float]:
-        fresh = self.core.step_open
-        metrics = self.core.finish_train_step(step)
-        if fresh and self.prefetcher is not None:
-            pf = self.prefetcher
-            self._last_extra = {"train/prefetch_hit_rate": pf.hits / max(1, pf.hits + pf.misses)}
-            pf.hits = pf.misses = 0
-        metrics.update(self._last_extra)
-        return metrics
-
-    def abort_train_step(self, step: int) -> None:
-        self.core.abort_train_step(step)
-
-    def train_status(self) -> dict[str, int | None]:
-        return self.core.status()
 
     # --- weights -------------------------------------------------------------------------------
 
