@@ -173,6 +173,10 @@ def test_generate_train_sync_abort(workers, loop):
         await group.train_microbatch(TrainChunk(1, 0, tuple(keys[:16]), tuple(lengths[:16]), TRAIN_FIELDS))
         with pytest.raises(TrainStepStateError):
             await group.begin_train_step(2, LossConfig())
+        # a rank refuses rows meant for another step (a late or early call never mixes steps)
+        with pytest.raises(TrainStepStateError, match="the open step is 1"):
+            await group.ranks[0].train_microbatch_keys.remote(2, keys[:4], list(TRAIN_FIELDS))
+        assert (await group.ranks[0].statistics.remote()).open_microbatches == 1
         await group.abort_train_step(1)
 
     run(loop, begin_and_abort())

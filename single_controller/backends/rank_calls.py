@@ -200,6 +200,15 @@ class RankStepCalls:
 
     _last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
+    def _refuse_other_step(self, step: int, what: str) -> None:
+        """Refuse a call for `step` unless it is the open step: a call that arrives after its step was
+        aborted or finished (or before it began) never adds to another step's gradients."""
+        open_step = self.core.status()["open_step"]
+        if open_step is None:
+            raise TrainStepStateError(f"{what}(step {step}): no train step is open (call begin_train_step first)")
+        if open_step != step:
+            raise TrainStepStateError(f"{what}(step {step}): the open step is {open_step}")
+
     def finish_train_step(self, step: int) -> dict[str, float]:
         fresh = self.core.step_open
         metrics = self.core.finish_train_step(step)

@@ -175,7 +175,7 @@ class CpuTrainerGroup:
         refs = []
         for i, r in enumerate(self.ranks):
             keys = split.rank_keys(i)
-            refs.append(r.train_microbatch_keys.remote(keys, list(chunk.fields), chunk.rank_advantages(keys)))
+            refs.append(r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys)))
         await self._begun()  # sent before this microbatch: its answer is due first
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
         self._bytes_read += nbytes

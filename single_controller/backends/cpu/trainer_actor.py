@@ -76,11 +76,13 @@ class TrainerRankActor(RankStepCalls):
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.core.begin_train_step(step, loss)
 
-    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None) -> int:
-        """Fetch this rank's rows and accumulate their gradients; returns the bytes read. `advantages`
-        (one per key) come with the call; None: the rows' `advantage` field is among `fields`."""
-        if not self.core.step_open:  # before touching storage
-            raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
+    def train_microbatch_keys(
+        self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
+    ) -> int:
+        """Fetch this rank's rows and accumulate their gradients into step `step` (refused unless it is
+        the open one); returns the bytes read. `advantages` (one per key) come with the call; None: the
+        rows' `advantage` field is among `fields`."""
+        self._refuse_other_step(step, "train_microbatch")  # before touching storage
         if keys:
             rows = self.prefetcher.fetch(list(keys), list(fields))
             nbytes = sum(column_nbytes(c) for c in rows.values())

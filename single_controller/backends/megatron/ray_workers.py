@@ -182,11 +182,13 @@ class MegatronRankActor(RankStepCalls):
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.core.begin_train_step(step, loss)
 
-    def train_microbatch_keys(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None) -> int:
+    def train_microbatch_keys(
+        self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
+    ) -> int:
         """Read this rank's rows (TP leader reads, broadcasts to its TP group) and accumulate their
-        gradients; returns the bytes this rank read from storage."""
-        if not self.core.step_open:  # before touching storage or a collective
-            raise TrainStepStateError("train_microbatch: no train step is open (call begin_train_step first)")
+        gradients into step `step` (refused unless it is the open one); returns the bytes this rank
+        read from storage."""
+        self._refuse_other_step(step, "train_microbatch")  # before touching storage or a collective
         keys, fields = list(keys), list(fields)
         nbytes = 0
         if not keys:
@@ -363,7 +365,7 @@ class MegatronTrainerGroup:
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
         refs = [
-            r.train_microbatch_keys.remote(split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d)))
+            r.train_microbatch_keys.remote(chunk.step, split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d)))
             for r, d in zip(self.ranks, self.dp_ranks)
         ]
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
