@@ -56,7 +56,8 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
             if stop is not None and len(ids) < req.sampling.max_new_tokens:
                 assert ids[-1] == stop and (ids[:-1] != stop).all()
             text = TOKENIZER.decode(ids[:-1] if stop is not None and ids[-1] == stop else ids)
-            assert storage.tags(k) == {"group_id": req.group_id, "version_start": 3, "version_end": 3}
+            assert storage.tags(k) == {}  # provenance is in the row itself: its key and token_versions
+            assert (rows["token_versions"][req.row_keys.index(k)] == 3).all()
             assert positional_match_reward(req.prompt, text) == pytest.approx(rows["reward"][req.row_keys.index(k)].item())
         # the stored logprobs are what the trainer computes for these tokens
         tlp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"], req.sampling.temperature)

@@ -24,7 +24,7 @@ from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E40
 from single_controller.backends.cpu.model import TinyGPT, load_tinygpt  # noqa: E402
 from single_controller.backends.cpu.trainer import TrainerCore, TrainStepStateError  # noqa: E402
 from single_controller.config import BackendConfig, Config  # noqa: E402
-from single_controller.protocols import GenerationWorker, TrainerGroup  # noqa: E402
+from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup  # noqa: E402
 from single_controller.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
@@ -191,6 +191,23 @@ def test_generate_train_sync_abort(workers, loop):
         run(loop, group.train_microbatch(TrainChunk(1, 0, tuple(keys[:4]), tuple(lengths[:4]), TRAIN_FIELDS)))
     with pytest.raises(TrainStepStateError):
         run(loop, group.ranks[0].finish_train_step.remote(1))
+
+    # Pipelined calls: the finish goes out before the microbatch's answer is back. A rank whose rows
+    # cannot be read fails its microbatch; the finish behind it applies nothing on either rank, the
+    # error names the microbatch, and the step stays open until it is aborted.
+    async def failing_microbatch_then_finish():
+        await group.begin_train_step(1, LossConfig())
+        missing = ("never-put/0",) + tuple(keys[:7])
+        await group.train_microbatch(TrainChunk(1, 0, missing, (8,) + tuple(lengths[:7]), TRAIN_FIELDS))
+        with pytest.raises(TrainerFailed, match=r"train_microbatch\(step=1, chunk=0\) failed"):
+            await group.finish_train_step(1)
+        assert (await group.train_status()).open_step == 1
+        await group.abort_train_step(1)
+
+    run(loop, failing_microbatch_then_finish())
+    assert run(loop, group.train_status()).open_step is None
+    for rank in range(2):
+        assert_same_weights(run(loop, rank_weights(group, rank)), after)
     run(loop, storage.clear_rows(keys + list(row_keys("v1", 4))))
 
 

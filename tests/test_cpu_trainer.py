@@ -207,6 +207,34 @@ def test_abort_after_a_finish_that_failed_midway(monkeypatch):
     _assert_bit_identical(_state(t), before)
 
 
+def _bad_rows() -> dict:
+    rows = make_rows(3, 9)
+    rows["gen_logprobs"][1] = rows["gen_logprobs"][1][:0]  # lengths differ: the microbatch raises
+    return rows
+
+
+def test_a_failed_microbatch_leaves_a_step_only_abort_can_close():
+    """A finish that arrives after a failed microbatch (pipelined behind it) applies nothing: the
+    step's gradients are partial. The step stays open, and an abort restores it bit-identically."""
+    t = _trainer()
+    before = _state(t)
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    with pytest.raises(ValueError, match="lengths differ"):
+        t.train_microbatch(_bad_rows())
+    t.train_microbatch(make_rows(4, 2))  # still accepted (it may already be queued), never applied
+    with pytest.raises(TrainerFailed, match=r"failed on 1 rank\(s\) \(here: ValueError"):
+        t.finish_train_step(0)
+    assert t.step_open and t.status()["last_finished"] is None
+    with pytest.raises(TrainerFailed, match="partial"):
+        t.finish_train_step(0)  # a retried finish too
+    t.abort_train_step(0)
+    _assert_bit_identical(_state(t), before)
+    t.begin_train_step(0, LossConfig())  # the step runs again from the start
+    t.train_microbatch(make_rows(6, 1))
+    assert t.finish_train_step(0)["train/sequences"] == 6
+
+
 def test_chunking_does_not_change_the_single_process_step():
     rows = make_rows(10, 7)
     want_grads, want_params = reference_step(rows, "token")
@@ -275,6 +303,22 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             core.train_microbatch(take(sub, mine))
         core.finish_train_step(0)
         results[(level, ci)] = ([p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params])
+    # Rank 0's microbatch fails, rank 1's does not; both finish: both refuse (no rank applies a
+    # step or waits for the other in the gradients' all-reduce), and an abort restores both.
+    core = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, process_group=dist.group.WORLD)
+    start = [p.detach().clone() for p in core.params]
+    core.begin_train_step(0, LossConfig())
+    try:
+        core.train_microbatch(_bad_rows() if rank == 0 else make_rows(3, 9))
+    except ValueError:
+        pass
+    try:
+        core.finish_train_step(0)
+        results["poisoned"] = "finished"
+    except TrainerFailed as e:
+        results["poisoned"] = str(e)
+    core.abort_train_step(0)
+    results["poisoned_restored"] = all(torch.equal(a, b) for a, b in zip(core.params, start))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -303,3 +347,10 @@ def test_ddp_split_step_equals_full_batch(ddp_results, level, ci):
         grads, params = ddp_results[rank][(level, ci)]
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
+
+
+def test_ddp_finish_after_a_failed_microbatch_refuses_on_every_rank(ddp_results):
+    for rank, res in enumerate(ddp_results):
+        assert "a microbatch of the step failed on 1 rank(s)" in res["poisoned"], (rank, res["poisoned"])
+        assert ("here: ValueError" in res["poisoned"]) == (rank == 0)
+        assert res["poisoned_restored"]

@@ -3,7 +3,8 @@
 `GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
 per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
 function, and writes ALL rows of the batch's rollout requests to the row storage in ONE put (fields
-GENERATION_FIELDS, keys `request.row_keys`, tags {group_id, version_start, version_end}); eval
+GENERATION_FIELDS, keys `request.row_keys`; no per-row tags: a row's key names its group and its
+`token_versions` its weights, and TransferQueue's per-row tags cost the writer ~20 % of a put); eval
 requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
 greedily. The response text given to
 the reward function excludes a final stop token. It stamps results with `version`, the policy
@@ -66,7 +67,7 @@ class GenerationCore:
         version: int | None = None,
     ):
         self.policy = policy
-        self.storage = storage  # has put_rows_sync(keys, columns, tags)
+        self.storage = storage  # has put_rows_sync(keys, columns)
         self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = tokenizer
         self.generator = torch.Generator().manual_seed(seed)
@@ -152,7 +153,7 @@ class GenerationCore:
 
     def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
         """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
-        keys, tags, results = [], [], []
+        keys, results = [], []
         cols: dict[str, list] = {
             "prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "token_versions": [], "reward": []
         }
@@ -186,11 +187,10 @@ class GenerationCore:
             cols["token_versions"].extend(torch.full((len(ids),), version, dtype=torch.int64) for ids, *_ in rows)
             cols["reward"].extend(rewards)
             keys.extend(r.row_keys)
-            tags.extend({"group_id": r.group_id, "version_start": version, "version_end": version} for _ in rows)
         if keys:
             columns: dict[str, Any] = dict(cols)
             columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
-            self.storage.put_rows_sync(keys, columns, tags)
+            self.storage.put_rows_sync(keys, columns)
         self._written.update(res.group_id for res in results if res is not None)
         self._counts["batches"] += 1
         self._counts["groups"] += sum(res is not None for res in results) - n_eval

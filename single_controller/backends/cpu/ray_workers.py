@@ -99,11 +99,14 @@ class CpuTrainerGroup:
     (released at shutdown) come from `start_torch_trainer`.
 
     Calls are pipelined: a rank runs its calls one at a time in the order they were sent, so a call
-    can be sent before the previous one's answer is back without changing what runs. `begin_train_step`
-    sends the ranks' begins and returns; the step's first microbatch (or whatever comes next) waits for
-    their answers after sending its own, so a failed begin is reported there. A successful finish of
-    step s sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
-    Each saves a round trip between the controller and the ranks per step (~5 ms each on two cores)."""
+    can be sent before the previous one's answer is back without changing what runs.
+    `begin_train_step` and `train_microbatch` send their calls and return; each later call sends its
+    own, then waits for the answers still due (in order), so an error is reported by the next call
+    and names the call it came from. A finish can follow a microbatch this closely because a rank
+    whose microbatch failed refuses the step's finish (`TrainerCore.mark_failed`; every rank learns
+    it in the finish's first all-reduce) until the step is aborted. A successful finish of step s
+    sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
+    Each saves a round trip between the controller and the ranks per step (~3-5 ms on two cores)."""
 
     def __init__(self, rank_handles: Sequence[Any], *, rank_nodes: Sequence[dict] = (), placement: RankPlacement | None = None):
         if not rank_handles:
@@ -116,7 +119,8 @@ class CpuTrainerGroup:
         self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
-        self._begin: tuple[int, list] | None = None  # (step, refs) of begins sent, not yet answered
+        # (what, step, refs) of calls sent and not answered yet, oldest first: a begin, microbatches
+        self._due: list[tuple[str, int, list]] = []
         self._export: tuple[int, Any] | None = None  # (version, ref) of an export sent after a finish
         self._draining: set[asyncio.Future] = set()
 
@@ -136,17 +140,31 @@ class CpuTrainerGroup:
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
 
-    async def _begun(self) -> None:
-        """Wait for the begins sent last (raises their error)."""
-        if self._begin is not None:
-            step, refs = self._begin
-            self._begin = None
+    async def _answers(self, keep_last: bool = False) -> None:
+        """Wait for the answers still due, oldest first (all but the newest with `keep_last`), and
+        raise the first error; the answers after a failed one are drained quietly. A failed begin
+        opened nothing on the ranks: the step is then no longer open here either."""
+        while len(self._due) > (1 if keep_last else 0):
+            what, step, refs = self._due.pop(0)
             try:
-                await rank_call(f"begin_train_step({step})", refs)
+                results = await rank_call(what, refs)
             except BaseException:
-                if self._step == step:
+                for _, _, later in self._due:
+                    for ref in later:
+                        self._discard(ref)
+                self._due.clear()
+                if what.startswith("begin_train_step") and self._step == step:
                     self._step = None
                 raise
+            if what.startswith("train_microbatch"):
+                nbytes = sum(results)
+                self._bytes_read += nbytes
+                self._counts["bytes_read_total"] += nbytes
+
+    async def _answers_quietly(self) -> None:
+        """`_answers`, for an abort or a status: what the earlier calls said no longer matters."""
+        with contextlib.suppress(TrainerFailed, TrainStepStateError):
+            await self._answers()
 
     def statistics(self) -> TrainerGroupStatistics:
         return TrainerGroupStatistics(
@@ -159,11 +177,11 @@ class CpuTrainerGroup:
         )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        await self._begun()
+        await self._answers()
         if self._step is not None:  # what the ranks would answer, said before anything is sent
             raise TrainStepStateError(f"begin_train_step({step}): step {self._step} is open")
         self._drop_export()  # the weights change from here on
-        self._begin = (step, [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        self._due.append((f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks]))
         self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -176,11 +194,11 @@ class CpuTrainerGroup:
         for i, r in enumerate(self.ranks):
             keys = split.rank_keys(i)
             refs.append(r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys)))
-        await self._begun()  # sent before this microbatch: its answer is due first
-        nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
-        self._bytes_read += nbytes
-        self._counts["bytes_read_total"] += nbytes
+        self._due.append((f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs))
         self._chunks += 1
+        # The earlier calls' answers; this microbatch's is taken by the next call (at most one
+        # microbatch runs ahead of the controller's view).
+        await self._answers(keep_last=True)
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
@@ -194,7 +212,7 @@ class CpuTrainerGroup:
         # fails the step stays open there and this export fails too; it is then discarded.
         export = self.ranks[0].export_weights.remote(step + 1)
         try:
-            await self._begun()
+            await self._answers()
             metrics = await rank_call(f"finish_train_step({step})", refs)
         except BaseException:
             self._discard(export)
@@ -209,10 +227,7 @@ class CpuTrainerGroup:
     async def abort_train_step(self, step: int) -> None:
         refs = [r.abort_train_step.remote(step) for r in self.ranks]
         self._drop_export()
-        try:
-            await self._begun()
-        except (TrainerFailed, TrainStepStateError):
-            pass  # a begin that failed opened nothing: the abort is then a no-op on the ranks
+        await self._answers_quietly()  # a begin that failed opened nothing: the abort is then a no-op on the ranks
         await rank_call(f"abort_train_step({step})", refs)
         if self._step == step:
             self._counts["steps_aborted"] += 1
@@ -220,10 +235,7 @@ class CpuTrainerGroup:
 
     async def train_status(self) -> TrainStatus:
         refs = [r.train_status.remote() for r in self.ranks]
-        try:
-            await self._begun()
-        except (TrainerFailed, TrainStepStateError):
-            pass  # the status says where the ranks stand after it
+        await self._answers_quietly()  # the status says where the ranks stand after them
         statuses = await rank_call("train_status", refs)
         if any(s != statuses[0] for s in statuses[1:]):
             raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
@@ -237,7 +249,7 @@ class CpuTrainerGroup:
             if sent is not None:
                 self._discard(sent[1])
             ref = self.ranks[0].export_weights.remote(version)
-        await self._begun()
+        await self._answers()
         (snapshot,) = await rank_call(f"export_weights({version})", [ref])
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 

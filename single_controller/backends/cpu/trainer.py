@@ -160,6 +160,7 @@ class _OpenStep:
     stats: dict[str, float] | None = None
     bytes_read: int = 0
     started: float = 0.0
+    failed: str | None = None  # why a microbatch of this step failed: the step can then only be aborted
 
 
 @dataclass(frozen=True)
@@ -266,6 +267,21 @@ class TrainerCore:
     def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0) -> int:
         """Accumulate gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid tokens."""
         st = self._require_open("train_microbatch")
+        try:
+            return self._accumulate(st, rows, bytes_read)
+        except BaseException as e:
+            self.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def mark_failed(self, reason: str) -> None:
+        """A microbatch of the open step failed (here, or while its rows were read): its gradients
+        are partial, so the step's finish refuses (on every rank: the flag travels in the finish's
+        all-reduce) and only an abort closes it. Calls can then be pipelined behind a microbatch: a
+        finish that arrives after a failed one never applies partial gradients."""
+        if self._open is not None and self._open.failed is None:
+            self._open.failed = reason
+
+    def _accumulate(self, st: "_OpenStep", rows: Mapping[str, Any], bytes_read: int) -> int:
         st.bytes_read += bytes_read
         st.microbatches += 1
         n = len(rows["prompt_ids"])
@@ -312,16 +328,25 @@ class TrainerCore:
         st = self._require_open(f"finish_train_step({step})")
         if st.step != step:
             raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
-        sums = torch.tensor([st.tokens, st.sequences, st.loss_sum, *(st.stats[k] for k in STAT_KEYS)], dtype=torch.float64)
+        failed_here = float(st.failed is not None)
+        sums = torch.tensor([st.tokens, st.sequences, st.loss_sum, *(st.stats[k] for k in STAT_KEYS), failed_here], dtype=torch.float64)
+        if self.pg is not None:
+            dist.all_reduce(sums, group=self.pg)  # first: every rank learns whether one had a failed microbatch
+        failed_ranks = int(sums[-1])
+        if failed_ranks:  # the same decision on every rank, before the gradients' collective
+            here = f" (here: {st.failed})" if st.failed else ""
+            raise TrainerFailed(
+                f"finish_train_step({step}): a microbatch of the step failed on {failed_ranks} rank(s){here}; "
+                "its gradients are partial, so no optimizer step: abort the step"
+            )
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.pg is not None:
-            dist.all_reduce(sums, group=self.pg)
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective for every gradient
             dist.all_reduce(flat, group=self.pg)
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
         tokens, sequences, loss_sum = (float(x) for x in sums[:3])
-        stat_sums = dict(zip(STAT_KEYS, sums[3:].tolist()))
+        stat_sums = dict(zip(STAT_KEYS, sums[3:-1].tolist()))
         n = tokens if st.loss.level == "token" else sequences
         if n <= 0:
             raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")

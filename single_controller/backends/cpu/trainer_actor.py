@@ -84,9 +84,13 @@ class TrainerRankActor(RankStepCalls):
         rows' `advantage` field is among `fields`."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage
         if keys:
-            rows = self.prefetcher.fetch(list(keys), list(fields))
-            nbytes = sum(column_nbytes(c) for c in rows.values())
-            rows = with_advantages(rows, advantages)
+            try:
+                rows = self.prefetcher.fetch(list(keys), list(fields))
+                nbytes = sum(column_nbytes(c) for c in rows.values())
+                rows = with_advantages(rows, advantages)
+            except BaseException as e:
+                self.core.mark_failed(f"reading its rows: {type(e).__name__}: {e}")  # the step's finish refuses
+                raise
         else:
             rows, nbytes = {"prompt_ids": []}, 0
         self.core.train_microbatch(rows, bytes_read=nbytes)

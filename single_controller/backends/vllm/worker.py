@@ -345,7 +345,6 @@ class VllmGenerationActor:
     async def _store(self, finished: list[tuple[_Group, Any]]) -> None:
         """Score and write the groups of one engine step in one put, then answer their callers."""
         keys: list[str] = []
-        tags: list[dict] = []
         columns: dict[str, list] = {}
         done: list[tuple[_Group, GenerationResult | BaseException]] = []
         for g, out in finished:
@@ -357,7 +356,6 @@ class VllmGenerationActor:
             done.append((g, result))
             if g.request.row_keys:  # empty row_keys: score only (e.g. evaluation)
                 keys += g.request.row_keys
-                tags += [{"group_id": g.request.group_id, "version_start": result.version_start, "version_end": result.version_end}] * len(g.request.row_keys)
                 for k, v in cols.items():
                     columns.setdefault(k, []).extend(v)
         written = [g for g, r in done if isinstance(r, GenerationResult) and g.request.row_keys]
@@ -366,7 +364,7 @@ class VllmGenerationActor:
             columns["reward"] = torch.tensor(columns["reward"], dtype=torch.float32)
             try:
                 async with self._write_lock:
-                    await asyncio.to_thread(self.storage.put_rows_sync, keys, columns, tags)
+                    await asyncio.to_thread(self.storage.put_rows_sync, keys, columns)  # no tags: see generation.py
                     cleared: set[str] = set()
                     # Groups cancelled while the put was in flight: take their rows back. Looped, as
                     # another cancel may arrive during a clear; none can after the last check.
