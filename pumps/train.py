@@ -32,7 +32,7 @@ from replay.ledger import GroupRecord, GroupState
 from replay.storage import TRAIN_ROW_FIELDS
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import Prefetching, TrainerFailed, TrainerRankDied
+from single_controller.protocols import FinishAndBegin, Prefetching, TrainerFailed, TrainerRankDied
 from single_controller.state import RunState
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
@@ -76,27 +76,51 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
         state.request_stop(state.stop_reason or "training finished")
 
 
+@dataclass
+class _Ahead:
+    """The next step's first chunk, selected while this step finishes (`FinishAndBegin`)."""
+
+    step: int
+    groups: list[GroupRecord]
+    chunk: TrainChunk
+    t_start: float
+    sent: bool = False  # sent behind a finish that succeeded: the step is open on the trainer
+
+
 async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
-    clk = state.pumps[PUMP]
+    ahead: _Ahead | None = None
     while state.trainer_version < state.cfg.run.max_steps:
         # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-        report = await _train_step(state, state.trainer_version, clears)
+        report, ahead = await _train_step(state, state.trainer_version, clears, ahead)
         if report is None:
             break
-        version = report.step + 1
-        handle = await _timed(state, state.workers.trainer.export_weights(version), f"trainer.export_weights(v{version})")
-        # Blocks while the previous snapshot is still being applied: training stays at most one
-        # snapshot ahead of the generation workers.
-        await state.waiting(weights.send(handle), PUMP, "weight sync")
-        clk.iterations += 1
-        on_step(report)
-        if state.after_step is not None:
-            await state.after_step()  # a periodic checkpoint, when one is due
+        await _after_step(state, weights, on_step, report)
         if state.stopping:
             break
+    if ahead is not None and ahead.sent:
+        # The run stops with the next step begun behind the last finish: undo it. Its groups stay
+        # selected and untrained, as an interrupted step's do; teardown settles them.
+        await _timed(state, state.workers.trainer.abort_train_step(ahead.step), f"trainer.abort_train_step({ahead.step}) (the run stops)")
 
 
-async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> StepReport | None:
+async def _after_step(state: RunState, weights: Channel[WeightsHandle], on_step, report: StepReport) -> None:
+    version = report.step + 1
+    handle = await _timed(state, state.workers.trainer.export_weights(version), f"trainer.export_weights(v{version})")
+    # Blocks while the previous snapshot is still being applied: training stays at most one
+    # snapshot ahead of the generation workers.
+    await state.waiting(weights.send(handle), PUMP, "weight sync")
+    state.pumps[PUMP].iterations += 1
+    on_step(report)
+    if state.after_step is not None:
+        await state.after_step()  # a periodic checkpoint, when one is due
+
+
+async def _train_step(
+    state: RunState, step: int, clears: asyncio.TaskGroup, ahead: _Ahead | None
+) -> tuple[StepReport | None, _Ahead | None]:
+    """One RL step; `ahead`: its first chunk, selected (and perhaps sent) while the previous step
+    finished. Returns the step's report (None: no step) and the next step's chunk, if one was taken
+    ahead."""
     cfg = state.cfg
     trainer = state.workers.trainer
     need = cfg.train.groups_per_step
@@ -106,13 +130,17 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
     is_open = False
     retries = 0
     t_start = None
+    if ahead is not None:
+        groups, chunks, t_start = list(ahead.groups), [ahead.chunk], ahead.t_start
+        sent, is_open = (1, True) if ahead.sent else (0, False)
+    ahead_slot: list[_Ahead | None] = [None]  # the next step's first chunk, once selected (kept across retries)
     while True:
         try:
             while True:
                 if state.abandon_open_step:  # interrupted: stop on the last finished step
                     if is_open:
                         await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
-                    return None
+                    return None, None
                 if sent < len(chunks):  # send the newest chunk, or replay after a retry
                     if not is_open:
                         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
@@ -137,14 +165,15 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
             if not chunks or state.abandon_open_step:
                 if is_open:
                     await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
-                return None
-            result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step})")
+                return None, None
+            result = await _finish(state, step, ahead_slot)
             break
         except TrainerFailed as e:
             state.pumps[PUMP].errors += 1
             status = await _where_trainer_stands(state, step, e)
             if status.last_finished == step and status.open_step is None:
                 # The finish landed after its deadline: take its recorded result, no second step.
+                # (A next step begun behind it was aborted: `FinishAndBegin`; its chunk is sent again.)
                 result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
                 state.late_finishes += 1
                 break
@@ -158,7 +187,76 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup) -> 
     _finish_groups(state, step, groups, clears)
     state.trainer_version = step + 1
     state.notify()
-    return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock())
+    return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock()), ahead_slot[0]
+
+
+async def _finish(state: RunState, step: int, slot: list[_Ahead | None]) -> StepResult:
+    """Finish `step`. With a trainer that can (`FinishAndBegin`), the next step's first chunk goes
+    out behind the finish as soon as its groups are ready. `slot[0]`: that chunk once selected (its
+    groups belong to the next step from then on, whatever this finish does; one kept from an
+    earlier attempt of this step goes out at once); `sent` when the finish succeeded with it behind."""
+    trainer = state.workers.trainer
+    what = f"trainer.finish_train_step({step})"
+    nxt = slot[0]
+    if not _may_send_ahead(state, step + 1):
+        return await _timed(state, trainer.finish_train_step(step), what)
+    finish = asyncio.ensure_future(_timed(state, trainer.finish_train_step(step), what))
+    ready = None if nxt is not None else asyncio.ensure_future(_ready_ahead(state, step + 1))
+    behind = False
+    try:
+        if ready is not None:
+            await asyncio.wait([finish, ready], return_when=asyncio.FIRST_COMPLETED)
+            if ready.done() and ready.result() and not finish.done() and _may_send_ahead(state, step + 1):
+                nxt = slot[0] = _select_ahead(state, step + 1, ready.result())
+        else:
+            await asyncio.sleep(0)  # the finish task's first step: its calls are sent
+        if nxt is not None and not finish.done():
+            behind = await trainer.begin_behind_finish(step + 1, loss_config(state), nxt.chunk)
+        result = await finish
+    finally:
+        for task in (finish, ready):
+            if task is not None and not task.done():
+                task.cancel()
+    if nxt is not None:
+        nxt.sent = behind  # else the next step sends it as its first chunk
+    return result
+
+
+def _may_send_ahead(state: RunState, step: int) -> bool:
+    """Whether `step`'s first chunk may go out behind the previous step's finish: the trainer can
+    take it that way, the run is not stopping and `step` is one it will train, and no checkpoint
+    is due after the previous step (a checkpoint needs no step open)."""
+    cfg = state.cfg
+    return (
+        isinstance(state.workers.trainer, FinishAndBegin)
+        and cfg.train.pipeline_steps
+        and not (state.stopping or state.abandon_open_step)
+        and step < cfg.run.max_steps
+        and not (state.checkpoint_due is not None and state.checkpoint_due(step))
+    )
+
+
+async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
+    """Wait until `step`'s first chunk is selectable (never evicts: with evictable groups the train
+    pump's own selection goes first); returns the groups, or [] when none can come."""
+    want = min(state.cfg.train.min_groups_per_chunk, state.cfg.train.groups_per_step)
+    ready = state.ledger.ready_index()
+
+    def chunk_ready() -> bool:
+        return state.sampler.selectable(ready, step) >= want and not state.sampler.any_evictable(ready, step)
+
+    await state.changed.wait_until(lambda: chunk_ready() or state.stopping or state.abandon_open_step)
+    if not chunk_ready():
+        return []
+    return state.sampler.select_from(ready, step, state.cfg.train.groups_per_step)
+
+
+def _select_ahead(state: RunState, step: int, picked: list[GroupRecord]) -> _Ahead:
+    now = state.clock()
+    sel = state.ledger.select([g.group_id for g in picked], step, now)
+    state.sampler.record_selected(sel, step)
+    state.notify()
+    return _Ahead(step, list(sel), _chunk(state, step, 0, sel), now)
 
 
 async def _where_trainer_stands(state: RunState, step: int, error: Exception) -> TrainStatus:

@@ -135,6 +135,10 @@ class TrainConfig:
     """Weight of the KL penalty to the initial (reference) policy; 0 disables it."""
     max_step_retries: int = 2
     """Times a train step is aborted and retried after a trainer error before the run fails."""
+    pipeline_steps: bool = True
+    """When the next step's first chunk is ready as a step finishes, send it right behind the finish (trainer
+    backends that can: `torch`), so the trainer never waits for the controller between steps. Same steps, same
+    math; off: the next step begins once the finish is answered."""
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ class Controller:
         self._last_checkpoint_step = first_step if resume is not None else None
         if run_dir is not None and isinstance(workers.trainer, Checkpointable):
             self.state.after_step = self._periodic_checkpoint
+            self.state.checkpoint_due = self._checkpoint_due
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
@@ -237,12 +238,17 @@ class Controller:
                 fanout.create_task(within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{v}) (resume)"))
         st.latest_weights = handle
 
-    async def _periodic_checkpoint(self) -> None:
+    def _checkpoint_due(self, version: int) -> bool:
         c, st = self.cfg.checkpoint, self.state
-        k = st.trainer_version
-        by_step = c.every_steps > 0 and k % c.every_steps == 0
+        by_step = c.every_steps > 0 and version % c.every_steps == 0
         by_time = c.every_s > 0 and st.clock() - self._last_checkpoint_t >= c.every_s
-        if (by_step or by_time) and k != self._last_checkpoint_step:
+        return (by_step or by_time) and version != self._last_checkpoint_step
+
+    async def _periodic_checkpoint(self) -> None:
+        st = self.state
+        # A next step already open (sent behind the finish, when no checkpoint was due then; the
+        # time-based one may have come due since): the checkpoint waits for the next step boundary.
+        if self._checkpoint_due(st.trainer_version) and not st.ledger.count(GroupState.SELECTED):
             await self.checkpoint()
 
     async def checkpoint(self) -> CheckpointInfo:

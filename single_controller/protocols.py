@@ -120,6 +120,24 @@ class Prefetching(Protocol):
 
 
 @runtime_checkable
+class FinishAndBegin(Protocol):
+    """Optional capability of a TrainerGroup: begin the next step and send its first chunk while the
+    previous step's finish is still in flight, so the trainer goes from one step to the next without
+    waiting for the controller."""
+
+    async def begin_behind_finish(self, step: int, loss: LossConfig, chunk: TrainChunk) -> bool:
+        """Returns whether it sent anything, without waiting for the trainer. Called while
+        `finish_train_step(step - 1)` is in flight (sent, not answered): `step` is begun and `chunk`
+        (of `step`) trained right after that finish. When the finish succeeds, `step` is open with
+        the chunk sent (an error of either is reported by the next call). When the finish fails or
+        is cancelled, `step` is NOT open: if its begin ran after all (a finish that outlived the
+        caller's deadline), it is aborted, so `train_status` then shows step `step - 1` finished or
+        still open. After a finish that succeeded: a plain `begin_train_step` and
+        `train_microbatch`. Otherwise nothing is sent (False)."""
+        ...
+
+
+@runtime_checkable
 class Checkpointable(Protocol):
     """A TrainerGroup whose state can be saved and restored for resume: policy, optimizer state,
     RNG states and the next step. Called only between steps (no step open)."""

@@ -127,6 +127,9 @@ class RunState:
         self.stop_reason: str | None = None
         self.abandon_open_step = False  # an interrupt: abort the step in progress instead of finishing it
         self.after_step: Callable[[], Awaitable[None]] | None = None  # the controller's checkpoint hook
+        # Whether the checkpoint hook would write a checkpoint once the trainer is at this version (the
+        # train pump then sends no next step behind the finish: a checkpoint needs no step open).
+        self.checkpoint_due: Callable[[int], bool] | None = None
         self.rollout_done = False  # the rollout pump has exited: nothing new will be committed
         self.train_done = False
 

@@ -145,6 +145,24 @@ async def test_trainer_failure_mid_step_aborts_and_retries():
     await assert_clean_end(ctl, trainer, storage)
 
 
+async def test_a_chunk_sent_behind_a_finish_that_fails_is_retried_and_trains_what_it_would_have():
+    """With the next step's groups ready, its first chunk goes out right behind the finish
+    (`FinishAndBegin`). When that chunk fails, the error surfaces on the step's next call and the
+    finish behind it applies nothing: the step is aborted and retried, and every step trains the
+    same groups as without the fault, and as with `train.pipeline_steps` off."""
+    cfg = make_cfg(steps=6, L=2, chunk=2)
+    clean = await run_sim(cfg, train_s=0.005)
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(train_fail={(3, 0, 0)}), train_s=0.005)
+    assert err is None and summary.steps == 6
+    assert 3 in trainer.begun_behind_finish and len(clean[1].begun_behind_finish) >= 3
+    assert trainer.attempts[3] == 1 and ctl.state.step_retries == 1 and ctl.state.late_finishes == 0
+    assert trainer.optimizer_steps == 6
+    assert trained_prompts(trainer) == trained_prompts(clean[1])
+    await assert_clean_end(ctl, trainer, storage)
+    off = await run_sim(make_cfg(steps=6, L=2, chunk=2, train={"pipeline_steps": False}), train_s=0.005)
+    assert off[1].begun_behind_finish == [] and trained_prompts(off[1]) == trained_prompts(clean[1])
+
+
 async def test_trainer_failing_past_retries_fails_the_run_with_its_cause():
     fails = {(1, 0, a) for a in range(3)}
     ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, L=1, train={"max_step_retries": 2}), Faults(train_fail=fails))

@@ -195,12 +195,17 @@ def test_generate_train_sync_abort(workers, loop):
     # Pipelined calls: the finish goes out before the microbatch's answer is back. A rank whose rows
     # cannot be read fails its microbatch; the finish behind it applies nothing on either rank, the
     # error names the microbatch, and the step stays open until it is aborted.
+    # The next step's begin and first chunk sent behind that finish (`begin_behind_finish`) are
+    # refused there, and step 2 is not left open.
     async def failing_microbatch_then_finish():
         await group.begin_train_step(1, LossConfig())
         missing = ("never-put/0",) + tuple(keys[:7])
         await group.train_microbatch(TrainChunk(1, 0, missing, (8,) + tuple(lengths[:7]), TRAIN_FIELDS))
+        finish = asyncio.ensure_future(group.finish_train_step(1))
+        await asyncio.sleep(0)  # the finish is sent
+        assert await group.begin_behind_finish(2, LossConfig(), TrainChunk(2, 0, tuple(keys[8:16]), tuple(lengths[8:16]), TRAIN_FIELDS))
         with pytest.raises(TrainerFailed, match=r"train_microbatch\(step=1, chunk=0\) failed"):
-            await group.finish_train_step(1)
+            await finish
         assert (await group.train_status()).open_step == 1
         await group.abort_train_step(1)
 
@@ -208,6 +213,31 @@ def test_generate_train_sync_abort(workers, loop):
     assert run(loop, group.train_status()).open_step is None
     for rank in range(2):
         assert_same_weights(run(loop, rank_weights(group, rank)), after)
+
+    # A finish that succeeds with the next step behind it: that step is open with its chunk sent,
+    # and trains what the same calls made one by one would (the weights match an in-process core).
+    async def two_steps_back_to_back(chunks):
+        await group.begin_train_step(1, LossConfig())
+        await group.train_microbatch(chunks[0])
+        finish = asyncio.ensure_future(group.finish_train_step(1))
+        await asyncio.sleep(0)
+        assert await group.begin_behind_finish(2, LossConfig(), chunks[1])
+        first = await finish
+        assert group.statistics().open_step == 2 and (await group.train_status()).open_step == 2
+        return first, await group.finish_train_step(2)
+
+    halves = [TrainChunk(s, 0, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS) for s, (a, b) in ((1, (0, 16)), (2, (16, 32)))]
+    r1, r2 = run(loop, two_steps_back_to_back(halves))
+    assert (r1.step, r2.step) == (1, 2) and r1.metrics["train/sequences"] == r2.metrics["train/sequences"] == 16
+    for rows_slice, step in (((0, 16), 1), ((16, 32), 2)):
+        ref.begin_train_step(step, LossConfig())
+        ref.train_microbatch({k: (v[slice(*rows_slice)]) for k, v in rows.items()})
+        ref.finish_train_step(step)
+    got = run(loop, rank_weights(group, 0))
+    for name, p in ref.policy.named_parameters():
+        want = p.detach().numpy()
+        assert np.linalg.norm(got[name] - want) <= 1e-3 * np.linalg.norm(want) + 1e-7, name  # float32, 2 ranks vs 1, Adam
+    assert run(loop, group.export_weights(3)).version == 3
     run(loop, storage.clear_rows(keys + list(row_keys("v1", 4))))
 
 

@@ -271,11 +271,18 @@ class SimGenerationWorker:
         return self._in_flight
 
 
+def _drop_outcome(task: asyncio.Task) -> None:
+    """Nobody awaits this call any more: read its outcome so an error is not reported as unhandled."""
+    if not task.cancelled():
+        task.exception()
+
+
 class SimTrainerGroup:
     """Like a Ray actor, every call runs to completion on the "remote" side even if the caller
     stops waiting (a deadline): calls execute one at a time as tasks the caller only awaits
     through `asyncio.shield`. So a finish that outlives its deadline still applies its step, and
-    `train_status` (queued behind it) reports that it did."""
+    `train_status` (queued behind it) reports that it did. `begin_behind_finish` queues the next step's
+    begin and first chunk behind a finish in flight; their errors are reported by the next call."""
 
     def __init__(
         self,
@@ -304,9 +311,16 @@ class SimTrainerGroup:
         self.bytes_read = 0
         self._serial = asyncio.Lock()
         self._remote: set[asyncio.Task] = set()
+        self._due: list[asyncio.Task] = []  # calls sent behind a finish, their answers not taken yet
+        self._failed: str | None = None  # why a microbatch of the open step failed
+        self.begun_behind_finish: list[int] = []  # steps begun behind a finish that succeeded
+        self._finishing: int | None = None  # the step whose finish is in flight
+        self._finished_last: int | None = None  # the step of the last finish call, if it succeeded
+        self._behind: list[asyncio.Task] = []  # the next step's begin and chunk, sent behind it
 
-    async def _call(self, coro):
-        """Run `coro` as the remote side would: serially, and to completion whatever the caller does."""
+    def _send(self, coro) -> asyncio.Task:
+        """Start `coro` as the remote side would: serially (in the order sent), and to completion
+        whatever the caller does."""
 
         async def serially():
             async with self._serial:
@@ -315,7 +329,44 @@ class SimTrainerGroup:
         task = asyncio.ensure_future(serially())
         self._remote.add(task)
         task.add_done_callback(self._remote.discard)
+        return task
+
+    async def _call(self, coro, *, quiet: bool = False):
+        task = self._send(coro)
+        try:
+            await self._answers(quiet)
+        except BaseException:
+            task.add_done_callback(_drop_outcome)
+            raise
         return await asyncio.shield(task)
+
+    async def _answers(self, quiet: bool = False) -> None:
+        """The answers of calls sent behind a finish, oldest first: the first error is raised
+        (`quiet`: dropped, for an abort or a status) and the rest are dropped."""
+        due, self._due = self._due, []
+        for i, task in enumerate(due):
+            try:
+                await asyncio.shield(task)
+            except Exception:
+                for later in due[i + 1:]:
+                    later.add_done_callback(_drop_outcome)
+                if not quiet:
+                    raise
+                return
+
+    async def begin_behind_finish(self, step: int, loss: LossConfig, chunk: TrainChunk) -> bool:
+        if chunk.step != step:
+            raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
+        if self._finishing is None:
+            if self._finished_last != step - 1:
+                return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
+            await self.begin_train_step(step, loss)
+            await self.train_microbatch(chunk)
+            return True
+        if self._finishing != step - 1 or self._behind:
+            raise RuntimeError(f"begin_behind_finish({step}) while finishing step {self._finishing}")
+        self._behind = [self._send(self._begin(step)), self._send(self._microbatch(chunk))]
+        return True
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         await self._call(self._begin(step))
@@ -325,7 +376,7 @@ class SimTrainerGroup:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:
             raise RuntimeError(f"begin_train_step({step}) but the trainer's next step is {self.version}")
-        self._open, self._step, self.bytes_read = [], step, 0
+        self._open, self._step, self.bytes_read, self._failed = [], step, 0, None
         if not self.keep_logs:
             self.attempts.pop(step - 1, None)  # only the open step's attempts matter
         self.attempts[step] = self.attempts.get(step, -1) + 1
@@ -338,6 +389,14 @@ class SimTrainerGroup:
             raise RuntimeError("train_microbatch with no step open")
         if chunk.step != self._step:
             raise RuntimeError(f"chunk of step {chunk.step} in step {self._step}")
+        try:
+            await self._accumulate(chunk)
+        except BaseException as e:
+            # Partial gradients: the step's finish refuses until it is aborted (as a real rank's does).
+            self._failed = self._failed or f"{type(e).__name__}: {e}"
+            raise
+
+    async def _accumulate(self, chunk: TrainChunk) -> None:
         if self.fetch_rows:
             rows = await self.storage.get_rows(chunk.row_keys, chunk.fields)
             self.bytes_read += sum(t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col]))
@@ -351,13 +410,33 @@ class SimTrainerGroup:
         self._open.extend(chunk.row_keys)
 
     async def finish_train_step(self, step: int) -> StepResult:
-        return await self._call(self._finish(step))
+        finish = self._send(self._finish(step))
+        self._finishing, self._behind = step, []
+        try:
+            await self._answers()
+            result = await asyncio.shield(finish)
+        except BaseException:
+            # A next step sent behind: begun only if the finish landed after all; the abort undoes it.
+            self._finished_last = None
+            undo = [self._send(self._abort(step + 1))] if self._behind else []
+            for task in [finish, *self._behind, *undo]:
+                task.add_done_callback(_drop_outcome)
+            raise
+        finally:
+            behind, self._finishing, self._behind = self._behind, None, []
+        self._finished_last = step
+        if behind:
+            self._due = behind
+            self.begun_behind_finish.append(step + 1)
+        return result
 
     async def _finish(self, step: int) -> StepResult:
         if self._open is None and self._last is not None and self._last.step == step:
             return self._last  # a retried finish: the step was applied once already
         if self._open is None or self._step != step:
             raise RuntimeError(f"finish_train_step({step}) but the open step is {self._step}")
+        if self._failed is not None:
+            raise TrainerFailed(f"finish_train_step({step}): a microbatch of the step failed ({self._failed}); abort it")
         if self.finish_s:
             await asyncio.sleep(self.finish_s)
         keys = self._open
@@ -372,7 +451,7 @@ class SimTrainerGroup:
         return self._last
 
     async def abort_train_step(self, step: int) -> None:
-        await self._call(self._abort(step))
+        await self._call(self._abort(step), quiet=True)
 
     async def _abort(self, step: int) -> None:
         if self._open is not None and self._step == step:
@@ -380,7 +459,7 @@ class SimTrainerGroup:
             self._open = self._step = None
 
     async def train_status(self) -> TrainStatus:
-        return await self._call(self._status())
+        return await self._call(self._status(), quiet=True)
 
     async def _status(self) -> TrainStatus:
         return TrainStatus(self.version, self._step, None if self._last is None else self._last.step)

@@ -122,6 +122,9 @@ class CpuTrainerGroup:
         # (what, step, refs) of calls sent and not answered yet, oldest first: a begin, microbatches
         self._due: list[tuple[str, int, list]] = []
         self._export: tuple[int, Any] | None = None  # (version, ref) of an export sent after a finish
+        self._finishing: int | None = None  # the step whose finish is in flight
+        self._finished_last: int | None = None  # the step of the last finish that succeeded
+        self._behind: list[tuple[str, int, list]] = []  # the next step's begin and chunk, sent behind it
         self._draining: set[asyncio.Future] = set()
 
     def _drop_export(self) -> None:
@@ -187,6 +190,13 @@ class CpuTrainerGroup:
     async def train_microbatch(self, chunk: TrainChunk) -> None:
         if self._step != chunk.step:
             raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
+        self._due.append(self._send_microbatch(chunk))
+        self._chunks += 1
+        # The earlier calls' answers; this microbatch's is taken by the next call (at most one
+        # microbatch runs ahead of the controller's view).
+        await self._answers(keep_last=True)
+
+    def _send_microbatch(self, chunk: TrainChunk) -> tuple[str, int, list]:
         if len(chunk.seq_lengths) != len(chunk.row_keys):
             raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
@@ -194,11 +204,7 @@ class CpuTrainerGroup:
         for i, r in enumerate(self.ranks):
             keys = split.rank_keys(i)
             refs.append(r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys)))
-        self._due.append((f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs))
-        self._chunks += 1
-        # The earlier calls' answers; this microbatch's is taken by the next call (at most one
-        # microbatch runs ahead of the controller's view).
-        await self._answers(keep_last=True)
+        return f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
@@ -211,18 +217,54 @@ class CpuTrainerGroup:
         # What the caller asks for next, sent now: rank 0 runs it right after its finish. If the finish
         # fails the step stays open there and this export fails too; it is then discarded.
         export = self.ranks[0].export_weights.remote(step + 1)
+        self._finishing, self._behind = step, []
         try:
             await self._answers()
             metrics = await rank_call(f"finish_train_step({step})", refs)
         except BaseException:
-            self._discard(export)
+            # Also when cancelled (nothing here awaits). A next step sent behind this finish was begun
+            # on the ranks only if the finish landed after all (after the caller's deadline): the
+            # abort, queued behind it, undoes it.
+            nxt = step + 1
+            undo = [r.abort_train_step.remote(nxt) for r in self.ranks] if self._behind else []
+            for ref in [*refs, export, *(ref for _, _, rs in self._behind for ref in rs), *undo]:
+                self._discard(ref)
             raise
-        self._export = (step + 1, export)
+        finally:
+            behind, self._finishing, self._behind = self._behind, None, []
+        self._finished(step, export)
+        if behind:  # the next step is open, its first chunk sent; their answers are due
+            self._due += behind
+            self._step, self._bytes_read, self._chunks = step + 1, 0, 1
+        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
+
+    async def begin_behind_finish(self, step: int, loss: LossConfig, chunk: TrainChunk) -> bool:
+        """Begin `step` and send its first chunk now, behind the finish of `step - 1` in flight
+        (`protocols.FinishAndBegin`): the ranks run them right after the finish and the export. If
+        that finish succeeded already, this is a plain begin and microbatch. Returns whether they
+        were sent."""
+        if chunk.step != step:
+            raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
+        if len(chunk.seq_lengths) != len(chunk.row_keys):  # before anything is sent
+            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+        if self._finishing is None:
+            if self._step is not None or self._finished_last != step - 1:
+                return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
+            await self.begin_train_step(step, loss)
+            await self.train_microbatch(chunk)
+            return True
+        if self._finishing != step - 1 or self._behind:
+            raise TrainStepStateError(f"begin_behind_finish({step}) while finishing step {self._finishing}")
+        begun = (f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks])
+        self._behind = [begun, self._send_microbatch(chunk)]  # taken over by the finish when it succeeds
+        return True
+
+    def _finished(self, step: int, export: Any) -> None:
+        self._export, self._finished_last = (step + 1, export), step
         if self._step == step:
             self._step = None
             self._counts["steps_finished"] += 1
             self._last_bytes = self._bytes_read
-        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
 
     async def abort_train_step(self, step: int) -> None:
         refs = [r.abort_train_step.remote(step) for r in self.ranks]
@@ -244,12 +286,12 @@ class CpuTrainerGroup:
     async def export_weights(self, version: int) -> WeightsHandle:
         sent, self._export = self._export, None
         if sent is not None and sent[0] == version:
-            ref = sent[1]
+            ref = sent[1]  # sent right behind the finish: the calls due since then ran after it
         else:
             if sent is not None:
                 self._discard(sent[1])
+            await self._answers()
             ref = self.ranks[0].export_weights.remote(version)
-        await self._answers()
         (snapshot,) = await rank_call(f"export_weights({version})", [ref])
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 
@@ -263,6 +305,7 @@ class CpuTrainerGroup:
 
     async def load_state(self, directory: str) -> int:
         self._drop_export()  # sent before these weights were loaded
+        self._finished_last = None
         steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
         if len(set(steps)) != 1:
             raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
