@@ -319,12 +319,16 @@ class CpuTrainerGroup:
                 self.placement.release()
 
 
-class CpuGenerationClient:
-    """`GenerationWorker` over one `GenerationActor` run as a Ray async actor.
+class ActorGenerationClient:
+    """`GenerationWorker` over one generation actor run as a Ray async actor (any backend whose actor
+    has `generate_many`, `cancel`, `update_weights`, `connect`, `in_flight`, `resume`, `statistics`).
 
     Requests issued in the same event-loop tick (the rollout pump dispatches a wave of groups at
     once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
-    per group, which on a small machine is most of the generation worker's CPU otherwise."""
+    per group, which on a small machine is most of the generation worker's CPU otherwise. A
+    cancelled caller first waits for the actor's `cancel` (`_cancel_remote`): the caller's clean-up
+    (clearing the group's keys) then runs after the worker guaranteed it writes none of them. A dead
+    actor surfaces as `GenerationWorkerDied`; `restart(weights)` replaces it."""
 
     def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
         self.name = name
@@ -342,8 +346,6 @@ class CpuGenerationClient:
         try:
             return await fut
         except asyncio.CancelledError:
-            # The caller clears the group's keys next: first make sure the actor will not write them
-            # afterwards (a batch may be sampling this group right now).
             if not any(f is fut for _, f in self._queue):  # sent already: the actor may be sampling it
                 await self._cancel_remote(request.group_id)
             raise
@@ -407,21 +409,25 @@ class CpuGenerationClient:
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
 
-    async def pause(self) -> int:
-        """Idle the engine after its current batch (requests queue); returns the queued count."""
-        return await self.actor.pause.remote()
-
     async def resume(self) -> None:
         await self.actor.resume.remote()
-
-    async def version(self) -> int | None:
-        return await self.actor.version.remote()
 
     async def statistics(self):
         return await self.actor.statistics.remote()
 
     async def shutdown(self) -> None:
         await _kill_all([self.actor])
+
+
+class CpuGenerationClient(ActorGenerationClient):
+    """`GenerationWorker` over one `generation.GenerationActor` (the embedded torch sampler)."""
+
+    async def pause(self) -> int:
+        """Idle the engine after its current batch (requests queue); returns the queued count."""
+        return await self.actor.pause.remote()
+
+    async def version(self) -> int | None:
+        return await self.actor.version.remote()
 
 
 async def _kill_all(handles: Sequence[Any]) -> None:
