@@ -427,12 +427,13 @@ def stop_tq(timeout_s: float = 60.0) -> None:
             _drop_client()
 
 
-def attach_tq_storage(partition: str, timeout_s: float):  # -> TQRowStorage
-    """`TQRowStorage.attach(partition, timeout_s=...)`, importable without importing TQ: a worker's
-    storage factory, pickled by reference, so the controller can start workers before it imports TQ."""
+def attach_tq_storage(partition: str, timeout_s: float, group_rows: bool = False):  # -> TQRowStorage
+    """`TQRowStorage.attach(partition, timeout_s=..., group_rows=...)`, importable without importing
+    TQ: a worker's storage factory, pickled by reference, so the controller can start workers before
+    it imports TQ."""
     from replay.tq_storage import TQRowStorage
 
-    return TQRowStorage.attach(partition, timeout_s=timeout_s)
+    return TQRowStorage.attach(partition, timeout_s=timeout_s, group_rows=group_rows)
 
 
 def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None):  # -> TQRowStorage
@@ -444,7 +445,7 @@ def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str 
         attach_tq(timeouts.setup_s)
     else:
         start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s)
-    return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s)
+    return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s, group_rows=cfg.pack_groups)
 
 
 def _drop_client() -> None:

@@ -46,6 +46,7 @@ from tensordict import TensorDict  # noqa: E402
 
 from replay.storage import (  # noqa: E402
     ROLLOUT_SCHEMA,
+    StorageWriteError,
     Column,
     Columns,
     FieldSpec,
@@ -159,9 +160,13 @@ def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], value: torch.
     """The packed field as TQ returned it -> the `wanted` fields' columns (one 1-D tensor per row,
     views of one buffer per field). A field missing from any row is left out whole (validate_read
     then names it), never returned short."""
+    return _unpack_at(specs, wanted, *_packed_buffer(value))
+
+
+def _unpack_at(specs: Sequence[FieldSpec], wanted: Sequence[str], buf: np.ndarray, row_start: np.ndarray) -> dict[str, list[torch.Tensor]]:
+    """`unpack_rows` of the packed rows that begin at `row_start` in `buf` (in that order)."""
     F = len(specs)
     head = 8 * F
-    buf, row_start = _packed_buffer(value)
     B = len(row_start)
     header = buf[_gather(row_start, np.full(B, head, dtype=np.int64))].view(np.int64).reshape(B, F)
     itemsizes = np.array([torch.empty(0, dtype=s.dtype).element_size() for s in specs], dtype=np.int64)
@@ -173,7 +178,8 @@ def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], value: torch.
         if spec.name not in wanted or (header[:, i] < 0).any():
             continue
         data = torch.from_numpy(buf[_gather(field_start[:, i], sizes[:, i])])  # a fresh, aligned copy
-        out[spec.name] = list(torch.split(data.view(spec.dtype), header[:, i].tolist()))
+        flat = data.view(spec.dtype) if data.numel() else torch.empty(0, dtype=spec.dtype)  # (an empty one may have stride 0)
+        out[spec.name] = list(torch.split(flat, header[:, i].tolist()))
     return out
 
 
@@ -241,6 +247,74 @@ def empty_columns(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> dic
     return {f: [] if schema[f].jagged else torch.empty(0, dtype=schema[f].dtype) for f in fields}
 
 
+# ---------------------------------------------------------------- group-packed layout
+# With `group_rows`, a TQ key holds a whole group: the rows `<gid>_g0 .. <gid>_g<n-1>` (`row_keys`)
+# live under the key `<gid>`. Its packed field is [n, the n rows' packed lengths] (int64) followed by
+# the rows packed as above; each scalar field is the group's [n] vector. TQ's cost is per (key,
+# field), so a step's 16 groups cost what 16 rows did (one key per row: 256).
+
+
+def split_row_key(key: str) -> tuple[str, int] | None:
+    """`<gid>_g<i>` -> (gid, i); None for a key not of that form."""
+    gid, sep, idx = key.rpartition("_g")
+    if not sep or not gid or not idx.isdigit() or (len(idx) > 1 and idx[0] == "0"):
+        return None
+    return gid, int(idx)
+
+
+def _whole_groups(keys: Sequence[str]) -> tuple[list[str], list[int], list[int]]:
+    """The put's groups (first-seen order), their sizes, and the put's row positions sorted by group
+    then index. Refuses keys that are not whole groups (`StorageWriteError` naming them)."""
+    members: dict[str, list[tuple[int, int]]] = {}
+    bad: list[str] = []
+    for pos, key in enumerate(keys):
+        parsed = split_row_key(key)
+        if parsed is None:
+            bad.append(key)
+            continue
+        members.setdefault(parsed[0], []).append((parsed[1], pos))
+    partial = [gid for gid, rows in members.items() if sorted(i for i, _ in rows) != list(range(len(rows)))]
+    if bad or partial:
+        problems = ([f"keys {bad[:5]} are not row keys <group>_g<i>"] if bad else []) + (
+            [f"groups {partial[:5]} are not whole (rows _g0.._g<n-1>)"] if partial else []
+        )
+        raise StorageWriteError("refused put: a group-packed storage writes whole groups: " + "; ".join(problems))
+    order = [pos for rows in members.values() for _, pos in sorted(rows)]
+    return list(members), [len(rows) for rows in members.values()], order
+
+
+def _take(col: Column, order: Sequence[int]) -> Column:
+    return col[torch.as_tensor(order, dtype=torch.long)] if isinstance(col, torch.Tensor) else [col[i] for i in order]
+
+
+def pack_groups(specs: Sequence[FieldSpec], sizes: Sequence[int], columns: Columns) -> torch.Tensor:
+    """Rows in group order (`sizes[g]` rows each) -> one packed uint8 row per group."""
+    buf, row_start = _packed_buffer(pack_rows(specs, sum(sizes), columns))
+    row_len = np.diff(np.append(row_start, len(buf)))
+    parts, at = [], 0
+    for n in sizes:  # n >= 1: whole groups
+        head = np.array([n, *row_len[at : at + n]], dtype=np.int64).view(np.uint8)
+        parts += [head, buf[row_start[at] : row_start[at + n - 1] + row_len[at + n - 1]]]
+        at += n
+    lengths = [len(parts[2 * g]) + len(parts[2 * g + 1]) for g in range(len(sizes))]
+    values = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+    if sizes and min(lengths) == max(lengths):
+        return values.view(len(sizes), lengths[0])
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+
+
+def group_row_starts(value: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The packed field of groups as TQ returned it -> (bytes, each group's rows' starts in them)."""
+    buf, group_start = _packed_buffer(value)
+    starts = []
+    for gs in group_start.tolist():
+        n = int(buf[gs : gs + 8].view(np.int64)[0])
+        lens = buf[gs + 8 : gs + 8 + 8 * n].view(np.int64)
+        starts.append(gs + 8 + 8 * n + np.cumsum(lens) - lens)
+    return buf, starts
+
+
 # ---------------------------------------------------------------- sync twins' loop
 class _SyncLoop:
     """One daemon event-loop thread per process, started on first use, for the `*_sync` twins.
@@ -291,6 +365,7 @@ class TQRowStorage:
         schema: Mapping[str, FieldSpec] = ROLLOUT_SCHEMA,
         timeout_s: float = 60.0,
         track_resident: bool = True,
+        group_rows: bool = False,
     ):
         if not client_connected():
             raise TQRuntimeError(
@@ -303,6 +378,10 @@ class TQRowStorage:
         self._lock = threading.Lock()  # the async methods and the sync twins run on different threads
         self._counts = dict(puts=0, gets=0, clears=0, rows_put=0, rows_read=0, bytes_put=0, bytes_read=0)
         self._resident: set[str] | None = set() if track_resident else None
+        # One TQ key per group (see "group-packed layout"): puts write whole groups, a clear of any
+        # row of a group clears the group.
+        self.group_rows = group_rows
+        self._resident_groups: dict[str, int] | None = {} if track_resident else None
 
     @classmethod
     def attach(
@@ -313,12 +392,13 @@ class TQRowStorage:
         timeout_s: float = 60.0,
         attach_timeout_s: float = 60.0,
         track_resident: bool = True,
+        group_rows: bool = False,
     ) -> "TQRowStorage":
         """For any process on the Ray cluster (e.g. inside a Ray actor's `__init__`): connect this
         process's TQ client to the running controller (never starts one), then open `partition`.
         Blocking; never call `tq.close()` / `stop_tq()` expecting to stop TQ from such a process."""
         attach_tq(attach_timeout_s)
-        return cls(partition, schema=schema, timeout_s=timeout_s, track_resident=track_resident)
+        return cls(partition, schema=schema, timeout_s=timeout_s, track_resident=track_resident, group_rows=group_rows)
 
     def _what(self, op: str, n: int) -> str:
         return f"TQ {op} of {n} rows in partition {self.partition!r}"
@@ -338,19 +418,48 @@ class TQRowStorage:
     ) -> None:
         keys = list(keys)
         validate_put(self.schema, keys, columns, tags)  # before TQ registers a single key
-        td = to_tensordict(self.schema, len(keys), columns)
-        tag_list = [dict(t) for t in tags] if tags is not None else None
-        await self._call(
-            tq.async_kv_batch_put(keys=keys, partition_id=self.partition, fields=td, tags=tag_list),
-            self._what("put", len(keys)),
-        )
+        if self.group_rows:
+            if tags is not None:
+                raise StorageWriteError("refused put: a group-packed storage keeps no per-row tags")
+            gids, sizes, order = _whole_groups(keys)
+            td = self._group_tensordict(sizes, {name: _take(col, order) for name, col in columns.items()})
+            await self._call(
+                tq.async_kv_batch_put(keys=gids, partition_id=self.partition, fields=td, tags=[{"rows": n} for n in sizes]),
+                self._what("put", len(keys)),
+            )
+        else:
+            td = to_tensordict(self.schema, len(keys), columns)
+            tag_list = [dict(t) for t in tags] if tags is not None else None
+            await self._call(
+                tq.async_kv_batch_put(keys=keys, partition_id=self.partition, fields=td, tags=tag_list),
+                self._what("put", len(keys)),
+            )
         nbytes = sum(column_nbytes(c) for c in columns.values())
         with self._lock:
             self._counts["puts"] += 1
             self._counts["rows_put"] += len(keys)
             self._counts["bytes_put"] += nbytes
-            if self._resident is not None:
+            if self.group_rows and self._resident_groups is not None:
+                self._resident_groups.update(zip(gids, sizes))
+            elif self._resident is not None:
                 self._resident.update(keys)
+
+    def _group_tensordict(self, sizes: Sequence[int], columns: Columns) -> TensorDict:
+        """Columns in group order -> one TQ row per group: the packed field, and each other field as
+        the group's [n] vector (jagged fields other than the packed ones are not group-packed)."""
+        data: dict[str, torch.Tensor] = {}
+        specs = packed_specs(self.schema)
+        packed = {spec.name for spec in specs}
+        with torch.no_grad():
+            for name, col in columns.items():
+                if name in packed:
+                    continue
+                if self.schema[name].jagged:
+                    raise StorageWriteError(f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it")
+                data[name] = _jagged(list(torch.split(col.detach(), list(sizes))))
+            if any(name in packed for name in columns):
+                data[PACKED_FIELD] = pack_groups(specs, sizes, columns)
+        return TensorDict(data, batch_size=[len(sizes)])
 
     async def get_rows(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
         keys, fields = list(keys), list(fields)
@@ -359,6 +468,8 @@ class TQRowStorage:
             raise StorageReadError(f"unknown fields {unknown} (schema: {sorted(self.schema)})")
         if not keys:
             got = empty_columns(self.schema, fields)
+        elif self.group_rows:
+            got = await self._get_grouped(keys, fields)
         else:
             what = self._what("get", len(keys))
             try:
@@ -385,19 +496,86 @@ class TQRowStorage:
             self._counts["bytes_read"] += nbytes
         return got
 
+    async def _get_grouped(self, keys: list[str], fields: list[str]) -> dict[str, Column]:
+        """`get_rows` on the group-packed layout: one TQ key per group, rows picked out of it."""
+        parsed = [split_row_key(k) for k in keys]
+        gids = list(dict.fromkeys(p[0] for p in parsed if p is not None))
+        what = self._what("get", len(keys))
+        td = None
+        if gids:
+            try:
+                td = await within(
+                    tq.async_kv_batch_get(keys=gids, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
+                    self.timeout_s,
+                    what,
+                )
+            except ValueError as e:  # TQ: "keys or partition were not found!" / "Some fields are not ready ..."
+                await self._raise_short_group_read(keys, fields, e)
+            except DeadlineExceeded:
+                raise
+            except Exception as e:
+                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+        got_groups = (td.batch_size[0] if td.batch_dims else 0) if td is not None else 0
+        if got_groups != len(gids) or any(p is None for p in parsed):
+            await self._raise_short_group_read(keys, fields, None)
+        slot = {gid: g for g, gid in enumerate(gids)}
+        present = set(td.keys())
+        out: dict[str, Column] = {}
+        specs = packed_specs(self.schema)
+        packed = {spec.name for spec in specs}
+        sizes: list[int] | None = None
+        if PACKED_FIELD in present and any(f in packed for f in fields):
+            buf, starts = group_row_starts(td.get(PACKED_FIELD))
+            sizes = [len(st) for st in starts]
+            if any(i >= sizes[slot[gid]] for gid, i in parsed):
+                await self._raise_short_group_read(keys, fields, None)
+            row_start = np.array([starts[slot[gid]][i] for gid, i in parsed], dtype=np.int64)
+            out.update(_unpack_at(specs, [f for f in fields if f in packed], buf, row_start))
+        for name in fields:
+            if name in packed or name not in present:
+                continue
+            vectors = _rows(td.get(name))  # one [n] vector per group
+            if sizes is None and any(i >= len(vectors[slot[gid]]) for gid, i in parsed):
+                await self._raise_short_group_read(keys, fields, None)
+            base = np.cumsum([0] + [len(v) for v in vectors[:-1]])
+            flat = torch.cat(vectors) if vectors else torch.empty(0, dtype=self.schema[name].dtype)
+            out[name] = flat[torch.as_tensor([int(base[slot[gid]]) + i for gid, i in parsed], dtype=torch.long)]
+        validate_read(self.schema, keys, fields, out, len(keys))  # dtypes and per-field row counts
+        return out
+
+    async def _raise_short_group_read(self, keys: list[str], fields: list[str], cause: Exception | None) -> NoReturn:
+        resident = await self.list_rows()
+        missing = [k for k in dict.fromkeys(keys) if k not in resident]
+        if missing or cause is None:  # names the missing keys, or the fields TQ left out
+            validate_read(self.schema, keys, fields, {}, 0, missing)
+        raise StorageReadError(
+            f"short or incomplete read of {len(keys)} keys: the groups of keys {keys[:5]} are registered in partition "
+            f"{self.partition!r} without data for {fields} (a put in flight or cut short); TQ said: {cause}"
+        )
+
     async def clear_rows(self, keys: Sequence[str]) -> None:
         keys = list(keys)
-        if keys:  # TQ: clearing unknown keys is a no-op
-            await self._call(tq.async_kv_clear(keys=keys, partition_id=self.partition), self._what("clear", len(keys)))
+        tq_keys = keys
+        if self.group_rows:  # clears whole groups (keys not of the <group>_g<i> form cannot be resident)
+            tq_keys = list(dict.fromkeys(p[0] for p in map(split_row_key, keys) if p is not None))
+        if tq_keys:  # TQ: clearing unknown keys is a no-op
+            await self._call(tq.async_kv_clear(keys=tq_keys, partition_id=self.partition), self._what("clear", len(keys)))
         with self._lock:
             self._counts["clears"] += 1
-            if self._resident is not None:
+            if self.group_rows and self._resident_groups is not None:
+                for gid in tq_keys:
+                    self._resident_groups.pop(gid, None)
+            elif self._resident is not None:
                 self._resident.difference_update(keys)
 
     async def list_rows(self) -> dict[str, dict[str, Any]]:
-        """Every key in the partition (put by any client) with its tags."""
+        """Every key in the partition (put by any client) with its tags (group-packed: every row key
+        of every group, with no tags)."""
         listing = await self._call(tq.async_kv_list(partition_id=self.partition), f"TQ kv_list({self.partition!r})")
-        return dict(listing.get(self.partition, {}))
+        keys = dict(listing.get(self.partition, {}))
+        if not self.group_rows:
+            return keys
+        return {f"{gid}_g{i}": {} for gid, tags in keys.items() for i in range(int((tags or {}).get("rows", 0)))}
 
     async def resident_keys(self) -> set[str]:
         return set(await self.list_rows())
@@ -420,7 +598,10 @@ class TQRowStorage:
 
     def statistics(self) -> StorageStatistics:
         with self._lock:
-            resident = len(self._resident) if self._resident is not None else -1
+            if self.group_rows:
+                resident = sum(self._resident_groups.values()) if self._resident_groups is not None else -1
+            else:
+                resident = len(self._resident) if self._resident is not None else -1
             return StorageStatistics(resident_rows=resident, **self._counts)
 
     # ------------------------------------------------------------ sync twins (worker processes)

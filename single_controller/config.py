@@ -276,6 +276,10 @@ class StorageConfig:
     ends empty."""
     num_storage_units: int = 1
     """TransferQueue storage units started (each needs one logical Ray CPU)."""
+    pack_groups: bool = True
+    """One TransferQueue key per prompt group, its rows packed together, instead of one key per row:
+    TransferQueue's cost is per key, so a step's data plane costs ~2.5x less CPU. Rows are still read
+    by their own keys; groups are written and cleared whole (as every backend does)."""
 
 
 @dataclass(frozen=True)

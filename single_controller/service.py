@@ -217,7 +217,7 @@ class ControllerService:
             return storage
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
-        factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s)
+        factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s, cfg.storage.pack_groups)
         what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
         gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)

@@ -330,6 +330,72 @@ def test_tq_rows_hold_the_bulk_fields_in_one_packed_field(tq_cluster, loop):
     assert_columns_equal(got, cols, [0, 1, 2, 3])
 
 
+# ---------------------------------------------------------------- group-packed layout (storage.pack_groups)
+def _strip(cols, names):
+    return {k: v for k, v in cols.items() if k in names}
+
+
+@pytest.mark.tq
+def test_group_packed_rows_read_back_exactly_in_any_order_and_subset(tq_cluster, loop):
+    """One TQ key per group; rows still read by their own keys, any subset, any order: the same
+    columns as the in-memory storage, every dtype, 0-length responses, groups of 1 to 16 rows."""
+    import random
+
+    from replay.tq_runtime import import_transfer_queue
+    from replay.tq_storage import PACKED_FIELD
+
+    store, mem = new_tq_storage(timeout_s=30.0, group_rows=True), InMemoryRowStorage()
+    keys = []
+    for gi, n in enumerate((1, 4, 16, 3)):
+        k, cols, _ = make_rows(f"s3_q{gi}", n, seed=gi)
+        run(loop, store.put_rows(k, cols))
+        mem.put_rows_sync(k, cols)
+        keys += k
+    listing = run(loop, import_transfer_queue().async_kv_list(partition_id=store.partition))[store.partition]
+    assert {g: t["rows"] for g, t in listing.items()} == {"s3_q0": 1, "s3_q1": 4, "s3_q2": 16, "s3_q3": 3}
+    td = run(loop, import_transfer_queue().async_kv_batch_get(keys=["s3_q1"], partition_id=store.partition, select_fields=[PACKED_FIELD, "reward"]))
+    assert td.batch_size[0] == 1 and td.get("reward").numel() == 4  # the group's [n] vector
+    rng = random.Random(0)
+    for ask in (keys, keys[::-1], rng.sample(keys, 9), [keys[5]]):
+        got, want = run(loop, store.get_rows(ask, GENERATION_FIELDS)), mem.get_rows_sync(ask, GENERATION_FIELDS)
+        assert_columns_equal(got, want, list(range(len(ask))))
+    # a put of some fields of whole groups: a scalar added, the bulk replaced (as in any storage)
+    k1 = list(row_keys("s3_q1", 4))
+    adv = {"advantage": torch.tensor([0.5, -1.0, 2.0, 0.0])}
+    _, new_bulk, _ = make_rows("s3_q1", 4, seed=9)
+    for s in (store, mem):
+        run(loop, s.put_rows(k1, adv))
+        run(loop, s.put_rows(k1, _strip(new_bulk, {"response_ids", "gen_logprobs"})))
+    ask = [k1[3], k1[0]]
+    got, want = run(loop, store.get_rows(ask, ["advantage", "response_ids", "reward"])), mem.get_rows_sync(ask, ["advantage", "response_ids", "reward"])
+    assert_columns_equal(got, want, [0, 1])
+    assert run(loop, store.resident_keys()) == set(keys) and store.statistics().resident_rows == 24
+    run(loop, store.clear_rows(keys))
+    assert run(loop, store.resident_keys()) == set() and store.statistics().resident_rows == 0
+
+
+@pytest.mark.tq
+def test_group_packed_storage_refuses_partial_groups_and_names_missing_rows(tq_cluster, loop):
+    store = new_tq_storage(timeout_s=30.0, group_rows=True)
+    keys, cols, tags = make_rows("s4_q0", 4, seed=1)
+    with pytest.raises(StorageWriteError, match=r"whole groups: groups \['s4_q0'\] are not whole"):
+        run(loop, store.put_rows(keys[1:], {k: (v[1:]) for k, v in cols.items()}))  # _g0 missing
+    with pytest.raises(StorageWriteError, match=r"not row keys"):
+        run(loop, store.put_rows(["plain"], {"reward": torch.ones(1)}))
+    with pytest.raises(StorageWriteError, match="no per-row tags"):
+        run(loop, store.put_rows(keys, cols, tags))
+    assert run(loop, store.resident_keys()) == set()  # nothing reached TQ
+    run(loop, store.put_rows(keys, _strip(cols, {"response_ids", "reward"})))
+    for ask, named in ((["s4_q0_g4"], "s4_q0_g4"), (["s4_q9_g0", keys[0]], "s4_q9_g0"), (["bare"], "bare")):
+        with pytest.raises(StorageReadError, match=f"missing keys \\['{named}'\\]"):
+            run(loop, store.get_rows(ask, ["reward"]))
+    with pytest.raises(StorageReadError, match="missing fields \\['gen_logprobs'\\]"):
+        run(loop, store.get_rows(keys, ["response_ids", "gen_logprobs"]))
+    with pytest.raises(StorageReadError, match="missing fields \\['advantage'\\]"):
+        run(loop, store.get_rows(keys, ["advantage"]))
+    run(loop, store.clear_rows(keys))
+
+
 @pytest.mark.tq
 def test_tq_and_memory_raise_identical_errors(tq_cluster, loop):
     tq_store, mem = new_tq_storage(), InMemoryRowStorage()
