@@ -237,9 +237,11 @@ def _may_send_ahead(state: RunState, step: int) -> bool:
 
 
 async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
-    """Wait until `step`'s first chunk is selectable (never evicts: with evictable groups the train
-    pump's own selection goes first); returns the groups, or [] when none can come."""
-    want = min(state.cfg.train.min_groups_per_chunk, state.cfg.train.groups_per_step)
+    """Wait until all of `step`'s groups are selectable (never evicts: with evictable groups the train
+    pump's own selection goes first); returns them, or [] when they cannot all come now. Only a whole
+    step goes out ahead: taking part of it early would leave the rest to trickle in as small chunks
+    behind bursts of commits (more calls, later selections) for no gain."""
+    want = state.cfg.train.groups_per_step
     ready = state.ledger.ready_index()
 
     def chunk_ready() -> bool:

@@ -55,6 +55,7 @@ RESUMABLE_CHANGES = (
     "sync.drain_timeout_s",
     "rollout.max_in_flight_groups",
     "rollout.max_batch_groups",
+    "train.pipeline_steps",
 )
 
 
