@@ -354,3 +354,48 @@ def test_ddp_finish_after_a_failed_microbatch_refuses_on_every_rank(ddp_results)
         assert "a microbatch of the step failed on 1 rank(s)" in res["poisoned"], (rank, res["poisoned"])
         assert ("here: ValueError" in res["poisoned"]) == (rank == 0)
         assert res["poisoned_restored"]
+
+
+def test_the_trainer_never_imports_dynamo_and_steps_exactly_like_torch_adamw():
+    """`eager_optim`: building the optimizer, steps, zero_grad, an abort's state round trip: no
+    torch._dynamo import (~1.3 s of CPU per trainer process at start-up), and the same weights as
+    torch.optim.AdamW's own step(), bit for bit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, dataclasses, torch
+        torch.set_num_threads(1)
+        from single_controller.backends.cpu.model import TinyGPT
+        from single_controller.backends.cpu.trainer import TrainerCore
+        from single_controller.config import ModelConfig, TrainConfig
+        from single_controller.tasks import TOKENIZER
+        from single_controller.types import LossConfig
+        sys.path.insert(0, "tests")
+        from test_cpu_trainer import make_rows
+        cfg = dataclasses.replace(TrainConfig(), lr=1e-2, weight_decay=0.1)
+        t = TrainerCore(TinyGPT(ModelConfig(d_model=32, n_heads=2, n_layers=2), TOKENIZER.vocab_size, seed=0), cfg)
+        grads = []
+        for step in range(3):
+            t.begin_train_step(step, LossConfig())
+            t.train_microbatch(make_rows(6, step))
+            t.finish_train_step(step)
+            grads.append([q.grad.clone() for q in t.params])  # the trainer's own clipped, 1/N-scaled gradient
+        t.begin_train_step(3, LossConfig())
+        t.abort_train_step(3)
+        assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+        plain = TinyGPT(ModelConfig(d_model=32, n_heads=2, n_layers=2), TOKENIZER.vocab_size, seed=0)
+        opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        for g in grads:  # torch's own step() on the same gradients
+            for p, q in zip(plain.parameters(), g):
+                p.grad = q
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), t.params)), "weights differ from torch's AdamW"
+        print("ok")
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
