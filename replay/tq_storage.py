@@ -42,7 +42,7 @@ from replay.tq_runtime import TQRuntimeError, client_connected, attach_tq, confi
 configure_env()
 tq = import_transfer_queue()  # after configure_env (TQ reads its env at import), without torch._dynamo
 
-from tensordict import TensorDict  # noqa: E402
+from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from replay.storage import (  # noqa: E402
     ROLLOUT_SCHEMA,
@@ -251,7 +251,9 @@ def empty_columns(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> dic
 # With `group_rows`, a TQ key holds a whole group: the rows `<gid>_g0 .. <gid>_g<n-1>` (`row_keys`)
 # live under the key `<gid>`. Its packed field is [n, the n rows' packed lengths] (int64) followed by
 # the rows packed as above; each scalar field is the group's [n] vector. TQ's cost is per (key,
-# field), so a step's 16 groups cost what 16 rows did (one key per row: 256).
+# field), so a step's 16 groups cost what 16 rows did (one key per row: 256). Every field travels as
+# a byte string (TQ keeps those as they are): a tensor field would come back from TQ as a jagged
+# NestedTensor, whose construction imports all of torch._dynamo (~1.3 s of CPU) in the reader.
 
 
 def split_row_key(key: str) -> tuple[str, int] | None:
@@ -287,31 +289,36 @@ def _take(col: Column, order: Sequence[int]) -> Column:
     return col[torch.as_tensor(order, dtype=torch.long)] if isinstance(col, torch.Tensor) else [col[i] for i in order]
 
 
-def pack_groups(specs: Sequence[FieldSpec], sizes: Sequence[int], columns: Columns) -> torch.Tensor:
-    """Rows in group order (`sizes[g]` rows each) -> one packed uint8 row per group."""
+def pack_groups(specs: Sequence[FieldSpec], sizes: Sequence[int], columns: Columns) -> list[bytes]:
+    """Rows in group order (`sizes[g]` rows each) -> one packed byte string per group."""
     buf, row_start = _packed_buffer(pack_rows(specs, sum(sizes), columns))
     row_len = np.diff(np.append(row_start, len(buf)))
-    parts, at = [], 0
+    out, at = [], 0
     for n in sizes:  # n >= 1: whole groups
-        head = np.array([n, *row_len[at : at + n]], dtype=np.int64).view(np.uint8)
-        parts += [head, buf[row_start[at] : row_start[at + n - 1] + row_len[at + n - 1]]]
+        head = np.array([n, *row_len[at : at + n]], dtype=np.int64).tobytes()
+        out.append(head + buf[row_start[at] : row_start[at + n - 1] + row_len[at + n - 1]].tobytes())
         at += n
-    lengths = [len(parts[2 * g]) + len(parts[2 * g + 1]) for g in range(len(sizes))]
-    values = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
-    if sizes and min(lengths) == max(lengths):
-        return values.view(len(sizes), lengths[0])
-    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]))
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    return out
 
 
-def group_row_starts(value: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The packed field of groups as TQ returned it -> (bytes, each group's rows' starts in them)."""
-    buf, group_start = _packed_buffer(value)
-    starts = []
-    for gs in group_start.tolist():
+def _byte_strings(value: Any) -> list[bytes]:
+    """A group-packed field as TQ returned it (a stack of byte strings, or one) -> the list."""
+    if isinstance(value, NonTensorData):
+        return [value.data]
+    if isinstance(value, NonTensorStack):
+        return list(value.tolist())
+    raise StorageReadError(f"a group-packed field came back as {type(value).__name__}, not byte strings")
+
+
+def group_row_starts(groups: list[bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Packed groups -> (all their bytes, each group's rows' starts in them)."""
+    buf = np.frombuffer(b"".join(groups), dtype=np.uint8)
+    starts, gs = [], 0
+    for g in groups:
         n = int(buf[gs : gs + 8].view(np.int64)[0])
         lens = buf[gs + 8 : gs + 8 + 8 * n].view(np.int64)
         starts.append(gs + 8 + 8 * n + np.cumsum(lens) - lens)
+        gs += len(g)
     return buf, starts
 
 
@@ -456,9 +463,11 @@ class TQRowStorage:
                     continue
                 if self.schema[name].jagged:
                     raise StorageWriteError(f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it")
-                data[name] = _jagged(list(torch.split(col.detach(), list(sizes))))
+                flat = col.detach().contiguous().numpy()
+                bounds = np.cumsum([0, *sizes])
+                data[name] = NonTensorStack(*(flat[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])))
             if any(name in packed for name in columns):
-                data[PACKED_FIELD] = pack_groups(specs, sizes, columns)
+                data[PACKED_FIELD] = NonTensorStack(*pack_groups(specs, sizes, columns))
         return TensorDict(data, batch_size=[len(sizes)])
 
     async def get_rows(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
@@ -525,7 +534,7 @@ class TQRowStorage:
         packed = {spec.name for spec in specs}
         sizes: list[int] | None = None
         if PACKED_FIELD in present and any(f in packed for f in fields):
-            buf, starts = group_row_starts(td.get(PACKED_FIELD))
+            buf, starts = group_row_starts(_byte_strings(td.get(PACKED_FIELD)))
             sizes = [len(st) for st in starts]
             if any(i >= sizes[slot[gid]] for gid, i in parsed):
                 await self._raise_short_group_read(keys, fields, None)
@@ -534,11 +543,14 @@ class TQRowStorage:
         for name in fields:
             if name in packed or name not in present:
                 continue
-            vectors = _rows(td.get(name))  # one [n] vector per group
-            if sizes is None and any(i >= len(vectors[slot[gid]]) for gid, i in parsed):
+            dtype = self.schema[name].dtype
+            raw = _byte_strings(td.get(name))  # one [n] vector per group
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            lengths = [len(b) // itemsize for b in raw]
+            if sizes is None and any(i >= lengths[slot[gid]] for gid, i in parsed):
                 await self._raise_short_group_read(keys, fields, None)
-            base = np.cumsum([0] + [len(v) for v in vectors[:-1]])
-            flat = torch.cat(vectors) if vectors else torch.empty(0, dtype=self.schema[name].dtype)
+            base = np.cumsum([0] + lengths[:-1])
+            flat = torch.frombuffer(bytearray(b"".join(raw)), dtype=dtype) if sum(lengths) else torch.empty(0, dtype=dtype)
             out[name] = flat[torch.as_tensor([int(base[slot[gid]]) + i for gid, i in parsed], dtype=torch.long)]
         validate_read(self.schema, keys, fields, out, len(keys))  # dtypes and per-field row counts
         return out
