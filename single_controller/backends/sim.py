@@ -427,7 +427,8 @@ class SimTrainerGroup:
         self._finished_last = step
         if behind:
             self._due = behind
-            self.begun_behind_finish.append(step + 1)
+            if self.keep_logs:
+                self.begun_behind_finish.append(step + 1)
         return result
 
     async def _finish(self, step: int) -> StepResult:
