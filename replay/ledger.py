@@ -121,7 +121,11 @@ class GroupLedger:
         self._by_state: dict[GroupState, dict[str, GroupRecord]] = {s: {} for s in GroupState}  # resident only
         self._ready: dict[ReadyKey, dict[str, GroupRecord]] = {}
         self._released: collections.deque[str] = collections.deque()  # released ids, oldest first
+        # Groups counted toward each target step (all but dropped and evicted ones), kept only for
+        # steps that still matter: from `_min_short_step` on, or with a group that can still leave
+        # (`_open_by_step`: non-terminal groups per target step). Memory stays flat over a long run.
         self._live_by_step: Counter[int] = Counter()
+        self._open_by_step: Counter[int] = Counter()
         self._min_short_step = first_step  # steps before it are done (a resumed run)
         self._seq = 0
         self.ready_marks = 0  # mark_ready calls so far: a cheap "something became READY" for waiters
@@ -168,6 +172,8 @@ class GroupLedger:
         """The earliest step still short of groups, or None when every step < max_steps is full."""
         s = self._min_short_step
         while s < self.max_steps and self._live_by_step[s] >= self.groups_per_step:
+            if s not in self._open_by_step:
+                del self._live_by_step[s]  # full, and no group of it can leave any more
             s += 1
         self._min_short_step = s
         return s if s < self.max_steps else None
@@ -189,6 +195,7 @@ class GroupLedger:
         self._seq += 1
         self._groups[group_id] = self._active[group_id] = self._by_state[GroupState.RESERVED][group_id] = rec
         self._live_by_step[target_step] += 1
+        self._open_by_step[target_step] += 1
         return rec
 
     def commit(self, group_id: str, result: GenerationResult, now: float) -> GroupRecord:
@@ -281,6 +288,13 @@ class GroupLedger:
                 del self._ready[key]
         if new is GroupState.READY:
             self._ready.setdefault((rec.target_step, rec.version), {})[gid] = rec
+        if new in TERMINAL and old not in TERMINAL:
+            step = rec.target_step
+            self._open_by_step[step] -= 1
+            if self._open_by_step[step] <= 0:
+                del self._open_by_step[step]
+                if step < self._min_short_step:
+                    self._live_by_step.pop(step, None)  # done: nothing of it can leave or be added
         rec.state = new
 
     def _leave_step(self, rec: GroupRecord) -> None:

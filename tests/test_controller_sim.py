@@ -546,3 +546,12 @@ async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickl
     assert type(err.__cause__).__name__ == "NoGenerationWorkers", err
     assert "no generation worker is left" in str(err.__cause__)
     assert await storage.resident_keys() == set() and ctl.state.prompts.unsettled() == []
+
+
+async def test_the_ledger_forgets_finished_steps():
+    """The per-step counts the rollout pump reads keep only the steps still open: flat memory over
+    a long run (they used to keep one entry per step ever dispatched)."""
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=120, P=2, G=2, L=1, chunk=1))
+    assert err is None and summary.steps == 120
+    led = ctl.state.ledger
+    assert len(led._live_by_step) <= 3 and len(led._open_by_step) <= 3, (dict(led._live_by_step), dict(led._open_by_step))
