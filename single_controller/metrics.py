@@ -131,6 +131,8 @@ def families(s: ControllerStatistics) -> list[Metric]:
     in_flight = gauge("in_flight_groups", "Rollouts in flight by the policy version they started on.", labels=["version"])
     for version, n in sorted(led.in_flight_by_version.items()):
         in_flight.add_metric([str(version)], n)
+    if not led.in_flight_by_version:  # a 0 at the served version, not an empty panel, between waves
+        in_flight.add_metric([str(s.policy_version)], 0)
     counter("groups_dispatched", "Groups dispatched to generation workers (attempts, retries included).", led.reserved_total)
     counter("groups_trained", "Groups trained.", led.trained_total)
     _by_reason(counter("groups_dropped", "Groups dropped, by reason.", labels=["reason"]), led.dropped_by_reason, KNOWN_DROP_REASONS)

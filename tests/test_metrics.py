@@ -208,6 +208,14 @@ def test_families_of_a_handmade_record():
     assert "sc_grpo_storage_resident_rows" not in m
 
 
+def test_nothing_in_flight_is_a_zero_at_the_served_version_not_an_empty_panel():
+    import dataclasses
+
+    st = handmade_statistics()
+    st = dataclasses.replace(st, ledger=dataclasses.replace(st.ledger, in_flight_by_version={}))
+    assert values(family_samples(st), "sc_grpo_in_flight_groups") == {(("version", str(st.policy_version)),): 0}
+
+
 def test_mismatch_gauges_and_their_bound():
     import dataclasses
     import math
