@@ -32,7 +32,7 @@ import asyncio
 import logging
 import threading
 import warnings
-from typing import Any, Awaitable, Mapping, NoReturn, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, NoReturn, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -480,19 +480,7 @@ class TQRowStorage:
         elif self.group_rows:
             got = await self._get_grouped(keys, fields)
         else:
-            what = self._what("get", len(keys))
-            try:
-                td = await within(
-                    tq.async_kv_batch_get(keys=keys, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
-                    self.timeout_s,
-                    what,
-                )
-            except ValueError as e:  # TQ: "keys or partition were not found!" / "Some fields are not ready ..."
-                await self._raise_short_read(keys, fields, None, e)
-            except DeadlineExceeded:
-                raise
-            except Exception as e:
-                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+            td = await self._kv_get(keys, fields, len(keys), lambda e: self._raise_short_read(keys, fields, None, e))
             got_rows = td.batch_size[0] if td.batch_dims else 0
             got = from_tensordict(self.schema, fields, td)
             if got_rows != len(keys) or len(got) != len(fields):
@@ -505,25 +493,33 @@ class TQRowStorage:
             self._counts["bytes_read"] += nbytes
         return got
 
+    async def _kv_get(
+        self, tq_keys: list[str], fields: list[str], num_rows: int, refused: Callable[[ValueError], Awaitable[NoReturn]]
+    ) -> TensorDict:
+        """One TQ read of `fields` under `tq_keys`, with its deadline. TQ refuses a read of missing keys
+        or unwritten fields with a ValueError: `refused` then raises the error that names them."""
+        what = self._what("get", num_rows)
+        try:
+            return await within(
+                tq.async_kv_batch_get(keys=tq_keys, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
+                self.timeout_s,
+                what,
+            )
+        except ValueError as e:  # TQ: "keys or partition were not found!" / "Some fields are not ready ..."
+            await refused(e)
+            raise AssertionError("unreachable: `refused` raises") from e
+        except DeadlineExceeded:
+            raise
+        except Exception as e:
+            raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+
     async def _get_grouped(self, keys: list[str], fields: list[str]) -> dict[str, Column]:
         """`get_rows` on the group-packed layout: one TQ key per group, rows picked out of it."""
         parsed = [split_row_key(k) for k in keys]
         gids = list(dict.fromkeys(p[0] for p in parsed if p is not None))
-        what = self._what("get", len(keys))
         td = None
         if gids:
-            try:
-                td = await within(
-                    tq.async_kv_batch_get(keys=gids, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
-                    self.timeout_s,
-                    what,
-                )
-            except ValueError as e:  # TQ: "keys or partition were not found!" / "Some fields are not ready ..."
-                await self._raise_short_group_read(keys, fields, e)
-            except DeadlineExceeded:
-                raise
-            except Exception as e:
-                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+            td = await self._kv_get(gids, fields, len(keys), lambda e: self._raise_short_group_read(keys, fields, e))
         got_groups = (td.batch_size[0] if td.batch_dims else 0) if td is not None else 0
         if got_groups != len(gids) or any(p is None for p in parsed):
             await self._raise_short_group_read(keys, fields, None)
