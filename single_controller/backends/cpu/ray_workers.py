@@ -197,8 +197,7 @@ class CpuTrainerGroup:
         await self._answers(keep_last=True)
 
     def _send_microbatch(self, chunk: TrainChunk) -> tuple[str, int, list]:
-        if len(chunk.seq_lengths) != len(chunk.row_keys):
-            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+        _check_lengths(chunk)
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
         refs = []
         for i, r in enumerate(self.ranks):
@@ -245,8 +244,7 @@ class CpuTrainerGroup:
         were sent."""
         if chunk.step != step:
             raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
-        if len(chunk.seq_lengths) != len(chunk.row_keys):  # before anything is sent
-            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+        _check_lengths(chunk)  # before anything is sent
         if self._finishing is None:
             if self._step is not None or self._finished_last != step - 1:
                 return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
@@ -417,6 +415,11 @@ class ActorGenerationClient:
 
     async def shutdown(self) -> None:
         await _kill_all([self.actor])
+
+
+def _check_lengths(chunk: TrainChunk) -> None:
+    if len(chunk.seq_lengths) != len(chunk.row_keys):
+        raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
 
 
 class CpuGenerationClient(ActorGenerationClient):
