@@ -39,8 +39,8 @@ def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float
     centered = [r - mean for r in rewards]  # [G]
     if not normalize_std:
         return tuple(centered)
-    std = math.sqrt(math.fsum(c * c for c in centered) / G)
-    return tuple(c / (std + eps) for c in centered)
+    scale = math.sqrt(math.fsum([c * c for c in centered]) / G) + eps
+    return tuple([c / scale for c in centered])
 
 
 def is_zero_variance(rewards: Sequence[float]) -> bool:

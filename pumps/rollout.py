@@ -58,22 +58,27 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     if state.stopping:
                         _cancel_in_flight(state, "run_ended")
                     break
-                target = state.ledger.next_target_step()
-                prompt = state.next_prompt()
-                rec = state.ledger.reserve(
-                    prompt,
-                    attempt=len(state.prompts[prompt.prompt_id].attempts),
-                    target_step=target,
-                    policy_version=state.policy_version,
-                    now=state.clock(),
-                )
-                state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
-                worker = min(state.routable(), key=lambda w: load[id(w)])
-                load[id(worker)] += 1
-                task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
-                state.in_flight_tasks[rec.group_id] = task
-                task.add_done_callback(lambda _t, w=worker, g=rec.group_id: _done(state, load, w, g))
-                state.pumps[PUMP].iterations += 1
+                # Dispatch everything admissible now, then tell the others once.
+                routable = state.routable()
+                while True:
+                    target = state.ledger.next_target_step()
+                    prompt = state.next_prompt()
+                    rec = state.ledger.reserve(
+                        prompt,
+                        attempt=len(state.prompts[prompt.prompt_id].attempts),
+                        target_step=target,
+                        policy_version=state.policy_version,
+                        now=state.clock(),
+                    )
+                    state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
+                    worker = min(routable, key=lambda w: load[id(w)])
+                    load[id(worker)] += 1
+                    task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
+                    state.in_flight_tasks[rec.group_id] = task
+                    task.add_done_callback(lambda _t, w=worker, g=rec.group_id: _done(state, load, w, g))
+                    state.pumps[PUMP].iterations += 1
+                    if not _admissible(state):
+                        break
                 state.notify()
     finally:
         state.rollout_done = True

@@ -279,9 +279,12 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
 
 
 def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
-    keys = tuple(k for g in groups for k in g.keys)
-    lengths = tuple(n for g in groups for n in g.seq_lengths())
-    advantages = tuple(a for g in groups for a in g.advantages)  # computed by the advantage pump, never stored
+    keys, lengths, advantages = [], [], []
+    for g in groups:
+        keys += g.keys
+        lengths += g.seq_lengths
+        advantages += g.advantages  # computed by the advantage pump, never stored
+    keys, lengths, advantages = tuple(keys), tuple(lengths), tuple(advantages)
     return TrainChunk(step, index, keys, lengths, TRAIN_ROW_FIELDS, advantages)
 
 

@@ -50,6 +50,10 @@ class GroupState(enum.Enum):
     DROPPED = "dropped"
     EVICTED = "evicted"
 
+    # Members are singletons compared by identity: hash them by identity too, in C. Enum's own
+    # __hash__ is a Python call, and the ledger's indexes hash a state on every transition.
+    __hash__ = object.__hash__
+
 
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
@@ -59,7 +63,7 @@ RETAIN_RELEASED = 1_000  # released (terminal, rows cleared) groups kept queryab
 ReadyKey = tuple[int, int]  # (target_step, version): every READY group of one key is alike to the sampler
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupRecord:
     group_id: str
     prompt: Prompt
@@ -76,6 +80,7 @@ class GroupRecord:
     rewards: tuple[float, ...] = ()
     response_lengths: tuple[int, ...] = ()
     prompt_length: int = 0
+    seq_lengths: tuple[int, ...] = ()  # prompt + response tokens per row (set at commit)
     advantages: tuple[float, ...] = ()
     trained_step: int | None = None
     reason: str | None = None
@@ -89,8 +94,6 @@ class GroupRecord:
         """The version staleness is measured from: the oldest weights that touched the group."""
         return self.version_start if self.version_start is not None else self.version_reserved
 
-    def seq_lengths(self) -> tuple[int, ...]:
-        return tuple(self.prompt_length + n for n in self.response_lengths)
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,8 @@ class GroupLedger:
             )
         rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
-        rec.prompt_length = result.prompt_length
+        rec.prompt_length = p = result.prompt_length
+        rec.seq_lengths = tuple([p + n for n in rec.response_lengths])
         rec.version_start, rec.version_end = result.version_start, result.version_end
         self._move(rec, GroupState.COMMITTED)
         return rec

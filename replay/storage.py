@@ -57,8 +57,13 @@ def row_bulk_fields(schema: Mapping[str, FieldSpec]) -> tuple[str, ...]:
     return tuple(name for name, spec in schema.items() if spec.bulk and spec.jagged)
 
 
+_ROW_SUFFIXES: list[str] = []
+
+
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
-    return tuple(f"{group_id}_g{i}" for i in range(group_size))
+    while len(_ROW_SUFFIXES) < group_size:
+        _ROW_SUFFIXES.append(f"_g{len(_ROW_SUFFIXES)}")
+    return tuple([group_id + s for s in _ROW_SUFFIXES[:group_size]])
 
 
 class StorageError(RuntimeError):

@@ -2,11 +2,19 @@
 
 `await within(coro, seconds, "trainer.finish_train_step(step=3)")` raises `DeadlineExceeded` with that
 description, instead of hanging forever or raising a bare `TimeoutError`.
+
+The controller awaits one remote call per prompt group (thousands per step at scale), each with
+a deadline. `asyncio.timeout` gives every one its own timer in the event loop's heap. Here, the
+waits that share a timeout share one timer: their deadlines fall in the order they began, so
+they queue in that order, and the timer only ever fires for the oldest one. Beginning and ending
+a wait costs a queue insert and removal. An expired wait is cancelled exactly as
+`asyncio.timeout` does it, and a cancellation of someone else's passes through untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from typing import Awaitable, TypeVar
 
 T = TypeVar("T")
@@ -21,15 +29,80 @@ class DeadlineExceeded(TimeoutError):
         self.seconds = seconds
 
 
+class _Wait:
+    __slots__ = ("task", "deadline", "cancelling", "expired")
+
+    def __init__(self, task: asyncio.Task, deadline: float):
+        self.task = task
+        self.deadline = deadline
+        self.cancelling = task.cancelling()
+        self.expired = False
+
+
+class _Queue:
+    """The waits with one timeout, oldest first, and one timer for the oldest."""
+
+    __slots__ = ("loop", "seconds", "waits", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float):
+        self.loop = loop
+        self.seconds = seconds
+        self.waits: OrderedDict[_Wait, None] = OrderedDict()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, task: asyncio.Task) -> _Wait:
+        w = _Wait(task, self.loop.time() + self.seconds)
+        self.waits[w] = None
+        if self.timer is None:
+            self.timer = self.loop.call_at(w.deadline, self._fire)
+        return w
+
+    def _fire(self) -> None:
+        self.timer = None
+        now = self.loop.time()
+        while self.waits:
+            w = next(iter(self.waits))
+            if w.deadline > now:
+                self.timer = self.loop.call_at(w.deadline, self._fire)
+                return
+            del self.waits[w]
+            w.expired = True
+            w.task.cancel()
+
+
+_queues: dict[tuple[int, float], _Queue] = {}
+
+
+def _queue(seconds: float) -> _Queue:
+    loop = asyncio.get_running_loop()
+    q = _queues.get((id(loop), seconds))
+    if q is None or q.loop is not loop:
+        if len(_queues) > 256:  # loops come and go (tests, benchmarks): forget the closed ones
+            for k in [k for k, v in _queues.items() if v.loop.is_closed()]:
+                del _queues[k]
+        q = _queues[(id(loop), seconds)] = _Queue(loop, seconds)
+    return q
+
+
 async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
     """Await `aw` for at most `seconds` (None: no deadline, for waits bounded by something else)."""
     if seconds is None:
         return await aw
-    timer = asyncio.timeout(seconds)
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError(f"within() must run inside a task (waiting for {what})")
+    q = _queue(seconds)
+    w = q.add(task)
     try:
-        async with timer:
-            return await aw
-    except TimeoutError:
-        if timer.expired():
-            raise DeadlineExceeded(what, seconds) from None
-        raise  # a TimeoutError of the callee's own: not ours to rename
+        return await aw
+    except asyncio.CancelledError:
+        if w.expired:
+            w.expired = False  # settled here, not again below
+            if task.uncancel() <= w.cancelling:  # nobody else cancelled the task: the deadline did
+                raise DeadlineExceeded(what, seconds) from None
+        raise
+    finally:
+        if w.expired:  # expired, but the wait ended otherwise (its result was already on the way)
+            task.uncancel()
+        else:
+            q.waits.pop(w, None)

@@ -252,6 +252,9 @@ class SimGenerationWorker:
             return
         applied = asyncio.get_running_loop().create_future()
         self._pending_update = (weights.version, applied)
+        if self.name not in self.faults.die_after:  # it cannot die meanwhile: no death watch
+            await applied
+            return
         death = asyncio.ensure_future(self._died().wait())
         try:
             await asyncio.wait([applied, death], return_when=asyncio.FIRST_COMPLETED)
@@ -403,7 +406,7 @@ class SimTrainerGroup:
             if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
                 raise RuntimeError(f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)")
         if self.group_s:
-            n_groups = max(1, len({k.rsplit("_g", 1)[0] for k in chunk.row_keys}))
+            n_groups = max(1, sum(k.endswith("_g0") for k in chunk.row_keys))  # a chunk holds whole groups
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
         if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
