@@ -222,8 +222,14 @@ its share of the groups one at a time, W * T / P seconds per group), and prints:
               upper bound for the controller: the simulated workers' coroutines and the in-memory
               storage run on the same thread (they skip the row reads and writes real workers do in
               their own processes; the controller's own advantage puts and row clears are counted)
-  select p50/p99  commit -> select latency when the train pump was waiting (target p99 < 1 ms)
+  select p50/p99  commit -> select latency when the train pump was waiting (target p99 < 1 ms),
+              from a third run (asynchronous, training 4x faster than generation: the train pump
+              waits for every chunk, so every chunk gives a sample; `n` samples). In the overlap
+              runs it waits only while the pipeline fills: one sample, too few for a p99
   rss         the process's resident memory after the point
+After the sweep over groups per step, a least-squares line through the points' CPU per step
+splits it into a fixed cost per step (trainer calls, weight sync to every worker, the step's
+record) and a marginal cost per group.
 Then a long run (--long-steps, default 10,000, of --long-groups groups, no simulated latency)
 samples memory every 10 % of its steps: Python heap blocks (sys.getallocatedblocks) and RSS,
 which should stay flat (target +-10 %) once the pipeline is full.
@@ -272,6 +278,7 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
         "groups": summary.steps * P,
         "p50": p50,
         "p99": p99,
+        "latency_samples": len(ctl.state.select_latency_s),
     }
 
 
@@ -294,25 +301,35 @@ def main_scale(argv: list[str] | None = None) -> int:
     points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
     print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups")
-    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'select p50':>10} {'p99':>8} {'rss MB':>7}")
+    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
+    per_step: list[tuple[int, float]] = []  # (P, CPU seconds per step) along the sweep over P
     for P, W in points:
         sync = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
         asy = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
+        lat = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4))
         overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
         of_ideal = asy["steps_per_s"] * args.t
         cpu_per_group = asy["cpu_s"] / asy["groups"]
+        if W == args.workers_at:
+            per_step.append((P, cpu_per_group * P))
         worst["overlap"] = min(worst["overlap"], overlap)
         worst["ideal"] = min(worst["ideal"], of_ideal)
         worst["cpu"] = max(worst["cpu"], cpu_per_group)
-        worst["p99"] = max(worst["p99"], asy["p99"])
+        worst["p99"] = max(worst["p99"], lat["p99"])
         print(
             f"{P:>11} {W:>7} {sync['steps_per_s']:>9.3f} {asy['steps_per_s']:>10.3f} {overlap:>7.3f} {of_ideal:>8.3f} "
-            f"{cpu_per_group * 1e6:>8.1f}us {asy['p50'] * 1e3:>8.3f}ms {asy['p99'] * 1e3:>6.3f}ms {_rss_mb():>7.1f}",
+            f"{cpu_per_group * 1e6:>8.1f}us {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms {lat['latency_samples']:>5} {_rss_mb():>7.1f}",
             flush=True,
         )
     print(f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, cpu/group {worst['cpu'] * 1e6:.1f} us (target <= 100), "
           f"select p99 {worst['p99'] * 1e3:.3f} ms (target < 1)")
+    if len(per_step) >= 2:
+        n = len(per_step)
+        mx, my = sum(p for p, _ in per_step) / n, sum(c for _, c in per_step) / n
+        slope = sum((p - mx) * (c - my) for p, c in per_step) / sum((p - mx) ** 2 for p, _ in per_step)
+        print(f"CPU per step ~ {max(0.0, my - slope * mx) * 1e3:.2f} ms + {slope * 1e6:.1f} us x groups per step "
+              f"(least squares over the {n} points at {args.workers_at} workers)")
     if args.long_steps > 0:
         _long_run(args.long_steps, args.long_groups, args.group_size)
     return 0
