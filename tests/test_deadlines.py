@@ -101,11 +101,3 @@ async def test_a_task_keeps_waiting_normally_after_one_of_its_waits_expired():
     assert await within(asyncio.sleep(0.01, result=7), 0.5, "second") == 7
     await asyncio.sleep(0.6)  # the first wait's timer is long gone: nothing cancels us now
 
-
-def test_waits_in_a_new_event_loop_get_their_own_timer():
-    async def once():
-        with pytest.raises(DeadlineExceeded):
-            await within(asyncio.Event().wait(), 0.01, "x")
-
-    asyncio.run(once())
-    asyncio.run(once())
