@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Literal, NamedTuple, Sequence
 
 import ray
 
@@ -94,6 +94,15 @@ class TrainerGroupStatistics:
     bytes_read_total: int
 
 
+class _Due(NamedTuple):
+    """A call sent to every rank whose answers are not taken yet."""
+
+    kind: Literal["begin", "microbatch"]
+    what: str  # the call, as errors name it
+    step: int
+    refs: list  # one per rank
+
+
 class CpuTrainerGroup:
     """`TrainerGroup` over `TrainerRankActor` handles (rank order); `rank_nodes` and `placement`
     (released at shutdown) come from `start_torch_trainer`.
@@ -119,12 +128,12 @@ class CpuTrainerGroup:
         self._last_bytes = 0  # bytes read by the step finished last (a retried finish reports them again)
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
-        # (what, step, refs) of calls sent and not answered yet, oldest first: a begin, microbatches
-        self._due: list[tuple[str, int, list]] = []
+        # calls sent and not answered yet, oldest first: a begin, microbatches
+        self._due: list[_Due] = []
         self._export: tuple[int, Any] | None = None  # (version, ref) of an export sent after a finish
         self._finishing: int | None = None  # the step whose finish is in flight
         self._finished_last: int | None = None  # the step of the last finish that succeeded
-        self._behind: list[tuple[str, int, list]] = []  # the next step's begin and chunk, sent behind it
+        self._behind: list[_Due] = []  # the next step's begin and chunk, sent behind it
         self._draining: set[asyncio.Future] = set()
 
     def _drop_export(self) -> None:
@@ -148,18 +157,18 @@ class CpuTrainerGroup:
         raise the first error; the answers after a failed one are drained quietly. A failed begin
         opened nothing on the ranks: the step is then no longer open here either."""
         while len(self._due) > (1 if keep_last else 0):
-            what, step, refs = self._due.pop(0)
+            due = self._due.pop(0)
             try:
-                results = await rank_call(what, refs)
+                results = await rank_call(due.what, due.refs)
             except BaseException:
-                for _, _, later in self._due:
-                    for ref in later:
+                for later in self._due:
+                    for ref in later.refs:
                         self._discard(ref)
                 self._due.clear()
-                if what.startswith("begin_train_step") and self._step == step:
+                if due.kind == "begin" and self._step == due.step:
                     self._step = None
                 raise
-            if what.startswith("train_microbatch"):
+            if due.kind == "microbatch":
                 nbytes = sum(results)
                 self._bytes_read += nbytes
                 self._counts["bytes_read_total"] += nbytes
@@ -184,7 +193,7 @@ class CpuTrainerGroup:
         if self._step is not None:  # what the ranks would answer, said before anything is sent
             raise TrainStepStateError(f"begin_train_step({step}): step {self._step} is open")
         self._drop_export()  # the weights change from here on
-        self._due.append((f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks]))
+        self._due.append(self._send_begin(step, loss))
         self._step, self._bytes_read, self._chunks = step, 0, 0
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
@@ -196,14 +205,17 @@ class CpuTrainerGroup:
         # microbatch runs ahead of the controller's view).
         await self._answers(keep_last=True)
 
-    def _send_microbatch(self, chunk: TrainChunk) -> tuple[str, int, list]:
+    def _send_begin(self, step: int, loss: LossConfig) -> _Due:
+        return _Due("begin", f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks])
+
+    def _send_microbatch(self, chunk: TrainChunk) -> _Due:
         _check_lengths(chunk)
         split = split_chunk(chunk, len(self.ranks))  # one microbatch per rank, balanced by tokens
         refs = []
         for i, r in enumerate(self.ranks):
             keys = split.rank_keys(i)
             refs.append(r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys)))
-        return f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs
+        return _Due("microbatch", f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs)
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
@@ -226,7 +238,7 @@ class CpuTrainerGroup:
             # abort, queued behind it, undoes it.
             nxt = step + 1
             undo = [r.abort_train_step.remote(nxt) for r in self.ranks] if self._behind else []
-            for ref in [*refs, export, *(ref for _, _, rs in self._behind for ref in rs), *undo]:
+            for ref in [*refs, export, *(ref for due in self._behind for ref in due.refs), *undo]:
                 self._discard(ref)
             raise
         finally:
@@ -253,8 +265,7 @@ class CpuTrainerGroup:
             return True
         if self._finishing != step - 1 or self._behind:
             raise TrainStepStateError(f"begin_behind_finish({step}) while finishing step {self._finishing}")
-        begun = (f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks])
-        self._behind = [begun, self._send_microbatch(chunk)]  # taken over by the finish when it succeeds
+        self._behind = [self._send_begin(step, loss), self._send_microbatch(chunk)]  # taken over by the finish when it succeeds
         return True
 
     def _finished(self, step: int, export: Any) -> None:
