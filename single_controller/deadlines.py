@@ -78,8 +78,9 @@ def _queue(seconds: float) -> _Queue:
     q = _queues.get((id(loop), seconds))
     if q is None or q.loop is not loop:
         if len(_queues) > 256:  # loops come and go (tests, benchmarks): forget the closed ones
-            for k in [k for k, v in _queues.items() if v.loop.is_closed()]:
-                del _queues[k]
+            for k, v in list(_queues.items()):  # one C call: safe beside another thread's loop
+                if v.loop.is_closed():
+                    _queues.pop(k, None)
         q = _queues[(id(loop), seconds)] = _Queue(loop, seconds)
     return q
 
