@@ -95,7 +95,6 @@ class GroupRecord:
         return self.version_start if self.version_start is not None else self.version_reserved
 
 
-
 @dataclass(frozen=True)
 class LedgerStatistics:
     capacity: int

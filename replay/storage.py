@@ -13,6 +13,7 @@ simulated backend. `replay.tq_storage.TQRowStorage` is the TransferQueue impleme
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -57,13 +58,13 @@ def row_bulk_fields(schema: Mapping[str, FieldSpec]) -> tuple[str, ...]:
     return tuple(name for name, spec in schema.items() if spec.bulk and spec.jagged)
 
 
-_ROW_SUFFIXES: list[str] = []
+@functools.lru_cache(maxsize=64)
+def _row_suffixes(group_size: int) -> tuple[str, ...]:
+    return tuple(f"_g{i}" for i in range(group_size))
 
 
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
-    while len(_ROW_SUFFIXES) < group_size:
-        _ROW_SUFFIXES.append(f"_g{len(_ROW_SUFFIXES)}")
-    return tuple([group_id + s for s in _ROW_SUFFIXES[:group_size]])
+    return tuple([group_id + s for s in _row_suffixes(group_size)])
 
 
 class StorageError(RuntimeError):
