@@ -14,6 +14,7 @@ a wait costs a queue insert and removal. An expired wait is cancelled exactly as
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import OrderedDict
 from typing import Awaitable, TypeVar
 
@@ -42,47 +43,35 @@ class _Wait:
 class _Queue:
     """The waits with one timeout, oldest first, and one timer for the oldest."""
 
-    __slots__ = ("loop", "seconds", "waits", "timer")
+    __slots__ = ("seconds", "waits", "timer")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float):
-        self.loop = loop
+    def __init__(self, seconds: float):
         self.seconds = seconds
         self.waits: OrderedDict[_Wait, None] = OrderedDict()
         self.timer: asyncio.TimerHandle | None = None
 
-    def add(self, task: asyncio.Task) -> _Wait:
-        w = _Wait(task, self.loop.time() + self.seconds)
+    def add(self, task: asyncio.Task, loop: asyncio.AbstractEventLoop) -> _Wait:
+        w = _Wait(task, loop.time() + self.seconds)
         self.waits[w] = None
         if self.timer is None:
-            self.timer = self.loop.call_at(w.deadline, self._fire)
+            self.timer = loop.call_at(w.deadline, self._fire, loop)
         return w
 
-    def _fire(self) -> None:
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self.timer = None
-        now = self.loop.time()
+        now = loop.time()
         while self.waits:
             w = next(iter(self.waits))
             if w.deadline > now:
-                self.timer = self.loop.call_at(w.deadline, self._fire)
+                self.timer = loop.call_at(w.deadline, self._fire, loop)
                 return
             del self.waits[w]
             w.expired = True
             w.task.cancel()
 
 
-_queues: dict[tuple[int, float], _Queue] = {}
-
-
-def _queue(seconds: float) -> _Queue:
-    loop = asyncio.get_running_loop()
-    q = _queues.get((id(loop), seconds))
-    if q is None or q.loop is not loop:
-        if len(_queues) > 256:  # loops come and go (tests, benchmarks): forget the closed ones
-            for k, v in list(_queues.items()):  # one C call: safe beside another thread's loop
-                if v.loop.is_closed():
-                    _queues.pop(k, None)
-        q = _queues[(id(loop), seconds)] = _Queue(loop, seconds)
-    return q
+# Each event loop's queues, by timeout; forgotten with the loop (a queue holds no reference to it).
+_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Queue]] = weakref.WeakKeyDictionary()
 
 
 async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
@@ -92,8 +81,14 @@ async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
     task = asyncio.current_task()
     if task is None:
         raise RuntimeError(f"within() must run inside a task (waiting for {what})")
-    q = _queue(seconds)
-    w = q.add(task)
+    loop = asyncio.get_running_loop()
+    queues = _queues.get(loop)
+    if queues is None:
+        queues = _queues[loop] = {}
+    q = queues.get(seconds)
+    if q is None:
+        q = queues[seconds] = _Queue(seconds)
+    w = q.add(task, loop)
     try:
         return await aw
     except asyncio.CancelledError:
