@@ -37,6 +37,25 @@ from single_controller.controller import Controller
 from single_controller.state import Workers
 
 
+def _run_on_loop(main):
+    """Run `main` on the kind of event loop the controller gets in a real run (Ray's for an async
+    actor: uvloop where installed), so the figures are the production loop's."""
+    from single_controller.ray_runtime import new_event_loop
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
+
+def _loop_name() -> str:
+    from single_controller.ray_runtime import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        return f"{type(loop).__module__}.{type(loop).__name__}"
+    finally:
+        loop.close()
+
+
 def overlap_config(steps: int, groups: int, lookahead: int, chunk: int) -> Config:
     return Config(
         run=RunConfig(max_steps=steps, progress_bar=False, plot=False),
@@ -75,8 +94,8 @@ def main_overlap(argv: list[str] | None = None) -> int:
 
     sync_cfg = overlap_config(args.steps, args.groups, lookahead=0, chunk=args.groups)
     async_cfg = overlap_config(args.steps, args.groups, lookahead=args.lookahead, chunk=args.chunk)
-    sync_tp, sync_wall, _ = asyncio.run(_run_once(sync_cfg, args.t_gen, args.t_train))
-    async_tp, async_wall, ctl = asyncio.run(_run_once(async_cfg, args.t_gen, args.t_train))
+    sync_tp, sync_wall, _ = _run_on_loop(_run_once(sync_cfg, args.t_gen, args.t_train))
+    async_tp, async_wall, ctl = _run_on_loop(_run_once(async_cfg, args.t_gen, args.t_train))
     limit = (args.t_gen + args.t_train) / max(args.t_gen, args.t_train)
     ratio = async_tp / sync_tp
     p50, p99 = ctl.select_latency_percentiles()
@@ -183,7 +202,7 @@ def main_eval(argv: list[str] | None = None) -> int:
             svc = ControllerService(cfg)
             return (lambda method, *a: getattr(svc, method)(*a)), (lambda: None)
 
-        results = asyncio.run(pairs(local))
+        results = _run_on_loop(pairs(local))
     else:
         import ray
 
@@ -227,6 +246,8 @@ its share of the groups one at a time, W * T / P seconds per group), and prints:
               waits for every chunk, so every chunk gives a sample; `n` samples). In the overlap
               runs it waits only while the pipeline fills: one sample, too few for a p99
   rss         the process's resident memory after the point
+The controller runs on the event loop a real run gives it: Ray's loop for an async actor, uvloop
+where installed (`RAY_USE_UVLOOP=0` measures asyncio's own loop; the header names the loop).
 After the sweep over groups per step, a least-squares line through the points' CPU per step
 splits it into a fixed cost per step (trainer calls, weight sync to every worker, the step's
 record) and a marginal cost per group.
@@ -300,14 +321,15 @@ def main_scale(argv: list[str] | None = None) -> int:
     workers = [int(x) for x in args.workers.split(",") if x]
     points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
-    print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups")
+    print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
+          f"event loop {_loop_name()}")
     print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
     per_step: list[tuple[int, float]] = []  # (P, CPU seconds per step) along the sweep over P
     for P, W in points:
-        sync = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
-        asy = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
-        lat = asyncio.run(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4))
+        sync = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
+        asy = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
+        lat = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4))
         overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
         of_ideal = asy["steps_per_s"] * args.t
         cpu_per_group = asy["cpu_s"] / asy["groups"]
@@ -348,7 +370,7 @@ def _long_run(steps: int, groups: int, group_size: int) -> None:
             samples.append((rec["step"] + 1, sys.getallocatedblocks(), _rss_mb()))
 
     cfg = scale_config(steps, groups, group_size, 1, 1)
-    r = asyncio.run(_scale_run(cfg, 1, 0.0, 0.0, on_step=on_step))
+    r = _run_on_loop(_scale_run(cfg, 1, 0.0, 0.0, on_step=on_step))
     print(f"long run: {steps} steps of {groups} groups (G = {group_size}), no simulated latency: {r['wall_s']:.1f} s, "
           f"{r['cpu_s'] / r['groups'] * 1e6:.1f} us CPU per group")
     print(f"{'step':>7} {'heap blocks':>12} {'rss MB':>8}")

@@ -58,7 +58,10 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         print(f"sc-grpo: run directory {run_dir.path}", flush=True)
     try:
         if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
-            code = asyncio.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
+            from single_controller.ray_runtime import new_event_loop
+
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                code = runner.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
         else:
             code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
     except KeyboardInterrupt:

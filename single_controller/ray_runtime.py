@@ -15,6 +15,13 @@ Contract of `ray_session(cfg, min_cpus=...)`:
 - If Ray is already initialized in this process the session only borrows it: no start, no shutdown.
 
 `worker_env(torch_threads)` gives the thread-count environment for worker processes.
+
+`new_event_loop()` is the loop the controller runs on wherever this process makes the loop (the
+driver, a local run on simulated workers, the benchmarks): the one Ray gives an async actor, so
+the controller actor and everything measured outside it run on the same kind of loop. That is
+uvloop when it is installed (a dependency on Linux and macOS) unless `RAY_USE_UVLOOP` is set to
+something other than `1`/`true`, as in
+`ray._private.async_compat.get_new_event_loop`; else asyncio's own.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import psutil
 
 from single_controller.config import RayConfig
 
-__all__ = ["RaySession", "ray_session", "worker_env", "prepare_environment", "DEFAULT_GRACE_S"]
+__all__ = ["RaySession", "ray_session", "worker_env", "prepare_environment", "new_event_loop", "DEFAULT_GRACE_S"]
 
 T = TypeVar("T")
 
@@ -43,6 +50,18 @@ DEFAULT_GRACE_S = 25.0  # first interrupt -> forced exit after this long; keeps 
 _WAIT_EXIT_S = 5.0  # after ray.shutdown, how long the session's processes get to exit on their own
 _TERM_S = 2.0  # SIGTERM -> SIGKILL for stragglers
 _EXIT_INTERRUPTED = 130
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A fresh event loop of the kind Ray runs async actors on (see the module docstring)."""
+    if os.environ.get("RAY_USE_UVLOOP", "true").lower() in ("true", "1"):  # Ray's own reading of it
+        try:
+            import uvloop
+        except ImportError:  # Windows, or an install without it
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def prepare_environment(*, local: bool = True) -> None:
@@ -265,7 +284,7 @@ class RaySession:
     def run(self, main: Coroutine[Any, Any, T]) -> T:
         """Run `main` on a fresh event loop; the first interrupt cancels it (then KeyboardInterrupt
         is raised here, as `asyncio.run` does), so its TaskGroup and teardown run normally."""
-        with asyncio.Runner() as runner:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
             loop = runner.get_loop()
             task = loop.create_task(main)
             self._interrupts.main_task, self._interrupts.loop = task, loop
