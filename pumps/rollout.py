@@ -87,9 +87,10 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
 
 
 def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str) -> None:
+    # No notify: no wait reads the load or the task table; every way a group's task ends that
+    # changes the ledger (commit, drop, release) has notified already.
     load[id(worker)] -= 1
     state.in_flight_tasks.pop(group_id, None)
-    state.notify()
 
 
 def _cancel_in_flight(state: RunState, reason: str) -> None:

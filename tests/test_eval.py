@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
-from single_controller.backends.sim import Faults, PriorityLock, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
+from single_controller.backends.sim import Faults, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
 from single_controller.config import Config, EvalConfig, RunConfig
 from single_controller.config_loader import ConfigError, load_config
 from single_controller.controller import Controller, RunFailed
@@ -29,7 +29,7 @@ from single_controller.tasks import (
     is_held_out,
     load_eval_prompts,
 )
-from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams
+from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams, WeightsHandle
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_controller_sim import assert_clean_end, make_cfg  # noqa: E402
@@ -327,21 +327,32 @@ def test_eval_on_without_prompts_is_refused():
 
 
 # -- the workers' eval lane ----------------------------------------------------------------------
-async def test_priority_lock_serves_lower_priority_first_fifo_within():
-    lock, order = PriorityLock(), []
-    await lock.acquire(1)
+async def test_sim_worker_queue_eval_lane_first_fifo_within_skipping_cancelled_callers_versions_at_start():
+    storage = InMemoryRowStorage()
+    w = SimGenerationWorker("g", storage, group_s=0.004, writes_rows=False)
+    sp = SamplingParams(2, max_new_tokens=3)
+    done: list[tuple[str, int]] = []
 
-    async def take(tag, prio):
-        await lock.acquire(prio)
-        order.append(tag)
-        lock.release()
+    def req(i, ev=False):
+        if ev:
+            return GenerationRequest(f"eval0-h{i}-a0", Prompt(f"h{i}", (1, 2)), SamplingParams(2, temperature=0.0), eval=True)
+        return GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2))
 
-    tasks = [asyncio.create_task(take(t, p)) for t, p in [("r1", 1), ("r2", 1), ("e1", 0), ("x", 0), ("e2", 0)]]
+    async def go(r):
+        res = await w.generate(r)
+        done.append((res.group_id, res.version_start))
+
+    first = asyncio.create_task(go(req(0)))
+    await asyncio.sleep(0)  # p0's compute starts at v0
+    tasks = [asyncio.create_task(go(r)) for r in [req(1), req(2), req(1, ev=True), req(2, ev=True), req(3, ev=True)]]
+    await asyncio.sleep(0)  # all queued behind p0
+    tasks[3].cancel()  # h2's caller stops waiting: it leaves the queue
+    update = asyncio.create_task(w.update_weights(WeightsHandle(1, None, 0)))
     await asyncio.sleep(0)
-    tasks[3].cancel()  # a cancelled waiter is skipped
-    lock.release()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    assert order == ["e1", "e2", "r1", "r2"]
+    assert not update.done() and w.version == 0  # lands after p0, ahead of the queue
+    await asyncio.gather(first, update, *[t for i, t in enumerate(tasks) if i != 3])
+    assert done == [("p0-a0", 0), ("eval0-h1-a0", 1), ("eval0-h3-a0", 1), ("p1-a0", 1), ("p2-a0", 1)]
+    assert w.evaluated == [("eval0-h1-a0", 1), ("eval0-h3-a0", 1)] and await w.in_flight() == 0
 
 
 async def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothing():
@@ -408,7 +419,6 @@ async def test_cpu_actor_takes_the_eval_lane_first():
     from single_controller.backends.cpu.generation import GenerationActor
     from single_controller.backends.cpu.trainer import pack_weights
     from single_controller.config import ModelConfig
-    from single_controller.types import WeightsHandle
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from test_cpu_generation import GatedCore, request

@@ -17,9 +17,8 @@ generation until set.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
-import heapq
-import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -81,41 +80,18 @@ def sim_eval_rewards(prompt_id: str, version: int, n: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-class PriorityLock:
-    """One holder at a time; on release the waiter with the lowest `priority` goes first, FIFO
-    within a priority. A waiter cancelled after it was granted the lock passes it on."""
-
-    def __init__(self) -> None:
-        self._held = False
-        self._waiters: list[tuple[int, int, asyncio.Future]] = []
-        self._seq = itertools.count()
-
-    async def acquire(self, priority: int) -> None:
-        if not self._held and not self._waiters:
-            self._held = True
-            return
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted just as we were cancelled: hand it on
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            *_, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                fut.set_result(None)  # the lock stays held, now by that waiter
-                return
-        self._held = False
-
-
 EVAL_LANE, ROLLOUT_LANE = 0, 1
 
 
 class SimGenerationWorker:
+    """A serial engine on a schedule: queued requests (eval lane first, FIFO within a lane) are
+    served one at a time, each ending `group_s` after the previous one ended (or after it arrived,
+    if the worker was idle), on one timer per request. A request's version is the worker's version
+    when its compute starts; a weight update lands between two requests. With `group_s == 0` a
+    request is served at once (there is nothing to wait for). A caller that stops waiting
+    (cancelled) leaves its place in the queue; the request being computed still takes its time,
+    as an engine's would."""
+
     def __init__(
         self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None,
         writes_rows: bool = True, keep_logs: bool = True,
@@ -129,16 +105,23 @@ class SimGenerationWorker:
         logs = list if keep_logs else _Discard
         self.generated: list[str] = logs()
         self.evaluated: list[tuple[str, int]] = logs()  # (eval request id, version that served it)
-        self._lock = PriorityLock()  # serial: one request at a time (eval first), weight updates between them
         self._row_cache: dict[tuple[int, int], dict] = {}
-        self._busy = False
-        self._pending_update: tuple[int, asyncio.Future] | None = None
         self._in_flight = 0
         self._rollout_n = 1  # rows of the last rollout group: an eval request costs its share of rows
         self.dead = False
         self._death: asyncio.Event | None = None  # created lazily on the running loop
         self.calls_while_dead = 0  # requests routed to this worker while it was dead
         self.restarts = 0
+        self._epoch = 0
+        self._reset_engine()
+
+    def _reset_engine(self) -> None:
+        # Queued requests by lane (eval first): (request, future of the version it is served at, arrival time).
+        self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+        self._computing = False  # a request's compute is under way (its timer is set)
+        self._free_at = 0.0  # when the work scheduled so far ends
+        self._pending_update: tuple[int, asyncio.Future] | None = None
+        self._epoch += 1  # the timer of a request computed before a restart is ignored
 
     def _died(self) -> asyncio.Event:
         if self._death is None:
@@ -173,8 +156,7 @@ class SimGenerationWorker:
             raise GenerationFailed(f"{self.name}: restart failed")
         self.dead, self._death = False, None
         self.version = weights.version if weights is not None else 0
-        self._lock = PriorityLock()
-        self._busy, self._pending_update = False, None
+        self._reset_engine()
         self.restarts += 1
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
@@ -188,35 +170,62 @@ class SimGenerationWorker:
                 await asyncio.Event().wait()  # a wedged engine: only the deadline ends this
             if fault_key in self.faults.gen_delay:
                 await asyncio.sleep(self.faults.gen_delay[fault_key])  # out-of-order completion
-            arrived = asyncio.get_running_loop().time()
-            await self._lock.acquire(EVAL_LANE if request.eval else ROLLOUT_LANE)
-            self._busy = True
-            try:
-                version = self.version
-                if not request.eval:
-                    self._rollout_n = request.sampling.n
-                cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
-                if cost:
-                    await _busy(self, cost, arrived)  # simulated compute, not a poll
-                if fault_key in self.faults.gen_fail:
-                    raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
-                if request.eval:  # scored, never stored
-                    rewards = sim_eval_rewards(request.prompt.prompt_id, version, request.sampling.n)
-                    self.evaluated.append((request.group_id, version))
-                    T = request.sampling.max_new_tokens
-                    return GenerationResult(request.group_id, rewards, (T,) * request.sampling.n, len(request.prompt.token_ids), version, version)
-                result = await self._store(request, attempt, version)
-                self.generated.append(request.group_id)
-                if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
-                    self.dead = True  # every call in flight on it fails now, and every new one
-                    self._died().set()
-                return result
-            finally:
-                self._busy = False
-                self._apply_pending_update()
-                self._lock.release()
+            if not self.group_s:  # no compute to wait for: served now
+                version = self._starts(request)
+            else:
+                loop = asyncio.get_running_loop()
+                served = loop.create_future()
+                self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, served, loop.time()))
+                if not self._computing:
+                    self._serve_next(loop)
+                version = await served
+            if fault_key in self.faults.gen_fail:
+                raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
+            if request.eval:  # scored, never stored
+                rewards = sim_eval_rewards(request.prompt.prompt_id, version, request.sampling.n)
+                self.evaluated.append((request.group_id, version))
+                T = request.sampling.max_new_tokens
+                return GenerationResult(request.group_id, rewards, (T,) * request.sampling.n, len(request.prompt.token_ids), version, version)
+            result = await self._store(request, attempt, version)
+            self.generated.append(request.group_id)
+            if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
+                self.dead = True  # every call in flight on it fails now, and every new one
+                self._died().set()
+            return result
         finally:
             self._in_flight -= 1
+
+    def _starts(self, request: GenerationRequest) -> int:
+        """`request`'s compute starts: returns the version it is served at."""
+        if not request.eval:
+            self._rollout_n = request.sampling.n
+        return self.version
+
+    def _serve_next(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the next queued request whose caller still waits, with a timer for its end."""
+        for lane in self._lanes:
+            while lane:
+                request, served, arrived = lane.popleft()
+                if served.done():  # its caller stopped waiting
+                    continue
+                version = self._starts(request)
+                cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
+                # timed against the worker's own schedule: a timer that fires late (they are
+                # millisecond-grained) delays one request, not every one after it
+                self._free_at = max(self._free_at, arrived) + cost
+                self._computing = True
+                loop.call_at(self._free_at, self._served, loop, served, version, self._epoch)
+                return
+        self._computing = False
+
+    def _served(self, loop: asyncio.AbstractEventLoop, served: asyncio.Future, version: int, epoch: int) -> None:
+        if epoch != self._epoch:  # computed by the process a restart replaced
+            return
+        if not served.done():
+            served.set_result(version)
+        self._computing = False
+        self._apply_pending_update()
+        self._serve_next(loop)
 
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         G, T = request.sampling.n, request.sampling.max_new_tokens
@@ -242,12 +251,12 @@ class SimGenerationWorker:
         return self._row_cache[(G, T)]
 
     async def update_weights(self, weights: WeightsHandle) -> None:
-        """Applied between groups, like a real worker between batches: after the group being
-        generated, ahead of groups still queued."""
+        """Applied between requests, like a real worker between batches: after the one being
+        computed, ahead of those still queued."""
         self._check_alive()
         if weights.version <= self.version:
             raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
-        if not self._busy:
+        if not self._computing:
             self.version = weights.version
             return
         applied = asyncio.get_running_loop().create_future()
