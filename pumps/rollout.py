@@ -27,6 +27,7 @@ from single_controller.state import RunState
 from single_controller.types import GenerationRequest, SamplingParams
 
 PUMP = "rollout"
+DISPATCH_SLICE = 8  # groups dispatched between two yields to the event loop
 
 
 class NoGenerationWorkers(RuntimeError):
@@ -58,9 +59,11 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     if state.stopping:
                         _cancel_in_flight(state, "run_ended")
                     break
-                # Dispatch everything admissible now, then tell the others once.
+                # Dispatch what is admissible, in slices: tell the others once per slice, and let
+                # what is ready run in between (a chunk completed meanwhile is not held up behind
+                # the start of a whole step's worth of requests).
                 routable = state.routable()
-                while True:
+                for _ in range(DISPATCH_SLICE):
                     target = state.ledger.next_target_step()
                     prompt = state.next_prompt()
                     rec = state.ledger.reserve(
@@ -80,6 +83,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     if not _admissible(state):
                         break
                 state.notify()
+                await asyncio.sleep(0)
     finally:
         state.rollout_done = True
         state.pumps[PUMP].finished = True

@@ -135,6 +135,43 @@ async def test_prefetch_hints_name_next_step_rows_before_that_step_begins():
 
 
 # -- faults ------------------------------------------------------------------------------------
+async def test_a_steps_worth_of_requests_starts_in_slices_with_the_loop_running_between_them():
+    """Admission opening for a whole step used to start every request in one turn of the event
+    loop (~5 ms at 256 groups here), and a chunk that completed meanwhile waited behind all of it.
+    The rollout pump dispatches in slices and yields between them: at most DISPATCH_SLICE requests
+    start per loop turn (a ticker task counts the turns)."""
+    from pumps.rollout import DISPATCH_SLICE
+    from single_controller.backends.sim import SimGenerationWorker
+
+    turn = 0
+    starts: Counter[int] = Counter()  # loop turn -> requests that started in it
+
+    async def ticker():
+        nonlocal turn
+        while True:
+            turn += 1
+            await asyncio.sleep(0)
+
+    class Recording(SimGenerationWorker):
+        async def generate(self, request):
+            starts[turn] += 1
+            return await super().generate(request)
+
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage, train_group_s=0.0005)
+    gens = [Recording(f"g{i}", storage, group_s=0.001) for i in range(2)]
+    P = 6 * DISPATCH_SLICE
+    cfg = make_cfg(steps=3, P=P, chunk=DISPATCH_SLICE, in_flight=2 * P)
+    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
+    tick = asyncio.create_task(ticker())
+    try:
+        summary = await asyncio.wait_for(ctl.run(), 30)
+    finally:
+        tick.cancel()
+    assert summary.steps == 3 and sum(starts.values()) >= 3 * P
+    assert max(starts.values()) <= DISPATCH_SLICE, sorted(starts.values())[-5:]
+
+
 async def test_trainer_failure_mid_step_aborts_and_retries():
     clean = await run_sim(make_cfg(steps=5, L=0, chunk=2))
     faulty = await run_sim(make_cfg(steps=5, L=0, chunk=2), Faults(train_fail={(2, 0, 0)}))
