@@ -55,9 +55,10 @@ class Faults:
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
     """Deterministic prompts p000000, p000001, ... (endless when n is None)."""
+    tokens = [tuple((i + j) % 10 + 3 for j in range(prompt_len)) for i in range(10)]  # they repeat every 10
     i = 0
     while n is None or i < n:
-        yield Prompt(f"p{i:06d}", tuple((i + j) % 10 + 3 for j in range(prompt_len)), str(i))
+        yield Prompt(f"p{i:06d}", tokens[i % 10], str(i))
         i += 1
 
 
