@@ -27,7 +27,11 @@ from single_controller.state import RunState
 from single_controller.types import GenerationRequest, SamplingParams
 
 PUMP = "rollout"
-DISPATCH_SLICE = 8  # groups dispatched between two yields to the event loop
+# Groups dispatched between two yields to the event loop. Small enough that a thousand-group step
+# does not hold the loop for milliseconds; large enough that a batching worker (the torch backend
+# takes up to 16 groups per batch) gets a step's requests together: at 8, the embedded run's
+# batches split and its steps took ~10 % longer.
+DISPATCH_SLICE = 32
 
 
 class NoGenerationWorkers(RuntimeError):
