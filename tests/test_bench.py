@@ -11,10 +11,66 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
                        "--group-size", "2", "--steps", "4", "--t", "0.02", "--long-steps", "20", "--long-groups", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d", line)]
-    points = [(int(r[0]), int(r[1])) for r in rows if len(r) == 11]
+    points = [(int(r[0]), int(r[1])) for r in rows if len(r) == 13]
     assert points == [(2, 2), (4, 2), (4, 1)]
     for r in rows[:3]:
-        assert int(r[9]) >= 1  # the latency run's samples: the train pump waited for its chunks
-    assert re.search(r"CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
+        cpu, sim, ctl = (float(x.removesuffix("us")) for x in r[6:9])
+        assert 0 < sim < cpu and abs(cpu - sim - ctl) <= 0.11  # the simulated workers' share, metered
+        assert int(r[11]) >= 1  # the latency run's samples: the train pump waited for its chunks
+    assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
     assert re.search(r"worst: overlap [\d.]+ .*select p99 [\d.]+ ms", out)
     assert "long run: 20 steps of 1 groups" in out
+
+
+# -- the meter that tells the simulated workers' time from the controller's -----------------------
+async def test_metered_sim_workers_train_exactly_what_unmetered_ones_do_and_count_their_time():
+    import asyncio
+
+    from replay.storage import InMemoryRowStorage
+    from single_controller.backends.sim import Faults, SimMeter, sim_prompts, sim_workers
+    from single_controller.bench import scale_config
+    from single_controller.controller import Controller
+    from single_controller.state import Workers
+
+    async def run(meter):  # lookahead 0: what each step trains does not depend on timing
+        storage = InMemoryRowStorage()
+        gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001, meter=meter,
+                                    faults=Faults(gen_fail={("p000003", 0)}))  # a failure crosses the meter too
+        summary = await asyncio.wait_for(Controller(scale_config(4, 4, 2, 0, 4), sim_prompts(), storage, Workers(gens, trainer)).run(), 30)
+        return summary.steps, trainer.trained, [g.generated for g in gens]
+
+    meter = SimMeter()
+    assert await run(meter) == await run(None)
+    assert meter.seconds > 0
+
+
+async def test_meter_passes_cancellation_through_and_counts_a_nested_metered_call_once(monkeypatch):
+    import asyncio
+
+    from single_controller.backends import sim
+    from single_controller.backends.sim import SimMeter
+
+    clock = iter(range(0, 1000, 10))  # every reading 10 s after the last
+    monkeypatch.setattr(sim.time, "perf_counter", lambda: next(clock))
+    meter = SimMeter()
+    blocked = asyncio.Event()
+
+    async def inner():
+        return 1
+
+    async def outer():
+        x = await sim._metered_coroutine(inner, meter)()  # nested in outer's step: not timed again
+        blocked.set()
+        await asyncio.Event().wait()
+        return x
+
+    task = asyncio.ensure_future(sim._metered_coroutine(outer, meter)())
+    await blocked.wait()
+    assert meter.seconds == 10  # one step, one pair of readings
+    task.cancel()
+    try:
+        await task
+        raise AssertionError("the cancellation did not reach the metered coroutine")
+    except asyncio.CancelledError:
+        pass
+    assert meter.seconds == 20  # the step that took the cancellation

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -51,6 +53,70 @@ class Faults:
     rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
     die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
     restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
+
+
+class SimMeter:
+    """Time spent in the simulated workers' own code: every step of their coroutines and their timer
+    callbacks (`meter_sim_workers`). A benchmark subtracts it from the process's CPU time to get the
+    controller's: on one thread, a step that never blocks takes as much wall time as CPU time. The
+    event loop's work of waking callers up is not in it: a real worker's answer costs that too.
+    A metered call made inside another one (the trainer calling its own methods) counts once."""
+
+    __slots__ = ("seconds", "_inside")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inside = False
+
+    def run(self, fn, *args):
+        """`fn(*args)`, timed unless a metered step is already running (it then counts)."""
+        if self._inside:
+            return fn(*args)
+        self._inside = True
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self._inside = False
+
+
+class _Metered:
+    """Awaits `coro` as `await coro` would, with each of its steps run through `meter`."""
+
+    __slots__ = ("_coro", "_meter")
+
+    def __init__(self, coro, meter: SimMeter) -> None:
+        self._coro, self._meter = coro, meter
+
+    def __await__(self):
+        coro, run = self._coro, self._meter.run
+        value, error = None, None
+        while True:
+            try:
+                yielded = run(coro.send, value) if error is None else run(coro.throw, error)
+            except StopIteration as stop:
+                return stop.value
+            try:
+                value, error = (yield yielded), None
+            except BaseException as e:  # a cancellation (or any error) thrown in: on to the inner coroutine
+                value, error = None, e
+
+
+def _metered_coroutine(fn, meter: SimMeter):
+    @functools.wraps(fn)
+    async def metered(*args, **kwargs):
+        return await _Metered(fn(*args, **kwargs), meter)
+
+    return metered
+
+
+def _metered_callback(fn, meter: SimMeter):
+    @functools.wraps(fn)
+    def metered(*args):
+        return meter.run(fn, *args)
+
+    return metered
 
 
 def sim_prompts(n: int | None = None, prompt_len: int = 5) -> Iterator[Prompt]:
@@ -330,6 +396,7 @@ class SimTrainerGroup:
         self._finishing: int | None = None  # the step whose finish is in flight
         self._finished_last: int | None = None  # the step of the last finish call, if it succeeded
         self._behind: list[asyncio.Task] = []  # the next step's begin and chunk, sent behind it
+        self.meter: SimMeter | None = None  # set by `meter_sim_workers`
 
     def _send(self, coro) -> asyncio.Task:
         """Start `coro` as the remote side would: serially (in the order sent), and to completion
@@ -337,7 +404,7 @@ class SimTrainerGroup:
 
         async def serially():
             async with self._serial:
-                return await coro
+                return await (coro if self.meter is None else _Metered(coro, self.meter))
 
         task = asyncio.ensure_future(serially())
         self._remote.add(task)
@@ -512,17 +579,41 @@ def sim_workers(
     trainer_reads_rows: bool = True,
     workers_write_rows: bool = True,
     keep_logs: bool = True,
+    meter: SimMeter | None = None,
 ) -> tuple[Sequence[SimGenerationWorker], SimTrainerGroup]:
     """For benchmarks of the controller alone: `trainer_reads_rows=False` / `workers_write_rows=False`
     skip the row reads and writes the fake workers would otherwise do on the controller's own thread
     (real workers do them in their own processes; the trainer must not read rows nobody wrote), and
-    `keep_logs=False` drops the per-group logs tests read (a long benchmark run keeps memory flat)."""
+    `keep_logs=False` drops the per-group logs tests read (a long benchmark run keeps memory flat), and
+    `meter` adds the time spent in the workers' own code to it (`meter_sim_workers`)."""
     faults = faults or Faults()
     gens = [
         SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults, writes_rows=workers_write_rows, keep_logs=keep_logs)
         for i in range(num_generators)
     ]
-    return gens, SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
+    trainer = SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
+    if meter is not None:
+        meter_sim_workers(gens, trainer, meter)
+    return gens, trainer
+
+
+GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart")
+TRAINER_CALLS = (
+    "begin_train_step", "train_microbatch", "finish_train_step", "abort_train_step", "train_status",
+    "export_weights", "save_state", "load_state", "begin_behind_finish",
+)
+
+
+def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGroup, meter: SimMeter) -> None:
+    """From now on, every call the controller makes on these workers, the trainer's calls run behind
+    them, and the generation workers' timer callbacks add their time to `meter`."""
+    for g in gens:
+        for name in GENERATION_CALLS:
+            setattr(g, name, _metered_coroutine(getattr(g, name), meter))
+        g._served = _metered_callback(g._served, meter)  # scheduled as self._served: this one
+    for name in TRAINER_CALLS:
+        setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))
+    trainer.meter = meter
 
 
 async def _busy(worker, seconds: float, arrived: float) -> None:
