@@ -331,7 +331,7 @@ def main_scale(argv: list[str] | None = None) -> int:
           f"event loop {_loop_name()}")
     print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
-    per_step: list[tuple[int, float]] = []  # (P, CPU seconds per step) along the sweep over P
+    per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
     for P, W in points:
         sync = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
         asy = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
