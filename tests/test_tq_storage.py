@@ -580,3 +580,51 @@ def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes(leak_probe):
             break
         time.sleep(0.2)
     assert alive == [], f"left running: {alive}"
+
+
+def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
+    """Every Ray worker process of a run imports torch and TransferQueue with the cyclic collector
+    paused; it is back on (with the import's objects frozen) once TQ is in, Dynamo stays out, and the
+    imported modules keep their own loaders (TQ reads its config.yaml through them)."""
+    out = _python(
+        """
+        import gc, sys
+        from importlib import resources
+        from replay.tq_runtime import pause_gc_until_transfer_queue, worker_process_setup
+        worker_process_setup()
+        assert not gc.isenabled(), "the collector runs during the imports"
+        assert not pause_gc_until_transfer_queue(), "paused twice"
+        import transfer_queue
+        assert gc.isenabled(), "the collector stayed off after TQ was imported"
+        assert gc.get_freeze_count() > 50_000, gc.get_freeze_count()
+        assert "torch._dynamo" not in sys.modules
+        for name in ("transfer_queue", "tensordict"):
+            loader = sys.modules[name].__spec__.loader
+            assert type(loader).__module__ != "replay.tq_runtime" and sys.modules[name].__loader__ is loader, (name, loader)
+        assert (resources.files("transfer_queue") / "config.yaml").is_file()
+        assert not pause_gc_until_transfer_queue(), "TQ is imported already: nothing to pause for"
+        print("OK")
+        """
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
+
+
+def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_transfer_queue():
+    out = _python(
+        """
+        import gc, time
+        from replay.tq_runtime import pause_gc_until_transfer_queue, resume_gc
+        assert pause_gc_until_transfer_queue(max_s=0.3) and not gc.isenabled()
+        time.sleep(1.0)
+        assert gc.isenabled(), "still paused after max_s"
+        resume_gc()  # idempotent
+        assert gc.isenabled()
+        print("OK")
+        """,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
