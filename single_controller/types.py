@@ -82,6 +82,8 @@ class TrainChunk:
             return None
         if len(self.advantages) != len(self.row_keys):
             raise ValueError(f"chunk {self.chunk_index}: {len(self.advantages)} advantages for {len(self.row_keys)} keys")
+        if keys == self.row_keys:  # one rank: all of them, in order
+            return list(self.advantages)
         by_key = dict(zip(self.row_keys, self.advantages))
         return [by_key[k] for k in keys]
 

@@ -94,6 +94,21 @@ def test_hand_cases():
     # Ranks: 3 | 2, then 1 joins the lighter rank -> a | b c; rank 0 splits 1 row into 2 microbatches.
     split = dp_split(["a", "b", "c"], [3, 2, 1], 2, 2)
     assert split.microbatches == ((("a",), ()), (("b",), ("c",)))
+    # One rank, one microbatch: every row in chunk order (the greedy's answer, taken without it).
+    split = dp_split(keys_for([2, 9, 4, 9]), [2, 9, 4, 9], 1)
+    assert split.microbatches == ((("r0", "r1", "r2", "r3"),),) and split.tokens == ((24,),)
+    assert balanced_partition([], 1) == [[]]
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        balanced_partition([3, -1], 1)
+
+
+def test_rank_advantages_follow_the_keys_asked_for():
+    chunk = TrainChunk(1, 0, ("a", "b", "c"), (4, 4, 4), ("reward",), (0.5, -1.0, 2.0))
+    assert chunk.rank_advantages(("a", "b", "c")) == [0.5, -1.0, 2.0]  # one rank: all, in order
+    assert chunk.rank_advantages(("c", "a")) == [2.0, 0.5]
+    assert TrainChunk(1, 0, ("a",), (4,), ("reward",)).rank_advantages(("a",)) is None
+    with pytest.raises(ValueError, match="2 advantages for 3 keys"):
+        TrainChunk(1, 0, ("a", "b", "c"), (4, 4, 4), ("reward",), (0.5, 1.0)).rank_advantages(("a", "b", "c"))
 
 
 def test_split_chunk_and_errors():
