@@ -315,7 +315,8 @@ def ray_session(
     `cfg.num_cpus` or max(min_cpus, os.cpu_count()). `env_vars` go to every worker (`runtime_env`),
     e.g. `worker_env(cfg.backend.torch_threads)`. `setup_hook` ("module.function") runs in every
     worker process before its actor class loads (Ray's `worker_process_setup_hook`); by default
-    TransferQueue is imported there without torch._dynamo (`replay.tq_runtime.worker_process_setup`).
+    TransferQueue is imported there without torch._dynamo, and with the cyclic collector paused until
+    it is in (`replay.tq_runtime.worker_process_setup`).
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started.
     """
