@@ -20,6 +20,7 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
     assert re.search(r"worst: overlap [\d.]+ .*select p99 [\d.]+ ms", out)
     assert "long run: 20 steps of 1 groups" in out
+    assert re.search(r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms", out)
 
 
 # -- the meter that tells the simulated workers' time from the controller's -----------------------
