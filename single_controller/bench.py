@@ -254,10 +254,11 @@ its share of the groups one at a time, W * T / P seconds per group), and prints:
 The controller runs on the event loop a real run gives it: Ray's loop for an async actor, uvloop
 where installed (`RAY_USE_UVLOOP=0` measures asyncio's own loop; the header names the loop).
 The header also gives what this machine charges for one wake-up of an idle event loop (a bare loop
-of that kind sleeping 2 ms, then 100 ms at a time, no other work). The controller pays it whenever
-it wakes from a quiet stretch: with one worker about once per group (~2 ms apart at 256 x 1), at
-16 groups per step a few times per step, ~100 ms apart. On a virtual machine it can be tens to
-hundreds of us, and the code that runs next starts on cold caches.
+of that kind with one timer that fires and re-arms itself every 2 ms, then every 100 ms). The
+controller pays at least that whenever it wakes from a quiet stretch: with one worker about once
+per group (~2 ms apart at 256 x 1), at 16 groups per step a few times per step, ~100 ms apart. On
+a virtual machine it can be tens to hundreds of us, and the code that runs next starts on cold
+caches.
 After the sweep over groups per step, a least-squares line through the points' controller CPU
 per step splits it into a fixed cost per step (trainer calls, weight sync to every worker, the step's
 record) and a marginal cost per group.
@@ -269,13 +270,25 @@ which should stay flat (target +-10 %) once the pipeline is full.
 
 def idle_wakeup_cpu_s(wakeups: int, sleep_s: float) -> float:
     """Process CPU seconds of one wake-up of an otherwise idle event loop, of the kind the benchmarks
-    run on: `wakeups` sleeps of `sleep_s`, nothing else (the machine's floor under a controller that
-    wakes from quiet stretches)."""
+    run on: one timer that fires and re-arms itself `wakeups` times, `sleep_s` apart, nothing else
+    (the machine's floor under a controller that wakes from quiet stretches)."""
 
     async def sleeps() -> float:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        left = wakeups
+
+        def wake() -> None:
+            nonlocal left
+            left -= 1
+            if left:
+                loop.call_later(sleep_s, wake)
+            else:
+                done.set_result(None)
+
         cpu0 = time.process_time()
-        for _ in range(wakeups):
-            await asyncio.sleep(sleep_s)
+        loop.call_later(sleep_s, wake)
+        await done
         return (time.process_time() - cpu0) / wakeups
 
     return _run_on_loop(sleeps())
@@ -350,7 +363,7 @@ def main_scale(argv: list[str] | None = None) -> int:
           f"event loop {_loop_name()}")
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
     print(f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
-          f"{long * 1e6:.0f} us after 100 ms (a bare loop, nothing else)")
+          f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)")
     print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
     per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
