@@ -26,7 +26,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,16 +37,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from free_ports import free_port  # noqa: E402  (distinct ports: Ray refuses one port for two components)
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 START_S = 150  # one `ray start` on a loaded 2-core machine took 40 s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -108,22 +104,22 @@ class Cluster:
         self.temp_dir = f"/tmp/scg-{uuid.uuid4().hex[:8]}"  # Ray's socket paths must stay short
         self.env = _env()
         self.nodes: list[Lines] = []
-        self.gcs_port = _free_port()
+        self.gcs_port = free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
 
     def _ports(self) -> list[str]:
         return [
-            f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
             "--min-worker-port=0", "--max-worker-port=0",  # workers bind any free port
-            f"--metrics-export-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+            f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
         ]
 
     def start(self) -> None:
         ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
         head = ray + [
-            "--head", f"--port={self.gcs_port}", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}", f"--temp-dir={self.temp_dir}",
+            "--head", f"--port={self.gcs_port}", "--include-dashboard=false", f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}", f"--temp-dir={self.temp_dir}",
             "--node-ip-address=127.0.0.1", "--num-cpus=3", '--resources={"node_a": 1}', *self._ports(),
         ]
         self.nodes.append(Lines(head, cwd=self.tmp, env=self.env))

@@ -4,7 +4,8 @@ equivalence on 2 gloo ranks (acceptance 1)."""
 import dataclasses
 import os
 import random
-import socket
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from single_controller.config import ModelConfig, TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.tasks import TOKENIZER
 from single_controller.types import LossConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from free_ports import free_port  # noqa: E402
 
 torch.set_num_threads(1)
 SMALL = ModelConfig(d_model=32, n_heads=2, n_layers=2)
@@ -323,16 +327,10 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -361,7 +359,6 @@ def test_the_trainer_never_imports_dynamo_and_steps_exactly_like_torch_adamw():
     torch._dynamo import (~1.3 s of CPU per trainer process at start-up), and the same weights as
     torch.optim.AdamW's own step(), bit for bit."""
     import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent(

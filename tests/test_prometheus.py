@@ -31,8 +31,8 @@ import math
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -49,6 +49,9 @@ from single_controller.config import Config, EvalConfig, RolloutConfig, RunConfi
 from single_controller.controller import Controller
 from single_controller.metrics import start_metrics_server
 from single_controller.state import Workers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from free_ports import free_port  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -208,12 +211,6 @@ class SimRun:
 
 # ---------------------------------------------------------------------------------------------
 # a Prometheus server on loopback
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Prometheus:
     def __init__(self, tmp: pathlib.Path, target_port: int):
         self.port = free_port()

@@ -9,24 +9,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 command -v prometheus >/dev/null || fx_fail "the prometheus binary is not installed (apt-get install prometheus)"
 STEPS=$(fx_pick 60 100)  # ~10 s of training on the CPU: enough 1 s scrapes for the 4 s rate() windows
 log="$FX_OUT/run.log"
-# A free port outside the kernel's ephemeral range (32768-60999 by default) and Ray's worker ports
-# (10002-19999): a port the kernel hands out can be taken by one of the run's own processes (Ray's
-# gRPC servers, TransferQueue's sockets) before the controller binds it, and the run then serves on
-# the next port while Prometheus scrapes this one.
-port=$("$FX_PY" -c '
-import random, socket
-for _ in range(200):
-    port = random.randint(20000, 32000)
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-    print(port)
-    break
-else:
-    raise SystemExit("no free port in 20000-32000")
-')
+# A free port outside the kernel's ephemeral range and Ray's worker ports (tests/free_ports.py): a
+# port the kernel hands out can be taken by one of the run's own processes before the controller
+# binds it, and the run then serves on the next port while Prometheus scrapes this one.
+port=$("$FX_PY" "$FX_HERE/../free_ports.py") || fx_fail "no free port for the run's metrics"
 fx_start "$log" "$FX_CONFIG" "${FX_COMMON[@]}" run.max_steps="$STEPS" metrics.port="$port"
 target=127.0.0.1:$port
 # Prometheus starts while the run starts up, and scrapes it until it exits.
