@@ -8,6 +8,7 @@ import torch
 from single_controller.backends.cpu.model import (
     HFCausalLMPolicy,
     TinyGPT,
+    pad_right,
     build_tinygpt,
     state_module,
     load_tinygpt,
@@ -148,3 +149,25 @@ def test_hf_causal_lm_adapter():
     assert metrics["train/tokens"] == 48 and metrics["train/gen_logprob_gap"] < 1e-5  # same weights: on-policy
     load_snapshot(state_module(policy), trainer.publish_weights(1))
     assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), trainer.policy.parameters()))
+
+
+def test_pad_right_equals_padding_row_by_row():
+    """`pad_right` writes all rows at once; it must give exactly what padding each row does, for
+    every dtype (bool included), cast, padding value, empty rows and an empty batch."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        lengths = torch.randint(0, 7, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+        for dtype, value in [(torch.float32, 0.0), (torch.long, -1), (torch.bool, False), (torch.float64, 1.5)]:
+            rows = [(torch.rand(n, generator=g) * 10).to(dtype) for n in lengths]
+            width = max(lengths, default=0)
+            want = torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=dtype)]) for r in rows]) if rows else None
+            if rows and dtype is not torch.bool:
+                assert torch.equal(want, pad_sequence(rows, batch_first=True, padding_value=value))
+            for cast in (None, torch.float64, torch.long):
+                got = pad_right(rows, value, cast)
+                if not rows:
+                    assert got.shape == (0, 0) and got.dtype == (cast or torch.float32)
+                    continue
+                assert got.dtype == (cast or dtype) and torch.equal(got, want if cast is None else want.to(cast)), (lengths, dtype, cast)

@@ -291,7 +291,7 @@ class TrainerCore:
             return 0
         bad = [
             i for i, (r, g, m) in enumerate(zip(rows["response_ids"], rows["gen_logprobs"], rows["response_mask"]))
-            if not len(r) == len(g) == len(m)
+            if not r.shape[0] == g.shape[0] == m.shape[0]
         ]
         if bad:
             raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
