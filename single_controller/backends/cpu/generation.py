@@ -118,9 +118,10 @@ class GenerationCore:
         for i, r in enumerate(requests):
             s = r.sampling
             passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_id)].append(i)
-        # Per request: (token ids [n], logprobs [n], mask [n], response text) of each row. The tensors
-        # are views into the pass's [B, N] outputs; every storage copies what it is given.
-        responses: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]] = [[] for _ in requests]
+        # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
+        # tensors are split from the pass's outputs in one call per field (slicing them row by row
+        # cost ~10 us a row); every storage copies what it is given.
+        responses: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, int]]] = [[] for _ in requests]
         for (_, temperature, top_p, max_new, stop), idx in passes.items():
             prompt_ids = torch.tensor(
                 [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
@@ -138,14 +139,15 @@ class GenerationCore:
                 greedy=greedy,
             )
             token_lists, lengths = out.tokens.tolist(), out.lengths.tolist()
+            generated = torch.arange(out.tokens.shape[1])[None, :] < out.lengths[:, None]  # [B, N]
+            ids, lps, masks = (torch.split(x[generated], lengths) for x in (out.tokens, out.logprobs, out.mask))
             row = 0
             for i in idx:
                 for _ in range(requests[i].sampling.n):
                     n = lengths[row]
                     # The reward sees the text without a final stop token.
                     text_ids = token_lists[row][: n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n]
-                    view = (out.tokens[row, :n], out.logprobs[row, :n], out.mask[row, :n], self.tokenizer.decode(text_ids))
-                    responses[i].append(view)
+                    responses[i].append((ids[row], lps[row], masks[row], self.tokenizer.decode(text_ids), n))
                     row += 1
 
         with self._write_lock:
@@ -153,10 +155,8 @@ class GenerationCore:
 
     def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
         """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
-        keys, results = [], []
-        cols: dict[str, list] = {
-            "prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "token_versions": [], "reward": []
-        }
+        keys, results, lengths = [], [], []
+        cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
         cancelled = self._cancelled
         eval_rows = eval_tokens = n_eval = 0
         for r, rows in zip(requests, responses):
@@ -164,13 +164,13 @@ class GenerationCore:
                 results.append(None)  # cancelled while sampling: no result wanted, no row stored
                 continue
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
-            rewards = [float(self.reward_fn(r.prompt, text)) for *_, text in rows]
+            rewards = [float(self.reward_fn(r.prompt, text)) for *_, text, _ in rows]
             results.append(
                 GenerationResult(
                     group_id=r.group_id,
                     rewards=tuple(rewards),
-                    response_lengths=tuple(len(ids) for ids, *_ in rows),
-                    prompt_length=len(prompt),
+                    response_lengths=tuple(n for *_, n in rows),
+                    prompt_length=len(r.prompt.token_ids),
                     version_start=version,
                     version_end=version,
                 )
@@ -178,17 +178,18 @@ class GenerationCore:
             if r.eval:  # scored, never stored
                 n_eval += 1
                 eval_rows += len(rows)
-                eval_tokens += sum(len(ids) for ids, *_ in rows)
+                eval_tokens += sum(n for *_, n in rows)
                 continue
             cols["prompt_ids"].extend(prompt for _ in rows)
             cols["response_ids"].extend(ids for ids, *_ in rows)
             cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
-            cols["response_mask"].extend(mask for _, _, mask, _ in rows)
-            cols["token_versions"].extend(torch.full((len(ids),), version, dtype=torch.int64) for ids, *_ in rows)
+            cols["response_mask"].extend(mask for _, _, mask, *_ in rows)
+            lengths.extend(n for *_, n in rows)
             cols["reward"].extend(rewards)
             keys.extend(r.row_keys)
         if keys:
             columns: dict[str, Any] = dict(cols)
+            columns["token_versions"] = list(torch.split(torch.full((sum(lengths),), version, dtype=torch.int64), lengths))
             columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
             self.storage.put_rows_sync(keys, columns)
         self._written.update(res.group_id for res in results if res is not None)
@@ -196,7 +197,7 @@ class GenerationCore:
         self._counts["groups"] += sum(res is not None for res in results) - n_eval
         self._counts["eval_requests"] += n_eval
         self._counts["rows"] += len(keys) + eval_rows
-        self._counts["tokens"] += sum(len(t) for t in cols["response_ids"]) + eval_tokens
+        self._counts["tokens"] += sum(lengths) + eval_tokens
         self._last_batch_s = time.perf_counter() - started
         return results
 
