@@ -83,7 +83,7 @@ def world():
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
 
-    from single_controller.backends.cpu.ray_workers import free_port
+    from free_ports import free_port
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

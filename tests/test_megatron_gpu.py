@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
-    from single_controller.backends.cpu.ray_workers import free_port
+    from free_ports import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.config import TrainConfig
     from single_controller.types import LossConfig

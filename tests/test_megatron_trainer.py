@@ -83,7 +83,7 @@ def single(hf_dir):
     """This process as a 1-rank world (TP=1, DP=1): the full-batch reference."""
     import torch.distributed as dist
 
-    from single_controller.backends.cpu.ray_workers import free_port
+    from free_ports import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
 
     torch.set_num_threads(1)
@@ -99,13 +99,14 @@ def pair():
     """Two rank actors in one gloo world; tests `build` them with the layout they need."""
     import ray
 
+    from free_ports import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
 
     ray_init()
     cls = ray.remote(MegatronRankActor)
     storage = functools.partial(filled_storage, N_ROWS, STORED_SEED)  # each rank builds the same store
     ranks = [cls.options(num_cpus=0).remote(r, 2, storage) for r in range(2)]
-    port = ray.get(ranks[0].free_port.remote())
+    port = free_port()
     ray.get([r.join.remote("127.0.0.1", port, 60) for r in ranks])
     yield ranks
     ray.get([r.close.remote() for r in ranks])

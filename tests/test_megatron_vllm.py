@@ -50,7 +50,7 @@ ROUNDS = 3
 
 
 def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path):
-    from single_controller.backends.cpu.ray_workers import free_port
+    from free_ports import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.backends.vllm.worker import VllmGenerationActor
 

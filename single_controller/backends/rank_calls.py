@@ -21,7 +21,6 @@ share a host. `node_info()` says where an actor runs.
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -62,13 +61,6 @@ def first_line(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Rendezvous (actor side, then controller side)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def node_ip() -> str:

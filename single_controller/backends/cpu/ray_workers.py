@@ -36,7 +36,6 @@ from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
     RankPlacement,
     first_line,
-    free_port,  # noqa: F401  (re-exported: tests and the Megatron backend import it from here)
     place_ranks,
     rank_call,
     rendezvous,

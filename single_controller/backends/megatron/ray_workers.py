@@ -35,7 +35,6 @@ from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
     RankPlacement,
     RankStepCalls,
-    free_port,
     join_store,
     node_address,
     node_info,
@@ -120,9 +119,6 @@ class MegatronRankActor(RankStepCalls):
         self.prefetcher = RowPrefetcher(self.storage) if self.storage is not None else None
         self.core = None
         self.model_dir: str | None = None
-
-    def free_port(self) -> int:
-        return free_port()
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP, a port free there): the rendezvous of the world when this is rank 0."""
