@@ -12,8 +12,8 @@ So a port comes from 20000-32000: below the kernel's ephemeral range (32768-6099
 outgoing connections and other bind-to-0 servers get theirs) and above Ray's worker ports
 (10002-19999). It is bindable when drawn, and never handed out twice by one process.
 
-Every test that picks a port uses it (Ray nodes, metrics endpoints, Prometheus, the trainers' rendezvous);
-`python tests/free_ports.py` prints one (the functional shell tests use it).
+Every test that picks a port uses it (Ray nodes, metrics endpoints, Prometheus, the trainers'
+rendezvous); `python tests/free_ports.py` prints one (the functional shell tests use it).
 """
 
 from __future__ import annotations
