@@ -145,17 +145,18 @@ def _require_ray() -> None:
         raise TQRuntimeError("Ray is not initialized in this process: call ray.init(...) before starting TransferQueue")
 
 
-def check_ray_cpus(num_storage_units: int, available_cpus: float) -> None:
-    """TQ's controller and each storage unit are `num_cpus=1` actors: with fewer free logical CPUs,
-    `tq.init` waits forever for them to be placed."""
+def check_ray_cpus(num_storage_units: int, available_cpus: float, one_process: bool = False) -> None:
+    """TQ's controller and each storage unit are `num_cpus=1` actors (one in all when they share a
+    process): with fewer free logical CPUs, `tq.init` waits forever for them to be placed."""
     if num_storage_units < 1:
         raise TQRuntimeError(f"num_storage_units must be >= 1, got {num_storage_units}")
-    needed = 1 + num_storage_units
+    needed = 1 if one_process else 1 + num_storage_units
     if available_cpus < needed:
+        what = "1 process for its controller and storage unit" if one_process else f"1 controller + {num_storage_units} storage unit(s)"
         raise TQRuntimeError(
-            f"TransferQueue needs {needed} free logical Ray CPUs (1 controller + {num_storage_units} storage "
-            f"unit(s)) but Ray has {available_cpus:g} available; tq.init would hang silently. Give Ray more "
-            f"logical CPUs (ray.init(num_cpus=...); these actors are mostly idle) or use fewer storage units."
+            f"TransferQueue needs {needed} free logical Ray CPUs ({what}) but Ray has {available_cpus:g} "
+            f"available; tq.init would hang silently. Give Ray more logical CPUs (ray.init(num_cpus=...); "
+            f"these actors are mostly idle) or use fewer storage units."
         )
 
 
@@ -164,8 +165,13 @@ def start_tq(
     *,
     storage_capacity: int | None = None,
     timeout_s: float = 180.0,
+    one_process: bool = True,
 ) -> TQRuntimeInfo:
     """Create TQ (controller + `num_storage_units` SimpleStorage units) on the connected Ray.
+
+    With one storage unit and `one_process` (`storage.tq_one_process`), the controller and the unit
+    share one actor process (`replay.tq_host`), created before this process imports TransferQueue,
+    so both imports run at once; otherwise each is an actor of its own, as `tq.init` makes them.
 
     Idempotent within the creating process. Raises `TQRuntimeError` if Ray is not initialized, lacks
     CPUs, or another process already runs TQ on this cluster (use `attach_tq` there), and
@@ -188,7 +194,8 @@ def start_tq(
                 "a TransferQueue controller already runs on this Ray cluster (started by another process): "
                 "use attach_tq() / storage.attach=true"
             )
-        check_ray_cpus(num_storage_units, ray.available_resources().get("CPU", 0.0))
+        one_process = one_process and num_storage_units == 1
+        check_ray_cpus(num_storage_units, ray.available_resources().get("CPU", 0.0), one_process)
 
         conf = {
             # KV API only; polling mode keeps a starving low-level fetch from stalling the controller.
@@ -202,7 +209,8 @@ def start_tq(
         t0 = time.perf_counter()
         try:
             with _gets_off_the_loop():
-                _call_with_deadline(lambda: _init_tq(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
+                init = _init_tq_one_process if one_process else _init_tq
+                _call_with_deadline(lambda: init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
         except BaseException:
             _kill_tq_actors(num_storage_units)
             _reset_tq_globals()
@@ -428,6 +436,38 @@ def _init_tq(conf: dict) -> None:
     tqi._maybe_create_tq_client(final)
 
 
+def _init_tq_one_process(conf: dict) -> None:
+    """TQ's controller and storage unit in one actor process (`replay.tq_host.TransferQueueHost`),
+    registered under the controller's name, then this process's client: what `tq.init` ends with.
+    The host is created before TransferQueue is imported here; an installed TransferQueue that is
+    not laid out as the host needs falls back to `_init_tq`."""
+    import ray
+
+    from replay.tq_host import TransferQueueHost, layout_supported
+
+    host = (
+        ray.remote(num_cpus=1)(TransferQueueHost)
+        .options(name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+        .remote(conf)
+    )
+    config = host.get_config.remote()  # runs once the host's servers are up and its config is stored
+    import_transfer_queue()
+    import transfer_queue.interface as tqi
+
+    if not layout_supported() or tqi._TQ_CONTROLLER is not None:
+        log.warning("replay/tq: this TransferQueue cannot share one process; starting its actors one by one")
+        ray.kill(host)
+        while _controller() is not None:  # the name is free once the host is gone (milliseconds)
+            time.sleep(0.05)
+        _init_tq(conf)
+        return
+    final = ray.get(config)
+    tqi._TQ_CONTROLLER = host
+    # `tq.close()` asks each storage handle to shut down, then kills it (and the controller's handle)
+    tqi._TQ_STORAGE = {"SimpleStorage": {"host": host}}
+    tqi._maybe_create_tq_client(final)
+
+
 @contextlib.contextmanager
 def _gets_off_the_loop():
     """Our blocking Ray calls here run on a worker thread (callers in async actors use
@@ -524,12 +564,12 @@ def attach_tq_storage(partition: str, timeout_s: float, group_rows: bool = False
 def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None):  # -> TQRowStorage
     """Start or attach (per `cfg.attach`) and return the row storage of `partition` (default
     `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`)."""
-    from replay.tq_storage import TQRowStorage
-
     if cfg.attach:
         attach_tq(timeouts.setup_s)
     else:
-        start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s)
+        start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s, one_process=cfg.tq_one_process)
+    from replay.tq_storage import TQRowStorage  # imports TransferQueue: after TQ's processes were created
+
     return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s, group_rows=cfg.pack_groups)
 
 

@@ -276,6 +276,11 @@ class StorageConfig:
     ends empty."""
     num_storage_units: int = 1
     """TransferQueue storage units started (each needs one logical Ray CPU)."""
+    tq_one_process: bool = True
+    """With one storage unit, run TransferQueue's controller and the unit in one actor process
+    (`replay/tq_host.py`) instead of one each: one Python process fewer importing torch and
+    TransferQueue at start-up (~2.5 s of CPU). More storage units always get a process each, as
+    TransferQueue starts them."""
     pack_groups: bool = True
     """One TransferQueue key per prompt group, its rows packed together, instead of one key per row:
     TransferQueue's cost is per key, so a step's data plane costs ~2.5x less CPU. Rows are still read

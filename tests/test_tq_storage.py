@@ -539,13 +539,21 @@ LEAK_SCRIPT = textwrap.dedent(
         TQRowStorage("leak")  # no client in this process yet
     except TQRuntimeError as e:
         out["no_client"] = str(e)
-    start_tq(num_storage_units=1)
-    s = TQRowStorage("leak", timeout_s=30)
-    s.put_rows_sync(["k_g0"], {"reward": torch.tensor([0.5])})
-    out["read"] = s.get_rows_sync(["k_g0"], ["reward"])["reward"].tolist()
     me = psutil.Process()
-    out["pids"] = {p.pid: " ".join(p.cmdline()) for p in me.children(recursive=True)}
-    stop_tq(); stop_tq()          # idempotent
+    import replay.tq_host
+    supported = replay.tq_host.layout_supported
+    # the default (controller and unit in one process), TQ's own layout, and the fallback to it when
+    # the installed TransferQueue is not laid out as the host needs (the host is then replaced)
+    for layout, one_process in (("one", True), ("per_actor", False), ("fallback", True)):
+        replay.tq_host.layout_supported = (lambda: False) if layout == "fallback" else supported
+        while ray.available_resources().get("CPU", 0) < 2:  # a killed actor's CPU comes back a moment later
+            time.sleep(0.05)
+        start_tq(num_storage_units=1, one_process=one_process)
+        s = TQRowStorage("leak", timeout_s=30)
+        s.put_rows_sync(["k_g0"], {"reward": torch.tensor([0.5])})
+        out["read_" + layout] = s.get_rows_sync(["k_g0"], ["reward"])["reward"].tolist()
+        out["pids_" + layout] = {p.pid: " ".join(p.cmdline()) for p in me.children(recursive=True)}
+        stop_tq(); stop_tq()          # idempotent
     ray.shutdown()
     stop_tq()                     # safe after ray.shutdown too
     print("RESULT" + json.dumps(out))
@@ -554,22 +562,29 @@ LEAK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.tq
-def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes(leak_probe):
+def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes_in_each_layout(leak_probe):
     import psutil
 
     stdout, stderr = leak_probe.communicate(timeout=120)
     assert leak_probe.returncode == 0, stderr[-3000:]
     out = json.loads(stdout.split("RESULT", 1)[1])
     assert "needs 3 free logical Ray CPUs" in out["refused"] and out["refuse_s"] < 5
-    assert out["read"] == [0.5]
     assert "no TransferQueue client in this process" in out["no_client"]
-    cmdlines = out["pids"].values()
-    assert any("TransferQueueController" in c for c in cmdlines), cmdlines  # we did see TQ's processes
-    assert any("SimpleStorageUnit" in c for c in cmdlines), cmdlines
+
+    def tq_processes(layout):
+        names = ("TransferQueueHost", "TransferQueueController", "SimpleStorageUnit")
+        return sorted(n for c in out["pids_" + layout].values() for n in names if f"ray::{n}" in c)
+
+    for layout in ("one", "per_actor", "fallback"):
+        assert out["read_" + layout] == [0.5], layout
+    # we did see TQ's processes: one host, or a controller and a unit
+    assert tq_processes("one") == ["TransferQueueHost"]
+    assert tq_processes("per_actor") == tq_processes("fallback") == ["SimpleStorageUnit", "TransferQueueController"]
+    pids = {pid: cmd for layout in ("one", "per_actor", "fallback") for pid, cmd in out["pids_" + layout].items()}
     deadline = time.monotonic() + 10  # ray.shutdown reaps asynchronously
     while True:
         alive = []
-        for pid, cmd in out["pids"].items():
+        for pid, cmd in pids.items():
             try:
                 p = psutil.Process(int(pid))
                 if p.status() != psutil.STATUS_ZOMBIE and " ".join(p.cmdline()) == cmd:
