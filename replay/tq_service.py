@@ -49,7 +49,8 @@ def serve(address: str, storage_units: int, timeout_s: float) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
-            info = start_tq(storage_units, timeout_s=timeout_s)
+            # TQ's own layout on a cluster: it places the units across the nodes (`storage.tq_one_process` is for one machine)
+            info = start_tq(storage_units, timeout_s=timeout_s, one_process=False)
         except (TQRuntimeError, DeadlineExceeded) as e:
             print(f"sc-grpo storage serve: {e}", file=sys.stderr, flush=True)
             return 1
