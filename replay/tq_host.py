@@ -21,7 +21,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from replay.tq_runtime import STORAGE_UNIT_NAME, import_transfer_queue
+from replay.tq_runtime import STORAGE_UNIT_NAME, full_tq_config, import_transfer_queue, tq_sampler_class
+
 # What the host calls on TransferQueue's server classes.
 _CONTROLLER_METHODS = ("get_zmq_server_info", "store_config", "get_config")
 _UNIT_METHODS = ("get_zmq_server_info", "shutdown")
@@ -50,25 +51,11 @@ def layout_supported() -> bool:
     )
 
 
-def full_config(overrides: dict) -> Any:
-    """TransferQueue's default config with `overrides` merged in, as `tq.init` builds it."""
-    from importlib import resources
-
-    from omegaconf import OmegaConf
-
-    return OmegaConf.merge(
-        OmegaConf.create({}, flags={"allow_objects": True}),
-        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
-        overrides,
-    )
-
-
 class TransferQueueHost:
     """One Ray actor process running TransferQueue's controller and its SimpleStorage unit(s)."""
 
     def __init__(self, overrides: dict) -> None:
         import_transfer_queue()
-        import transfer_queue.interface as tqi
         from transfer_queue.controller import TransferQueueController
         from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -77,11 +64,11 @@ class TransferQueueHost:
                 "this TransferQueue is not laid out as replay.tq_host needs (checked against 0.1.11): "
                 "set storage.tq_one_process=false"
             )
-        final = full_config(overrides)
+        final = full_tq_config(overrides)
         if final.backend.storage_backend != "SimpleStorage":
             raise ValueError(f"one TransferQueue process hosts SimpleStorage only, not {final.backend.storage_backend}")
-        sampler = getattr(tqi, str(final.controller.sampler), None)
-        if not isinstance(sampler, type):
+        sampler = tq_sampler_class(final)
+        if sampler is None:
             raise ValueError(f"unknown TransferQueue sampler {final.controller.sampler!r}")
         self._controller = plain_class(TransferQueueController)(sampler=sampler(), polling_mode=final.controller.polling_mode)
         unit_conf = dict(final.backend.SimpleStorage)

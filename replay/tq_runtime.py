@@ -395,6 +395,28 @@ _INIT_INTERNALS = (
 )
 
 
+def full_tq_config(overrides: dict) -> Any:
+    """TransferQueue's default config with `overrides` merged in, as `tq.init` builds it."""
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(
+        OmegaConf.create({}, flags={"allow_objects": True}),
+        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
+        overrides,
+    )
+
+
+def tq_sampler_class(final: Any) -> type | None:
+    """The sampler class a full TQ config names (`controller.sampler`, one of TQ's), or None."""
+    import transfer_queue.interface as tqi
+
+    name = final.controller.sampler
+    cls = getattr(tqi, name, None) if isinstance(name, str) else None
+    return cls if isinstance(cls, type) else None
+
+
 def _init_tq(conf: dict) -> None:
     """`tq.init(conf)` with its controller and storage units starting at the same time.
 
@@ -404,23 +426,15 @@ def _init_tq(conf: dict) -> None:
     storage units' addresses only with the config stored at the end: here both are created first and
     waited for together; the rest is what `tq.init` does (config stored on the controller, this
     process's client). Checked against TransferQueue 0.1.11; any other layout falls back to `tq.init`."""
-    from importlib import resources
-
     import ray
-    from omegaconf import OmegaConf
 
     tq = import_transfer_queue()
     import transfer_queue.interface as tqi
     if not all(hasattr(tqi, name) for name in _INIT_INTERNALS) or tqi._TQ_CONTROLLER is not None:
         tq.init(conf)
         return
-    final = OmegaConf.merge(
-        OmegaConf.create({}, flags={"allow_objects": True}),
-        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
-        conf,
-    )
-    sampler_name = final.controller.sampler
-    sampler_cls = getattr(tqi, sampler_name, None) if isinstance(sampler_name, str) else None
+    final = full_tq_config(conf)
+    sampler_cls = tq_sampler_class(final)
     provider = tqi.StorageBootstrapProvider.get_provider(final.backend.storage_backend)
     if sampler_cls is None or provider is None or final.metrics.enabled:
         tq.init(conf)
