@@ -81,7 +81,7 @@ class TransferQueueHost:
         final.backend.SimpleStorage.zmq_info = {name: u.get_zmq_server_info() for name, u in self._units.items()}
         self._controller.store_config(final)
 
-    # What TransferQueue calls on its controller's handle (and the units' `get_zmq_server_info`).
+    # What TransferQueue calls on its controller's handle (attaching processes: `get_config`).
     def get_zmq_server_info(self) -> Any:
         return self._controller.get_zmq_server_info()
 
