@@ -127,12 +127,17 @@ class RowPrefetcher:
     exactly what a fresh read returns. A failed prefetch is forgotten and the rows are read again (so
     the error, if real, surfaces from `fetch`). Entries not consumed within `keep_batches` later
     prefetches are dropped, bounding memory when a hinted group is never trained here.
+
+    Thread-safe: a rank actor takes `prefetch` on its own thread (`rank_calls.PREFETCH_GROUP`), so a
+    hint starts the read while a microbatch is computing instead of queueing behind it.
     """
 
     def __init__(self, storage: SyncRowReader, keep_batches: int = 8):
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         self.storage = storage
+        self._lock = threading.Lock()  # guards _entries, _batch and the counts
         self.keep_batches = keep_batches
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         self._entries: dict[str, tuple[int, Any, int, tuple[str, ...]]] = {}  # key -> (batch, future, index, fields)
@@ -141,26 +146,29 @@ class RowPrefetcher:
 
     def take_hit_rate(self) -> float:
         """The share of fetches served by a prefetch since the last call (0 when none); resets the counts."""
-        rate = self.hits / max(1, self.hits + self.misses)
-        self.hits = self.misses = 0
+        with self._lock:
+            rate = self.hits / max(1, self.hits + self.misses)
+            self.hits = self.misses = 0
         return rate
 
     def prefetch(self, keys: Sequence[str], fields: Sequence[str]) -> None:
-        keys = [k for k in keys if k not in self._entries]
-        if not keys:
-            return
-        self._batch += 1
-        fut = self._pool.submit(fetch_rows, self.storage, list(keys), list(fields))
-        for i, k in enumerate(keys):
-            self._entries[k] = (self._batch, fut, i, tuple(fields))
-        stale = [k for k, (b, *_rest) in self._entries.items() if b <= self._batch - self.keep_batches]
-        for k in stale:
-            del self._entries[k]
+        with self._lock:
+            keys = [k for k in keys if k not in self._entries]
+            if not keys:
+                return
+            self._batch += 1
+            fut = self._pool.submit(fetch_rows, self.storage, list(keys), list(fields))
+            for i, k in enumerate(keys):
+                self._entries[k] = (self._batch, fut, i, tuple(fields))
+            stale = [k for k, (b, *_rest) in self._entries.items() if b <= self._batch - self.keep_batches]
+            for k in stale:
+                del self._entries[k]
 
     def fetch(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
         rows: dict[str, dict[str, Any]] = {}
-        for k in keys:
-            entry = self._entries.pop(k, None)
+        with self._lock:
+            entries = [(k, self._entries.pop(k, None)) for k in keys]
+        for k, entry in entries:
             if entry is None or not set(fields) <= set(entry[3]):
                 continue
             _, fut, i, _ = entry
@@ -170,8 +178,9 @@ class RowPrefetcher:
                 continue  # read again below; a real error will surface there
             rows[k] = {f: got[f][i] for f in fields}
         missing = [k for k in keys if k not in rows]
-        self.hits += len(rows)
-        self.misses += len(missing)
+        with self._lock:
+            self.hits += len(rows)
+            self.misses += len(missing)
         if missing:
             got = fetch_rows(self.storage, missing, fields)
             for i, k in enumerate(missing):
@@ -184,7 +193,8 @@ class RowPrefetcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
 
 def with_advantages(rows: Mapping[str, Any], advantages: Sequence[float] | None) -> Mapping[str, Any]:

@@ -289,6 +289,54 @@ def test_trainer_state_round_trip_resumes_the_same_step(workers, loop, tmp_path)
     assert after.next_step == status.next_step and after.open_step is None
 
 
+def test_a_rank_takes_read_ahead_hints_while_a_microbatch_runs(cluster, loop, tmp_path):
+    """A prefetch hint reaches the rank while it is busy with a microbatch and its read starts then
+    (its own thread, `rank_calls.PREFETCH_GROUP`), not after the microbatch, finish and export
+    queued on the rank. Here the microbatch's own read takes 3 s (then fails); the hint is sent
+    during it and its read must begin and be logged before that read ends."""
+    import json
+    import time
+
+    import ray
+
+    from replay.storage import ROLLOUT_SCHEMA, StorageReadError
+    from single_controller.backends.cpu.ray_workers import start_torch_trainer
+
+    log = tmp_path / "reads.jsonl"
+
+    class SlowReads:  # defined here: pickled by value into the rank's process
+        schema = ROLLOUT_SCHEMA
+
+        def __init__(self, path: str):
+            self.path = path
+
+        def get_rows_sync(self, keys, fields):
+            t0 = time.time()
+            if keys[0].startswith("slow"):
+                time.sleep(3.0)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"keys": list(keys), "start": t0, "end": time.time()}) + "\n")
+            raise StorageReadError(f"{keys}: not stored (test)")
+
+    cfg = dataclasses.replace(CFG, backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=1))
+    group = run(loop, start_torch_trainer(cfg, functools.partial(SlowReads, str(log))), timeout=120)
+    try:
+        run(loop, group.begin_train_step(0, LossConfig()))
+        busy = group.ranks[0].train_microbatch_keys.remote(0, ["slow-0"], list(TRAIN_ROW_FIELDS), [0.0])
+        time.sleep(0.5)  # the microbatch is reading
+        hint = TrainChunk(1, -1, ("hint-0",), (5,), TRAIN_ROW_FIELDS)
+        run(loop, group.prefetch(hint), timeout=2.5)  # queued behind the microbatch, it would take >= 2.5 s
+        assert not ray.wait([busy], timeout=0)[0], "the hint was answered only after the microbatch"
+        with pytest.raises(ray.exceptions.RayTaskError, match="not stored"):
+            ray.get(busy, timeout=30)
+        reads = {r["keys"][0]: r for r in map(json.loads, log.read_text().splitlines())}
+        assert set(reads) == {"slow-0", "hint-0"}, reads
+        assert reads["hint-0"]["start"] < reads["slow-0"]["end"], reads  # read during the microbatch
+        run(loop, group.abort_train_step(0))
+    finally:
+        run(loop, group.shutdown())
+
+
 def test_shutdown_stops_the_actors(workers, loop):
     """Runs last: shuts the module's workers down (the fixture's own shutdown then finds them gone)."""
     import ray

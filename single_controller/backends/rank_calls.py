@@ -30,6 +30,15 @@ from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
 
 PLACEMENTS = ("pack", "spread")
+# A rank actor runs its split-API calls one at a time, in order. Read-ahead hints (`prefetch_keys`)
+# go to a concurrency group of their own, a second thread: a hint sent while a microbatch computes
+# starts its read at once instead of queueing behind that microbatch, the finish and the export (the
+# read then overlaps compute; queued, the next microbatch waited ~10 ms per step for it on two
+# cores). Rank actors are built with `ray.remote(concurrency_groups=RANK_CONCURRENCY)` and
+# `prefetch_keys` is called with `.options(concurrency_group=PREFETCH_GROUP)`; the method must be
+# thread-safe (`replay.fetch.RowPrefetcher` is).
+PREFETCH_GROUP = "prefetch"
+RANK_CONCURRENCY = {PREFETCH_GROUP: 1}
 # A bundle needs some resource; trainer ranks on CPU ask Ray for none (TransferQueue may hold every
 # logical CPU), so their spread bundles reserve this token share of a CPU.
 CPU_BUNDLE = {"CPU": 0.01}

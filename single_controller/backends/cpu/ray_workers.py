@@ -34,6 +34,8 @@ from replay.dp_split import split_chunk
 from single_controller.backends.deferred import deferred_actor
 from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
+    PREFETCH_GROUP,
+    RANK_CONCURRENCY,
     RankPlacement,
     first_line,
     place_ranks,
@@ -219,7 +221,10 @@ class CpuTrainerGroup:
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""
         split = split_chunk(chunk, len(self.ranks))
-        refs = [r.prefetch_keys.remote(split.rank_keys(i), list(chunk.fields)) for i, r in enumerate(self.ranks)]
+        refs = [
+            r.prefetch_keys.options(concurrency_group=PREFETCH_GROUP).remote(split.rank_keys(i), list(chunk.fields))
+            for i, r in enumerate(self.ranks)
+        ]
         await rank_call(f"prefetch(step={chunk.step})", refs)
 
     async def finish_train_step(self, step: int) -> StepResult:
@@ -515,7 +520,7 @@ async def start_torch_trainer(
     """Start `backend.num_trainer_ranks` trainer ranks where `backend.trainer_placement` puts them,
     join their gloo group at rank 0's address and build the policy (the `registry` starter contract)."""
     world = cfg.backend.num_trainer_ranks
-    rank_cls = ray.remote(TrainerRankActor)
+    rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(TrainerRankActor)
     cuda = cfg.backend.trainer_device == "cuda"
     res = {"num_cpus": 0, "num_gpus": 1} if cuda else {"num_cpus": 0}
     placement = await place_ranks(cfg.backend.trainer_placement, world, {"GPU": 1} if cuda else CPU_BUNDLE, cfg.timeouts.setup_s)

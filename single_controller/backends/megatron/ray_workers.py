@@ -33,6 +33,8 @@ import torch.distributed as dist
 from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
 from single_controller.backends.rank_calls import (
     CPU_BUNDLE,
+    PREFETCH_GROUP,
+    RANK_CONCURRENCY,
     RankPlacement,
     RankStepCalls,
     join_store,
@@ -371,7 +373,10 @@ class MegatronTrainerGroup:
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         split = split_chunk(chunk, self.dp)
-        refs = [r.prefetch_keys.remote(split.rank_keys(d), list(chunk.fields)) for r, d in zip(self.ranks, self.dp_ranks)]
+        refs = [
+            r.prefetch_keys.options(concurrency_group=PREFETCH_GROUP).remote(split.rank_keys(d), list(chunk.fields))
+            for r, d in zip(self.ranks, self.dp_ranks)
+        ]
         await rank_call(f"prefetch(step={chunk.step})", refs)
 
     async def finish_train_step(self, step: int) -> StepResult:
@@ -450,7 +455,7 @@ async def start_megatron_ranks(
     if not emulate_cpu:
         opts.setdefault("num_gpus", 1)
     where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": 1}, setup_timeout_s)
-    cls = ray.remote(MegatronRankActor)
+    cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(MegatronRankActor)
     ranks = [cls.options(**{**opts, **where.options[r]}).remote(r, num_ranks, storage_factory, torch_threads) for r in range(num_ranks)]
     try:
         if storage_ready is not None:
