@@ -15,6 +15,10 @@ Atomic: a checkpoint is written into `step_N.tmp`, every file and the folder are
 is renamed to `step_N` and `latest` is replaced (write aside, fsync, rename). A crash at any moment
 leaves `latest` naming a complete checkpoint (the previous one until the rename).
 
+In two phases: `stage_checkpoint` saves the cut (the trainer's state, the controller's serialized)
+between steps; `commit` (the fsyncs, the rename, `latest`, rotation) needs nothing of the run and
+may run while training goes on (the controller's periodic checkpoints do).
+
 The cut: at a checkpoint, groups not yet trained are not saved. Their prompts stay unsettled in the
 saved ledger with their live attempt removed, so a resume re-dispatches them with the same attempt
 number (and retry budget); the keys that attempt may have written are listed (`rolled_back`) so a
@@ -105,7 +109,18 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-async def write_checkpoint(
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """A checkpoint whose cut is saved (`stage_checkpoint`) but that is not durable or current yet:
+    `commit` (blocking; run it on a thread) finishes it and returns its size in bytes."""
+
+    step: int
+    path: str  # where it will be once committed
+    started: float  # clock() when staging began
+    commit: Callable[[], int]
+
+
+async def stage_checkpoint(
     run_dir: str | Path,
     step: int,
     controller_state: dict[str, Any],
@@ -113,10 +128,12 @@ async def write_checkpoint(
     *,
     keep: int,
     clock: Callable[[], float],
-) -> CheckpointInfo:
-    """Write checkpoint `step` atomically and keep the newest `keep` (0: all)."""
-    import asyncio
-
+) -> StagedCheckpoint:
+    """The part of checkpoint `step` that needs the cut: the trainer saves its state into
+    `step_N.tmp` and the controller's state is serialized now. Training may go on once this returns;
+    the returned `commit` writes the controller's part, fsyncs everything, renames the folder into
+    place, points `latest` at it and drops the oldest beyond `keep` (0: keeps all). Until `commit`
+    has returned, `latest` names the previous checkpoint."""
     t0 = clock()
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -126,9 +143,10 @@ async def write_checkpoint(
         shutil.rmtree(tmp)  # a crash mid-write of this very checkpoint
     tmp.mkdir()
     await save_trainer(str(tmp / "trainer"))
+    text = json.dumps({"format": FORMAT, **controller_state}) + "\n"  # now: the state moves on
 
-    def finish() -> int:
-        (tmp / "controller.json").write_text(json.dumps({"format": FORMAT, **controller_state}) + "\n", encoding="utf-8")
+    def commit() -> int:
+        (tmp / "controller.json").write_text(text, encoding="utf-8")
         _fsync_tree(tmp)
         if final.exists():  # re-taken after a resume from an earlier checkpoint
             shutil.rmtree(final)
@@ -141,8 +159,29 @@ async def write_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
         return tree_bytes(final)
 
-    num_bytes = await asyncio.to_thread(finish)  # fsyncs: off the event loop
-    return CheckpointInfo(str(final), step, clock() - t0, num_bytes)
+    return StagedCheckpoint(step, str(final), t0, commit)
+
+
+async def commit_checkpoint(staged: StagedCheckpoint, clock: Callable[[], float]) -> CheckpointInfo:
+    """Run `staged.commit` off the event loop (its fsyncs can take long on a slow disk)."""
+    import asyncio
+
+    num_bytes = await asyncio.to_thread(staged.commit)
+    return CheckpointInfo(staged.path, staged.step, clock() - staged.started, num_bytes)
+
+
+async def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    controller_state: dict[str, Any],
+    save_trainer: Callable[[str], Awaitable[Any]],
+    *,
+    keep: int,
+    clock: Callable[[], float],
+) -> CheckpointInfo:
+    """Write checkpoint `step` atomically (staged, then committed) and keep the newest `keep` (0: all)."""
+    staged = await stage_checkpoint(run_dir, step, controller_state, save_trainer, keep=keep, clock=clock)
+    return await commit_checkpoint(staged, clock)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:

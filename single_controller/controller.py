@@ -33,7 +33,7 @@ from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, 
 from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
-from single_controller.checkpoint import CheckpointInfo, config_fingerprint, write_checkpoint
+from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
 from single_controller.config import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
 from single_controller.deadlines import within
 from single_controller.protocols import Checkpointable
@@ -140,7 +140,8 @@ class Controller:
         self._last_step_end = self._t0
         self.run_dir = run_dir
         self._dataloader_state = dataloader_state
-        self.last_checkpoint: CheckpointInfo | None = None
+        self.last_checkpoint: CheckpointInfo | None = None  # the newest durable one
+        self._committing: asyncio.Task[CheckpointInfo] | None = None  # a periodic one, being committed
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
         if run_dir is not None and isinstance(workers.trainer, Checkpointable):
@@ -256,24 +257,40 @@ class Controller:
         # A next step already open (sent behind the finish, when no checkpoint was due then; the
         # time-based one may have come due since): the checkpoint waits for the next step boundary.
         if self._checkpoint_due(st.trainer_version) and not st.ledger.count(GroupState.SELECTED):
-            await self.checkpoint()
+            await self.checkpoint(durable=False)
 
-    async def checkpoint(self) -> CheckpointInfo:
-        """Write a checkpoint now (between steps)."""
+    async def checkpoint(self, *, durable: bool = True) -> CheckpointInfo | None:
+        """Write a checkpoint now (between steps) and return it once it is durable and `latest`.
+        `durable=False` (the periodic ones) returns once its cut is saved (`stage_checkpoint`): the
+        fsyncs, the rename and `latest` run in the background while training goes on (on a slow
+        disk they stalled a step by up to ~0.2 s), and the next checkpoint or the run's end waits
+        for them and raises their error, if any."""
         st = self.state
-        info = await within(
-            write_checkpoint(
-                self.run_dir,
-                st.trainer_version,
-                self.checkpoint_state(),
-                st.workers.trainer.save_state,
-                keep=self.cfg.checkpoint.keep,
-                clock=st.clock,
+        await self._checkpoint_committed()
+        step = st.trainer_version
+        staged = await within(
+            stage_checkpoint(
+                self.run_dir, step, self.checkpoint_state(), st.workers.trainer.save_state, keep=self.cfg.checkpoint.keep, clock=st.clock
             ),
             self.cfg.timeouts.train_call_s,
-            f"checkpoint of step {st.trainer_version}",
+            f"checkpoint of step {step}",
         )
-        self.last_checkpoint, self._last_checkpoint_t, self._last_checkpoint_step = info, st.clock(), info.step
+        self._last_checkpoint_t, self._last_checkpoint_step = st.clock(), step
+        self._committing = asyncio.ensure_future(commit_checkpoint(staged, st.clock))
+        return await self._checkpoint_committed() if durable else None
+
+    async def _checkpoint_committed(self) -> CheckpointInfo | None:
+        """Wait for the checkpoint being committed in the background, if any (None: there is none)."""
+        task = self._committing
+        if task is None:
+            return None
+        try:
+            info = await within(asyncio.shield(task), self.cfg.timeouts.train_call_s, "checkpoint commit (fsync, rename, latest)")
+        finally:
+            if task.done():
+                self._committing = None
+        st = self.state
+        self.last_checkpoint = info
         st.checkpoints_written += 1
         st.last_checkpoint_s = info.write_s
         return info
@@ -282,6 +299,12 @@ class Controller:
         """At the end of the run, before teardown settles anything: abort a step left open, then
         checkpoint the cut. A trainer that no longer answers keeps the last periodic checkpoint."""
         st = self.state
+        try:
+            await self._checkpoint_committed()  # a periodic one still being committed
+        except Exception as e:
+            if not failed:
+                raise
+            st.teardown_errors.append(f"checkpoint of step {self._last_checkpoint_step}: {type(e).__name__}: {e}")
         if self.state.after_step is None or not self.cfg.checkpoint.at_exit:
             return
         if st.trainer_version == self._last_checkpoint_step:

@@ -554,6 +554,61 @@ async def test_a_crash_mid_write_leaves_the_previous_checkpoint_valid(tmp_path, 
     assert read_controller_state(good)["step"] == 4
 
 
+def _sim_controller(cfg, run_dir):
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    return Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), run_dir=str(run_dir)), trainer
+
+
+async def test_a_periodic_checkpoint_commits_in_the_background_while_training_goes_on(tmp_path, monkeypatch):
+    """The fsyncs, rename and `latest` of a periodic checkpoint do not hold up training: steps go on
+    while step 2's checkpoint is still being committed, and `latest` names it only once it is."""
+    import threading
+    import time
+
+    from single_controller import checkpoint as ckpt
+
+    cfg = make_cfg(steps=6, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    ctl, trainer = _sim_controller(cfg, tmp_path)
+    real, seen = ckpt._fsync_tree, {}
+
+    def slow_fsync(path):
+        if path.name == "step_000002.tmp":  # committing step 2's checkpoint: wait for 2 more steps
+            deadline = time.monotonic() + 10
+            while len(trainer.trained) < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen.update(trained=len(trainer.trained), latest=(tmp_path / "checkpoints" / "latest").exists(),
+                        thread=threading.current_thread() is not threading.main_thread())
+        real(path)
+
+    monkeypatch.setattr(ckpt, "_fsync_tree", slow_fsync)
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert seen == {"trained": 4, "latest": False, "thread": True}
+    assert summary.checkpoint.step == 6 and latest_checkpoint(tmp_path).name == "step_000006"
+    assert ctl.state.checkpoints_written == 3
+    assert read_controller_state(latest_checkpoint(tmp_path))["step"] == 6
+
+
+async def test_a_checkpoint_that_fails_to_commit_stops_the_run_with_its_cause(tmp_path, monkeypatch):
+    from single_controller import checkpoint as ckpt
+
+    cfg = make_cfg(steps=8, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    ctl, trainer = _sim_controller(cfg, tmp_path)
+    real = ckpt._fsync_tree
+
+    def full_disk(path):
+        if path.name == "step_000004.tmp":
+            raise OSError(28, "No space left on device")
+        real(path)
+
+    monkeypatch.setattr(ckpt, "_fsync_tree", full_disk)
+    with pytest.raises(RunFailed, match=r"train pump failed: OSError: .*No space left on device") as failed:
+        await asyncio.wait_for(ctl.run(), 30)
+    assert failed.value.checkpoint.step == 2  # the newest one that is durable
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert trainer.optimizer_steps <= 6  # stopped at the next checkpoint, not at the end
+
+
 # -- issue 9: generation worker death -----------------------------------------------------------
 @pytest.mark.parametrize("restart_ok", [True, False])
 async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt(restart_ok):
