@@ -170,20 +170,6 @@ async def commit_checkpoint(staged: StagedCheckpoint, clock: Callable[[], float]
     return CheckpointInfo(staged.path, staged.step, clock() - staged.started, num_bytes)
 
 
-async def write_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    controller_state: dict[str, Any],
-    save_trainer: Callable[[str], Awaitable[Any]],
-    *,
-    keep: int,
-    clock: Callable[[], float],
-) -> CheckpointInfo:
-    """Write checkpoint `step` atomically (staged, then committed) and keep the newest `keep` (0: all)."""
-    staged = await stage_checkpoint(run_dir, step, controller_state, save_trainer, keep=keep, clock=clock)
-    return await commit_checkpoint(staged, clock)
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path:
     """The newest complete checkpoint of a run directory, or `CheckpointError` saying what is missing."""
     root = checkpoints_dir(run_dir)
