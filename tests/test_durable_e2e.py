@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -75,6 +76,14 @@ def _session_procs(pgid: int) -> list[psutil.Process]:
     return out
 
 
+def _alive(p: psutil.Process) -> bool:
+    """Not gone and not a zombie (a process listed a moment ago may have exited since)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _kill_whole_run(proc: subprocess.Popen) -> None:
     """kill -9 the driver and every process of its session (Ray's own included)."""
     sid = proc.pid
@@ -82,11 +91,12 @@ def _kill_whole_run(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        left = [p for p in _session_procs(sid) if p.status() != psutil.STATUS_ZOMBIE]
+        left = [p for p in _session_procs(sid) if _alive(p)]
         if not left:
             return
         for p in left:
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
         time.sleep(0.2)  # test code, not the controller
     raise AssertionError(f"processes of the killed run survive: {[p.pid for p in _session_procs(sid)]}")
 
