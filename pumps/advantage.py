@@ -17,7 +17,9 @@ Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in a
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Protocol, Sequence
 
 
@@ -36,11 +38,13 @@ def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float
     """
     G = len(rewards)
     mean = math.fsum(rewards) / G
-    centered = [r - mean for r in rewards]  # [G]
+    # (map over operator functions: the same arithmetic as a comprehension, without a bytecode
+    # loop per reward; this runs for every group)
+    centered = list(map(operator.sub, rewards, itertools.repeat(mean)))  # [G]
     if not normalize_std:
         return tuple(centered)
-    scale = math.sqrt(math.fsum([c * c for c in centered]) / G) + eps
-    return tuple([c / scale for c in centered])
+    scale = math.sqrt(math.fsum(map(operator.mul, centered, centered)) / G) + eps
+    return tuple(map(operator.truediv, centered, itertools.repeat(scale)))
 
 
 def is_zero_variance(rewards: Sequence[float]) -> bool:
@@ -94,8 +98,7 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
     if keep:
         for lp in logprob_passes:
             await lp.run([rec for rec, _ in keep])
-        flat = [a for _, advs in keep for a in advs]
-        if not all(map(math.isfinite, flat)):
+        if not all(map(math.isfinite, itertools.chain.from_iterable(advs for _, advs in keep))):
             raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")
         now = state.clock()
         for rec, advs in keep:

@@ -228,7 +228,7 @@ def _may_send_ahead(state: RunState, step: int) -> bool:
     is due after the previous step (a checkpoint needs no step open)."""
     cfg = state.cfg
     return (
-        isinstance(state.workers.trainer, FinishAndBegin)
+        state.trainer_can(FinishAndBegin)
         and cfg.train.pipeline_steps
         and not (state.stopping or state.abandon_open_step)
         and step < cfg.run.max_steps
@@ -351,7 +351,7 @@ async def prefetch_pump(state: RunState) -> None:
     overlaps the current step's compute instead of starting when the step does. Never waits on the
     read itself; hints are best effort (a hinted group may still be trained later or evicted).
     Trainer groups without the `Prefetching` capability get no hints (the pump ends at once)."""
-    if not isinstance(state.workers.trainer, Prefetching):
+    if not state.trainer_can(Prefetching):
         return
     hinted: set[str] = set()
     seen = (-1, -1)  # (trainer version, READY marks) when the pump last looked

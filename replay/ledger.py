@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import json
+import operator
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -210,7 +212,7 @@ class GroupLedger:
         rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
         rec.prompt_length = p = result.prompt_length
-        rec.seq_lengths = tuple([p + n for n in rec.response_lengths])
+        rec.seq_lengths = tuple(map(operator.add, itertools.repeat(p), rec.response_lengths))
         rec.version_start, rec.version_end = result.version_start, result.version_end
         self._move(rec, GroupState.COMMITTED)
         return rec
@@ -407,7 +409,7 @@ class PromptLedger:
         rec.fate, rec.step, rec.reason = fate, step, reason
         self._count_settled(rec)
         if self._history is not None:
-            self._history.write(json.dumps(_record_dict(rec)) + "\n")
+            self._history.write(_history_line(rec))
             del self._prompts[prompt_id]
 
     def _count_settled(self, rec: PromptRecord) -> None:
@@ -506,6 +508,26 @@ class PromptLedger:
         return PromptLedgerStatistics(
             taken, taken - len(self._unsettled), self._trained, dict(self._dropped), dict(self._evicted), self._retries
         )
+
+
+_str = json.encoder.encode_basestring_ascii  # a JSON string literal, as json.dumps writes one
+
+
+def _opt(v: Any) -> str:
+    return "null" if v is None else _str(v) if type(v) is str else str(v) if type(v) is int else json.dumps(v)
+
+
+def _history_line(r: PromptRecord) -> str:
+    """`json.dumps(_record_dict(r)) + "\\n"`, written directly: one line per settled prompt, and the
+    generic encoder was the largest single cost of settling one."""
+    p = r.prompt
+    if type(p.answer) is not str or type(r.order) is not int or type(r.uncharged) is not int:
+        return json.dumps(_record_dict(r)) + "\n"  # not the usual types: the generic path
+    return (
+        f'{{"prompt_id": {_str(p.prompt_id)}, "token_ids": [{", ".join(map(str, map(int, p.token_ids)))}], '
+        f'"answer": {_str(p.answer)}, "order": {r.order}, "attempts": [{", ".join(map(_str, r.attempts))}], '
+        f'"uncharged": {r.uncharged}, "fate": {_opt(r.fate)}, "step": {_opt(r.step)}, "reason": {_opt(r.reason)}}}\n'
+    )
 
 
 def _record_dict(r: PromptRecord) -> dict[str, Any]:

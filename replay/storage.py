@@ -13,7 +13,9 @@ simulated backend. `replay.tq_storage.TQRowStorage` is the TransferQueue impleme
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -64,7 +66,7 @@ def _row_suffixes(group_size: int) -> tuple[str, ...]:
 
 
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
-    return tuple([group_id + s for s in _row_suffixes(group_size)])
+    return tuple(map(group_id.__add__, _row_suffixes(group_size)))
 
 
 class StorageError(RuntimeError):
@@ -250,9 +252,8 @@ class InMemoryRowStorage:
         return got
 
     def clear_rows_sync(self, keys) -> None:
-        for key in keys:
-            self._rows.pop(key, None)
-            self._tags.pop(key, None)
+        for d in (self._rows, self._tags):
+            collections.deque(map(d.pop, keys, itertools.repeat(None)), maxlen=0)  # pop each, absent or not
         self._counts["clears"] += 1
 
     def tags(self, key: str) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import itertools
+import operator
 import statistics as pystats
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -322,8 +324,8 @@ class Controller:
     # -- per-step record ---------------------------------------------------------------------
     def _record_step(self, report: StepReport) -> None:
         st, cfg = self.state, self.cfg
-        rewards = [r for g in report.groups for r in g.rewards]
-        success = sum(r >= cfg.task.success_reward for r in rewards) / max(1, len(rewards))
+        rewards = list(itertools.chain.from_iterable(g.rewards for g in report.groups))
+        success = sum(map(operator.ge, rewards, itertools.repeat(cfg.task.success_reward))) / max(1, len(rewards))
         stale = [st.sampler.staleness(g, report.step) for g in report.groups]
         gen_tokens = sum(sum(g.response_lengths) for g in report.groups)
         seq_tokens = sum(sum(g.seq_lengths) for g in report.groups)

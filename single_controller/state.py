@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
@@ -156,11 +157,22 @@ class RunState:
         self.worker_restarts = 0
 
         self.changed = Signal()
+        self.notify = self.changed.notify  # called on every state change: one call, not two
+        self._trainer_can: dict[type, bool] = {}
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
 
+    def trainer_can(self, capability: type) -> bool:
+        """Whether the trainer group has an optional capability (a runtime-checkable protocol),
+        checked once: the check inspects every attribute the protocol names, tens of microseconds,
+        and the train pump asks on every step."""
+        can = self._trainer_can.get(capability)
+        if can is None:
+            can = self._trainer_can[capability] = isinstance(self.workers.trainer, capability)
+        return can
+
     # -- waiting ---------------------------------------------------------------------------------
-    def notify(self) -> None:
-        self.changed.notify()
+    # notify(): bound in __init__ to the change signal's `notify`. State owners call it after
+    # every mutation a pump may wait on; it schedules one check of the waiters per loop iteration.
 
     async def wait_until(self, predicate: Callable[[], bool], pump: str, on: str) -> None:
         if not predicate():
@@ -181,7 +193,7 @@ class RunState:
         """Clear terminal groups' rows, then release their slots. Retries a failing clear (a slot is
         freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
         `what` when the storage stays down."""
-        keys = [k for g in groups for k in g.keys]
+        keys = list(itertools.chain.from_iterable(g.keys for g in groups))
         for attempt in range(1, CLEAR_ATTEMPTS + 1):
             try:
                 await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)

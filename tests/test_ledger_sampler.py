@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pumps.advantage import grpo_advantages, is_zero_variance
-from replay.ledger import TERMINAL, CapacityError, GroupLedger, GroupState, LedgerError, PromptLedger
+from replay.ledger import TERMINAL, CapacityError, GroupLedger, GroupState, LedgerError, PromptLedger, _record_dict
 from samplers.staleness import StalenessSampler
 from single_controller.config import SamplerConfig
 from single_controller.types import GenerationResult, Prompt
@@ -303,6 +303,32 @@ def test_prompt_history_keeps_only_unsettled_prompts_in_memory_and_the_whole_led
     assert len(led) == 6 and led.unsettled() == ["p4", "p5"]
     with pytest.raises(LedgerError, match="history file"):
         led.settle("p0", "trained", step=1)  # exactly once holds for records on disk too
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt_id=st.text(min_size=1, max_size=12),
+    tokens=st.lists(st.integers(0, 2**31), max_size=6),
+    answer=st.text(max_size=8),
+    attempts=st.integers(1, 3),
+    fate=st.sampled_from(["trained", "dropped", "evicted"]),
+    reason=st.one_of(st.none(), st.text(max_size=8)),
+)
+def test_a_prompt_history_line_is_exactly_what_json_dumps_writes(tmp_path_factory, prompt_id, tokens, answer, attempts, fate, reason):
+    """The history line is written without the generic JSON encoder (it was the largest single cost
+    of settling a prompt): byte for byte what json.dumps of the record writes, for any text."""
+    hist = tmp_path_factory.mktemp("h") / "prompt_history.jsonl"
+    led = PromptLedger(hist)
+    led.take(Prompt(prompt_id, tuple(tokens), answer))
+    for a in range(attempts):
+        led.add_attempt(prompt_id, f"{prompt_id}-a{a}")
+    rec = led[prompt_id]
+    if fate == "trained":
+        led.settle(prompt_id, fate, step=attempts)
+    else:
+        led.settle(prompt_id, fate, reason=reason)
+    led.close()
+    assert hist.read_text(encoding="utf-8") == json.dumps(_record_dict(rec)) + "\n"
 
 
 def test_prompt_history_checkpoint_cuts_the_file_back_on_resume(tmp_path):
