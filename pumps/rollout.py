@@ -19,6 +19,7 @@ worker left to route to and none coming back, the run stops with `NoGenerationWo
 from __future__ import annotations
 
 import asyncio
+import heapq
 
 from replay.ledger import GroupRecord, GroupState
 from single_controller.deadlines import DeadlineExceeded, within
@@ -67,6 +68,11 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                 # what is ready run in between (a chunk completed meanwhile is not held up behind
                 # the start of a whole step's worth of requests).
                 routable = state.routable()
+                # least-loaded worker first (ties: the first in routing order), as a heap of
+                # (load, position): a slice's picks cost O(log W) each, not a scan of every worker
+                # (no task of this pump's ends while the slice runs: loads only grow here)
+                least = [(load[id(w)], i) for i, w in enumerate(routable)]
+                heapq.heapify(least)
                 for _ in range(DISPATCH_SLICE):
                     target = state.ledger.next_target_step()
                     prompt = state.next_prompt()
@@ -78,8 +84,10 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                         now=state.clock(),
                     )
                     state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
-                    worker = min(routable, key=lambda w: load[id(w)])
-                    load[id(worker)] += 1
+                    n, i = least[0]
+                    worker = routable[i]
+                    heapq.heapreplace(least, (n + 1, i))
+                    load[id(worker)] = n + 1
                     task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
                     state.in_flight_tasks[rec.group_id] = task
                     task.add_done_callback(lambda _t, w=worker, g=rec.group_id: _done(state, load, w, g))
