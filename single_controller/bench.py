@@ -233,7 +233,7 @@ SCALE_BENCH_DOC = """`sc-grpo bench scale`: the control plane at production size
 For each point (prompt groups per step P, simulated generation workers W; G rows per group) runs
 the controller synchronously (L = 0, one chunk per step) and asynchronously (L = 1, chunks of
 `--chunk` groups) with generation and training each taking T seconds per step (each worker serves
-its share of the groups one at a time, W * T / P seconds per group), and prints:
+its share of the groups at W * T / P seconds per group), and prints:
   overlap     (async steps/s / sync steps/s) / the physical limit 2, steady state (target >= 0.95)
   of ideal    async steps/s / (1 / T): the fraction of the physically possible throughput (a
               controller too slow for the synchronous run inflates `overlap`; not this)
@@ -251,6 +251,13 @@ its share of the groups one at a time, W * T / P seconds per group), and prints:
               waits for every chunk, so every chunk gives a sample; `n` samples). In the overlap
               runs it waits only while the pipeline fills: one sample, too few for a p99
   rss         the process's resident memory after the point
+The simulated generation workers batch as the shipped clients do (`--batch`, default 16 groups,
+`rollout.max_batch_groups`'s default): the requests of one event-loop tick, and those queued while a
+batch computes, are served together, their results handed back together at the batch's end, as
+`ActorGenerationClient` does with one `generate_many` call per wave (the torch and vLLM backends).
+A batch takes the sum of its groups' times, so throughput is the same as a serial engine's.
+`--batch 1`: serial engines, each group answered on its own (the figures before batching; a
+worker that streamed every group back as it finished would behave so).
 The controller runs on the event loop a real run gives it: Ray's loop for an async actor, uvloop
 where installed (`RAY_USE_UVLOOP=0` measures asyncio's own loop; the header names the loop).
 The header also gives what this machine charges for one wake-up of an idle event loop (a bare loop
@@ -314,12 +321,13 @@ def _cheap_rewards(prompt_id: str, attempt: int, group_size: int) -> tuple[float
     return _REWARD_PATTERNS[(len(prompt_id) + attempt + ord(prompt_id[-1])) % 16][:group_size]
 
 
-async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on_step=None) -> dict:
+async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on_step=None, batch: int = 1) -> dict:
     storage, meter = InMemoryRowStorage(), SimMeter()
     P = cfg.train.groups_per_step
     gens, trainer = sim_workers(
         storage, num_generators=workers, gen_group_s=workers * t_gen / P, train_group_s=t_train / P,
         trainer_reads_rows=False, workers_write_rows=False, keep_logs=False, faults=Faults(rewards=_cheap_rewards), meter=meter,
+        gen_max_batch=batch,
     )
     with tempfile.TemporaryDirectory() as tmp:  # settled prompts stream to disk, as in a real run
         ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step, prompt_history=os.path.join(tmp, "prompt_history.jsonl"))
@@ -352,6 +360,7 @@ def main_scale(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", type=float, default=0.5, help="generation = training seconds per step")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
     ap.add_argument("--chunk", type=int, default=4, help="min groups per chunk in async mode")
+    ap.add_argument("--batch", type=int, default=16, help="groups per batch of a simulated generation worker (1: serial engines)")
     ap.add_argument("--long-steps", type=int, default=10_000, help="steps of the memory run (0: skip it)")
     ap.add_argument("--long-groups", type=int, default=2, help="groups per step of the memory run")
     args = ap.parse_args(argv)
@@ -359,8 +368,9 @@ def main_scale(argv: list[str] | None = None) -> int:
     workers = [int(x) for x in args.workers.split(",") if x]
     points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
+    engines = f"generation workers batch up to {args.batch} groups" if args.batch > 1 else "serial generation workers"
     print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
-          f"event loop {_loop_name()}")
+          f"{engines}, event loop {_loop_name()}")
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
     print(f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
           f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)")
@@ -368,9 +378,9 @@ def main_scale(argv: list[str] | None = None) -> int:
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
     per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
     for P, W in points:
-        sync = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t))
-        asy = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t))
-        lat = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4))
+        sync = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t, batch=args.batch))
+        asy = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t, batch=args.batch))
+        lat = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4, batch=args.batch))
         overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
         of_ideal = asy["steps_per_s"] * args.t
         cpu_per_group = asy["cpu_s"] / asy["groups"]

@@ -17,6 +17,7 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
         cpu, sim, ctl = (float(x.removesuffix("us")) for x in r[6:9])
         assert 0 < sim < cpu and abs(cpu - sim - ctl) <= 0.11  # the simulated workers' share, metered
         assert int(r[11]) >= 1  # the latency run's samples: the train pump waited for its chunks
+    assert "generation workers batch up to 16 groups" in out  # the default: as the shipped clients batch
     assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
     assert re.search(r"worst: overlap [\d.]+ .*select p99 [\d.]+ ms", out)
     assert "long run: 20 steps of 1 groups" in out
@@ -33,16 +34,19 @@ async def test_metered_sim_workers_train_exactly_what_unmetered_ones_do_and_coun
     from single_controller.controller import Controller
     from single_controller.state import Workers
 
-    async def run(meter):  # lookahead 0: what each step trains does not depend on timing
+    async def run(meter, batch=1):  # lookahead 0: what each step trains does not depend on timing
         storage = InMemoryRowStorage()
         gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001, meter=meter,
-                                    faults=Faults(gen_fail={("p000003", 0)}))  # a failure crosses the meter too
+                                    faults=Faults(gen_fail={("p000003", 0)}), gen_max_batch=batch)  # a failure crosses the meter too
         summary = await asyncio.wait_for(Controller(scale_config(4, 4, 2, 0, 4), sim_prompts(), storage, Workers(gens, trainer)).run(), 30)
         return summary.steps, trainer.trained, [g.generated for g in gens]
 
     meter = SimMeter()
     assert await run(meter) == await run(None)
     assert meter.seconds > 0
+    # batching engines (what `bench scale` simulates by default) train the same steps
+    batched = await run(SimMeter(), batch=4)
+    assert batched[:2] == (await run(None))[:2] and batched == await run(None, batch=4)
 
 
 async def test_meter_passes_cancellation_through_and_counts_a_nested_metered_call_once(monkeypatch):

@@ -355,6 +355,40 @@ async def test_sim_worker_queue_eval_lane_first_fifo_within_skipping_cancelled_c
     assert w.evaluated == [("eval0-h1-a0", 1), ("eval0-h3-a0", 1)] and await w.in_flight() == 0
 
 
+async def test_sim_batching_worker_serves_a_ticks_requests_together_at_one_version_and_updates_between_batches():
+    """`max_batch > 1` (what `bench scale` simulates, as the shipped clients batch): the requests of
+    one tick form a batch of at most `max_batch`, served at one version, all answered at its end on
+    one timer, after the sum of their times; a weight update lands between batches; a caller that
+    stops waiting leaves the others' results and the batch's time as they were."""
+    storage = InMemoryRowStorage()
+    w = SimGenerationWorker("g", storage, group_s=0.01, writes_rows=False, max_batch=3)
+    sp = SamplingParams(2, max_new_tokens=3)
+    loop = asyncio.get_running_loop()
+    done: dict[str, tuple[int, float]] = {}
+
+    async def go(i):
+        res = await w.generate(GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2)))
+        done[res.group_id] = (res.version_start, loop.time())
+
+    t0 = loop.time()
+    tasks = [asyncio.create_task(go(i)) for i in range(5)]  # one tick: one wave of requests
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the first batch (p0..p2) is computing, p3 and p4 queue
+    tasks[1].cancel()  # p1's caller stops waiting mid-batch
+    update = asyncio.create_task(w.update_weights(WeightsHandle(1, None, 0)))
+    await asyncio.sleep(0)
+    assert not update.done() and w.version == 0
+    await asyncio.gather(update, *[t for i, t in enumerate(tasks) if i != 1])
+    assert sorted(done) == ["p0-a0", "p2-a0", "p3-a0", "p4-a0"]
+    (v0, e0), (v2, e2), (v3, e3), (v4, e4) = (done[k] for k in sorted(done))
+    assert (v0, v2, v3, v4) == (0, 0, 1, 1)  # one version per batch; the update landed between them
+    assert abs(e2 - e0) < 0.004 and abs(e4 - e3) < 0.004  # each batch's results come back together (serially: 0.01 apart)
+    assert e0 - t0 >= 0.03 - 0.002 and e3 - e0 >= 0.02 - 0.002  # each batch takes its requests' summed time
+    assert await w.in_flight() == 0
+    with pytest.raises(ValueError, match="max_batch"):
+        SimGenerationWorker("g", storage, max_batch=0)
+
+
 async def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothing():
     storage = InMemoryRowStorage()
     w = SimGenerationWorker("g", storage, group_s=0.005)

@@ -157,12 +157,22 @@ class SimGenerationWorker:
     when its compute starts; a weight update lands between two requests. With `group_s == 0` a
     request is served at once (there is nothing to wait for). A caller that stops waiting
     (cancelled) leaves its place in the queue; the request being computed still takes its time,
-    as an engine's would."""
+    as an engine's would.
+
+    `max_batch > 1`: a batching engine, as the shipped clients are (`ActorGenerationClient` sends
+    the requests of one event-loop tick as one `generate_many` call and hands their results back
+    together). Requests that arrive in the same tick, and those queued while a batch computes, are
+    served together, up to `max_batch` of one lane per batch: a batch takes the sum of its requests'
+    times (the serial engine's throughput), starts at one version, and all its results come back at
+    its end, on one timer."""
 
     def __init__(
         self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None,
-        writes_rows: bool = True, keep_logs: bool = True,
+        writes_rows: bool = True, keep_logs: bool = True, max_batch: int = 1,
     ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
         self.name = name
         self.storage = storage
         self.group_s = group_s
@@ -244,7 +254,11 @@ class SimGenerationWorker:
                 served = loop.create_future()
                 self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, served, loop.time()))
                 if not self._computing:
-                    self._serve_next(loop)
+                    if self.max_batch == 1:
+                        self._serve_next(loop)
+                    else:  # the rest of this tick's requests join the batch, as one generate_many call
+                        self._computing = True
+                        loop.call_soon(self._serve_next, loop, self._epoch)
                 version = await served
             if fault_key in self.faults.gen_fail:
                 raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
@@ -268,28 +282,37 @@ class SimGenerationWorker:
             self._rollout_n = request.sampling.n
         return self.version
 
-    def _serve_next(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the next queued request whose caller still waits, with a timer for its end."""
+    def _serve_next(self, loop: asyncio.AbstractEventLoop, epoch: int | None = None) -> None:
+        """Start the next batch (one request on a serial engine) of queued requests whose callers
+        still wait, with a timer for its end."""
+        if epoch is not None and epoch != self._epoch:  # scheduled before a restart
+            return
         for lane in self._lanes:
-            while lane:
+            batch: list[asyncio.Future] = []
+            cost, first_arrived = 0.0, None
+            while lane and len(batch) < self.max_batch:
                 request, served, arrived = lane.popleft()
                 if served.done():  # its caller stopped waiting
                     continue
                 version = self._starts(request)
-                cost = self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
+                cost += self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
+                first_arrived = arrived if first_arrived is None else first_arrived
+                batch.append(served)
+            if batch:
                 # timed against the worker's own schedule: a timer that fires late (they are
-                # millisecond-grained) delays one request, not every one after it
-                self._free_at = max(self._free_at, arrived) + cost
+                # millisecond-grained) delays one batch, not every one after it
+                self._free_at = max(self._free_at, first_arrived) + cost
                 self._computing = True
-                loop.call_at(self._free_at, self._served, loop, served, version, self._epoch)
+                loop.call_at(self._free_at, self._served, loop, batch, version, self._epoch)
                 return
         self._computing = False
 
-    def _served(self, loop: asyncio.AbstractEventLoop, served: asyncio.Future, version: int, epoch: int) -> None:
+    def _served(self, loop: asyncio.AbstractEventLoop, batch: list[asyncio.Future], version: int, epoch: int) -> None:
         if epoch != self._epoch:  # computed by the process a restart replaced
             return
-        if not served.done():
-            served.set_result(version)
+        for served in batch:
+            if not served.done():
+                served.set_result(version)
         self._computing = False
         self._apply_pending_update()
         self._serve_next(loop)
@@ -580,15 +603,17 @@ def sim_workers(
     workers_write_rows: bool = True,
     keep_logs: bool = True,
     meter: SimMeter | None = None,
+    gen_max_batch: int = 1,
 ) -> tuple[Sequence[SimGenerationWorker], SimTrainerGroup]:
     """For benchmarks of the controller alone: `trainer_reads_rows=False` / `workers_write_rows=False`
     skip the row reads and writes the fake workers would otherwise do on the controller's own thread
     (real workers do them in their own processes; the trainer must not read rows nobody wrote), and
     `keep_logs=False` drops the per-group logs tests read (a long benchmark run keeps memory flat), and
-    `meter` adds the time spent in the workers' own code to it (`meter_sim_workers`)."""
+    `meter` adds the time spent in the workers' own code to it (`meter_sim_workers`);
+    `gen_max_batch > 1` makes the generation workers batching engines (`SimGenerationWorker`)."""
     faults = faults or Faults()
     gens = [
-        SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults, writes_rows=workers_write_rows, keep_logs=keep_logs)
+        SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults, writes_rows=workers_write_rows, keep_logs=keep_logs, max_batch=gen_max_batch)
         for i in range(num_generators)
     ]
     trainer = SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
@@ -611,6 +636,7 @@ def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGr
         for name in GENERATION_CALLS:
             setattr(g, name, _metered_coroutine(getattr(g, name), meter))
         g._served = _metered_callback(g._served, meter)  # scheduled as self._served: this one
+        g._serve_next = _metered_callback(g._serve_next, meter)  # (a batching engine schedules it too)
     for name in TRAINER_CALLS:
         setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))
     trainer.meter = meter
