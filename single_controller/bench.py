@@ -251,13 +251,13 @@ its share of the groups at W * T / P seconds per group), and prints:
               waits for every chunk, so every chunk gives a sample; `n` samples). In the overlap
               runs it waits only while the pipeline fills: one sample, too few for a p99
   rss         the process's resident memory after the point
-The simulated generation workers batch as the shipped clients do (`--batch`, default 16 groups,
-`rollout.max_batch_groups`'s default): the requests of one event-loop tick, and those queued while a
-batch computes, are served together, their results handed back together at the batch's end, as
-`ActorGenerationClient` does with one `generate_many` call per wave (the torch and vLLM backends).
-A batch takes the sum of its groups' times, so throughput is the same as a serial engine's.
-`--batch 1`: serial engines, each group answered on its own (the figures before batching; a
-worker that streamed every group back as it finished would behave so).
+The simulated generation workers are serial engines by default: each group is answered on its own,
+one completion (and one wake-up of the controller) per group, the most events a worker can cause.
+`--batch N` makes them batch as the shipped clients do (`ActorGenerationClient` sends a wave of
+requests as one `generate_many` call and hands the results back together; the torch backend
+batches up to `rollout.max_batch_groups` = 16 groups): the requests of one event-loop tick, and
+those queued while a batch computes, are served together, up to N, and answered together at the
+batch's end. A batch takes the sum of its groups' times: the throughput of a serial engine.
 The controller runs on the event loop a real run gives it: Ray's loop for an async actor, uvloop
 where installed (`RAY_USE_UVLOOP=0` measures asyncio's own loop; the header names the loop).
 The header also gives what this machine charges for one wake-up of an idle event loop (a bare loop
@@ -360,7 +360,7 @@ def main_scale(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", type=float, default=0.5, help="generation = training seconds per step")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
     ap.add_argument("--chunk", type=int, default=4, help="min groups per chunk in async mode")
-    ap.add_argument("--batch", type=int, default=16, help="groups per batch of a simulated generation worker (1: serial engines)")
+    ap.add_argument("--batch", type=int, default=1, help="groups per batch of a simulated generation worker (1: serial engines; 16: as the shipped clients batch)")
     ap.add_argument("--long-steps", type=int, default=10_000, help="steps of the memory run (0: skip it)")
     ap.add_argument("--long-groups", type=int, default=2, help="groups per step of the memory run")
     args = ap.parse_args(argv)

@@ -17,7 +17,11 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
         cpu, sim, ctl = (float(x.removesuffix("us")) for x in r[6:9])
         assert 0 < sim < cpu and abs(cpu - sim - ctl) <= 0.11  # the simulated workers' share, metered
         assert int(r[11]) >= 1  # the latency run's samples: the train pump waited for its chunks
-    assert "generation workers batch up to 16 groups" in out  # the default: as the shipped clients batch
+    assert "serial generation workers" in out  # the default: one completion per group
+    assert main_scale(["--groups", "4", "--workers", "2", "--workers-at", "2", "--groups-at", "4", "--group-size", "2",
+                       "--steps", "4", "--t", "0.02", "--long-steps", "0", "--batch", "4"]) == 0
+    batched = capsys.readouterr().out
+    assert "generation workers batch up to 4 groups" in batched and re.search(r"^\s+4\s+2\s+\d", batched, re.M)
     assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
     assert re.search(r"worst: overlap [\d.]+ .*select p99 [\d.]+ ms", out)
     assert "long run: 20 steps of 1 groups" in out
