@@ -57,6 +57,9 @@ class GroupState(enum.Enum):
     __hash__ = object.__hash__
 
 
+_RESERVED, _COMMITTED, _READY, _SELECTED, _TRAINED = (
+    GroupState.RESERVED, GroupState.COMMITTED, GroupState.READY, GroupState.SELECTED, GroupState.TRAINED
+)
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
 
@@ -202,8 +205,12 @@ class GroupLedger:
         self._open_by_step[target_step] += 1
         return rec
 
+    # The four transitions of every trained group (commit, mark_ready, select, mark_trained) each
+    # do their one index update in place; `_move` is the general case (drop, evict).
     def commit(self, group_id: str, result: GenerationResult, now: float) -> GroupRecord:
-        rec = self._expect(group_id, GroupState.RESERVED, "commit")
+        rec = self._groups.get(group_id)
+        if rec is None or rec.state is not _RESERVED:
+            self._refuse(group_id, _RESERVED, "commit")
         if len(result.rewards) != self.group_size or len(result.response_lengths) != self.group_size:
             raise LedgerError(
                 f"group {group_id}: {len(result.rewards)} rewards / {len(result.response_lengths)} lengths "
@@ -214,28 +221,57 @@ class GroupLedger:
         rec.prompt_length = p = result.prompt_length
         rec.seq_lengths = tuple(map(operator.add, itertools.repeat(p), rec.response_lengths))
         rec.version_start, rec.version_end = result.version_start, result.version_end
-        self._move(rec, GroupState.COMMITTED)
+        by_state = self._by_state
+        del by_state[_RESERVED][group_id]
+        by_state[_COMMITTED][group_id] = rec
+        rec.state = _COMMITTED
         return rec
 
     def mark_ready(self, group_id: str, advantages: tuple[float, ...], now: float) -> GroupRecord:
-        rec = self._expect(group_id, GroupState.COMMITTED, "mark_ready")
+        rec = self._groups.get(group_id)
+        if rec is None or rec.state is not _COMMITTED:
+            self._refuse(group_id, _COMMITTED, "mark_ready")
         rec.advantages, rec.t_ready = tuple(advantages), now
-        self._move(rec, GroupState.READY)
+        by_state = self._by_state
+        del by_state[_COMMITTED][group_id]
+        by_state[_READY][group_id] = rec
+        key = (rec.target_step, rec.version)
+        bucket = self._ready.get(key)
+        if bucket is None:
+            self._ready[key] = {group_id: rec}
+        else:
+            bucket[group_id] = rec
+        rec.state = _READY
         self.ready_marks += 1
         return rec
 
     def select(self, group_ids: Iterable[str], step: int, now: float) -> list[GroupRecord]:
-        recs = [self._expect(g, GroupState.READY, "select") for g in group_ids]
+        ids = list(group_ids)
+        recs = list(map(self._groups.get, ids))
+        for g, rec in zip(ids, recs):
+            if rec is None or rec.state is not _READY:
+                self._refuse(g, _READY, "select")
+        ready, selected, index = self._by_state[_READY], self._by_state[_SELECTED], self._ready
         for rec in recs:
+            gid = rec.group_id
             rec.trained_step, rec.t_selected = step, now
-            self._move(rec, GroupState.SELECTED)
+            del ready[gid]
+            selected[gid] = rec
+            key = (rec.target_step, rec.version)
+            bucket = index[key]
+            del bucket[gid]
+            if not bucket:
+                del index[key]
+            rec.state = _SELECTED
         return recs
 
     def mark_trained(self, group_id: str, step: int) -> GroupRecord:
-        rec = self._expect(group_id, GroupState.SELECTED, "mark_trained")
+        rec = self._groups.get(group_id)
+        if rec is None or rec.state is not _SELECTED:
+            self._refuse(group_id, _SELECTED, "mark_trained")
         if rec.trained_step != step:
             raise LedgerError(f"group {group_id} selected for step {rec.trained_step}, trained in {step}")
-        self._move(rec, GroupState.TRAINED)
+        self._move(rec, _TRAINED)
         self._trained += 1
         return rec
 
@@ -274,11 +310,15 @@ class GroupLedger:
 
     def _expect(self, group_id: str, state: GroupState, op: str) -> GroupRecord:
         rec = self._groups.get(group_id)
+        if rec is None or rec.state is not state:
+            self._refuse(group_id, state, op)
+        return rec
+
+    def _refuse(self, group_id: str, state: GroupState, op: str) -> None:
+        rec = self._groups.get(group_id)
         if rec is None:
             raise LedgerError(f"{op}({group_id}): unknown group")
-        if rec.state is not state:
-            raise LedgerError(f"{op}({group_id}): state {rec.state.value}, expected {state.value}")
-        return rec
+        raise LedgerError(f"{op}({group_id}): state {rec.state.value}, expected {state.value}")
 
     def _move(self, rec: GroupRecord, new: GroupState) -> None:
         """The one place a group changes state: keeps the state and READY indexes current."""

@@ -93,6 +93,28 @@ def test_illegal_transitions_raise():
         led.drop(g.group_id, "again")
 
 
+def test_a_refused_transition_names_the_group_and_its_state_and_changes_nothing():
+    led = GroupLedger(capacity=4, group_size=2, groups_per_step=2, max_steps=2)
+    a, b = (led.reserve(prompt(i), attempt=0, target_step=0, policy_version=0, now=0) for i in (0, 1))
+    led.commit(a.group_id, result(a.group_id, 0), 1)
+    led.mark_ready(a.group_id, (1.0, -1.0), 2)
+    with pytest.raises(LedgerError, match=r"commit\(p0-a0\): state ready, expected reserved"):
+        led.commit(a.group_id, result(a.group_id, 0), 3)
+    with pytest.raises(LedgerError, match=r"mark_ready\(p9-a0\): unknown group"):
+        led.mark_ready("p9-a0", (0.0, 0.0), 3)
+    # one group of the selection is not READY: nothing is selected, the READY one stays as it was
+    with pytest.raises(LedgerError, match=r"select\(p1-a0\): state reserved, expected ready"):
+        led.select([a.group_id, b.group_id], 0, 3)
+    assert a.state is GroupState.READY and led.count(GroupState.SELECTED) == 0
+    assert led.ready_index() == {(0, 0): {a.group_id: a}} and list(led.ready_ids()) == [a.group_id]
+    with pytest.raises(LedgerError, match=r"mark_trained\(p0-a0\): state ready, expected selected"):
+        led.mark_trained(a.group_id, 0)
+    (sel,) = led.select((g for g in [a.group_id]), 0, 3)  # any iterable of ids
+    assert sel is a and a.state is GroupState.SELECTED and led.ready_index() == {} and a.trained_step == 0
+    led.mark_trained(a.group_id, 0)
+    assert a.state is GroupState.TRAINED and led.count(GroupState.SELECTED) == 0
+
+
 def test_prompt_ledger_is_exactly_once_and_serializable():
     pl = PromptLedger()
     pl.take(prompt(0))
