@@ -205,8 +205,8 @@ class GroupLedger:
         self._open_by_step[target_step] += 1
         return rec
 
-    # The four transitions of every trained group (commit, mark_ready, select, mark_trained) each
-    # do their one index update in place; `_move` is the general case (drop, evict).
+    # The transitions every trained group makes (commit, mark_ready, select) do their one index
+    # update in place; `_move` is the general case (mark_trained, drop, evict).
     def commit(self, group_id: str, result: GenerationResult, now: float) -> GroupRecord:
         rec = self._groups.get(group_id)
         if rec is None or rec.state is not _RESERVED:
@@ -321,7 +321,8 @@ class GroupLedger:
         raise LedgerError(f"{op}({group_id}): state {rec.state.value}, expected {state.value}")
 
     def _move(self, rec: GroupRecord, new: GroupState) -> None:
-        """The one place a group changes state: keeps the state and READY indexes current."""
+        """A transition in general (to a terminal state): keeps the state and READY indexes and the
+        per-step counts current. commit, mark_ready and select do their one index update in place."""
         old, gid = rec.state, rec.group_id
         del self._by_state[old][gid]
         self._by_state[new][gid] = rec
