@@ -23,7 +23,11 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     batched = capsys.readouterr().out
     assert "generation workers batch up to 4 groups" in batched and re.search(r"^\s+4\s+2\s+\d", batched, re.M)
     assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
-    assert re.search(r"worst: overlap [\d.]+ .*select p99 [\d.]+ ms", out)
+    assert re.search(r"worst: overlap [\d.]+ .*ctl/group [\d.]+ us at \d+ x \d+ .*select p99 [\d.]+ ms at \d+ x \d+", out)
+    # the target's point: the largest groups per step, at --workers-at workers (not the 4 x 1 run)
+    p99_at_4x2 = float(rows[1][10].removesuffix("ms"))
+    assert (int(rows[1][0]), int(rows[1][1])) == (4, 2)
+    assert f"select p99 at 4 groups per step: {p99_at_4x2:.3f} ms (target < 1 ms at 1024)" in out
     assert "long run: 20 steps of 1 groups" in out
     assert re.search(r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms", out)
 
