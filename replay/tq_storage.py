@@ -424,23 +424,11 @@ class TQRowStorage:
         self, keys: Sequence[str], columns: Columns, tags: Sequence[Mapping[str, Any]] | None = None
     ) -> None:
         keys = list(keys)
-        validate_put(self.schema, keys, columns, tags)  # before TQ registers a single key
-        if self.group_rows:
-            if tags is not None:
-                raise StorageWriteError("refused put: a group-packed storage keeps no per-row tags")
-            gids, sizes, order = _whole_groups(keys)
-            td = self._group_tensordict(sizes, {name: _take(col, order) for name, col in columns.items()})
-            await self._call(
-                tq.async_kv_batch_put(keys=gids, partition_id=self.partition, fields=td, tags=[{"rows": n} for n in sizes]),
-                self._what("put", len(keys)),
-            )
-        else:
-            td = to_tensordict(self.schema, len(keys), columns)
-            tag_list = [dict(t) for t in tags] if tags is not None else None
-            await self._call(
-                tq.async_kv_batch_put(keys=keys, partition_id=self.partition, fields=td, tags=tag_list),
-                self._what("put", len(keys)),
-            )
+        tq_keys, td, tag_list, gids, sizes = self.encode_put(keys, columns, tags)
+        await self._call(
+            tq.async_kv_batch_put(keys=tq_keys, partition_id=self.partition, fields=td, tags=tag_list),
+            self._what("put", len(keys)),
+        )
         nbytes = sum(column_nbytes(c) for c in columns.values())
         with self._lock:
             self._counts["puts"] += 1
@@ -450,6 +438,22 @@ class TQRowStorage:
                 self._resident_groups.update(zip(gids, sizes))
             elif self._resident is not None:
                 self._resident.update(keys)
+
+    def encode_put(
+        self, keys: list[str], columns: Columns, tags: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[list[str], TensorDict, list[dict] | None, list[str], list[int]]:
+        """Validate a put and build what goes to TransferQueue: (TQ keys, fields, TQ tags, group ids,
+        group sizes); the last two are empty in the per-row layout. No TQ call (`bench storage`
+        times it on its own)."""
+        validate_put(self.schema, keys, columns, tags)  # before TQ registers a single key
+        if self.group_rows:
+            if tags is not None:
+                raise StorageWriteError("refused put: a group-packed storage keeps no per-row tags")
+            gids, sizes, order = _whole_groups(keys)
+            td = self._group_tensordict(sizes, {name: _take(col, order) for name, col in columns.items()})
+            return gids, td, [{"rows": n} for n in sizes], gids, sizes
+        td = to_tensordict(self.schema, len(keys), columns)
+        return keys, td, ([dict(t) for t in tags] if tags is not None else None), [], []
 
     def _group_tensordict(self, sizes: Sequence[int], columns: Columns) -> TensorDict:
         """Columns in group order -> one TQ row per group: the packed field, and each other field as

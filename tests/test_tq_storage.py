@@ -519,6 +519,39 @@ def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
         ray.kill(worker)
 
 
+def test_bench_storage_times_every_mode_and_layout_on_the_rows_a_worker_writes(tq_cluster, monkeypatch):
+    """`sc-grpo bench storage` puts what a generation worker writes (every generation field, no
+    tags), reads what a trainer rank reads, and refuses to report figures for wrong answers."""
+    from replay import tq_bench
+    from replay.storage import GENERATION_FIELDS
+    from replay.tq_storage import TQRowStorage
+
+    args = tq_bench.parse_args(["--reps-group", "2", "--reps-step", "1", "--warmup", "0", "--groups-per-step", "3"])
+    keys, columns = tq_bench.make_rows("x", 2, 4, 5, 3)
+    assert set(columns) == set(GENERATION_FIELDS) and len(keys) == 8
+    rows = tq_bench.run_bench(args, timeout_s=30.0)
+    got = {(r["mode"], r["layout"], r["batch"], r["op"]): r for r in rows}
+    for layout in ("group", "row"):
+        assert got[("local", layout, "step", "validate+encode")]["rows"] == 3 * 16
+        for mode in ("async", "sync"):
+            for op in ("put", "get", "clear"):
+                assert got[(mode, layout, "group", op)]["reps"] == 2 and got[(mode, layout, "group", op)]["p50_ms"] > 0
+                assert got[(mode, layout, "step", op)]["rows"] == 3 * 16
+    assert len(rows) == 2 * (2 + 2 * 2 * 3)
+
+    # a storage that reads back other values than it was given: the bench stops, naming the field
+    real_get = TQRowStorage.get_rows
+
+    async def corrupt(self, keys, fields):
+        out = await real_get(self, keys, fields)
+        out["gen_logprobs"] = [t + 1 for t in out["gen_logprobs"]]
+        return out
+
+    monkeypatch.setattr(TQRowStorage, "get_rows", corrupt)
+    with pytest.raises(AssertionError, match="'gen_logprobs' read back differs"):
+        tq_bench.run_bench(tq_bench.parse_args(["--reps-group", "1", "--reps-step", "1", "--warmup", "0", "--mode", "async", "--layout", "group"]))
+
+
 LEAK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
