@@ -26,9 +26,10 @@ from typing import Sequence
 NAMESPACE = "sc-grpo-storage"
 
 
-def _connect(address: str) -> None:
-    from single_controller.ray_runtime import prepare_environment
+def _connect(address: str, timeout_s: float) -> None:
+    from single_controller.ray_runtime import check_ray_address, prepare_environment
 
+    check_ray_address(address, min(timeout_s, 10.0))
     prepare_environment(local=False)
     import logging
 
@@ -42,7 +43,11 @@ def serve(address: str, storage_units: int, timeout_s: float) -> int:
     from single_controller.deadlines import DeadlineExceeded
 
     stop = threading.Event()
-    _connect(address)
+    try:
+        _connect(address, timeout_s)
+    except ConnectionError as e:
+        print(f"sc-grpo storage serve: {e}", file=sys.stderr, flush=True)
+        return 1
     import ray
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
@@ -75,7 +80,7 @@ def listing(address: str, timeout_s: float) -> dict[str, list[str]]:
 
     from replay.tq_runtime import attach_tq, stop_tq
 
-    _connect(address)
+    _connect(address, timeout_s)
     try:
         attach_tq(timeout_s)
         import transfer_queue as tq

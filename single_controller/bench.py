@@ -20,6 +20,7 @@ import asyncio
 import os
 import tempfile
 import time
+from typing import Any
 from dataclasses import replace
 
 from replay.storage import InMemoryRowStorage
@@ -83,14 +84,19 @@ async def _run_once(cfg: Config, t_gen: float, t_train: float) -> tuple[float, f
 
 
 def main_overlap(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sc-grpo bench overlap", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap = argparse.ArgumentParser(prog="sc-grpo bench overlap", description="How much of the physically possible overlap the controller achieves: async "
+                                 "against sync throughput on simulated workers in this process.")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per mode (at least 2: throughput is measured between step ends)")
     ap.add_argument("--groups", type=int, default=16, help="prompt groups per step")
     ap.add_argument("--t-gen", type=float, default=0.08, help="generation seconds per step")
     ap.add_argument("--t-train", type=float, default=0.08, help="training seconds per step")
     ap.add_argument("--chunk", type=int, default=4, help="min groups per chunk in async mode")
     ap.add_argument("--lookahead", type=int, default=1, help="max_lookahead_versions L of the async mode")
     args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (steady-state throughput is measured between the first and the last step's end)")
+    if args.groups < 1 or args.t_gen <= 0 or args.t_train <= 0:
+        ap.error("--groups must be >= 1 and --t-gen / --t-train > 0")
 
     sync_cfg = overlap_config(args.steps, args.groups, lookahead=0, chunk=args.groups)
     async_cfg = overlap_config(args.steps, args.groups, lookahead=args.lookahead, chunk=args.chunk)
@@ -171,6 +177,8 @@ def main_eval(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["torch", "sim"], default=None, help="both roles on this backend (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for both runs")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1 or args.every < 1:
+        ap.error("--repeats, --steps and --every must each be at least 1")
     common = [f"run.max_steps={args.steps}", "run.stop_at_success_rate=null", "run.progress_bar=false", "run.plot=false", "metrics.enabled=false", *args.overrides]
     if args.backend == "sim":
         common += ["backend.generation=sim", "backend.trainer=sim", "storage.kind=memory"]
@@ -449,11 +457,42 @@ EMBEDDED_BENCH_DOC = """`sc-grpo bench embedded`: the embedded default as a user
 
 For each seed: runs `sc-grpo run CONFIG seed=S` as a separate command (its own Ray, TransferQueue
 and workers; the run directory in a temporary folder), then the single-process reference loop
-(`sc-grpo bench reference`) for the same seed in this process, and prints the run's start-up (as it
-reports it), its training time to the stop (success 0.9 over 5 steps), the whole command's wall
-time, and the ratio of the run's training time to the reference loop's. Targets: start-up <= 12 s,
-ratio <= 1.0, whole command <= 30 s. Measure on a quiet machine.
+(`sc-grpo bench reference`) for the same seed in this process, with the resolved config's task,
+digits, groups per step, group size, learning rate and stop rule (a config it cannot mirror, such as
+another model or backend, is refused), and prints the run's start-up (as it reports it), its
+training time to the stop (success 0.9 over 5 steps by default), the whole command's wall time, and
+the ratio of the run's training time to the reference loop's; no ratio for a seed where either
+stopped short of the success target. Overrides (KEY=VALUE) go anywhere on the line. Targets:
+start-up <= 12 s, ratio <= 1.0, whole command <= 30 s. Measure on a quiet machine.
 """
+
+
+def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], float]:
+    """The reference loop's arguments that mirror the run's resolved config, and the run's target.
+    Refuses, naming why, a config the reference loop cannot mirror or one that never stops on success."""
+    from single_controller.config import ModelConfig
+    from single_controller.config_loader import load_config
+
+    cfg = load_config(config, overrides)
+    problems = []
+    if (cfg.backend.generation, cfg.backend.trainer) != ("torch", "torch"):
+        problems.append(f"backend.generation={cfg.backend.generation}, backend.trainer={cfg.backend.trainer} (the reference loop is the torch backends' pieces)")
+    if cfg.model != ModelConfig():
+        problems.append("a model other than the default embedded one (model.*)")
+    if cfg.run.stop_at_success_rate is None:
+        problems.append("run.stop_at_success_rate=null (the bench times training to that success rate)")
+    if problems:
+        raise SystemExit(f"sc-grpo bench embedded: the reference loop cannot mirror this config: {'; '.join(problems)}")
+    ref = dict(
+        task=cfg.task.name,
+        num_digits=cfg.task.num_digits,
+        prompts_per_step=cfg.train.groups_per_step,
+        group_size=cfg.rollout.group_size,
+        lr=cfg.train.lr,
+        target=cfg.run.stop_at_success_rate,
+        window=cfg.run.success_window,
+    )
+    return ref, cfg.run.stop_at_success_rate
 
 
 def main_embedded(argv: list[str] | None = None) -> int:
@@ -467,9 +506,15 @@ def main_embedded(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EMBEDDED_BENCH_DOC)
     ap.add_argument("--config", default="configs/embedded.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for the runs")
-    args = ap.parse_args(argv)
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the runs (anywhere on the line)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # An override is never a seed: taken out first, so `--seeds 0 1 run.max_steps=50` works too.
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    args = ap.parse_args([a for a in argv if a not in overrides])
+    args.overrides = [*args.overrides, *overrides]
+    ref_args, target = _reference_for(args.config, args.overrides)
     print(EMBEDDED_BENCH_DOC.strip().splitlines()[0], flush=True)
+    print("reference loop: " + ", ".join(f"{k}={v}" for k, v in ref_args.items()), flush=True)
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as out:
@@ -482,13 +527,20 @@ def main_embedded(argv: list[str] | None = None) -> int:
             print(f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
             return 1
         steps, train_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
-        ref = run_reference(seed)
-        rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
-        print(
+        ref = run_reference(seed, **ref_args)
+        reached = reason.startswith("success rate >=")
+        line = (
             f"seed {seed}: start-up {startup_s:.1f} s | {steps} steps, training {train_s:.1f} s ({reason}) | whole command {whole:.1f} s "
-            f"| reference loop {ref.steps} steps in {ref.seconds:.1f} s{'' if ref.reached else ' (missed the target)'} | ratio {train_s / ref.seconds:.2f}",
-            flush=True,
+            f"| reference loop {ref.steps} steps in {ref.seconds:.1f} s{'' if ref.reached else ' (missed the target)'}"
         )
+        if reached and ref.reached:
+            rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
+            print(f"{line} | ratio {train_s / ref.seconds:.2f}", flush=True)
+        else:
+            print(f"{line} | no ratio: {'the run' if not reached else 'the reference loop'} did not reach success {target}", flush=True)
+    if not rows:
+        print(f"no seed reached success {target} in both the run and the reference loop: no ratio to report")
+        return 1
     n = len(rows)
     mean = lambda i: sum(r[i] for r in rows) / n  # noqa: E731
     print(f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "

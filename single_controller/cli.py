@@ -107,7 +107,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.config is None:
         raise _UsageError("sc-grpo config: give a CONFIG file (or --reference)")
-    sys.stdout.write(config_to_yaml(_load(args)))
+    from single_controller.config_loader import environment_problems
+
+    cfg = _load(args)
+    sys.stdout.write(config_to_yaml(cfg))
+    # The config is valid; what this machine lacks for it (packages, the model directory) is what
+    # `sc-grpo run` would refuse here: said on stderr, without failing (a config for another machine
+    # is still a valid config).
+    problems = environment_problems(cfg)
+    if problems:
+        print(f"sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it ({len(problems)}):", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -129,7 +140,12 @@ def _cmd_storage(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     fn = _load_entry_point("single_controller.status:main")
-    return int(fn(["--url", args.url] if args.url else []))
+    argv = ["--url", args.url] if args.url else []
+    if args.watch is not None:
+        argv += ["--watch", str(args.watch)]
+    if args.timeout is not None:
+        argv += ["--timeout", str(args.timeout)]
+    return int(fn(argv))
 
 
 class _UsageError(Exception):
@@ -186,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="validate a config and print it resolved",
         description="Load CONFIG with the overrides, report every problem at once (exit 2), or print "
-        "the complete resolved configuration as YAML (exit 0).",
+        "the complete resolved configuration as YAML (exit 0); what this machine lacks for it (backend "
+        "packages, a usable model.path), which `sc-grpo run` would refuse, is listed on stderr.",
         epilog="examples:\n  sc-grpo config configs/embedded.yaml rollout.group_size=8\n"
         "  sc-grpo config --reference > reference.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -213,10 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="show the state of a running controller",
         description="Read a running controller's metrics endpoint and summarize its state.",
-        epilog="example:\n  sc-grpo status --url http://127.0.0.1:9464",
+        epilog="examples:\n  sc-grpo status --url http://127.0.0.1:9464\n  sc-grpo status --url 10.0.0.1:9464 --watch 2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own)")
+    p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own; host:port is enough)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="HTTP timeout of one fetch (default 3)")
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser(
@@ -235,11 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "init-model",
         help="write a tiny random-init Hugging Face model with the tasks' tokenizer",
-        description="Write a random-init LlamaForCausalLM (untied embeddings, head_dim 32 by default: "
-        "valid for vLLM's CPU attention) and the digit tasks' character tokenizer into DIR, offline. "
-        "Use it as model.path. Options after DIR: --hidden-size, --num-layers, --head-dim, "
-        "--max-positions, --seed.",
-        epilog="example:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0",
+        description="Write a random-init LlamaForCausalLM, or GPT2LMHeadModel with --arch gpt2 (untied "
+        "embeddings, head_dim 32 by default: valid for vLLM's CPU attention) and the digit tasks' character "
+        "tokenizer into DIR, offline. Use it as model.path. Options after DIR: --hidden-size, --num-layers, "
+        "--head-dim, --max-positions, --seed, --arch, --rope-theta (`sc-grpo init-model DIR --help`).",
+        epilog="examples:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0\n"
+        "  sc-grpo init-model models/tiny-gpt2 --arch gpt2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dir", metavar="DIR", help="the model directory to write")
@@ -251,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from single_controller.checkpoint import CheckpointError
     from single_controller.config_loader import ConfigError
+    from single_controller.ray_runtime import RayUnreachable
 
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with usage on bad arguments, 0 on --help
@@ -268,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         getattr(args, "subparser", parser).print_usage(sys.stderr)
         print(e, file=sys.stderr)
         return EXIT_USAGE
-    except CheckpointError as e:
+    except (CheckpointError, RayUnreachable) as e:
         print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except EntryPointMissing as e:

@@ -40,6 +40,10 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     from single_controller.run_output import RunDirectory
 
     check_environment(cfg)
+    if cfg.backend.generation != "sim":
+        from single_controller.ray_runtime import check_ray_address
+
+        check_ray_address(cfg.ray.address)  # before a run directory exists for a run that cannot start
     if cfg.model.path is not None and cfg.model.create:
         from single_controller.backends.hf_model import prepare_model_dir
 
@@ -177,7 +181,7 @@ async def _drive(
         if info.get("metrics_url"):
             print(f"sc-grpo: metrics on {info['metrics_url']}", flush=True)
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
-        print(f"sc-grpo: started in {t_ready - t_start:.1f}s ({parts}); training", flush=True)
+        print(f"sc-grpo: started in {t_ready - t_start:.1f}s{f' ({parts})' if parts else ''}; training", flush=True)
         if interrupted:  # a signal during start-up
             await call("request_stop", f"interrupted ({interrupted[0]})")
         run = asyncio.ensure_future(call("run"))
@@ -208,7 +212,10 @@ async def _drive(
                 flush=True,
             )
     except Exception as e:
-        summary = {**summary, "stop_reason": f"failed: {e}", "failure": {"pump": None, "error": f"{type(e).__name__}: {e}", "traceback": _format_tb(e)}}
+        from single_controller.errors import error_text
+
+        error = error_text(e)
+        summary = {**summary, "stop_reason": f"failed: {error.split(': ', 1)[-1]}", "failure": {"pump": None, "error": error, "traceback": _format_tb(e)}}
     finally:
         await _write_records(cfg, run_dir, call, summary, t_start, t_ready)
         if summary["failure"] is None and cfg.run.plot:
@@ -259,9 +266,9 @@ def _format_tb(e: BaseException) -> str:
 
 def _print_failure(run_dir, summary: dict) -> None:
     f = summary["failure"]
-    where = f"the {f['pump']} pump" if f.get("pump") else "the run"
+    where = f" in the {f['pump']} pump" if f.get("pump") else ""
     ck = summary.get("checkpoint")
-    lines = [f"sc-grpo: run failed in {where} after {summary['steps']} steps: {f['error']}"]
+    lines = [f"sc-grpo: run failed{where} after {summary['steps']} steps: {f['error']}"]
     if ck:
         lines.append(f"  last checkpoint: {ck['path']} (step {ck['step']})")
         lines.append(f"  resume with:     sc-grpo run --resume {run_dir.path}")

@@ -64,6 +64,30 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+class RayUnreachable(ConnectionError):
+    """Nothing answers at the Ray address given (`ray.address`, `--address`): said at once, where
+    `ray.init` would retry for minutes."""
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Raise `RayUnreachable` when `address` is HOST:PORT and nothing accepts a connection there
+    (Ray's GCS port). Other forms (`auto`, `ray://...`, None: a local Ray) are left to `ray.init`."""
+    import socket
+
+    if not address or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayUnreachable(
+            f"nothing answers at the Ray address {address} ({e.strerror or e}); start the cluster's head there "
+            "(`ray start --head --port PORT`) or fix the address"
+        ) from None
+
+
 def prepare_environment(*, local: bool = True) -> None:
     """Environment Ray and TransferQueue read at import/start; must run before `import ray`.
 
@@ -323,6 +347,8 @@ def ray_session(
     prepare_environment(local=cfg.address is None)
     import ray
 
+    if not ray.is_initialized():
+        check_ray_address(cfg.address)
     tracker_ref: list[_Tracker] = []
     interrupts = _Interrupts(grace_s, tracker_ref)
     if ray.is_initialized():  # someone else owns it (e.g. a test fixture): borrow, never shut down

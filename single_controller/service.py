@@ -239,10 +239,12 @@ class ControllerService:
             summary = await self.controller.run()
             steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
         except RunFailed as e:
+            from single_controller.errors import error_text
+
             cause = e.__cause__ or e
             failure = {
                 "pump": e.pump,
-                "error": f"{type(cause).__name__}: {cause}",
+                "error": error_text(cause),
                 "traceback": "".join(traceback.format_exception(cause)),
             }
             steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint

@@ -2,8 +2,16 @@
 (its speed targets are read off the real sweep, never asserted here)."""
 
 import re
+import subprocess
+import types
+from pathlib import Path
 
+import pytest
+
+from single_controller import bench
 from single_controller.bench import main_scale
+
+EMBEDDED = str(Path(__file__).resolve().parents[1] / "configs/embedded.yaml")
 
 
 def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memory_run(capsys):
@@ -87,3 +95,60 @@ async def test_meter_passes_cancellation_through_and_counts_a_nested_metered_cal
     except asyncio.CancelledError:
         pass
     assert meter.seconds == 20  # the step that took the cancellation
+
+
+def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True):
+    """`bench embedded` with its run command and reference loop replaced: what it ran, with what."""
+    runs, refs = [], []
+
+    def fake_run(cmd, **kw):
+        runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=stdout, stderr="")
+
+    def fake_reference(seed, **kw):
+        refs.append((seed, kw))
+        return types.SimpleNamespace(steps=100, seconds=8.0, reached=ref_reached)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr("single_controller.backends.cpu.reference.run_reference", fake_reference)
+    return runs, refs
+
+
+def test_bench_embedded_takes_overrides_after_seeds_and_gives_them_to_the_reference_loop_too(monkeypatch, capsys):
+    runs, refs = _fake_embedded(monkeypatch, "sc-grpo: 50 steps in 4.0s of training (+7.0s startup): success rate >= 0.8 over 3 steps\n")
+    argv = ["--config", EMBEDDED, "--seeds", "0", "1", "train.lr=3e-4", "run.stop_at_success_rate=0.8", "run.success_window=3"]
+    assert bench.main_embedded(argv) == 0
+    assert [c[c.index("run") + 2:c.index("run") + 3] for c in runs] == [["seed=0"], ["seed=1"]]
+    assert all(c[-3:] == ["train.lr=3e-4", "run.stop_at_success_rate=0.8", "run.success_window=3"] for c in runs)
+    assert refs == [(s, dict(task="reverse_digits", num_digits=3, prompts_per_step=16, group_size=16, lr=3e-4, target=0.8, window=3)) for s in (0, 1)]
+    out = capsys.readouterr().out
+    assert out.count("ratio 0.50") == 2 and "training / reference 0.50" in out
+
+
+def test_bench_embedded_reports_no_ratio_for_a_run_that_stopped_short_of_the_target(monkeypatch, capsys):
+    _fake_embedded(monkeypatch, "sc-grpo: 3 steps in 0.3s of training (+7.0s startup): training finished\n")
+    assert bench.main_embedded(["--config", EMBEDDED, "--seeds", "0", "run.max_steps=3"]) == 1
+    out = capsys.readouterr().out
+    assert "no ratio: the run did not reach success 0.9" in out and "ratio 0.04" not in out
+
+
+def test_bench_embedded_refuses_a_config_the_reference_loop_cannot_mirror(monkeypatch):
+    runs, _ = _fake_embedded(monkeypatch, "")
+    with pytest.raises(SystemExit, match="model other than the default"):
+        bench.main_embedded(["--config", EMBEDDED, "model.d_model=128"])
+    with pytest.raises(SystemExit, match="stop_at_success_rate=null"):
+        bench.main_embedded(["--config", EMBEDDED, "run.stop_at_success_rate=null"])
+    assert runs == []  # refused before any run
+
+
+@pytest.mark.parametrize(
+    "main, argv, why",
+    [
+        (bench.main_overlap, ["--steps", "1"], "--steps must be at least 2"),
+        (bench.main_eval, ["--backend", "sim", "--steps", "3", "--repeats", "0"], "--repeats, --steps and --every"),
+    ],
+)
+def test_bench_arguments_that_leave_nothing_to_measure_are_refused_before_running(main, argv, why, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and why in capsys.readouterr().err

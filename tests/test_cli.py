@@ -56,6 +56,18 @@ def test_config_prints_the_resolved_yaml(capsys, tmp_path):
     assert load_config(str(dumped), []) == load_config(EMBEDDED, ["train.lr=3e-4"])
 
 
+def test_config_lists_what_this_machine_lacks_on_stderr_and_still_succeeds(capsys, tmp_path):
+    # the hf_model example promises that `sc-grpo config` reports what a model directory lacks
+    empty = tmp_path / "model"
+    empty.mkdir()
+    assert cli.main(["config", str(ROOT / "examples/hf_model/config.yaml"), f"model.path={empty}"]) == 0
+    out, err = capsys.readouterr()
+    assert f"path: {empty}" in out  # the resolved config, as always
+    assert "`sc-grpo run` would refuse it" in err and "has no config.json" in err and "no tokenizer" in err
+    assert cli.main(["config", EMBEDDED]) == 0
+    assert capsys.readouterr().err == ""  # nothing lacking: nothing said
+
+
 def test_config_reference(capsys):
     assert cli.main(["config", "--reference"]) == 0
     assert "### `train`" in capsys.readouterr().out
@@ -156,6 +168,21 @@ def test_status_forwards_the_url(monkeypatch):
     assert calls == [["--url", "http://127.0.0.1:1234"], []]
 
 
+def test_status_forwards_watch_and_timeout_as_the_docs_use_them(monkeypatch):
+    calls = []
+    fake_module(monkeypatch, "single_controller.status", main=lambda argv: calls.append(argv) or 0)
+    assert cli.main(["status", "--url", "10.0.0.1:9464", "--watch", "2", "--timeout", "0.5"]) == 0
+    assert calls == [["--url", "10.0.0.1:9464", "--watch", "2.0", "--timeout", "0.5"]]
+
+
+def test_status_through_the_cli_reaches_the_real_tool(capsys):
+    # nothing listens on port 1: the real status tool answers with its own message, after the
+    # timeout given on the `sc-grpo status` command line
+    assert cli.main(["status", "--url", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "127.0.0.1:1" in err and "Traceback" not in err
+
+
 def test_python_dash_m_single_controller():
     ok = subprocess.run([sys.executable, "-m", "single_controller", "config", EMBEDDED],
                         capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -166,3 +193,16 @@ def test_python_dash_m_single_controller():
     assert bad.returncode == 2
     assert "did you mean 'train.lr'?" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
+    from single_controller.backends.cpu import reference
+    from single_controller.backends.hf_model import main_init_model
+
+    with pytest.raises(SystemExit) as info:
+        reference.main(["--task", "sort_digits", "--seeds", "0"])
+    assert info.value.code == 2 and "unknown task 'sort_digits'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main_init_model([str(tmp_path / "m"), "--hidden-size", "48"])
+    assert info.value.code == 2 and "--hidden-size 48 is not a multiple of --head-dim 32" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()  # refused before writing anything

@@ -314,3 +314,26 @@ def test_ctrl_c_ends_a_ray_run_within_30s_leaving_no_ray_process():
     assert elapsed < 30
     assert describe(gone(tree)) == [], out
     assert describe(workers_of(raylets)) == []
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once_before_a_run_directory_exists(tmp_path, capsys):
+    import socket
+
+    from single_controller import cli
+    from single_controller.ray_runtime import RayUnreachable, check_ray_address
+
+    with socket.socket() as s:  # a port that was free a moment ago, and one that listens
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")  # something answers: fine
+    for other in (None, "auto", "ray://10.0.0.1:10001", "local"):
+        check_ray_address(other)  # left to ray.init
+    with pytest.raises(RayUnreachable, match=f"nothing answers at the Ray address 127.0.0.1:{closed}"):
+        check_ray_address(f"127.0.0.1:{closed}")
+    config = str(Path(__file__).resolve().parents[1] / "configs/embedded.yaml")
+    assert cli.main(["run", config, f"ray.address=127.0.0.1:{closed}", f"run.output_dir={tmp_path / 'runs'}"]) == 2
+    assert "nothing answers at the Ray address" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -212,3 +212,20 @@ def test_reopen_fills_step_records_the_killed_driver_never_wrote_from_the_checkp
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(8))
     assert rd.wall_offset_s == 7.0
+
+
+def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
+    import ray.exceptions
+
+    from single_controller.errors import error_text
+
+    class TQRuntimeError(RuntimeError):
+        pass
+
+    remote_tb = 'Traceback (most recent call last):\n  File "service.py", line 1, in setup\nTQRuntimeError: boom'
+    err = ray.exceptions.RayTaskError("ControllerService.setup", remote_tb, TQRuntimeError("a TransferQueue controller already runs"))
+    assert "File " in str(err) and "File " in str(err.as_instanceof_cause())  # what the driver used to print
+    assert error_text(err) == "TQRuntimeError: a TransferQueue controller already runs (in ControllerService.setup)"
+    assert error_text(err.as_instanceof_cause()).startswith("TQRuntimeError: a TransferQueue controller already runs")
+    assert "\n" not in error_text(err.as_instanceof_cause())
+    assert error_text(ValueError("plain")) == "ValueError: plain"

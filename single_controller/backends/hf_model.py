@@ -271,6 +271,13 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     args = parser.parse_args(argv)
+    if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
+        parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
+    if args.hidden_size % args.head_dim:
+        parser.error(
+            f"--hidden-size {args.hidden_size} is not a multiple of --head-dim {args.head_dim} "
+            f"(e.g. --hidden-size {max(1, round(args.hidden_size / args.head_dim)) * args.head_dim})"
+        )
     path = init_model(
         args.dir,
         hidden_size=args.hidden_size,

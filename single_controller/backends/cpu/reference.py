@@ -131,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--verbose", action="store_true", help="log every 20 steps")
     args = p.parse_args(argv)
+    try:
+        load_task(args.task)
+    except (KeyError, ImportError, AttributeError, ValueError) as e:
+        p.error(f"--task: {e.args[0] if isinstance(e, KeyError) else e}")
     results = []
     for seed in args.seeds:
         r = run_reference(

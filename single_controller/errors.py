@@ -1,0 +1,18 @@
+"""An error said in one readable paragraph, wherever it was raised."""
+
+from __future__ import annotations
+
+import sys
+
+
+def error_text(e: BaseException) -> str:
+    """`Type: message` of an error, one paragraph. An error raised inside a Ray actor reaches here as
+    Ray's task error, whose text is the whole remote traceback: it is said as its cause (the
+    exception the actor raised) and the actor method it came from; the traceback goes to error.log."""
+    exc_mod = sys.modules.get("ray.exceptions")
+    if exc_mod is not None and isinstance(e, exc_mod.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException):
+            where = getattr(e, "function_name", None)
+            return f"{error_text(cause)}" + (f" (in {where})" if where else "")
+    return f"{type(e).__name__}: {e}"
