@@ -80,7 +80,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                         prompt,
                         attempt=len(state.prompts[prompt.prompt_id].attempts),
                         target_step=target,
-                        policy_version=state.policy_version,
+                        policy_version=state.dispatch_version,
                         now=state.clock(),
                     )
                     state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
@@ -162,7 +162,7 @@ def _admissible(state: RunState) -> bool:
     if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
         return False
     target = state.ledger.next_target_step()
-    if target is None or not state.sampler.may_admit(target, state.policy_version):
+    if target is None or not state.sampler.may_admit(target, state.dispatch_version):
         return False
     return state.has_prompt()
 
@@ -181,7 +181,7 @@ def _finished(state: RunState) -> bool:
 async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
     cfg = state.cfg
     keys = rec.keys
-    request = GenerationRequest(rec.group_id, rec.prompt, sampling, keys)
+    request = GenerationRequest(rec.group_id, rec.prompt, sampling, keys, min_version=rec.version_reserved)
     clk = state.pumps[PUMP]
     try:
         t0 = state.clock()

@@ -8,6 +8,13 @@ rollouts that the sampler says could only train above the staleness bound are ca
 prompts re-dispatched); every generation worker applies the snapshot; then the policy version is
 bumped and admission reopens. Admission reopens even if the sync fails, but the failure ends the
 run (the pump's exception propagates to the controller's TaskGroup).
+
+With version-gated workers (`protocols.VersionGated`: every routable one holds a request until it
+has applied the request's `min_version`), admission reopens as soon as the snapshot is sent to
+every worker, for the new version (`state.dispatch`): the new version's rollouts queue in the
+workers while they load it and start the moment it lands, instead of after the update's answer,
+the controller's admission and the requests' own trip. The policy version is still bumped once
+every worker has applied it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import asyncio
 from replay.ledger import GroupState
 from single_controller.channels import Channel
 from single_controller.deadlines import within
-from single_controller.protocols import GenerationWorkerDied
+from single_controller.protocols import GenerationWorkerDied, version_gated
 from single_controller.state import RunState
 from single_controller.types import WeightsHandle
 
@@ -43,6 +50,7 @@ async def weight_sync_pump(state: RunState, weights: Channel[WeightsHandle]) -> 
 async def _sync(state: RunState, handle: WeightsHandle) -> None:
     cfg = state.cfg
     t0 = state.clock()
+    t_open = None
     state.set_admission(False)
     try:
         if cfg.sync.drain_policy == "drain":
@@ -56,8 +64,15 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
         t_drained = state.clock()
         _abort_stale_in_flight(state, handle.version)
         async with asyncio.TaskGroup() as fanout:
-            for w in state.routable():  # a dead or restarting worker gets the newest weights at restart
+            routable = state.routable()
+            for w in routable:  # a dead or restarting worker gets the newest weights at restart
                 fanout.create_task(_update(state, w, handle))
+            if routable and all(map(version_gated, routable)):
+                state.latest_weights = handle  # a worker restarted from now on applies these first
+                state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
+                state.set_admission(True)
+                state.sync.early_admissions += 1
+                t_open = state.clock()
         state.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
@@ -67,6 +82,7 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
     rec.last_s = state.clock() - t0
     rec.total_s += rec.last_s
     rec.last_drain_s = t_drained - t0
+    rec.last_closed_s = (t_open if t_open is not None else state.clock()) - t0
     rec.last_bytes = handle.num_bytes
     rec.last_t = state.clock()
     state.pumps[PUMP].busy_s += rec.last_s

@@ -349,6 +349,7 @@ class Controller:
             "replay/resident_groups": st.ledger.resident(),
             "sync/policy_version": st.policy_version,
             "sync/last_s": st.sync.last_s,
+            "sync/admission_closed_s": st.sync.last_closed_s,
             "rollout/workers_routable": len(st.routable()),
             "rollout/worker_deaths": st.worker_deaths,
             "rollout/worker_restarts": st.worker_restarts,

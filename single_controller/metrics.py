@@ -167,6 +167,8 @@ def families(s: ControllerStatistics) -> list[Metric]:
     out.append(sync)
     gauge("weight_sync_last_duration", "Duration of the last weight sync.", sy.last_s, unit="seconds")
     gauge("weight_sync_last_drain", "Time the last weight sync spent draining in-flight rollouts.", sy.last_drain_s, unit="seconds")
+    gauge("weight_sync_last_admission_closed", "Time the last weight sync kept admission closed (with version-gated workers it reopens once the snapshot is sent).", sy.last_closed_s, unit="seconds")
+    counter("weight_sync_early_admissions", "Weight syncs that reopened admission once the snapshot was sent, before every worker had applied it (version-gated workers).", sy.early_admissions)
     gauge("weight_sync_last", "Size of the last weight snapshot.", sy.last_bytes, unit="bytes")
     gauge("step_last_duration", "Wall time of the last RL step (end of previous step to end of this one).", s.last_step_s, unit="seconds")
     counter("train_step_aborts", "abort_train_step calls after trainer errors.", s.aborted_steps)

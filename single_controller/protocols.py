@@ -76,6 +76,23 @@ class GenerationWorker(Protocol):
         ...
 
 
+class VersionGated(Protocol):
+    """Optional capability of a GenerationWorker (`honours_min_version = True`): it serves a request
+    only with weights of `request.min_version` or newer, holding it until such weights are applied,
+    whatever order the request and the update arrive in.
+
+    With every routable worker VersionGated, the weight sync reopens admission as soon as it has
+    sent the snapshot, instead of once every worker has applied it: the new version's rollouts are
+    already queued in the workers when the weights land, and start at once (without it, the
+    update's answer, the controller's admission and the requests' own trip all come first)."""
+
+    honours_min_version: bool
+
+
+def version_gated(worker: object) -> bool:
+    return getattr(worker, "honours_min_version", False) is True
+
+
 @runtime_checkable
 class TrainerGroup(Protocol):
     """The split train API over all data-parallel ranks: one optimizer step per RL step.

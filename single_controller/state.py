@@ -7,7 +7,10 @@ pumps run on one loop and mutate between awaits.
 
 Versions: `trainer_version` = optimizer steps completed (the next step to train); `policy_version`
 = the version the generation workers serve, bumped by the weight-sync pump once every worker has
-applied the snapshot. Admission and staleness read only these and the stamps on each group.
+applied the snapshot; `dispatch_version` = the version new rollouts are admitted for and stamped
+with (`GenerationRequest.min_version`): `policy_version`, or with version-gated workers
+(`protocols.VersionGated`) the snapshot being applied, from the moment it was sent. Admission and
+staleness read only these and the stamps on each group.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class SyncRecord:
     last_bytes: int = 0
     last_t: float | None = None  # controller clock at the end of the last sync
     aborted_in_flight: int = 0
+    last_closed_s: float = 0.0  # how long the last sync kept admission closed
+    early_admissions: int = 0  # syncs that reopened admission once the snapshot was sent (version-gated workers)
 
 
 @dataclass
@@ -124,6 +129,7 @@ class RunState:
         self.policy_version = first_step
         self.trainer_version = first_step
         self.admission_open = True
+        self.dispatch_version = first_step  # see the module docstring
         self.stopping = False  # no new rollouts: early stop or shutdown
         self.stop_reason: str | None = None
         self.abandon_open_step = False  # an interrupt: abort the step in progress instead of finishing it
@@ -246,10 +252,19 @@ class RunState:
         self.admission_open = open_
         self.notify()
 
+    def dispatch(self, version: int) -> None:
+        """New rollouts are for `version` from now on (its snapshot is on its way to every worker,
+        each of which holds them until it has applied it: `protocols.VersionGated`)."""
+        if version <= self.dispatch_version:
+            raise RuntimeError(f"dispatch version must increase: {self.dispatch_version} -> {version}")
+        self.dispatch_version = version
+        self.notify()
+
     def bump_policy_version(self, version: int) -> None:
         if version <= self.policy_version:
             raise RuntimeError(f"policy version must increase: {self.policy_version} -> {version}")
         self.policy_version = version
+        self.dispatch_version = max(self.dispatch_version, version)
         self.notify()
 
     def request_stop(self, reason: str, *, abandon_open_step: bool = False) -> None:

@@ -44,6 +44,10 @@ class GenerationRequest:
     sampling: SamplingParams
     row_keys: tuple[str, ...] = ()
     eval: bool = False
+    min_version: int | None = None
+    """Serve only with weights of this policy version or newer (None: any). A worker that honours it
+    (`protocols.VersionGated`) holds the request until such weights are applied, whatever order the
+    request and the weight update reach it in; others ignore it."""
 
     def __post_init__(self) -> None:
         if self.eval and self.row_keys:

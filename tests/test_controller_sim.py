@@ -364,6 +364,60 @@ async def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatc
     await assert_clean_end(ctl, trainer, storage)
 
 
+class SlowUpdates:
+    """A sim generation worker whose weight updates take `update_s`; `gated`: it honours
+    `min_version` (`protocols.VersionGated`), holding a request until its weights are applied."""
+
+    def __init__(self, inner, update_s: float, gated: bool):
+        self.inner, self.name, self.update_s = inner, inner.name, update_s
+        self.honours_min_version = gated
+        self.applied = asyncio.Event()
+        self.calls = []  # (min_version, version applied when the request arrived)
+        self.served = []  # (min_version, version_start of the result)
+
+    async def generate(self, request):
+        self.calls.append((request.min_version, self.inner.version))
+        while self.honours_min_version and request.min_version is not None and self.inner.version < request.min_version:
+            self.applied.clear()
+            await self.applied.wait()
+        result = await self.inner.generate(request)
+        self.served.append((request.min_version, result.version_start))
+        return result
+
+    async def update_weights(self, weights):
+        await asyncio.sleep(self.update_s)
+        await self.inner.update_weights(weights)
+        self.applied.set()
+
+    async def in_flight(self):
+        return await self.inner.in_flight()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+async def test_version_gated_workers_get_the_next_versions_rollouts_while_they_load_its_weights(gated):
+    """With workers that honour `min_version`, a weight sync reopens admission as soon as it has sent
+    the snapshot: requests for the new version reach the workers while they still load it, and are
+    served with it. Without, admission stays closed until every worker has applied it."""
+    steps, P = 6, 4
+    storage = InMemoryRowStorage()
+    inner, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.001, train_group_s=0.002)
+    gens = [SlowUpdates(g, 0.02, gated) for g in inner]
+    ctl = Controller(make_cfg(steps=steps, P=P, L=1, chunk=P), sim_prompts(), storage, Workers(gens, trainer))
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == steps
+    early = [(m, have) for g in gens for m, have in g.calls if m is not None and m > have]
+    sync = ctl.state.sync
+    if gated:
+        assert early, "no request reached a worker before its weights"
+        assert sync.early_admissions == sync.count > 0 and sync.last_closed_s < 0.02 <= sync.last_s
+    else:
+        assert early == [] and sync.early_admissions == 0 and sync.last_closed_s >= 0.02
+    served = [vs for g in gens for vs in g.served]
+    assert len(served) >= steps * P and all(start >= m for m, start in served)  # never older weights than stamped
+    assert all(h["train/staleness_max"] <= 1 for h in summary.history)
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_abort_stale_in_flight_redispatches_the_prompt():
     # Window mode: p000000's first attempt is slow; by the time it could finish it is too stale.
     cfg = make_cfg(steps=6, P=2, L=1, S=1, chunk=1, order="fifo", sampler={"abort_stale_in_flight": True})

@@ -1,6 +1,7 @@
 """GenerationCore and the batching GenerationActor on a plain event loop (no Ray)."""
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -225,4 +226,37 @@ async def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_
     await actor.resume()
     assert (await asyncio.wait_for(queued, 10)).group_id == "grp1"
     assert gate.batches == [["grp0"], ["grp1"]]
+    await actor.close()
+
+
+async def test_actor_holds_a_request_until_it_has_the_weights_of_its_min_version():
+    """`protocols.VersionGated`: a request for weights the actor does not have yet waits in its lane
+    (whatever order it and the update arrive in), is then served with those weights, and can be
+    cancelled while it waits; one for weights it has, or with no min_version, goes at once."""
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    early = asyncio.create_task(actor.generate(dataclasses.replace(request(0), min_version=0)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not early.done() and await actor.in_flight() == 1  # held, not refused for lack of weights
+    assert await actor.update_weights(handle(0, seed=0)) == 0
+    r0 = await asyncio.wait_for(early, 10)
+    assert (r0.version_start, r0.version_end) == (0, 0)
+
+    held = asyncio.create_task(actor.generate(dataclasses.replace(request(1), min_version=1)))
+    behind = asyncio.create_task(actor.generate(dataclasses.replace(request(2), min_version=1)))
+    dropped = asyncio.create_task(actor.generate(dataclasses.replace(request(3), min_version=1)))
+    old_ok = await asyncio.wait_for(actor.generate(dataclasses.replace(request(4), min_version=0)), 10)
+    assert old_ok.version_start == 0  # not held up behind the requests waiting for v1
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not held.done() and not behind.done() and storage.statistics().puts == 2
+    dropped.cancel()
+    assert await actor.update_weights(handle(1, seed=1)) == 1
+    r1, r2 = await asyncio.wait_for(asyncio.gather(held, behind), 10)
+    assert (r1.version_start, r2.version_start) == (1, 1)
+    assert dropped.cancelled()
+    stats = storage.statistics()
+    assert (stats.puts, stats.rows_put) == (3, 4 * 4)  # grp0, grp4, then grp1 + grp2 in one batch; grp3 never sampled
+    assert await actor.in_flight() == 0
     await actor.close()

@@ -262,3 +262,28 @@ def test_statistics_and_stale_snapshots(env, loop):
     assert run(loop, actor.version_of_engine()) == str(state["version"])
     with pytest.raises(ValueError, match="older than the loaded"):
         run(loop, actor.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
+
+
+def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhile(env, loop):
+    """`protocols.VersionGated`: a request whose min_version the engine has not loaded yet stays out
+    of the engine until an update brings it, while one for the loaded weights goes at once."""
+    import dataclasses
+
+    actor, trainer, storage, state = env
+    v = state["version"]
+    held_req, dropped_req, now_req = (
+        dataclasses.replace(r, min_version=m) for r, m in zip(_requests("gated", 3, seed=7), (v + 1, v + 1, v))
+    )
+    held = loop.create_task(actor.generate_many([held_req]))
+    dropped = loop.create_task(actor.generate_many([dropped_req]))
+    (now,) = run(loop, actor.generate_many([now_req]))
+    assert now.version_start == v  # not held up by the requests waiting for v + 1
+    assert not held.done() and not dropped.done() and run(loop, actor.in_flight()) == 2
+    assert run(loop, actor.cancel(dropped_req.group_id)) is True  # never reached the engine
+    (res,) = run(loop, dropped)
+    assert isinstance(res, GenerationFailed) and "cancelled" in str(res)
+    assert storage.keys_of(held_req.group_id) == [] and not actor.engine.has_unfinished_requests()
+    _push(loop, actor, trainer, state)
+    (got,) = run(loop, held)
+    assert (got.version_start, got.version_end) == (v + 1, v + 1)
+    assert len(storage.keys_of(held_req.group_id)) == held_req.sampling.n and storage.keys_of(dropped_req.group_id) == []

@@ -14,7 +14,8 @@ version of its weights; with no weights loaded yet (`version is None`) it refuse
 directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
 rollouts; one batching loop takes up to `max_batch_groups` groups' worth of them (the eval lane
 first, an eval request weighed by its rows), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
-future. Weights change only under `_weights_lock`, which a batch holds from its first to its last
+future. It is version-gated (`protocols.VersionGated`): a request whose `min_version` is newer
+than the weights loaded waits in its lane until an update brings them. Weights change only under `_weights_lock`, which a batch holds from its first to its last
 token, so a batch never sees a half-applied update and version_start == version_end.
 """
 
@@ -348,6 +349,8 @@ class GenerationActor:
         async with self._weights_lock:
             # Synchronous on the loop: nothing can cancel it halfway.
             self._core.load_weights(snapshot)
+        if self._pending or self._eval_pending:
+            self._has_pending.set()  # requests held for these weights may go now
         return self._core.version
 
     async def pause(self) -> int:
@@ -399,20 +402,30 @@ class GenerationActor:
     def _take_batch(self) -> list[tuple[GenerationRequest, asyncio.Future]]:
         """The eval lane first, then rollouts, up to `max_batch_groups` groups; an eval request counts
         as its share of a rollout group by rows (n / the last rollout's n), so a whole eval round of
-        one-sample requests usually fits in one batch (one weight version, little delay to rollouts)."""
+        one-sample requests usually fits in one batch (one weight version, little delay to rollouts).
+        A request that needs newer weights than those loaded (`min_version`) stays in its lane, in
+        its place, while those behind it that need none go."""
         batch = []
         budget = float(self.max_batch_groups)
+        version = self._core.version
         for lane in (self._eval_pending, self._pending):  # the eval lane first
+            held = []
             while lane:
                 req, fut = lane[0]
+                if fut.done():  # skip calls cancelled while queued
+                    lane.popleft()
+                    continue
+                if req.min_version is not None and (version is None or req.min_version > version):
+                    held.append(lane.popleft())  # until an update brings its weights
+                    continue
                 cost = req.sampling.n / self._rollout_n if req.eval else 1.0
                 if batch and cost > budget:
                     break
                 lane.popleft()
-                if not fut.done():  # skip calls cancelled while queued
-                    batch.append((req, fut))
-                    budget -= cost
-        if not self._pending and not self._eval_pending:
+                batch.append((req, fut))
+                budget -= cost
+            lane.extendleft(reversed(held))  # back in front, in their order
+        if not batch:  # empty lanes, or only held requests: wait for a request or for weights
             self._has_pending.clear()
         return batch
 

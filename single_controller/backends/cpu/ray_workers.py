@@ -438,7 +438,11 @@ def _check_lengths(chunk: TrainChunk) -> None:
 
 
 class CpuGenerationClient(ActorGenerationClient):
-    """`GenerationWorker` over one `generation.GenerationActor` (the embedded torch sampler)."""
+    """`GenerationWorker` over one `generation.GenerationActor` (the embedded torch sampler). The
+    actor holds a request until it has the weights of its `min_version` (`protocols.VersionGated`),
+    so a weight sync reopens admission as soon as it has sent the snapshot."""
+
+    honours_min_version = True
 
     async def pause(self) -> int:
         """Idle the engine after its current batch (requests queue); returns the queued count."""

@@ -32,7 +32,11 @@ CANCEL_TIMEOUT_S = 30.0
 
 class VllmGenerationClient(ActorGenerationClient):
     """`GenerationWorker` over one `VllmGenerationActor`: the shared actor client, plus vLLM's
-    `pause(after_steps)` and `cancel`, and a cancel acknowledgement that a second cancellation cannot cut short."""
+    `pause(after_steps)` and `cancel`, and a cancel acknowledgement that a second cancellation cannot cut short.
+    The actor holds a request until it has loaded the weights of its `min_version`
+    (`protocols.VersionGated`)."""
+
+    honours_min_version = True
 
     async def _cancel_remote(self, group_id: str) -> None:
         # Not cancellable itself: the caller clears the group's keys only after this.

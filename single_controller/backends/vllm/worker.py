@@ -64,7 +64,7 @@ class VllmGenerationStatistics:
 class _Group:
     request: GenerationRequest
     future: asyncio.Future
-    state: str = "running"  # running -> writing -> done
+    state: str = "running"  # (held ->) running -> writing -> done; held: waiting for newer weights
     cancelled: bool = False
     written: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -222,7 +222,7 @@ class VllmGenerationActor:
         for req in requests:
             g = _Group(req, loop.create_future())
             groups.append(g)
-            if self.version is None:
+            if self.version is None and req.min_version is None:
                 g.future.set_exception(GenerationFailed(f"{self.name}: no weights loaded yet (update_weights first)"))
             elif req.row_keys and len(req.row_keys) != req.sampling.n:
                 g.future.set_exception(ValueError(f"group {req.group_id}: {len(req.row_keys)} row keys for n={req.sampling.n}"))
@@ -233,8 +233,10 @@ class VllmGenerationActor:
             async with self._engine_lock:
                 for g in live:
                     self._groups[g.request.group_id] = g
-                    prompt = TokensPrompt(prompt_token_ids=list(g.request.prompt.token_ids))
-                    self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
+                    if self._needs_newer(g.request):
+                        g.state = "held"  # enters the engine when its weights are loaded (`_load`)
+                    else:
+                        self._add_to_engine(g, TokensPrompt)
             self._has_work.set()
         try:
             await asyncio.wait([g.future for g in groups])
@@ -249,6 +251,16 @@ class VllmGenerationActor:
             out.append(exc if exc is not None else g.future.result())
         return out
 
+    def _needs_newer(self, req: GenerationRequest) -> bool:
+        """`req` asks for newer weights than the engine's (`min_version`; `protocols.VersionGated`)."""
+        return req.min_version is not None and (self.version is None or req.min_version > self.version)
+
+    def _add_to_engine(self, g: _Group, tokens_prompt: Any) -> None:
+        """Under the engine lock."""
+        g.state = "running"
+        prompt = tokens_prompt(prompt_token_ids=list(g.request.prompt.token_ids))
+        self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
+
     async def cancel(self, group_id: str) -> bool:
         """Abort `group_id` in the engine. When this returns no row of the group is stored, and none
         will be. False if the group is unknown or already returned."""
@@ -256,7 +268,10 @@ class VllmGenerationActor:
         if g is None:  # unknown, or already answered
             return False
         g.cancelled = True
-        if g.state == "running":
+        if g.state == "held":  # never reached the engine
+            self._forget(g)
+            self._counts["cancelled"] += 1
+        elif g.state == "running":
             await asyncio.shield(self._abort(group_id))
         elif g.state == "writing":
             await g.written.wait()  # the writer clears the rows of a group cancelled meanwhile
@@ -422,6 +437,13 @@ class VllmGenerationActor:
             self.version = snap.manifest.version
             self._counts["weight_updates"] += 1
             self._last_update_s = time.perf_counter() - t0
+            held = [g for g in self._groups.values() if g.state == "held" and not self._needs_newer(g.request)]
+            if held:  # requests that waited for these weights start now, in the order they came
+                from vllm.inputs import TokensPrompt
+
+                for g in held:
+                    self._add_to_engine(g, TokensPrompt)
+                self._has_work.set()
         return self.version
 
     async def pause(self, after_steps: int = 0) -> int:
