@@ -15,4 +15,9 @@ def error_text(e: BaseException) -> str:
         if isinstance(cause, BaseException):
             where = getattr(e, "function_name", None)
             return f"{error_text(cause)}" + (f" (in {where})" if where else "")
+    if exc_mod is not None and isinstance(e, exc_mod.RayActorError) and "\n" in str(e):
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        if getattr(e, "actor_init_failed", False):  # the message ends with the remote traceback's last line
+            return f"{type(e).__name__}: an actor's __init__ failed: {lines[-1]}"
+        return f"{type(e).__name__}: " + "; ".join(lines)
     return f"{type(e).__name__}: {e}"

@@ -229,3 +229,6 @@ def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
     assert error_text(err.as_instanceof_cause()).startswith("TQRuntimeError: a TransferQueue controller already runs")
     assert "\n" not in error_text(err.as_instanceof_cause())
     assert error_text(ValueError("plain")) == "ValueError: plain"
+    # an actor whose __init__ raised: said by the remote error's last line
+    init = ray.exceptions.RayTaskError("GenerationActor.__init__", 'Traceback (most recent call last):\n  File "g.py", line 4\nSyntaxError: invalid syntax', SyntaxError("invalid syntax"))
+    assert error_text(ray.exceptions.ActorDiedError(init)) == "ActorDiedError: an actor's __init__ failed: SyntaxError: invalid syntax"
