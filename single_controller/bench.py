@@ -129,7 +129,8 @@ EVAL_BENCH_DOC = """`sc-grpo bench eval`: training throughput with held-out eval
 Trains the same configuration (default configs/embedded.yaml on the embedded torch backend, a fixed
 number of steps, no early stop) with eval off and with eval every N steps, alternating, in one
 invocation and one Ray session, and prints steps/s over each run (from the first step's start to the
-last step's end; the end-of-run eval after the last step is reported apart) and the ratio
+last step's end: the end-of-run eval after the last step is outside it, though the eval count and
+eval seconds printed include it) and the ratio
 eval-on / eval-off (target >= 0.9). `--backend sim` runs the orchestration alone on simulated workers.
 """
 
