@@ -168,6 +168,11 @@ class RowPrefetcher:
         rows: dict[str, dict[str, Any]] = {}
         with self._lock:
             entries = [(k, self._entries.pop(k, None)) for k in keys]
+        whole = self._whole_read(entries, fields)
+        if whole is not None:  # the common case: exactly one prefetch's keys, in its order
+            with self._lock:
+                self.hits += len(keys)
+            return whole
         for k, entry in entries:
             if entry is None or not set(fields) <= set(entry[3]):
                 continue
@@ -190,6 +195,26 @@ class RowPrefetcher:
             f: [rows[k][f] for k in keys] if schema[f].jagged else torch.stack([rows[k][f] for k in keys])
             for f in fields
         }
+
+    @staticmethod
+    def _whole_read(entries: list[tuple[str, Any]], fields: Sequence[str]) -> dict[str, Column] | None:
+        """The columns of one successful prefetch when `entries` are all of its rows, in its order,
+        with every field asked for; else None (the caller assembles the rows one by one)."""
+        if not entries or entries[0][1] is None:
+            return None
+        fut = entries[0][1][1]
+        for i, (_, entry) in enumerate(entries):
+            if entry is None or entry[1] is not fut or entry[2] != i:
+                return None
+        if not set(fields) <= set(entries[0][1][3]):
+            return None
+        try:
+            got = fut.result()
+        except Exception:
+            return None  # read again by the caller; a real error will surface there
+        if any(len(got[f]) != len(entries) for f in fields):
+            return None  # the prefetch read more rows than these
+        return {f: got[f] for f in fields}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

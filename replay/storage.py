@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -96,10 +97,13 @@ class StorageStatistics:
     resident_rows: int  # rows this client knows to be stored and not yet cleared (-1: unknown)
 
 
+_nbytes = operator.attrgetter("nbytes")
+
+
 def column_nbytes(col: Column) -> int:
     if isinstance(col, torch.Tensor):
-        return col.numel() * col.element_size()
-    return sum(t.numel() * t.element_size() for t in col)
+        return col.nbytes
+    return sum(map(_nbytes, col))
 
 
 def validate_put(
