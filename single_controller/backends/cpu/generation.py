@@ -15,8 +15,9 @@ directly in a test): concurrent `generate()` calls queue up in two lanes, eval r
 rollouts; one batching loop takes up to `max_batch_groups` groups' worth of them (the eval lane
 first, an eval request weighed by its rows), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
 future. It is version-gated (`protocols.VersionGated`): a request whose `min_version` is newer
-than the weights loaded waits in its lane until an update brings them. Weights change only under `_weights_lock`, which a batch holds from its first to its last
-token, so a batch never sees a half-applied update and version_start == version_end.
+than the weights loaded waits in its lane until an update brings them. Weights change only under
+`_weights_lock`, which a batch holds from its first to its last token, so a batch never sees a
+half-applied update and version_start == version_end.
 """
 
 from __future__ import annotations
