@@ -123,6 +123,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name is None:
+        raise _UsageError(f"sc-grpo bench: give a benchmark NAME: {', '.join(BENCHMARKS)}")
     spec, _ = BENCHMARKS[args.name]
     fn = _load_entry_point(spec)
     return int(fn(list(args.args)))
@@ -216,15 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lines = "\n".join(f"  {name:<10} {desc}" for name, (_, desc) in BENCHMARKS.items())
     p = sub.add_parser(
         "bench",
+        usage="sc-grpo bench [-h] NAME [ARGS ...]",
         help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
         description="Run a benchmark; the arguments after NAME are passed to it unchanged.\n\n"
         f"benchmarks:\n{bench_lines}",
         epilog="example:\n  sc-grpo bench overlap --help",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("name", metavar="NAME", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("name", metavar="NAME", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, subparser=p)
 
     p = sub.add_parser(
         "status",

@@ -206,3 +206,10 @@ def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_trac
         main_init_model([str(tmp_path / "m"), "--hidden-size", "48"])
     assert info.value.code == 2 and "--hidden-size 48 is not a multiple of --head-dim 32" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()  # refused before writing anything
+
+
+def test_bench_without_a_name_lists_the_benchmarks(capsys):
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: sc-grpo bench [-h] NAME [ARGS ...]" in err
+    assert "give a benchmark NAME: overlap, reference, storage, scale, embedded, eval" in err and "ARGS" not in err.splitlines()[-1]
