@@ -20,8 +20,8 @@ import asyncio
 import os
 import tempfile
 import time
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, SimMeter, sim_prompts, sim_workers

@@ -215,8 +215,6 @@ class VllmGenerationActor:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
-        from vllm.inputs import TokensPrompt
-
         loop = asyncio.get_running_loop()
         groups: list[_Group] = []
         for req in requests:
@@ -236,7 +234,7 @@ class VllmGenerationActor:
                     if self._needs_newer(g.request):
                         g.state = "held"  # enters the engine when its weights are loaded (`_load`)
                     else:
-                        self._add_to_engine(g, TokensPrompt)
+                        self._add_to_engine(g)
             self._has_work.set()
         try:
             await asyncio.wait([g.future for g in groups])
@@ -255,10 +253,12 @@ class VllmGenerationActor:
         """`req` asks for newer weights than the engine's (`min_version`; `protocols.VersionGated`)."""
         return req.min_version is not None and (self.version is None or req.min_version > self.version)
 
-    def _add_to_engine(self, g: _Group, tokens_prompt: Any) -> None:
+    def _add_to_engine(self, g: _Group) -> None:
         """Under the engine lock."""
+        from vllm.inputs import TokensPrompt
+
         g.state = "running"
-        prompt = tokens_prompt(prompt_token_ids=list(g.request.prompt.token_ids))
+        prompt = TokensPrompt(prompt_token_ids=list(g.request.prompt.token_ids))
         self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
 
     async def cancel(self, group_id: str) -> bool:
@@ -439,10 +439,8 @@ class VllmGenerationActor:
             self._last_update_s = time.perf_counter() - t0
             held = [g for g in self._groups.values() if g.state == "held" and not self._needs_newer(g.request)]
             if held:  # requests that waited for these weights start now, in the order they came
-                from vllm.inputs import TokensPrompt
-
                 for g in held:
-                    self._add_to_engine(g, TokensPrompt)
+                    self._add_to_engine(g)
                 self._has_work.set()
         return self.version
 
