@@ -11,6 +11,7 @@ tests. Workers are built per role (`backend.generation`, `backend.trainer`) thro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import random
@@ -117,6 +118,7 @@ class ControllerService:
         self._records_base = 0  # records before it were read by the driver (`next_records`) and dropped
         self._changed = asyncio.Event()
         self._finished = False
+        self._finished_event = asyncio.Event()
         self._metrics_server = None
         self._workers: tuple[Any, Any] | None = None
         self.metrics_port: int | None = None
@@ -250,6 +252,7 @@ class ControllerService:
             steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint
         finally:
             self._finished = True
+            self._finished_event.set()
             self._changed.set()
         st = self.controller.statistics()
         try:  # every key in the partition, whoever wrote it: a clean run leaves none
@@ -295,16 +298,20 @@ class ControllerService:
         out["trainer_node_ips"] = [n["node_ip"] for n in getattr(trainer, "rank_nodes", [])]
         return out
 
-    async def next_records(self, cursor: int) -> tuple[list[dict], bool]:
+    async def next_records(self, cursor: int, linger_s: float = 0.0) -> tuple[list[dict], bool]:
         """Records from `cursor` (an index over the run) on, waiting until there is one or the run
-        has finished. Asking from `cursor` acknowledges every record before it: those are dropped,
-        so the controller's memory stays flat however long the run."""
+        has finished; then, with `linger_s`, up to that long more for the records behind it (never
+        past the run's end). Asking from `cursor` acknowledges every record before it: those are
+        dropped, so the controller's memory stays flat however long the run."""
         if cursor > self._records_base:
             del self.records[: cursor - self._records_base]
             self._records_base = cursor
         while self._records_base + len(self.records) <= cursor and not self._finished:
             self._changed.clear()
             await self._changed.wait()
+        if linger_s > 0 and not self._finished:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._finished_event.wait(), linger_s)
         if cursor < self._records_base:
             raise ValueError(f"records before {self._records_base} were already read and dropped (asked from {cursor})")
         return self.records[cursor - self._records_base :], self._finished and self._records_base + len(self.records) <= cursor

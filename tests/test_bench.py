@@ -1,6 +1,7 @@
 """`sc-grpo bench scale` runs end to end on a tiny sweep and prints every figure it promises
 (its speed targets are read off the real sweep, never asserted here)."""
 
+import json
 import re
 import subprocess
 import types
@@ -97,12 +98,18 @@ async def test_meter_passes_cancellation_through_and_counts_a_nested_metered_cal
     assert meter.seconds == 20  # the step that took the cancellation
 
 
-def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True):
-    """`bench embedded` with its run command and reference loop replaced: what it ran, with what."""
+def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_walls: list[float] | None = None):
+    """`bench embedded` with its run command and reference loop replaced: what it ran, with what.
+    `step_walls`: the run writes step records with these `time/wall_s` (and an eval record)."""
     runs, refs = [], []
 
     def fake_run(cmd, **kw):
         runs.append(cmd)
+        if step_walls is not None:
+            out = Path(next(a for a in cmd if a.startswith("run.output_dir=")).split("=", 1)[1])
+            (out / "embedded-1").mkdir()
+            lines = [{"step": i, "time/wall_s": w} for i, w in enumerate(step_walls)] + [{"eval/policy_version": 3, "time/wall_s": 99.0}]
+            (out / "embedded-1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return subprocess.CompletedProcess(cmd, 0, stdout=stdout, stderr="")
 
     def fake_reference(seed, **kw):
@@ -123,6 +130,16 @@ def test_bench_embedded_takes_overrides_after_seeds_and_gives_them_to_the_refere
     assert refs == [(s, dict(task="reverse_digits", num_digits=3, prompts_per_step=16, group_size=16, lr=3e-4, target=0.8, window=3)) for s in (0, 1)]
     out = capsys.readouterr().out
     assert out.count("ratio 0.50") == 2 and "training / reference 0.50" in out
+
+
+def test_bench_embedded_times_the_run_to_the_end_of_the_step_that_reached_the_target(monkeypatch, capsys):
+    """The reference loop's clock stops at the end of the step that reached the target; the run's
+    "s of training" also holds its final checkpoint and teardown. The ratio uses the step's end."""
+    _fake_embedded(monkeypatch, "sc-grpo: 3 steps in 4.0s of training (+7.0s startup): success rate >= 0.9 over 5 steps\n", step_walls=[1.0, 2.5, 3.6])
+    assert bench.main_embedded(["--config", EMBEDDED, "--seeds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "training 3.60 s" in out and "with the final checkpoint and teardown 4.00 s" in out
+    assert "ratio 0.45" in out and "training / reference 0.45" in out
 
 
 def test_bench_embedded_reports_no_ratio_for_a_run_that_stopped_short_of_the_target(monkeypatch, capsys):

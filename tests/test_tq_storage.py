@@ -676,3 +676,41 @@ def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_tran
         timeout=60,
     )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
+
+
+def test_transfer_queues_thread_limiter_changes_the_same_threads_without_reading_sysfs_each_time():
+    """TQ wraps every put/get/clear in a limiter that read the physical core count through psutil
+    (~70 us) each time. Ours reads it once and changes the same thread counts: TQ_NUM_THREADS inside
+    the block (at most the physical cores), and back to TQ's default after, even on an error."""
+    out = _python(
+        """
+        import psutil, torch
+        import replay.tq_storage  # imports TransferQueue the way our processes do
+        import transfer_queue.client as client
+        import transfer_queue.storage.simple_storage as storage_unit
+        import transfer_queue.utils.common as common
+        from replay.tq_runtime import cheaper_thread_limiter
+        limit = client.limit_pytorch_auto_parallel_threads
+        assert storage_unit.limit_pytorch_auto_parallel_threads is limit, "the storage unit keeps TQ's"
+        assert cheaper_thread_limiter() == [], "installed twice"
+        calls = []
+        real = psutil.cpu_count
+        psutil.cpu_count = lambda *a, **k: calls.append(1) or real(*a, **k)
+        cores = real(logical=False)
+        torch.set_num_threads(common.DEFAULT_TORCH_NUM_THREADS)
+        for target in (1, cores, cores + 3, None):
+            with limit(target_num_threads=target, info="test"):
+                want = min(target, cores) if target is not None else min(cores, 16)
+                assert torch.get_num_threads() == want, (target, torch.get_num_threads())
+            assert torch.get_num_threads() == common.DEFAULT_TORCH_NUM_THREADS
+        try:
+            with limit(target_num_threads=1):
+                raise KeyError("x")
+        except KeyError:
+            pass
+        assert torch.get_num_threads() == common.DEFAULT_TORCH_NUM_THREADS
+        assert calls == [], f"psutil read the core count {len(calls)} times"
+        print("OK")
+        """
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
