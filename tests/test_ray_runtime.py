@@ -218,12 +218,39 @@ def test_start_and_stop_leaves_no_ray_process():
         assert {"raylet", "gcs_server"} <= names, names
         assert worker_pid in {p.pid for p in procs}  # actors are found as part of the session
         assert os.environ["RAY_AUTH_MODE"] and os.environ["TQ_NUM_THREADS"]
+        system = ray._private.worker._global_node._ray_params._system_config
+        assert system["enable_metrics_collection"] is False and system["task_events_report_interval_ms"] == 0
         with ray_session(RayConfig(), min_cpus=1) as inner:  # nested: borrows, never shuts down
             assert not inner.owned and inner.processes() == []
         assert ray.is_initialized() and ray.get(probe.env.remote())[1] == worker_pid
     assert not ray.is_initialized()
     assert describe(gone(procs)) == []  # the context waits: nothing is left when it returns
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+
+@pytest.mark.parametrize("observability", [False, True])
+def test_a_local_ray_records_its_own_task_events_and_metrics_only_when_asked(monkeypatch, observability):
+    import ray
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(Stop):
+        with ray_session(RayConfig(ray_observability=observability), min_cpus=1, log_to_driver=False):
+            pass
+    system = seen["_system_config"]
+    assert system["enable_worker_prestart"] is False
+    if observability:
+        assert "enable_metrics_collection" not in system and "task_events_report_interval_ms" not in system
+    else:
+        assert system["enable_metrics_collection"] is False and system["task_events_report_interval_ms"] == 0
 
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
