@@ -343,7 +343,7 @@ def ray_session(
     it is in (`replay.tq_runtime.worker_process_setup`).
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
-    `cfg.ray_observability`, Ray's own task events and metrics (~1.3 ms of CPU per step of the embedded
+    `cfg.ray_observability`, Ray's own task events, metrics and event-loop statistics (~1.3 ms of CPU per step of the embedded
     run in the raylet, the GCS and Ray's metrics agent; nothing of ours reads them).
     """
     prepare_environment(local=cfg.address is None)
@@ -379,7 +379,7 @@ def ray_session(
     if owned:
         system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
         if not cfg.ray_observability:
-            system.update(enable_metrics_collection=False, task_events_report_interval_ms=0)
+            system.update(enable_metrics_collection=False, task_events_report_interval_ms=0, event_stats=False)
         kwargs.update(num_cpus=num_cpus, include_dashboard=False, _system_config=system)
     else:
         kwargs["address"] = cfg.address

@@ -248,9 +248,10 @@ def test_a_local_ray_records_its_own_task_events_and_metrics_only_when_asked(mon
     system = seen["_system_config"]
     assert system["enable_worker_prestart"] is False
     if observability:
-        assert "enable_metrics_collection" not in system and "task_events_report_interval_ms" not in system
+        assert not {"enable_metrics_collection", "task_events_report_interval_ms", "event_stats"} & set(system)
     else:
         assert system["enable_metrics_collection"] is False and system["task_events_report_interval_ms"] == 0
+        assert system["event_stats"] is False
 
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
