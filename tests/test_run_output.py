@@ -234,7 +234,7 @@ def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
     assert error_text(ray.exceptions.ActorDiedError(init)) == "ActorDiedError: an actor's __init__ failed: SyntaxError: invalid syntax"
 
 
-def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end_at_once():
+async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end_at_once():
     """`next_records(cursor, linger_s)`: after the first new record, the call waits up to `linger_s`
     for the ones behind it (one actor call for a few steps, not one per step), but returns as soon as
     the run has finished; asking from a cursor drops the records before it."""
@@ -246,31 +246,29 @@ def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end_at_on
 
     service = ControllerService(Config())
 
-    async def main() -> None:
-        async def steps(first: int, n: int, finish: bool = False) -> None:
-            for i in range(first, first + n):
-                await asyncio.sleep(0.02)
-                service._on_step({"step": i})
-            if finish:
-                service._finished = True
-                service._finished_event.set()
-                service._changed.set()
+    async def steps(first: int, n: int, finish: bool = False) -> None:
+        for i in range(first, first + n):
+            await asyncio.sleep(0.02)
+            service._on_step({"step": i})
+        if finish:
+            service._finished = True
+            service._finished_event.set()
+            service._changed.set()
 
-        feeding = asyncio.ensure_future(steps(0, 5))
-        records, finished = await service.next_records(0, 1.0)
-        await feeding
-        assert [r["step"] for r in records] == [0, 1, 2, 3, 4] and not finished
-        records, _ = await service.next_records(0)  # no linger: what there is, at once
-        assert len(records) == 5
-        feeding = asyncio.ensure_future(steps(5, 2, finish=True))
-        t0 = time.perf_counter()
-        records, finished = await service.next_records(5, 30.0)
-        assert time.perf_counter() - t0 < 5.0, "lingered past the run's end"
-        assert [r["step"] for r in records] == [5, 6]
-        assert service._records_base == 5 and len(service.records) == 2, "acknowledged records kept"
-        await feeding
-        t0 = time.perf_counter()
-        assert await service.next_records(7, 30.0) == ([], True)
-        assert time.perf_counter() - t0 < 5.0
+    feeding = asyncio.ensure_future(steps(0, 5))
+    records, finished = await service.next_records(0, 1.0)
+    await feeding
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4] and not finished
+    records, _ = await service.next_records(0)  # no linger: what there is, at once
+    assert len(records) == 5
+    feeding = asyncio.ensure_future(steps(5, 2, finish=True))
+    t0 = time.perf_counter()
+    records, finished = await service.next_records(5, 30.0)
+    assert time.perf_counter() - t0 < 5.0, "lingered past the run's end"
+    assert [r["step"] for r in records] == [5, 6]
+    assert service._records_base == 5 and len(service.records) == 2, "acknowledged records kept"
+    await feeding
+    t0 = time.perf_counter()
+    assert await service.next_records(7, 30.0) == ([], True)
+    assert time.perf_counter() - t0 < 5.0
 
-    asyncio.run(main())
