@@ -246,7 +246,7 @@ def _thread_limiter(physical_cores: int) -> Callable[..., Any]:
     def limit_pytorch_auto_parallel_threads(target_num_threads: int | None = None, info: str = "") -> Iterator[None]:
         target = min(physical_cores, 16) if target_num_threads is None else target_num_threads
         if target > physical_cores:
-            log.warning("%s: TQ_NUM_THREADS=%d is more than the %d physical cores; using %d", info, target, physical_cores, physical_cores)
+            log.warning("%s: %d torch threads asked for, more than the %d physical cores; using %d", info, target, physical_cores, physical_cores)
             target = physical_cores
         torch.set_num_threads(target)
         try:
@@ -269,8 +269,10 @@ def cheaper_thread_limiter() -> list[str]:
     does the same thread changes (~0.2 us) with the count psutil gave once. Called by
     `import_transfer_queue`; idempotent; a TransferQueue without the limiter is left as it is."""
     modules = [sys.modules.get(name) for name in _THREAD_LIMITER_USERS]
-    todo = [m for m in modules if m is not None and hasattr(m, "limit_pytorch_auto_parallel_threads")
-            and not getattr(m.limit_pytorch_auto_parallel_threads, "sc_grpo", False)]
+    todo = [
+        m for m in modules
+        if m is not None and hasattr(m, "limit_pytorch_auto_parallel_threads") and not getattr(m.limit_pytorch_auto_parallel_threads, "sc_grpo", False)
+    ]
     if not todo:
         return []
     import psutil

@@ -297,9 +297,9 @@ class RayConfig:
     """Logical CPUs of a local Ray (null: enough for TQ + workers + controller, whatever the core count)."""
     ray_observability: bool = False
     """A local Ray's own task events (its state API's task list, `ray.timeline()`), its own metrics and
-    its event-loop statistics (its debug-state dumps). Off by default: sc-grpo's metrics and status do not use them, and in the embedded run they cost
-    ~1.3 ms of CPU per step in the raylet, the GCS and Ray's metrics agent. An attached cluster keeps
-    its own settings."""
+    its event-loop statistics (its debug-state dumps). Off by default: sc-grpo's metrics and status
+    do not use them, and in the embedded run they cost ~1.3 ms of CPU per step in the raylet, the GCS
+    and Ray's metrics agent. An attached cluster keeps its own settings."""
 
 
 @dataclass(frozen=True)
