@@ -117,8 +117,7 @@ class ControllerService:
         self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
         self._records_base = 0  # records before it were read by the driver (`next_records`) and dropped
         self._changed = asyncio.Event()
-        self._finished = False
-        self._finished_event = asyncio.Event()
+        self._finished = asyncio.Event()  # set once the run has ended, however it ended
         self._metrics_server = None
         self._workers: tuple[Any, Any] | None = None
         self.metrics_port: int | None = None
@@ -251,8 +250,7 @@ class ControllerService:
             }
             steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint
         finally:
-            self._finished = True
-            self._finished_event.set()
+            self._finished.set()
             self._changed.set()
         st = self.controller.statistics()
         try:  # every key in the partition, whoever wrote it: a clean run leaves none
@@ -306,15 +304,15 @@ class ControllerService:
         if cursor > self._records_base:
             del self.records[: cursor - self._records_base]
             self._records_base = cursor
-        while self._records_base + len(self.records) <= cursor and not self._finished:
+        while self._records_base + len(self.records) <= cursor and not self._finished.is_set():
             self._changed.clear()
             await self._changed.wait()
-        if linger_s > 0 and not self._finished:
+        if linger_s > 0 and not self._finished.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._finished_event.wait(), linger_s)
+                await asyncio.wait_for(self._finished.wait(), linger_s)
         if cursor < self._records_base:
             raise ValueError(f"records before {self._records_base} were already read and dropped (asked from {cursor})")
-        return self.records[cursor - self._records_base :], self._finished and self._records_base + len(self.records) <= cursor
+        return self.records[cursor - self._records_base :], self._finished.is_set() and self._records_base + len(self.records) <= cursor
 
     async def save_checkpoint(self, directory: str) -> str:
         if self._workers is None:

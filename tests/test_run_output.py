@@ -251,8 +251,7 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
             await asyncio.sleep(0.02)
             service._on_step({"step": i})
         if finish:
-            service._finished = True
-            service._finished_event.set()
+            service._finished.set()
             service._changed.set()
 
     feeding = asyncio.ensure_future(steps(0, 5))
