@@ -336,9 +336,8 @@ async def _evict(state: RunState, groups: list[GroupRecord], step: int) -> None:
 
 
 def _finish_groups(state: RunState, step: int, groups: list[GroupRecord], clears: asyncio.TaskGroup) -> None:
-    for g in groups:
-        state.ledger.mark_trained(g.group_id, step)
-        state.prompts.settle(g.prompt.prompt_id, "trained", step=step)
+    state.ledger.mark_trained_many([g.group_id for g in groups], step)
+    state.prompts.settle_trained([g.prompt.prompt_id for g in groups], step)
     clears.create_task(_clear_trained(state, step, groups))
 
 

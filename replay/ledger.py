@@ -275,6 +275,34 @@ class GroupLedger:
         self._trained += 1
         return rec
 
+    def mark_trained_many(self, group_ids: Iterable[str], step: int) -> list[GroupRecord]:
+        """`mark_trained` of a finished step's groups in one pass (the train pump's case): every group
+        is checked before any moves, so a refused one changes nothing."""
+        ids = list(group_ids)
+        recs = list(map(self._groups.get, ids))
+        for g, rec in zip(ids, recs):
+            if rec is None or rec.state is not _SELECTED:
+                self._refuse(g, _SELECTED, "mark_trained")
+            if rec.trained_step != step:
+                raise LedgerError(f"group {g} selected for step {rec.trained_step}, trained in {step}")
+        if len(set(ids)) != len(ids):
+            raise LedgerError(f"mark_trained of step {step}: a group is listed twice")
+        selected, trained, open_by_step = self._by_state[_SELECTED], self._by_state[_TRAINED], self._open_by_step
+        for rec in recs:
+            gid, s = rec.group_id, rec.target_step
+            del selected[gid]
+            trained[gid] = rec
+            rec.state = _TRAINED
+            left = open_by_step[s] - 1
+            if left > 0:
+                open_by_step[s] = left
+            else:  # as `_move` does: the step's last open group left
+                del open_by_step[s]
+                if s < self._min_short_step:
+                    self._live_by_step.pop(s, None)
+        self._trained += len(recs)
+        return recs
+
     def drop(self, group_id: str, reason: str) -> GroupRecord:
         """Any non-terminal group; SELECTED only when its step is abandoned (the run fails, or stops with the next step begun)."""
         rec = self._groups[group_id]
@@ -452,6 +480,27 @@ class PromptLedger:
         if self._history is not None:
             self._history.write(_history_line(rec))
             del self._prompts[prompt_id]
+
+    def settle_trained(self, prompt_ids: Iterable[str], step: int) -> None:
+        """`settle(p, "trained", step=step)` for each of a finished step's prompts, with one write of
+        their history lines (the train pump's case). A refused prompt raises as `settle` does; the
+        ones before it stay settled, and their lines are written."""
+        prompts, unsettled, lines = self._prompts, self._unsettled, []
+        history = self._history
+        try:
+            for pid in prompt_ids:
+                rec = prompts.get(pid)
+                if rec is None or rec.fate is not None:
+                    self.settle(pid, "trained", step=step)  # raises, naming why
+                rec.fate, rec.step, rec.reason = "trained", step, None
+                del unsettled[pid]
+                self._trained += 1
+                if history is not None:
+                    lines.append(_history_line(rec))
+                    del prompts[pid]
+        finally:
+            if lines:
+                history.write("".join(lines))
 
     def _count_settled(self, rec: PromptRecord) -> None:
         del self._unsettled[rec.prompt.prompt_id]

@@ -42,6 +42,8 @@ from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
 
+_RESPONSE_LENGTHS, _SEQ_LENGTHS = operator.attrgetter("response_lengths"), operator.attrgetter("seq_lengths")
+
 
 class RunFailed(RuntimeError):
     """A pump failed; `pump` names it and `__cause__` is its error."""
@@ -326,9 +328,9 @@ class Controller:
         st, cfg = self.state, self.cfg
         rewards = list(itertools.chain.from_iterable(g.rewards for g in report.groups))
         success = sum(map(operator.ge, rewards, itertools.repeat(cfg.task.success_reward))) / max(1, len(rewards))
-        stale = [st.sampler.staleness(g, report.step) for g in report.groups]
-        gen_tokens = sum(sum(g.response_lengths) for g in report.groups)
-        seq_tokens = sum(sum(g.seq_lengths) for g in report.groups)
+        stale = list(map(st.sampler.staleness, report.groups, itertools.repeat(report.step)))
+        gen_tokens = sum(map(sum, map(_RESPONSE_LENGTHS, report.groups)))
+        seq_tokens = sum(map(sum, map(_SEQ_LENGTHS, report.groups)))
         self._tokens_trained += seq_tokens
         step_s = report.t_end - self._last_step_end
         self._last_step_end = report.t_end
@@ -350,7 +352,7 @@ class Controller:
             "sync/policy_version": st.policy_version,
             "sync/last_s": st.sync.last_s,
             "sync/admission_closed_s": st.sync.last_closed_s,
-            "rollout/workers_routable": len(st.routable()),
+            "rollout/workers_routable": st.routable_count(),
             "rollout/worker_deaths": st.worker_deaths,
             "rollout/worker_restarts": st.worker_restarts,
         }
@@ -364,7 +366,7 @@ class Controller:
             rec["replay/controller_bytes_ratio"] = rec["replay/controller_bytes"] / rec["train/bytes_read"]
         now = st.clock()
         for name, clk in st.pumps.items():
-            total = sum(clk.statistics(now).wait_s_by_reason.values())
+            total = clk.total_wait_s(now)
             rec[f"pump/{name}_wait_s"] = total - self._last_wait.get(name, 0.0)
             self._last_wait[name] = total
         self.history.append(rec)

@@ -72,6 +72,21 @@ class _Queue:
 
 # Each event loop's queues, by timeout; forgotten with the loop (a queue holds no reference to it).
 _queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Queue]] = weakref.WeakKeyDictionary()
+# The last loop's queues, looked up without the weak dictionary's Python-level `get` (one process
+# runs one loop at a time; a weak reference, so the cache keeps no loop alive).
+_last: tuple[weakref.ref, dict[float, _Queue]] | None = None
+
+
+def _loop_queues(loop: asyncio.AbstractEventLoop) -> dict[float, _Queue]:
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop:
+        return last[1]
+    queues = _queues.get(loop)
+    if queues is None:
+        queues = _queues[loop] = {}
+    _last = (weakref.ref(loop), queues)
+    return queues
 
 
 async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
@@ -82,9 +97,7 @@ async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
     if task is None:
         raise RuntimeError(f"within() must run inside a task (waiting for {what})")
     loop = asyncio.get_running_loop()
-    queues = _queues.get(loop)
-    if queues is None:
-        queues = _queues[loop] = {}
+    queues = _loop_queues(loop)
     q = queues.get(seconds)
     if q is None:
         q = queues[seconds] = _Queue(seconds)

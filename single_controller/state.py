@@ -67,6 +67,11 @@ class PumpClock:
     errors: int = 0
     finished: bool = False
 
+    def total_wait_s(self, now: float) -> float:
+        """Seconds waited so far, for any reason (a wait under way counts up to `now`)."""
+        total = sum(self.wait_s.values())
+        return total + (now - self.wait_started) if self.waiting_on else total
+
     def statistics(self, now: float) -> PumpStatistics:
         current = now - self.wait_started if self.waiting_on else 0.0
         waits = dict(self.wait_s)
@@ -282,6 +287,10 @@ class RunState:
     def routable(self) -> list[GenerationWorker]:
         """Generation workers that take work: not known dead, not restarting."""
         return [w for w in self.workers.generators if w.name not in self.down_workers]
+
+    def routable_count(self) -> int:
+        """`len(routable())`, without the list."""
+        return len(self.workers.generators) - len(self.down_workers)
 
     def any_routable(self) -> bool:
         return len(self.down_workers) < len(self.workers.generators)

@@ -27,7 +27,7 @@ from single_controller.config import (
 from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.state import Workers
+from single_controller.state import PumpClock, Workers
 
 
 def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capacity=None, in_flight=64, **sections) -> Config:
@@ -86,6 +86,28 @@ async def assert_clean_end(ctl, trainer, storage):
     for rec in ctl.state.prompts.records():
         if rec.fate == "trained":
             assert rec.prompt.prompt_id in trained_prompts(trainer)[rec.step]
+
+
+def test_a_pumps_total_wait_counts_the_wait_under_way():
+    clk = PumpClock("train")
+    clk.wait_s["ready groups"] += 1.5
+    clk.wait_s["weight sync"] += 0.25
+    assert clk.total_wait_s(10.0) == 1.75 == sum(clk.statistics(10.0).wait_s_by_reason.values())
+    clk.waiting_on, clk.wait_started = "ready groups", 9.0
+    assert clk.total_wait_s(10.0) == 2.75 == sum(clk.statistics(10.0).wait_s_by_reason.values())
+
+
+async def test_step_records_split_each_pumps_waits_over_the_steps_and_count_routable_workers():
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, P=2), gen_s=0.002, train_s=0.002, num_generators=3)
+    assert err is None and len(summary.history) == 4
+    end = ctl.state.clock()
+    for name, clk in ctl.state.pumps.items():
+        waits = [r[f"pump/{name}_wait_s"] for r in summary.history]
+        assert min(waits) >= 0 and sum(waits) <= clk.total_wait_s(end)
+    assert sum(r["pump/train_wait_s"] for r in summary.history) > 0  # it waited for groups to generate
+    assert [r["rollout/workers_routable"] for r in summary.history] == [3] * 4
+    ctl.state.worker_down(ctl.state.workers.generators[1], "test")
+    assert ctl.state.routable_count() == len(ctl.state.routable()) == 2
 
 
 # -- L = 0 is the naive synchronous loop -------------------------------------------------------

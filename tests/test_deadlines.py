@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from single_controller import deadlines
 from single_controller.deadlines import DeadlineExceeded, within
 
 
@@ -103,3 +104,28 @@ async def test_a_task_keeps_waiting_normally_after_one_of_its_waits_expired():
     assert await within(asyncio.sleep(0.01, result=7), 0.5, "second") == 7
     await asyncio.sleep(0.6)  # the first wait's timer is long gone: nothing cancels us now
 
+
+
+async def test_each_event_loop_keeps_its_own_deadline_queues():
+    """`within` caches the running loop's queues: another loop (another thread's, or the next test's)
+    must get its own, and its deadlines must fire on its own loop."""
+    with pytest.raises(DeadlineExceeded, match="here"):
+        await within(asyncio.sleep(5), 0.01, "here")
+    ours = deadlines._loop_queues(asyncio.get_running_loop())
+
+    def another_loop():
+        async def main():
+            with pytest.raises(DeadlineExceeded, match="there"):
+                await within(asyncio.sleep(5), 0.01, "there")
+            return deadlines._loop_queues(asyncio.get_running_loop())
+
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    theirs = await asyncio.wait_for(asyncio.to_thread(another_loop), 10)
+    assert theirs is not ours and deadlines._loop_queues(asyncio.get_running_loop()) is ours
+    with pytest.raises(DeadlineExceeded, match="here again"):
+        await within(asyncio.sleep(5), 0.01, "here again")

@@ -115,6 +115,51 @@ def test_a_refused_transition_names_the_group_and_its_state_and_changes_nothing(
     assert a.state is GroupState.TRAINED and led.count(GroupState.SELECTED) == 0
 
 
+def _through_a_step(mark_trained_at_once: bool) -> tuple[GroupLedger, list]:
+    """Two steps of two groups; step 0's groups marked trained one by one or at once."""
+    led = GroupLedger(capacity=6, group_size=2, groups_per_step=2, max_steps=3)
+    groups = [led.reserve(prompt(i), attempt=0, target_step=i // 2, policy_version=0, now=0) for i in range(4)]
+    for g in groups:
+        led.commit(g.group_id, result(g.group_id, 0), 1)
+        led.mark_ready(g.group_id, (1.0, -1.0), 2)
+    ids = [g.group_id for g in groups[:2]]
+    led.select(ids, 0, 3)
+    if mark_trained_at_once:
+        assert led.mark_trained_many(iter(ids), 0) == groups[:2]  # any iterable of ids
+    else:
+        for g in ids:
+            led.mark_trained(g, 0)
+    return led, groups
+
+
+def test_marking_a_step_trained_at_once_is_marking_its_groups_one_by_one():
+    (one, _), (many, groups) = _through_a_step(False), _through_a_step(True)
+    assert [g.state for g in many.all_records()] == [g.state for g in one.all_records()]
+    assert many.statistics() == one.statistics() and many.next_target_step() == one.next_target_step() == 2
+    # the per-step counts that decide refills and retire finished steps agree too
+    assert (many._open_by_step, many._live_by_step, many._min_short_step) == (one._open_by_step, one._live_by_step, one._min_short_step)
+    for g in groups[:2]:
+        many.release(g.group_id)
+        one.release(g.group_id)
+    assert many.statistics() == one.statistics()
+
+
+def test_marking_a_step_trained_at_once_refuses_before_changing_anything():
+    led, groups = _through_a_step(False)
+    a, b = groups[2:]
+    led.select([a.group_id], 1, 3)
+    with pytest.raises(LedgerError, match=r"mark_trained\(p3-a0\): state ready, expected selected"):
+        led.mark_trained_many([a.group_id, b.group_id], 1)
+    assert a.state is GroupState.SELECTED and led.count(GroupState.TRAINED) == 2
+    with pytest.raises(LedgerError, match=r"group p2-a0 selected for step 1, trained in 2"):
+        led.mark_trained_many([a.group_id], 2)
+    with pytest.raises(LedgerError, match=r"listed twice"):
+        led.mark_trained_many([a.group_id, a.group_id], 1)
+    assert a.state is GroupState.SELECTED and led.statistics().trained_total == 2
+    led.mark_trained_many([a.group_id], 1)
+    assert a.state is GroupState.TRAINED and led.statistics().trained_total == 3
+
+
 def test_prompt_ledger_is_exactly_once_and_serializable():
     pl = PromptLedger()
     pl.take(prompt(0))
@@ -239,10 +284,14 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.release(g.group_id)
 
     @precondition(lambda self: len(self.selected_this_step) > 0)
-    @rule()
-    def finish_step(self):
+    @rule(at_once=st.booleans())
+    def finish_step(self, at_once):
+        if at_once:  # the train pump's way: the whole step in one call
+            self.ledger.mark_trained_many(self.selected_this_step, self.step)
+        else:
+            for gid in self.selected_this_step:
+                self.ledger.mark_trained(gid, self.step)
         for gid in self.selected_this_step:
-            self.ledger.mark_trained(gid, self.step)
             self.ledger.release(gid)
         self.selected_this_step = []
         self.step += 1
@@ -325,6 +374,47 @@ def test_prompt_history_keeps_only_unsettled_prompts_in_memory_and_the_whole_led
     assert len(led) == 6 and led.unsettled() == ["p4", "p5"]
     with pytest.raises(LedgerError, match="history file"):
         led.settle("p0", "trained", step=1)  # exactly once holds for records on disk too
+
+
+def test_settling_a_step_trained_at_once_writes_what_settling_one_by_one_writes(tmp_path):
+    files, ledgers = [], []
+    for at_once in (False, True):
+        hist = tmp_path / f"history_{at_once}.jsonl"
+        led = PromptLedger(hist)
+        for i in range(5):
+            led.take(prompt(i))
+            led.add_attempt(f"p{i}", f"p{i}-a0")
+        led.settle("p0", "dropped", reason="zero_variance")
+        if at_once:
+            led.settle_trained(["p1", "p2", "p3"], 4)
+        else:
+            for i in (1, 2, 3):
+                led.settle(f"p{i}", "trained", step=4)
+        files.append(hist)
+        ledgers.append(led)
+    assert ledgers[1].statistics() == ledgers[0].statistics() and ledgers[1].unsettled() == ["p4"]
+    assert ledgers[1].to_dict() == ledgers[0].to_dict()
+    for led in ledgers:
+        led.close()
+    assert files[1].read_bytes() == files[0].read_bytes()
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_settling_a_step_trained_at_once_refuses_a_settled_prompt_and_keeps_the_ones_before_it(tmp_path, history):
+    hist = tmp_path / "prompt_history.jsonl"
+    led = PromptLedger(hist if history else None)
+    for i in range(3):
+        led.take(prompt(i))
+        led.add_attempt(f"p{i}", f"p{i}-a0")
+    led.settle("p1", "dropped", reason="zero_variance")
+    with pytest.raises(LedgerError, match=r"p1 settled twice|p1 settled trained, but it was settled before"):
+        led.settle_trained(["p0", "p1", "p2"], 0)
+    assert led.unsettled() == ["p2"] and led.statistics().trained == 1  # p0 is settled, p2 is not
+    if history:
+        led.close()
+        assert [json.loads(line)["prompt_id"] for line in hist.read_text().splitlines()] == ["p1", "p0"]
+    else:
+        assert led["p0"].fate == "trained" and led["p0"].step == 0
 
 
 @settings(max_examples=200, deadline=None)
