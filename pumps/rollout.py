@@ -19,6 +19,7 @@ worker left to route to and none coming back, the run stops with `NoGenerationWo
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 
 from replay.ledger import GroupRecord, GroupState
@@ -47,6 +48,7 @@ def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParam
 async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> None:
     sampling = sampling_params(state, stop_token_id)
     load = {id(w): 0 for w in state.workers.generators}
+    clk = state.pumps[PUMP]
     try:
         async with asyncio.TaskGroup() as children:
             while True:
@@ -73,26 +75,31 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                 # (no task of this pump's ends while the slice runs: loads only grow here)
                 least = [(load[id(w)], i) for i, w in enumerate(routable)]
                 heapq.heapify(least)
-                for _ in range(DISPATCH_SLICE):
-                    target = state.ledger.next_target_step()
+                # Admissible now. Within the slice nothing awaits, so only what the slice itself
+                # changes can close admission: in-flight groups and resident slots (one more of
+                # each per dispatch: counted down here), the target step, and the prompts left.
+                led, prompts, clock, version = state.ledger, state.prompts, state.clock, state.dispatch_version
+                budget = min(DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident())
+                target = led.next_target_step()
+                while True:
                     prompt = state.next_prompt()
-                    rec = state.ledger.reserve(
-                        prompt,
-                        attempt=len(state.prompts[prompt.prompt_id].attempts),
-                        target_step=target,
-                        policy_version=state.dispatch_version,
-                        now=state.clock(),
-                    )
-                    state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
+                    pid = prompt.prompt_id
+                    rec = led.reserve(prompt, attempt=len(prompts[pid].attempts), target_step=target, policy_version=version, now=clock())
+                    gid = rec.group_id
+                    prompts.add_attempt(pid, gid)
                     n, i = least[0]
                     worker = routable[i]
                     heapq.heapreplace(least, (n + 1, i))
                     load[id(worker)] = n + 1
-                    task = children.create_task(_generate_one(state, worker, rec, sampling), name=rec.group_id)
-                    state.in_flight_tasks[rec.group_id] = task
-                    task.add_done_callback(lambda _t, w=worker, g=rec.group_id: _done(state, load, w, g))
-                    state.pumps[PUMP].iterations += 1
-                    if not _admissible(state):
+                    task = children.create_task(_generate_one(state, worker, rec, sampling), name=gid)
+                    state.in_flight_tasks[gid] = task
+                    task.add_done_callback(functools.partial(_done, state, load, worker, gid))
+                    clk.iterations += 1
+                    budget -= 1
+                    if budget <= 0:
+                        break
+                    target = led.next_target_step()
+                    if target is None or not state.sampler.may_admit(target, version) or not state.has_prompt():
                         break
                 state.notify()
                 await asyncio.sleep(0)
@@ -102,7 +109,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
         state.notify()
 
 
-def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str) -> None:
+def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str, _task: asyncio.Task) -> None:
     # No notify: no wait reads the load or the task table; every way a group's task ends that
     # changes the ledger (commit, drop, release) has notified already.
     load[id(worker)] -= 1

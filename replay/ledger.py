@@ -63,6 +63,7 @@ _RESERVED, _COMMITTED, _READY, _SELECTED, _TRAINED = (
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
 
+_SEQ = operator.attrgetter("seq")  # dispatch order (a C-level sort key)
 RETAIN_RELEASED = 1_000  # released (terminal, rows cleared) groups kept queryable, newest first out last
 
 ReadyKey = tuple[int, int]  # (target_step, version): every READY group of one key is alike to the sampler
@@ -154,7 +155,7 @@ class GroupLedger:
 
     def in_state(self, state: GroupState) -> list[GroupRecord]:
         """Resident groups in `state`, in dispatch order."""
-        return sorted(self._by_state[state].values(), key=lambda g: g.seq)
+        return sorted(self._by_state[state].values(), key=_SEQ)
 
     def count(self, state: GroupState) -> int:
         """Resident groups in `state` (O(1))."""

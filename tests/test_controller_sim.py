@@ -452,6 +452,29 @@ async def test_abort_stale_in_flight_redispatches_the_prompt():
     await assert_clean_end(ctl, trainer, storage)
 
 
+@pytest.mark.parametrize("in_flight, spare", [(3, 8), (8, 0), (64, 0)])
+async def test_a_dispatch_slice_stops_at_the_in_flight_limit_and_at_capacity(in_flight, spare):
+    """A slice dispatches without re-checking admission after every group: it counts down the
+    in-flight limit and the free slots itself. Neither may ever be exceeded (the ledger refuses a
+    reservation beyond capacity), and each is reached."""
+    P = 8
+    cfg = make_cfg(steps=4, P=P, G=2, L=1, chunk=1, in_flight=in_flight, capacity=2 * P + spare)
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=3, gen_group_s=0.002, train_group_s=0.001)
+    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
+    seen: list[tuple[int, int]] = []  # (groups in flight, resident groups) at each request a worker gets
+    for g in gens:
+        def counted(request, inner=g.generate):
+            seen.append((ctl.state.in_flight(), ctl.state.ledger.resident()))
+            return inner(request)
+        g.generate = counted
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 4
+    assert max(n for n, _ in seen) == min(in_flight, cfg.buffer.capacity_groups)
+    assert max(r for _, r in seen) <= cfg.buffer.capacity_groups
+    await assert_clean_end(ctl, trainer, storage)
+
+
 # -- no deadlock, no bound violated, nothing lost, under arbitrary configs and faults ----------
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
