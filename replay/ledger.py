@@ -486,8 +486,7 @@ class PromptLedger:
         """`settle(p, "trained", step=step)` for each of a finished step's prompts, with one write of
         their history lines (the train pump's case). A refused prompt raises as `settle` does; the
         ones before it stay settled, and their lines are written."""
-        prompts, unsettled, lines = self._prompts, self._unsettled, []
-        history = self._history
+        prompts, unsettled, settled = self._prompts, self._unsettled, []
         try:
             for pid in prompt_ids:
                 rec = prompts.get(pid)
@@ -496,12 +495,13 @@ class PromptLedger:
                 rec.fate, rec.step, rec.reason = "trained", step, None
                 del unsettled[pid]
                 self._trained += 1
-                if history is not None:
-                    lines.append(_history_line(rec))
-                    del prompts[pid]
+                settled.append(rec)
         finally:
-            if lines:
-                history.write("".join(lines))
+            if self._history is not None and settled:
+                # a record leaves memory only once its line is written: a failed write loses none
+                self._history.write("".join(map(_history_line, settled)))
+                for rec in settled:
+                    del prompts[rec.prompt.prompt_id]
 
     def _count_settled(self, rec: PromptRecord) -> None:
         del self._unsettled[rec.prompt.prompt_id]

@@ -417,6 +417,25 @@ def test_settling_a_step_trained_at_once_refuses_a_settled_prompt_and_keeps_the_
         assert led["p0"].fate == "trained" and led["p0"].step == 0
 
 
+def test_a_failed_history_write_keeps_the_steps_prompts_in_the_ledger(tmp_path):
+    """Settled records leave memory only once their lines are written: a full disk loses none."""
+    led = PromptLedger(tmp_path / "prompt_history.jsonl")
+    for i in range(2):
+        led.take(prompt(i))
+        led.add_attempt(f"p{i}", f"p{i}-a0")
+    disk, led._history = led._history, _FullDisk()
+    with pytest.raises(OSError, match="No space left"):
+        led.settle_trained(["p0", "p1"], 3)
+    led._history = disk
+    assert [(r.prompt.prompt_id, r.fate, r.step) for r in led.records()] == [("p0", "trained", 3), ("p1", "trained", 3)]
+    assert [p["prompt_id"] for p in led.to_dict()["prompts"]] == ["p0", "p1"] and led.unsettled() == []
+
+
+class _FullDisk:
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     prompt_id=st.text(min_size=1, max_size=12),
