@@ -49,11 +49,18 @@ class Signal:
                 waiting.append((predicate, fut))
         self._waiters = waiting
 
-    async def wait_until(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            fut = asyncio.get_running_loop().create_future()
+    async def wait_until(self, predicate: Callable[[], bool], *, checked: bool = False) -> None:
+        """Return once `predicate()` holds. `checked`: the caller has just seen it false, so it is
+        not evaluated again before the first wait (a pump's predicate runs on every state change)."""
+        if not checked and predicate():
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            fut = loop.create_future()
             self._waiters.append((predicate, fut))
             await fut
+            if predicate():
+                return
 
 
 class ChannelClosed(RuntimeError):

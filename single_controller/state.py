@@ -186,8 +186,17 @@ class RunState:
     # every mutation a pump may wait on; it schedules one check of the waiters per loop iteration.
 
     async def wait_until(self, predicate: Callable[[], bool], pump: str, on: str) -> None:
-        if not predicate():
-            await self.waiting(self.changed.wait_until(predicate), pump, on)
+        """Return once `predicate()` holds, accounting the time as `pump` waiting on `on` (what
+        `waiting` does, inline: every pump waits here once per state change it needs)."""
+        if predicate():
+            return
+        clk = self.pumps[pump]
+        clk.waiting_on, clk.wait_started = on, self.clock()
+        try:
+            await self.changed.wait_until(predicate, checked=True)
+        finally:
+            clk.wait_s[on] += self.clock() - clk.wait_started
+            clk.waiting_on = None
 
     async def waiting(self, aw: Awaitable[T], pump: str, on: str) -> T:
         """Await `aw`, accounting the time as `pump` waiting on `on`."""

@@ -70,3 +70,26 @@ async def test_a_cancelled_waiter_is_dropped_and_the_others_still_wake():
     await asyncio.wait_for(stays, 1)
     assert gone.cancelled()
     assert sig._waiters == []
+
+
+async def test_a_waiter_that_has_just_checked_its_predicate_is_not_checked_again_before_it_sleeps():
+    sig, state, calls = Signal(), {"ready": False}, []
+
+    def ready() -> bool:
+        calls.append(state["ready"])
+        return state["ready"]
+
+    assert not ready()  # what a caller (RunState.wait_until) does before it waits
+    waiter = asyncio.ensure_future(sig.wait_until(ready, checked=True))
+    await asyncio.sleep(0)
+    assert calls == [False] and not waiter.done()  # asleep without a second evaluation
+    sig.notify()
+    await asyncio.sleep(0)
+    assert calls == [False, False] and not waiter.done()  # a change that does not make it true
+    state["ready"] = True
+    sig.notify()
+    await asyncio.wait_for(waiter, 1)
+    assert calls == [False, False, True, True]  # the check that woke it, and the re-check on waking
+    calls.clear()
+    await sig.wait_until(ready)  # unchecked: a predicate that holds returns at once
+    assert calls == [True]
