@@ -72,8 +72,9 @@ class _Queue:
 
 # Each event loop's queues, by timeout; forgotten with the loop (a queue holds no reference to it).
 _queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _Queue]] = weakref.WeakKeyDictionary()
-# The last loop's queues, looked up without the weak dictionary's Python-level `get` (one process
-# runs one loop at a time; a weak reference, so the cache keeps no loop alive).
+# The last loop's queues, looked up without the weak dictionary's Python-level `get` (a process
+# mostly runs one loop; a call on another loop replaces the entry). A weak reference: the cache
+# keeps no loop alive.
 _last: tuple[weakref.ref, dict[float, _Queue]] | None = None
 
 
