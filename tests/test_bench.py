@@ -98,6 +98,39 @@ async def test_meter_passes_cancellation_through_and_counts_a_nested_metered_cal
     assert meter.seconds == 20  # the step that took the cancellation
 
 
+async def test_metered_callbacks_are_timed_once_and_not_again_inside_a_metered_step(monkeypatch):
+    import asyncio
+
+    from single_controller.backends import sim
+    from single_controller.backends.sim import SimMeter
+
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(sim.time, "perf_counter", lambda: next(clock))
+    meter = SimMeter()
+    seen = []
+    callback = sim._metered_callback(seen.append, meter)
+    callback("alone")
+    assert meter.seconds == 10 and seen == ["alone"]
+
+    async def step():
+        callback("nested")  # inside the coroutine's metered step: counted by that step's readings
+        return 7
+
+    assert await asyncio.wait_for(sim._metered_coroutine(step, meter)(), 5) == 7  # any awaiting works
+    assert meter.seconds == 20 and seen == ["alone", "nested"]
+    assert not meter._inside
+
+    def fails(_):
+        raise ValueError("boom")
+
+    try:
+        sim._metered_callback(fails, meter)(None)
+        raise AssertionError("the callback's error did not come through")
+    except ValueError:
+        pass
+    assert meter.seconds == 30 and not meter._inside  # timed, and the meter is free again
+
+
 def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_walls: list[float] | None = None):
     """`bench embedded` with its run command and reference loop replaced: what it ran, with what.
     `step_walls`: the run writes step records with these `time/wall_s` (and an eval record)."""
