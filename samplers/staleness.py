@@ -106,9 +106,15 @@ class StalenessSampler:
         stale = [g for (t, v), b in index.items() if self._evictable_key(t, v, train_step) for g in b.values()]
         return sorted(stale, key=lambda g: g.seq)
 
+    @property
+    def aborts_in_flight(self) -> bool:
+        """Whether a weight sync may abort in-flight rollouts (`abort_stale_in_flight`); when not,
+        `should_abort_in_flight` is False for every group, and a sync need not ask it."""
+        return self.cfg.abort_stale_in_flight
+
     def should_abort_in_flight(self, group: GroupRecord, train_step: int) -> bool:
         """True if an in-flight group could only be trained above the staleness bound."""
-        if not self.cfg.abort_stale_in_flight:
+        if not self.aborts_in_flight:
             return False
         earliest = max(train_step, group.target_step) if self.in_order else train_step
         return earliest - group.version_reserved > self.max_staleness

@@ -189,6 +189,18 @@ def test_admission_gate():
     assert s2.required_capacity(16) == 48
 
 
+@pytest.mark.parametrize("abort", [False, True])
+def test_in_flight_groups_are_aborted_only_when_the_sampler_says_so(abort):
+    """The weight sync skips its look at in-flight groups when `aborts_in_flight` is off: then no
+    group, however stale, is one `should_abort_in_flight` would abort."""
+    led = GroupLedger(capacity=10, group_size=2, groups_per_step=1, max_steps=10)
+    s = StalenessSampler(SamplerConfig(max_lookahead_versions=1, max_staleness_versions=1, abort_stale_in_flight=abort))
+    old = led.reserve(prompt(0), attempt=0, target_step=0, policy_version=0, now=0)  # could only train at step >= 3
+    fresh = led.reserve(prompt(1), attempt=0, target_step=1, policy_version=2, now=0)
+    assert s.aborts_in_flight is abort
+    assert [s.should_abort_in_flight(g, 3) for g in (old, fresh)] == [abort, False]
+
+
 def _ready_group(led, i, target, version):
     g = led.reserve(prompt(i), attempt=0, target_step=target, policy_version=version, now=i)
     led.commit(g.group_id, result(g.group_id, version), i)
