@@ -23,8 +23,8 @@ import functools
 import heapq
 
 from replay.ledger import GroupRecord, GroupState
-from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Restartable
+from single_controller.deadlines import DeadlineExceeded, Expiry, cancel_after, within
+from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Restartable, Submitting
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, SamplingParams
 
@@ -49,8 +49,13 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
     sampling = sampling_params(state, stop_token_id)
     load = {id(w): 0 for w in state.workers.generators}
     clk = state.pumps[PUMP]
+    # Workers that take a request without a task of its own (checked once: a protocol check per
+    # dispatch would cost more than the task it saves).
+    submitting = {id(w) for w in state.workers.generators if isinstance(w, Submitting)}
+    submitted = _Submitted()
     try:
         async with asyncio.TaskGroup() as children:
+            submitted.children = children
             while True:
                 # Exits: a stop was requested (the train pump requests one when it ends); or the
                 # dataloader is exhausted, no re-dispatch is pending and no group could still need one.
@@ -65,6 +70,8 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                 if _finished(state):
                     if state.stopping:
                         _cancel_in_flight(state, "run_ended")
+                        # each cancelled submission's callback hands it to a discard (a child task)
+                        await state.wait_until(lambda: not submitted.pending, PUMP, "cancelled rollouts")
                     break
                 # Dispatch what is admissible, in slices: tell the others once per slice, and let
                 # what is ready run in between (a chunk completed meanwhile is not held up behind
@@ -91,9 +98,12 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     worker = routable[i]
                     heapq.heapreplace(least, (n + 1, i))
                     load[id(worker)] = n + 1
-                    task = children.create_task(_generate_one(state, worker, rec, sampling), name=gid)
-                    state.in_flight_tasks[gid] = task
-                    task.add_done_callback(functools.partial(_done, state, load, worker, gid))
+                    if id(worker) in submitting:
+                        _submit_one(state, submitted, load, worker, rec, sampling)
+                    else:
+                        task = children.create_task(_generate_one(state, worker, rec, sampling), name=gid)
+                        state.in_flight_tasks[gid] = task
+                        task.add_done_callback(functools.partial(_done, state, load, worker, gid))
                     clk.iterations += 1
                     budget -= 1
                     if budget <= 0:
@@ -104,9 +114,12 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                 state.notify()
                 await asyncio.sleep(0)
     finally:
-        state.rollout_done = True
-        state.pumps[PUMP].finished = True
-        state.notify()
+        try:
+            await submitted.close(state)
+        finally:
+            state.rollout_done = True
+            state.pumps[PUMP].finished = True
+            state.notify()
 
 
 def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str, _task: asyncio.Task) -> None:
@@ -228,3 +241,125 @@ async def _discard(
     retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" or not charge else 0
     state.requeue_or_settle(rec, reason, max_retries=retries, charge=charge)
     await state.clear_groups([rec], f"storage clear of {rec.group_id}")
+
+
+# -- requests without a task of their own (`Submitting` workers) -----------------------------------
+class _Submitted:
+    """The pump's submitted requests still in flight, and where their follow-ups run."""
+
+    __slots__ = ("children", "pending", "closed")
+
+    def __init__(self) -> None:
+        self.children: asyncio.TaskGroup | None = None  # the pump's task group, once entered
+        self.pending: dict[str, tuple[GenerationWorker, GenerationRequest, asyncio.Future]] = {}
+        self.closed = False
+
+    async def close(self, state: RunState) -> None:
+        """The pump is over: withdraw what is still in flight (a run that failed elsewhere leaves
+        no request writing rows behind it), as a cancelled `generate` does on its way out."""
+        self.closed = True
+        left, self.pending = list(self.pending.values()), {}
+        for _, _, fut in left:
+            fut.cancel()
+        if left:
+            await asyncio.gather(*(_withdraw_at_close(state, w, r, f) for w, r, f in left))
+
+
+async def _withdraw_at_close(state: RunState, worker: GenerationWorker, request: GenerationRequest, fut: asyncio.Future) -> None:
+    what = f"generation worker {worker.name}: withdraw({request.group_id}) (the rollout pump stops)"
+    try:
+        await within(worker.withdraw(request, fut), state.cfg.timeouts.generate_s, what)
+    except Exception as e:  # the run is ending already: said in its summary, never raised over its cause
+        state.teardown_errors.append(f"{what}: {type(e).__name__}: {e}")
+
+
+def _submit_one(state: RunState, submitted: _Submitted, load: dict, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
+    gid = rec.group_id
+    request = GenerationRequest(gid, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
+    fut = worker.submit(request)
+    expiry = cancel_after(fut, state.cfg.timeouts.generate_s)
+    submitted.pending[gid] = (worker, request, fut)
+    state.in_flight_tasks[gid] = fut
+    fut.add_done_callback(functools.partial(_submission_done, state, submitted, load, worker, rec, request, expiry, state.clock()))
+
+
+def _submission_done(
+    state: RunState, submitted: _Submitted, load: dict, worker: GenerationWorker, rec: GroupRecord,
+    request: GenerationRequest, expiry: Expiry | None, t0: float, fut: asyncio.Future,
+) -> None:
+    """A submitted request is done: commit its group (what `_generate_one` does after its await),
+    or hand a failure, a cancellation or an abort to a child task (it awaits the worker's
+    withdrawal and the clear). An error here is a bug: it goes to the pump's task group, which
+    stops the run."""
+    if submitted.closed:
+        return  # withdrawn by `_Submitted.close`
+    gid = rec.group_id
+    load[id(worker)] -= 1
+    del submitted.pending[gid]
+    expired = expiry.settle() if expiry is not None else False
+    try:
+        if not fut.cancelled() and fut.exception() is None and not rec.abort_reason:
+            state.in_flight_tasks.pop(gid, None)
+            result = fut.result()
+            state.pumps[PUMP].busy_s += state.clock() - t0
+            if result.group_id != gid:
+                raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {gid}")
+            state.ledger.commit(gid, result, state.clock())
+            state.tokens_generated += sum(result.response_lengths)
+            state.notify()
+            return
+        if not fut.cancelled() and isinstance(fut.exception(), GenerationWorkerDied):
+            # Out of routing now, with every other call that died with it (as `_generate_one`
+            # does when its await raises), not a task step later: by then it may be restarted.
+            state.worker_down(worker, str(fut.exception()))
+        task = submitted.children.create_task(_after_submission(state, worker, rec, request, fut, expired), name=gid)
+    except BaseException as e:  # noqa: BLE001 -- re-raised in the pump's task group
+        submitted.children.create_task(_reraise(e), name=f"{gid} (commit)")
+        return
+    state.in_flight_tasks[gid] = task
+    task.add_done_callback(functools.partial(_forget, state, gid))
+    state.notify()  # the pump may wait for its cancelled submissions to be handed over
+
+
+def _forget(state: RunState, group_id: str, _task: asyncio.Task) -> None:
+    state.in_flight_tasks.pop(group_id, None)
+
+
+async def _reraise(error: BaseException) -> None:
+    raise error
+
+
+async def _after_submission(
+    state: RunState, worker: GenerationWorker, rec: GroupRecord, request: GenerationRequest, fut: asyncio.Future, expired: bool
+) -> None:
+    """A submitted request that produced no group: the same outcomes, in the same order of
+    precedence, as `_generate_one`'s."""
+    clk = state.pumps[PUMP]
+    keys = rec.keys
+    if fut.cancelled():
+        # Withdrawn first: the clear of its keys must come after the worker writes none of them.
+        await within(worker.withdraw(request, fut), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: withdraw({rec.group_id})")
+    if rec.abort_reason:
+        # Cancelled on purpose (stale in-flight rule, or the run is ending), or its answer raced
+        # the cancel: not an error.
+        await _discard(state, rec, keys, rec.abort_reason)
+        return
+    if fut.cancelled():
+        if not expired:
+            raise RuntimeError(
+                f"generation worker {worker.name} cancelled the request of {rec.group_id} itself "
+                "(a submitted request's future fails as generate() would raise; only the controller cancels it)"
+            )
+        clk.errors += 1
+        what = f"generation worker {worker.name}: generate({rec.group_id})"
+        await _discard(state, rec, keys, "generation_failed", cause=DeadlineExceeded(what, state.cfg.timeouts.generate_s))
+        return
+    e = fut.exception()
+    if isinstance(e, GenerationWorkerDied):  # taken out of routing already (`_submission_done`)
+        clk.errors += 1
+        await _discard(state, rec, keys, "worker_died", cause=e, charge=False)
+    elif isinstance(e, GenerationFailed):
+        clk.errors += 1
+        await _discard(state, rec, keys, "generation_failed", cause=e)
+    else:
+        raise e  # a bug: it stops the run

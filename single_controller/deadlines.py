@@ -52,10 +52,13 @@ class _Queue:
 
     def add(self, task: asyncio.Task, loop: asyncio.AbstractEventLoop) -> _Wait:
         w = _Wait(task, loop.time() + self.seconds)
+        self._push(w, loop)
+        return w
+
+    def _push(self, w: _Wait, loop: asyncio.AbstractEventLoop) -> None:
         self.waits[w] = None
         if self.timer is None:
             self.timer = loop.call_at(w.deadline, self._fire, loop)
-        return w
 
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self.timer = None
@@ -88,6 +91,39 @@ def _loop_queues(loop: asyncio.AbstractEventLoop) -> dict[float, _Queue]:
         queues = _queues[loop] = {}
     _last = (weakref.ref(loop), queues)
     return queues
+
+
+class Expiry(_Wait):
+    """A future's deadline (`cancel_after`): `settle` it once the future is done."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, fut: asyncio.Future, deadline: float, queue: _Queue):
+        self.task, self.deadline, self.cancelling, self.expired = fut, deadline, 0, False
+        self.queue = queue
+
+    def settle(self) -> bool:
+        """Forget the deadline; returns whether it expired (then it cancelled the future, unless
+        the future was done already)."""
+        self.queue.waits.pop(self, None)
+        return self.expired
+
+
+def cancel_after(fut: asyncio.Future, seconds: float | None) -> Expiry | None:
+    """Cancel `fut` unless it is done within `seconds` (None: no deadline): `within` for a future
+    whose done callback does the waiter's work, so no task waits on it. Shares `within`'s one
+    timer per timeout value. The callback calls `settle()` on the handle, which says whether the
+    deadline is what cancelled the future."""
+    if seconds is None:
+        return None
+    loop = asyncio.get_running_loop()
+    queues = _loop_queues(loop)
+    q = queues.get(seconds)
+    if q is None:
+        q = queues[seconds] = _Queue(seconds)
+    e = Expiry(fut, loop.time() + seconds, q)
+    q._push(e, loop)
+    return e
 
 
 async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:

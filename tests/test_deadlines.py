@@ -129,3 +129,28 @@ async def test_each_event_loop_keeps_its_own_deadline_queues():
     assert theirs is not ours and deadlines._loop_queues(asyncio.get_running_loop()) is ours
     with pytest.raises(DeadlineExceeded, match="here again"):
         await within(asyncio.sleep(5), 0.01, "here again")
+
+
+async def test_future_deadlines_share_the_timer_cancel_only_the_late_futures_and_say_so():
+    """`cancel_after`: the task-less form, for futures whose done callback does the waiter's work."""
+    loop = asyncio.get_running_loop()
+    futs = [loop.create_future() for _ in range(50)]
+    before = len(loop._scheduled)
+    expiries = [deadlines.cancel_after(f, 0.05) for f in futs]
+    assert len(loop._scheduled) - before <= 1  # one timer for all of them (the queue may exist already)
+    for f in futs[:40]:
+        f.set_result(1)
+    settled_early = [e.settle() for e in expiries[:40]]
+    await asyncio.sleep(0.1)
+    assert settled_early == [False] * 40 and all(f.result() == 1 for f in futs[:40])  # done in time: untouched
+    assert all(f.cancelled() for f in futs[40:]) and [e.settle() for e in expiries[40:]] == [True] * 10
+    assert deadlines.cancel_after(loop.create_future(), None) is None
+
+
+async def test_a_future_done_just_before_its_deadline_keeps_its_result():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    expiry = deadlines.cancel_after(fut, 0.01)
+    fut.set_result("answer")  # its callbacks have not run yet when the deadline fires
+    await asyncio.sleep(0.05)
+    assert fut.result() == "answer" and expiry.settle() is True  # expired, but the answer stands

@@ -341,7 +341,9 @@ class ActorGenerationClient:
     per group, which on a small machine is most of the generation worker's CPU otherwise. A
     cancelled caller first waits for the actor's `cancel` (`_cancel_remote`): the caller's clean-up
     (clearing the group's keys) then runs after the worker guaranteed it writes none of them. A dead
-    actor surfaces as `GenerationWorkerDied`; `restart(weights)` replaces it."""
+    actor surfaces as `GenerationWorkerDied`; `restart(weights)` replaces it. The rollout pump
+    submits (`protocols.Submitting`: the same queue, a future per request and no task); `generate`
+    is submit, await and, when cancelled, withdraw."""
 
     def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
         self.name = name
@@ -351,17 +353,28 @@ class ActorGenerationClient:
         self._deliveries: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        fut = self.submit(request)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            await self.withdraw(request, fut)
+            raise
+
+    def submit(self, request: GenerationRequest) -> asyncio.Future:
+        """`protocols.Submitting`: queued for this tick's `generate_many`; its result as a future."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if not self._queue:
             loop.call_soon(self._flush)
         self._queue.append((request, fut))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if not any(f is fut for _, f in self._queue):  # sent already: the actor may be sampling it
-                await self._cancel_remote(request.group_id)
-            raise
+        return fut
+
+    async def withdraw(self, request: GenerationRequest, future: asyncio.Future) -> None:
+        """After `future` was cancelled: returns once the actor writes none of the request's rows (a
+        request not sent yet never will be; a sent one is cancelled on the actor, which answers
+        once it is sure)."""
+        if not any(f is future for _, f in self._queue):  # sent already: the actor may be sampling it
+            await self._cancel_remote(request.group_id)
 
     async def _cancel_remote(self, group_id: str) -> None:
         try:
