@@ -312,13 +312,26 @@ def _submission_done(
             # Out of routing now, with every other call that died with it (as `_generate_one`
             # does when its await raises), not a task step later: by then it may be restarted.
             state.worker_down(worker, str(fut.exception()))
-        task = submitted.children.create_task(_after_submission(state, worker, rec, request, fut, expired), name=gid)
+        task = _spawn(submitted, _after_submission(state, worker, rec, request, fut, expired), gid)
     except BaseException as e:  # noqa: BLE001 -- re-raised in the pump's task group
-        submitted.children.create_task(_reraise(e), name=f"{gid} (commit)")
+        if _spawn(submitted, _reraise(e), f"{gid} (commit)") is None:
+            state.teardown_errors.append(f"rollout pump, after it stopped: {gid}: {type(e).__name__}: {e}")
+        return
+    if task is None:  # the pump is stopping: `_Submitted.close` withdraws it with the others
+        submitted.pending[gid] = (worker, request, fut)
         return
     state.in_flight_tasks[gid] = task
     task.add_done_callback(functools.partial(_forget, state, gid))
     state.notify()  # the pump may wait for its cancelled submissions to be handed over
+
+
+def _spawn(submitted: _Submitted, coro, name: str) -> asyncio.Task | None:
+    """A child task of the pump, or None once its task group takes no more (the pump is stopping)."""
+    try:
+        return submitted.children.create_task(coro, name=name)
+    except RuntimeError:
+        coro.close()
+        return None
 
 
 def _forget(state: RunState, group_id: str, _task: asyncio.Task) -> None:

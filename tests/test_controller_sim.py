@@ -749,13 +749,30 @@ async def test_the_ledger_forgets_finished_steps():
 
 
 # -- requests without a task of their own (`protocols.Submitting`) ----------------------------------
-class Submitter:
+class _NoSubmit:
+    """A sim worker seen without its `submit`: the rollout pump runs a task per request."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    async def generate(self, request):
+        return await self.inner.generate(request)
+
+    async def update_weights(self, weights):
+        await self.inner.update_weights(weights)
+
+    async def in_flight(self):
+        return await self.inner.in_flight()
+
+
+class Submitter(_NoSubmit):
     """A `Submitting` worker over a sim worker's `generate` (each submission runs it as a task) that
     records its withdrawals in `events`. Submissions `hold(request)` picks are never answered;
     `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
 
     def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
-        self.inner, self.name, self.events = inner, inner.name, events
+        super().__init__(inner)
+        self.events = events
         self.hold, self.self_cancel = hold, self_cancel
         self.held: list[str] = []
 
@@ -772,15 +789,6 @@ class Submitter:
     async def withdraw(self, request, future):
         await asyncio.sleep(0.01)  # the worker takes a while to be sure it writes nothing more
         self.events.append(("withdrawn", request.group_id))
-
-    async def generate(self, request):
-        return await self.inner.generate(request)
-
-    async def update_weights(self, weights):
-        await self.inner.update_weights(weights)
-
-    async def in_flight(self):
-        return await self.inner.in_flight()
 
 
 class RecordingClears(InMemoryRowStorage):
@@ -850,22 +858,6 @@ async def test_a_worker_that_cancels_a_submission_itself_stops_the_run_naming_it
         await asyncio.wait_for(ctl.run(), 30)
 
 
-class _NoSubmit:
-    """A sim worker seen without its `submit`: the rollout pump runs a task per request."""
-
-    def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
-
-    async def generate(self, request):
-        return await self.inner.generate(request)
-
-    async def update_weights(self, weights):
-        await self.inner.update_weights(weights)
-
-    async def in_flight(self):
-        return await self.inner.in_flight()
-
-
 @pytest.mark.parametrize("writes_rows", [False, True])
 async def test_submitted_requests_train_what_a_task_per_request_trains(writes_rows):
     """The sim worker's plain submissions (no rows written: one future on the engine's queue) and
@@ -885,3 +877,26 @@ async def test_submitted_requests_train_what_a_task_per_request_trains(writes_ro
         return trainer.trained, sorted(x for g in gens for x in g.generated)
 
     assert await run(True) == await run(False)
+
+
+async def test_a_submission_that_ends_while_the_pump_stops_is_left_to_the_pumps_withdrawal():
+    """Its follow-up cannot start in a task group that takes no more tasks: it goes back to the
+    pump's in-flight submissions, which the pump withdraws on its way out (no error escapes into
+    the event loop's handler, none is recorded)."""
+    import types
+
+    from pumps import rollout
+    from single_controller.protocols import GenerationFailed
+
+    async with asyncio.TaskGroup() as finished:
+        pass
+    submitted = rollout._Submitted()
+    submitted.children = finished
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(GenerationFailed("the engine failed"))
+    worker, rec = types.SimpleNamespace(name="w"), types.SimpleNamespace(group_id="p1-a0", abort_reason=None)
+    submitted.pending["p1-a0"] = (worker, "request", fut)
+    state = types.SimpleNamespace(in_flight_tasks={}, teardown_errors=[])
+    rollout._submission_done(state, submitted, {id(worker): 1}, worker, rec, "request", None, 0.0, fut)
+    assert submitted.pending == {"p1-a0": (worker, "request", fut)}
+    assert state.in_flight_tasks == {} and state.teardown_errors == []
