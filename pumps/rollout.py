@@ -1,8 +1,11 @@
 """Rollout pump: dataloader -> admission gate -> reserve -> generation worker -> commit.
 
-One loop dispatches prompt groups; each dispatched group runs as a child task of the pump's own
-TaskGroup (so a bug in one propagates and stops the run). The reward function runs inside the
-generation worker, next to the tokens; what comes back is small columns plus version stamps.
+One loop dispatches prompt groups. A dispatched group is a future: the worker's own
+(`protocols.Submitting`), or a task running its `generate`. The future's done callback commits the
+group; a failure, a deadline or an abort is handled in a child task of the pump's own TaskGroup
+(so a bug propagates and stops the run), which clears the group's keys only after the worker has
+withdrawn the request. The reward function runs inside the generation worker, next to the tokens;
+what comes back is small columns plus version stamps.
 
 A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
 attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
@@ -50,7 +53,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
     load = {id(w): 0 for w in state.workers.generators}
     clk = state.pumps[PUMP]
     # Workers that take a request without a task of its own (checked once: a protocol check per
-    # dispatch would cost more than the task it saves).
+    # dispatch would cost more than the task it saves); the others' `generate` runs as a task.
     submitting = {id(w) for w in state.workers.generators if isinstance(w, Submitting)}
     submitted = _Submitted()
     try:
@@ -98,12 +101,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     worker = routable[i]
                     heapq.heapreplace(least, (n + 1, i))
                     load[id(worker)] = n + 1
-                    if id(worker) in submitting:
-                        _submit_one(state, submitted, load, worker, rec, sampling)
-                    else:
-                        task = children.create_task(_generate_one(state, worker, rec, sampling), name=gid)
-                        state.in_flight_tasks[gid] = task
-                        task.add_done_callback(functools.partial(_done, state, load, worker, gid))
+                    _submit_one(state, submitted, load, worker, rec, sampling, native=id(worker) in submitting)
                     clk.iterations += 1
                     budget -= 1
                     if budget <= 0:
@@ -120,13 +118,6 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
             state.rollout_done = True
             state.pumps[PUMP].finished = True
             state.notify()
-
-
-def _done(state: RunState, load: dict, worker: GenerationWorker, group_id: str, _task: asyncio.Task) -> None:
-    # No notify: no wait reads the load or the task table; every way a group's task ends that
-    # changes the ledger (commit, drop, release) has notified already.
-    load[id(worker)] -= 1
-    state.in_flight_tasks.pop(group_id, None)
 
 
 def _cancel_in_flight(state: RunState, reason: str) -> None:
@@ -198,40 +189,6 @@ def _finished(state: RunState) -> bool:
     return state.in_flight() == 0 and led.count(GroupState.COMMITTED) == 0 and led.count(GroupState.READY) == 0
 
 
-async def _generate_one(state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
-    cfg = state.cfg
-    keys = rec.keys
-    request = GenerationRequest(rec.group_id, rec.prompt, sampling, keys, min_version=rec.version_reserved)
-    clk = state.pumps[PUMP]
-    try:
-        t0 = state.clock()
-        result = await within(
-            worker.generate(request), cfg.timeouts.generate_s, f"generation worker {worker.name}: generate({rec.group_id})"
-        )
-        clk.busy_s += state.clock() - t0
-    except asyncio.CancelledError:
-        if rec.state is GroupState.RESERVED and rec.abort_reason:
-            # Cancelled on purpose (stale in-flight rule, or the run is ending): not an error.
-            asyncio.current_task().uncancel()
-            await _discard(state, rec, keys, rec.abort_reason)
-            return
-        raise
-    except GenerationWorkerDied as e:
-        clk.errors += 1
-        state.worker_down(worker, str(e))
-        await _discard(state, rec, keys, "worker_died", cause=e, charge=False)
-        return
-    except (GenerationFailed, DeadlineExceeded) as e:
-        clk.errors += 1
-        await _discard(state, rec, keys, "generation_failed", cause=e)
-        return
-    if result.group_id != rec.group_id:
-        raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {rec.group_id}")
-    state.ledger.commit(rec.group_id, result, state.clock())
-    state.tokens_generated += sum(result.response_lengths)
-    state.notify()
-
-
 async def _discard(
     state: RunState, rec: GroupRecord, keys, reason: str, cause: BaseException | None = None, charge: bool = True
 ) -> None:
@@ -243,7 +200,7 @@ async def _discard(
     await state.clear_groups([rec], f"storage clear of {rec.group_id}")
 
 
-# -- requests without a task of their own (`Submitting` workers) -----------------------------------
+# -- requests in flight: a future each, a task only where the worker has no `submit` -------------
 class _Submitted:
     """The pump's submitted requests still in flight, and where their follow-ups run."""
 
@@ -265,18 +222,31 @@ class _Submitted:
             await asyncio.gather(*(_withdraw_at_close(state, w, r, f) for w, r, f in left))
 
 
+async def _withdraw(worker: GenerationWorker, request: GenerationRequest, fut: asyncio.Future) -> None:
+    """Returns once the worker writes none of `request`'s rows (`fut` is cancelled): its
+    `withdraw`, or for a `generate` task, the task's end (a cancelled `generate` guarantees that
+    before it re-raises)."""
+    if isinstance(worker, Submitting):  # what the pump submitted through
+        await worker.withdraw(request, fut)
+    elif not fut.done():
+        await asyncio.wait([fut])
+
+
 async def _withdraw_at_close(state: RunState, worker: GenerationWorker, request: GenerationRequest, fut: asyncio.Future) -> None:
     what = f"generation worker {worker.name}: withdraw({request.group_id}) (the rollout pump stops)"
     try:
-        await within(worker.withdraw(request, fut), state.cfg.timeouts.generate_s, what)
+        await within(_withdraw(worker, request, fut), state.cfg.timeouts.generate_s, what)
     except Exception as e:  # the run is ending already: said in its summary, never raised over its cause
         state.teardown_errors.append(f"{what}: {type(e).__name__}: {e}")
 
 
-def _submit_one(state: RunState, submitted: _Submitted, load: dict, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
+def _submit_one(
+    state: RunState, submitted: _Submitted, load: dict, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams, *, native: bool
+) -> None:
     gid = rec.group_id
     request = GenerationRequest(gid, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
-    fut = worker.submit(request)
+    # a worker without `submit`: its `generate` as a task, whose cancellation is its withdrawal
+    fut = worker.submit(request) if native else asyncio.ensure_future(worker.generate(request))
     expiry = cancel_after(fut, state.cfg.timeouts.generate_s)
     submitted.pending[gid] = (worker, request, fut)
     state.in_flight_tasks[gid] = fut
@@ -287,10 +257,9 @@ def _submission_done(
     state: RunState, submitted: _Submitted, load: dict, worker: GenerationWorker, rec: GroupRecord,
     request: GenerationRequest, expiry: Expiry | None, t0: float, fut: asyncio.Future,
 ) -> None:
-    """A submitted request is done: commit its group (what `_generate_one` does after its await),
-    or hand a failure, a cancellation or an abort to a child task (it awaits the worker's
-    withdrawal and the clear). An error here is a bug: it goes to the pump's task group, which
-    stops the run."""
+    """A submitted request is done: commit its group, or hand a failure, a cancellation or an abort
+    to a child task (it awaits the worker's withdrawal and the clear). An error here is a bug: it
+    goes to the pump's task group, which stops the run."""
     if submitted.closed:
         return  # withdrawn by `_Submitted.close`
     gid = rec.group_id
@@ -309,8 +278,8 @@ def _submission_done(
             state.notify()
             return
         if not fut.cancelled() and isinstance(fut.exception(), GenerationWorkerDied):
-            # Out of routing now, with every other call that died with it (as `_generate_one`
-            # does when its await raises), not a task step later: by then it may be restarted.
+            # Out of routing now, with every other call that died with it, not a task step later:
+            # by then it may be restarted.
             state.worker_down(worker, str(fut.exception()))
         task = _spawn(submitted, _after_submission(state, worker, rec, request, fut, expired), gid)
     except BaseException as e:  # noqa: BLE001 -- re-raised in the pump's task group
@@ -345,13 +314,15 @@ async def _reraise(error: BaseException) -> None:
 async def _after_submission(
     state: RunState, worker: GenerationWorker, rec: GroupRecord, request: GenerationRequest, fut: asyncio.Future, expired: bool
 ) -> None:
-    """A submitted request that produced no group: the same outcomes, in the same order of
-    precedence, as `_generate_one`'s."""
+    """A submitted request that produced no group. An abort (set before the cancel) wins over
+    whatever the request did; then a deadline; then what the worker raised: a dead worker's
+    request is re-dispatched uncharged, a failed one charged to its retries, anything else is a
+    bug and stops the run."""
     clk = state.pumps[PUMP]
     keys = rec.keys
     if fut.cancelled():
         # Withdrawn first: the clear of its keys must come after the worker writes none of them.
-        await within(worker.withdraw(request, fut), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: withdraw({rec.group_id})")
+        await within(_withdraw(worker, request, fut), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: withdraw({rec.group_id})")
     if rec.abort_reason:
         # Cancelled on purpose (stale in-flight rule, or the run is ending), or its answer raced
         # the cancel: not an error.
