@@ -83,24 +83,23 @@ class _Metered:
         self._coro, self._meter = coro, meter
 
     def __await__(self):
-        coro, meter, clock = self._coro, self._meter, time.perf_counter
+        coro, meter = self._coro, self._meter
+        if meter._inside:
+            # Awaited inside a metered step: the awaiting coroutine is metered, and every later
+            # step of this one runs inside one of its steps, whose readings count it.
+            return (yield from coro.__await__())
+        clock = time.perf_counter
         value, error = None, None
         while True:
-            if meter._inside:  # nested in a metered step: that step's readings count it
-                try:
-                    yielded = coro.send(value) if error is None else coro.throw(error)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                meter._inside = True
-                t0 = clock()
-                try:
-                    yielded = coro.send(value) if error is None else coro.throw(error)
-                except StopIteration as stop:
-                    return stop.value
-                finally:
-                    meter.seconds += clock() - t0
-                    meter._inside = False
+            meter._inside = True
+            t0 = clock()
+            try:
+                yielded = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                meter.seconds += clock() - t0
+                meter._inside = False
             try:
                 value, error = (yield yielded), None
             except BaseException as e:  # a cancellation (or any error) thrown in: on to the inner coroutine
@@ -313,7 +312,7 @@ class SimGenerationWorker:
                 self._serve_next(loop)
             else:  # the rest of this tick's requests join the batch, as one generate_many call
                 self._computing = True
-                loop.call_soon(self._serve_next, loop, self._epoch)
+                loop.call_soon(self._serve_scheduled, loop, self._epoch)
 
     async def withdraw(self, request: GenerationRequest, future: asyncio.Future) -> None:
         """A plain request writes nothing; a request running `generate` writes nothing once its
@@ -360,6 +359,8 @@ class SimGenerationWorker:
                 loop.call_at(self._free_at, self._served, loop, batch, version, self._epoch)
                 return
         self._computing = False
+
+    _serve_scheduled = _serve_next  # `_serve_next` as an event-loop callback (metered on its own)
 
     def _served(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[asyncio.Future, GenerationRequest | None]], version: int, epoch: int) -> None:
         if epoch != self._epoch:  # computed by the process a restart replaced
@@ -485,9 +486,10 @@ class SimTrainerGroup:
 
         async def serially():
             async with self._serial:
-                return await (coro if self.meter is None else _Metered(coro, self.meter))
+                return await coro
 
-        task = asyncio.ensure_future(serially())
+        # metered as a whole: taking the lock in turn is the remote side's work too
+        task = asyncio.ensure_future(serially() if self.meter is None else _Metered(serially(), self.meter))
         self._remote.add(task)
         task.add_done_callback(self._remote.discard)
         return task
@@ -694,7 +696,7 @@ def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGr
         for name in GENERATION_CALLS:
             setattr(g, name, _metered_coroutine(getattr(g, name), meter))
         g._served = _metered_callback(g._served, meter)  # scheduled as self._served: this one
-        g._serve_next = _metered_callback(g._serve_next, meter)  # (a batching engine schedules it too)
+        g._serve_scheduled = _metered_callback(g._serve_scheduled, meter)  # what a batching engine schedules
         g.submit = _metered_callback(g.submit, meter)  # a plain call, not a coroutine
     for name in TRAINER_CALLS:
         setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))
