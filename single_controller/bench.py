@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import tempfile
 import time
 from dataclasses import replace
@@ -256,6 +257,8 @@ its share of the groups at W * T / P seconds per group), and prints:
   ctl/group   cpu/group - sim: the controller's CPU per group (target <= 100 us). The event loop's
               work of waking the controller's calls up stays in it, as a real worker's answer costs
               it too; so do the dataloader and the in-memory storage
+  wakes       times the process fell asleep and was woken up (voluntary context switches), per
+              group: each costs at least the wake-up in the header, and its code runs on cold caches
   select p50/p99  commit -> select latency when the train pump was waiting (target p99 < 1 ms),
               from a third run (asynchronous, training 4x faster than generation: the train pump
               waits for every chunk, so every chunk gives a sample; `n` samples). In the overlap
@@ -341,9 +344,11 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
     )
     with tempfile.TemporaryDirectory() as tmp:  # settled prompts stream to disk, as in a real run
         ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step, prompt_history=os.path.join(tmp, "prompt_history.jsonl"))
+        sleeps0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
         cpu0, t0 = time.process_time(), time.perf_counter()
         summary = await ctl.run()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        sleeps = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - sleeps0
         ctl.state.prompts.close()
     ends = [h["time/wall_s"] for h in summary.history]
     p50, p99 = ctl.select_latency_percentiles()
@@ -352,6 +357,7 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
         "wall_s": wall,
         "cpu_s": cpu,
         "sim_s": meter.seconds,
+        "sleeps": sleeps,  # voluntary context switches: the process fell asleep and was woken up
         "groups": summary.steps * P,
         "p50": p50,
         "p99": p99,
@@ -384,7 +390,7 @@ def main_scale(argv: list[str] | None = None) -> int:
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
     print(f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
           f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)")
-    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
+    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'wakes':>6} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
     at = {"cpu": "", "p99": ""}  # the point of each worst figure
     p99_largest = (0, float("nan"))  # (P, select p99) at the largest groups per step swept: the target's point
@@ -410,7 +416,7 @@ def main_scale(argv: list[str] | None = None) -> int:
             p99_largest = (P, lat["p99"])
         print(
             f"{P:>11} {W:>7} {sync['steps_per_s']:>9.3f} {asy['steps_per_s']:>10.3f} {overlap:>7.3f} {of_ideal:>8.3f} "
-            f"{cpu_per_group * 1e6:>8.1f}us {sim_per_group * 1e6:>6.1f}us {ctl_per_group * 1e6:>8.1f}us {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms {lat['latency_samples']:>5} {_rss_mb():>7.1f}",
+            f"{cpu_per_group * 1e6:>8.1f}us {sim_per_group * 1e6:>6.1f}us {ctl_per_group * 1e6:>8.1f}us {asy['sleeps'] / asy['groups']:>6.2f} {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms {lat['latency_samples']:>5} {_rss_mb():>7.1f}",
             flush=True,
         )
     print(f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, ctl/group {worst['cpu'] * 1e6:.1f} us "

@@ -20,12 +20,13 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
                        "--group-size", "2", "--steps", "4", "--t", "0.02", "--long-steps", "20", "--long-groups", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d", line)]
-    points = [(int(r[0]), int(r[1])) for r in rows if len(r) == 13]
+    points = [(int(r[0]), int(r[1])) for r in rows if len(r) == 14]
     assert points == [(2, 2), (4, 2), (4, 1)]
     for r in rows[:3]:
         cpu, sim, ctl = (float(x.removesuffix("us")) for x in r[6:9])
         assert 0 < sim < cpu and abs(cpu - sim - ctl) <= 0.11  # the simulated workers' share, metered
-        assert int(r[11]) >= 1  # the latency run's samples: the train pump waited for its chunks
+        assert 0 < float(r[9]) < 50  # wake-ups per group: the run slept between its events (T = 0.02 s)
+        assert int(r[12]) >= 1  # the latency run's samples: the train pump waited for its chunks
     assert "serial generation workers" in out  # the default: one completion per group
     assert main_scale(["--groups", "4", "--workers", "2", "--workers-at", "2", "--groups-at", "4", "--group-size", "2",
                        "--steps", "4", "--t", "0.02", "--long-steps", "0", "--batch", "4"]) == 0
@@ -34,7 +35,7 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
     assert re.search(r"worst: overlap [\d.]+ .*ctl/group [\d.]+ us at \d+ x \d+ .*select p99 [\d.]+ ms at \d+ x \d+", out)
     # the target's point: the largest groups per step, at --workers-at workers (not the 4 x 1 run)
-    p99_at_4x2 = float(rows[1][10].removesuffix("ms"))
+    p99_at_4x2 = float(rows[1][11].removesuffix("ms"))
     assert (int(rows[1][0]), int(rows[1][1])) == (4, 2)
     assert f"select p99 at 4 groups per step: {p99_at_4x2:.3f} ms (target < 1 ms at 1024)" in out
     assert "long run: 20 steps of 1 groups" in out
