@@ -93,6 +93,15 @@ def _loop_queues(loop: asyncio.AbstractEventLoop) -> dict[float, _Queue]:
     return queues
 
 
+def _queue(loop: asyncio.AbstractEventLoop, seconds: float) -> _Queue:
+    """The loop's queue of the waits with this timeout (created on first use)."""
+    queues = _loop_queues(loop)
+    q = queues.get(seconds)
+    if q is None:
+        q = queues[seconds] = _Queue(seconds)
+    return q
+
+
 class Expiry(_Wait):
     """A future's deadline (`cancel_after`): `settle` it once the future is done."""
 
@@ -117,10 +126,7 @@ def cancel_after(fut: asyncio.Future, seconds: float | None) -> Expiry | None:
     if seconds is None:
         return None
     loop = asyncio.get_running_loop()
-    queues = _loop_queues(loop)
-    q = queues.get(seconds)
-    if q is None:
-        q = queues[seconds] = _Queue(seconds)
+    q = _queue(loop, seconds)
     e = Expiry(fut, loop.time() + seconds, q)
     q._push(e, loop)
     return e
@@ -134,10 +140,7 @@ async def within(aw: Awaitable[T], seconds: float | None, what: str) -> T:
     if task is None:
         raise RuntimeError(f"within() must run inside a task (waiting for {what})")
     loop = asyncio.get_running_loop()
-    queues = _loop_queues(loop)
-    q = queues.get(seconds)
-    if q is None:
-        q = queues[seconds] = _Queue(seconds)
+    q = _queue(loop, seconds)
     w = q.add(task, loop)
     try:
         return await aw

@@ -321,10 +321,13 @@ class SimGenerationWorker:
             await asyncio.wait([future])
 
     def _plain_result(self, request: GenerationRequest, version: int) -> GenerationResult:
-        attempt = int(request.group_id.rsplit("-a", 1)[1])
+        self.generated.append(request.group_id)
+        return self._result(request, int(request.group_id.rsplit("-a", 1)[1]), version)
+
+    def _result(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
+        """What generating `request` at `version` answers: its rewards, G responses of the full length."""
         G, T = request.sampling.n, request.sampling.max_new_tokens
         rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
-        self.generated.append(request.group_id)
         return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
 
     def _starts(self, request: GenerationRequest) -> int:
@@ -377,11 +380,10 @@ class SimGenerationWorker:
         self._serve_next(loop)
 
     async def _store(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
-        G, T = request.sampling.n, request.sampling.max_new_tokens
-        rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
-        result = GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
+        result = self._result(request, attempt, version)
         if not self.writes_rows:
             return result
+        G, T, rewards = request.sampling.n, request.sampling.max_new_tokens, result.rewards
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
         versions = [torch.full((T,), version, dtype=torch.int64)] * G
