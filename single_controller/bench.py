@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -282,6 +285,12 @@ caches.
 After the sweep over groups per step, a least-squares line through the points' controller CPU
 per step splits it into a fixed cost per step (trainer calls, weight sync to every worker, the step's
 record) and a marginal cost per group.
+`--keep-cpu-awake` (Linux, a diagnostic): pins the benchmark to one CPU and runs a busy loop on
+that CPU in the idle scheduling class (SCHED_IDLE: it runs only when nothing else wants the CPU,
+and yields it at once when the benchmark wakes up), so the CPU never goes idle. A virtual machine's
+idle CPU halts into the hypervisor, and waking it costs the next code its caches; with the CPU kept
+awake the figures show what the controller costs where idle CPUs do not halt (bare metal, or a
+guest that polls before halting). The targets are read off the default run.
 Then a long run (--long-steps, default 10,000, of --long-groups groups, no simulated latency)
 samples memory every 10 % of its steps: Python heap blocks (sys.getallocatedblocks) and RSS,
 which should stay flat (target +-10 %) once the pipeline is full.
@@ -312,6 +321,39 @@ def idle_wakeup_cpu_s(wakeups: int, sleep_s: float) -> float:
         return (time.process_time() - cpu0) / wakeups
 
     return _run_on_loop(sleeps())
+
+
+_SPIN = """
+import os, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # first: never competes at normal priority
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("ready", flush=True)
+parent = os.getppid()
+while os.getppid() == parent:  # ends with the benchmark, however it ends
+    for _ in range(1_000_000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def cpu_kept_awake():
+    """Pin this process to one CPU and keep that CPU from going idle with a busy loop of the idle
+    scheduling class beside it (`bench scale --keep-cpu-awake`); yields the CPU. Restores the
+    process's CPUs and stops the loop on exit."""
+    if not (hasattr(os, "sched_setaffinity") and hasattr(os, "SCHED_IDLE")):
+        raise SystemExit("--keep-cpu-awake needs Linux (os.sched_setaffinity and the SCHED_IDLE class)")
+    cpus = os.sched_getaffinity(0)
+    cpu = min(cpus)
+    os.sched_setaffinity(0, {cpu})
+    spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu)], stdout=subprocess.PIPE, text=True)
+    try:
+        if spinner.stdout.readline().strip() != "ready":  # in its class and on its CPU before anything is measured
+            raise RuntimeError(f"--keep-cpu-awake: the busy loop did not start (exit status {spinner.wait()})")
+        yield cpu
+    finally:
+        spinner.kill()
+        spinner.wait()
+        os.sched_setaffinity(0, cpus)
 
 
 def _rss_mb() -> float:
@@ -379,14 +421,23 @@ def main_scale(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="groups per batch of a simulated generation worker (1: serial engines; 16: as the shipped clients batch)")
     ap.add_argument("--long-steps", type=int, default=10_000, help="steps of the memory run (0: skip it)")
     ap.add_argument("--long-groups", type=int, default=2, help="groups per step of the memory run")
+    ap.add_argument("--keep-cpu-awake", action="store_true",
+                    help="diagnostic (Linux): run on one CPU kept from going idle by an idle-class busy loop (see below)")
     args = ap.parse_args(argv)
+    if args.keep_cpu_awake:
+        with cpu_kept_awake() as cpu:
+            return _scale_sweep(args, f"CPU {cpu} kept awake by an idle-class busy loop (a diagnostic: no idle halts)")
+    return _scale_sweep(args, "")
+
+
+def _scale_sweep(args: argparse.Namespace, awake: str) -> int:
     groups = [int(x) for x in args.groups.split(",") if x]
     workers = [int(x) for x in args.workers.split(",") if x]
     points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
     engines = f"generation workers batch up to {args.batch} groups" if args.batch > 1 else "serial generation workers"
     print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
-          f"{engines}, event loop {_loop_name()}")
+          f"{engines}, event loop {_loop_name()}" + (f", {awake}" if awake else ""))
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
     print(f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
           f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)")
@@ -435,7 +486,6 @@ def main_scale(argv: list[str] | None = None) -> int:
 
 def _long_run(steps: int, groups: int, group_size: int) -> None:
     import gc
-    import sys
 
     every = max(1, steps // 10)
     samples: list[tuple[int, int, float]] = []
@@ -518,8 +568,6 @@ def _last_step_wall_s(output_dir: Path) -> float | None:
 
 def main_embedded(argv: list[str] | None = None) -> int:
     import re
-    import subprocess
-    import sys
 
     from single_controller.backends.cpu.reference import run_reference
 

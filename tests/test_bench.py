@@ -2,11 +2,13 @@
 (its speed targets are read off the real sweep, never asserted here)."""
 
 import json
+import os
 import re
 import subprocess
 import types
 from pathlib import Path
 
+import psutil
 import pytest
 
 from single_controller import bench
@@ -40,6 +42,26 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     assert f"select p99 at 4 groups per step: {p99_at_4x2:.3f} ms (target < 1 ms at 1024)" in out
     assert "long run: 20 steps of 1 groups" in out
     assert re.search(r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms", out)
+
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
+def test_keep_cpu_awake_pins_the_bench_beside_an_idle_class_busy_loop_and_undoes_it(capsys):
+    cpus = os.sched_getaffinity(0)
+    with bench.cpu_kept_awake() as cpu:
+        assert os.sched_getaffinity(0) == {cpu}
+        children = [p.pid for p in psutil.Process().children()]
+        spinners = [p for p in children if os.sched_getscheduler(p) == os.SCHED_IDLE]
+        assert len(spinners) == 1, children  # the busy loop: idle class, so it never delays the benchmark
+        spinner = spinners[0]
+        assert os.sched_getaffinity(spinner) == {cpu}  # on the benchmark's CPU, before anything is measured
+    assert os.sched_getaffinity(0) == cpus
+    assert not psutil.pid_exists(spinner)  # stopped with the benchmark
+    assert main_scale(["--groups", "2", "--workers", "1", "--workers-at", "1", "--groups-at", "2", "--group-size", "2",
+                       "--steps", "3", "--t", "0.02", "--long-steps", "0", "--keep-cpu-awake"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"CPU \d+ kept awake by an idle-class busy loop", out) and re.search(r"^\s+2\s+1\s+\d", out, re.M)
+    assert os.sched_getaffinity(0) == cpus
 
 
 # -- the meter that tells the simulated workers' time from the controller's -----------------------
