@@ -353,6 +353,7 @@ def cpu_kept_awake():
     finally:
         spinner.kill()
         spinner.wait()
+        spinner.stdout.close()
         os.sched_setaffinity(0, cpus)
 
 

@@ -44,7 +44,6 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     assert re.search(r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms", out)
 
 
-
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
 def test_keep_cpu_awake_pins_the_bench_beside_an_idle_class_busy_loop_and_undoes_it(capsys):
     cpus = os.sched_getaffinity(0)
