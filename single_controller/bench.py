@@ -344,9 +344,9 @@ def cpu_kept_awake():
         raise SystemExit("--keep-cpu-awake needs Linux (os.sched_setaffinity and the SCHED_IDLE class)")
     cpus = os.sched_getaffinity(0)
     cpu = min(cpus)
-    os.sched_setaffinity(0, {cpu})
     spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu)], stdout=subprocess.PIPE, text=True)
     try:
+        os.sched_setaffinity(0, {cpu})  # inside: a failure from here on still stops the loop and restores the CPUs
         if spinner.stdout.readline().strip() != "ready":  # in its class and on its CPU before anything is measured
             raise RuntimeError(f"--keep-cpu-awake: the busy loop did not start (exit status {spinner.wait()})")
         yield cpu
