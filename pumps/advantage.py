@@ -19,36 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from typing import Protocol, Sequence
 
-
 from replay.ledger import GroupRecord, GroupState
+from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
 from single_controller.state import RunState
 
 PUMP = "advantage"
-
-
-def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float) -> tuple[float, ...]:
-    """Group-normalized advantages: (r - mean(r)) / (std(r) + eps), std over the group (population,
-    as in GRPO); without `normalize_std` only the mean is subtracted. Plain Python: a group is a
-    handful of floats, where tensor ops would cost more than the arithmetic.
-
-    rewards: [G] -> advantages: [G]
-    """
-    G = len(rewards)
-    mean = math.fsum(rewards) / G
-    # (map over operator functions: the same arithmetic as a comprehension, without a bytecode
-    # loop per reward; this runs for every group)
-    centered = list(map(operator.sub, rewards, itertools.repeat(mean)))  # [G]
-    if not normalize_std:
-        return tuple(centered)
-    scale = math.sqrt(math.fsum(map(operator.mul, centered, centered)) / G) + eps
-    return tuple(map(operator.truediv, centered, itertools.repeat(scale)))
-
-
-def is_zero_variance(rewards: Sequence[float]) -> bool:
-    return max(rewards) - min(rewards) == 0.0
 
 
 class LogprobPass(Protocol):

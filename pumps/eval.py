@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from single_controller.config import eval_max_new_tokens
+from single_controller.config.schema import eval_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied
 from single_controller.state import RunState

@@ -8,7 +8,7 @@ naming what is missing. Nothing is ever silently short.
 
 `InMemoryRowStorage` behaves like TransferQueue's KV API (including TQ's habit of returning fewer
 rows for missing keys, which the shared validation turns into an error) and serves tests and the
-simulated backend. `replay.tq_storage.TQRowStorage` is the TransferQueue implementation.
+simulated backend. `replay.transferqueue.storage.TQRowStorage` is the TransferQueue implementation.
 """
 
 from __future__ import annotations

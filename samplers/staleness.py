@@ -1,6 +1,6 @@
 """The staleness sampler: one policy with orthogonal knobs, deciding from version stamps only.
 
-Knobs (`SamplerConfig`):
+The rules themselves are pure functions in `single_controller.algorithm.staleness`. Knobs (`SamplerConfig`):
 - admission gate `max_lookahead_versions` L: a rollout for step s may start only while
   s <= policy_version + L. L = 0 is synchronous on-policy.
 - selection `order`: `in_order` trains at step k exactly the groups dispatched for k; `fifo` and
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from replay.ledger import GroupRecord, ReadyKey
-from single_controller.config import SamplerConfig
+from single_controller.algorithm import staleness as rules
+from single_controller.config.schema import SamplerConfig
 
 ORDERS = ("in_order", "fifo", "freshest")
 
@@ -60,21 +61,18 @@ class StalenessSampler:
         return (self.lookahead + 1) * groups_per_step
 
     def may_admit(self, target_step: int, policy_version: int) -> bool:
-        return target_step <= policy_version + self.lookahead
+        return rules.may_admit(target_step, policy_version, self.lookahead)
 
     @staticmethod
     def staleness(group: GroupRecord, train_step: int) -> int:
         return train_step - group.version
 
-    # The two rules, on a group's (target step, version): everything below derives from them.
+    # The two rules (`algorithm.staleness`), on a group's (target step, version).
     def _eligible_key(self, target_step: int, version: int, train_step: int) -> bool:
-        if train_step - version > self.max_staleness:
-            return False
-        return target_step == train_step if self.in_order else True
+        return rules.eligible(target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order)
 
     def _evictable_key(self, target_step: int, version: int, train_step: int) -> bool:
-        # too stale; or (in order) its step is over
-        return train_step - version > self.max_staleness or (self.in_order and target_step < train_step)
+        return rules.evictable(target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order)
 
     def select(self, ready: Sequence[GroupRecord], train_step: int, max_groups: int) -> list[GroupRecord]:
         """Ready groups step `train_step` may train now, best first, at most `max_groups`."""
@@ -116,8 +114,9 @@ class StalenessSampler:
         """True if an in-flight group could only be trained above the staleness bound."""
         if not self.aborts_in_flight:
             return False
-        earliest = max(train_step, group.target_step) if self.in_order else train_step
-        return earliest - group.version_reserved > self.max_staleness
+        return rules.must_abort_in_flight(
+            group.target_step, group.version_reserved, train_step, max_staleness=self.max_staleness, in_order=self.in_order
+        )
 
     # -- bookkeeping for statistics ------------------------------------------------------------
     def record_selected(self, groups: Sequence[GroupRecord], train_step: int) -> None:

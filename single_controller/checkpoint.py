@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from single_controller.config import Config
+from single_controller.config.schema import Config
 
 FORMAT = 1
 LATEST = "latest"

@@ -1,7 +1,7 @@
 """The single controller: setup, the pumps in one TaskGroup (eval too when `eval.enabled`), teardown.
 
 `Controller` is constructible in-process (tests, the simulated backend, benchmarks) and is also
-what the CPU-only Ray actor `ControllerActor` (see `single_controller.launch`) runs. It never
+what the CPU-only Ray actor `ControllerActor` (see `single_controller.runtime.driver`) runs. It never
 touches bulk tensors: it moves keys, lengths, rewards and advantages; workers read and write rows.
 
 A failing pump cancels its siblings and `run()` raises `RunFailed` naming the pump and its cause.
@@ -36,7 +36,7 @@ from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
-from single_controller.config import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
+from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
 from single_controller.deadlines import within
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers

@@ -26,7 +26,7 @@ from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
 from replay.storage import RowStorage
 from samplers.staleness import StalenessSampler
 from single_controller.channels import Signal
-from single_controller.config import Config, resolved_capacity
+from single_controller.config.schema import Config, resolved_capacity
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorker, TrainerGroup
 from single_controller.types import Prompt, WeightsHandle

@@ -70,7 +70,7 @@ def test_the_checker_sees_a_violation():
     assert {"asyncio.sleep", "ray.get"} <= calls
 
 
-CONTROL_PLANE = ("pumps", "samplers", "single_controller/controller.py", "single_controller/state.py", "single_controller/service.py")
+CONTROL_PLANE = ("pumps", "samplers", "single_controller/controller.py", "single_controller/state.py", "single_controller/runtime/actor_host.py")
 
 
 def test_control_plane_never_reads_rows():

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from single_controller import bench
-from single_controller.bench import main_scale
+from single_controller.bench import runner as bench
+from single_controller.bench.runner import main_scale
 
 EMBEDDED = str(Path(__file__).resolve().parents[1] / "configs/embedded.yaml")
 
@@ -69,7 +69,7 @@ async def test_metered_sim_workers_train_exactly_what_unmetered_ones_do_and_coun
 
     from replay.storage import InMemoryRowStorage
     from single_controller.backends.sim import Faults, SimMeter, sim_prompts, sim_workers
-    from single_controller.bench import scale_config
+    from single_controller.bench.runner import scale_config
     from single_controller.controller import Controller
     from single_controller.state import Workers
 
@@ -172,7 +172,7 @@ def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_wall
         return types.SimpleNamespace(steps=100, seconds=8.0, reached=ref_reached)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setattr("single_controller.backends.cpu.reference.run_reference", fake_reference)
+    monkeypatch.setattr("single_controller.bench.reference.run_reference", fake_reference)
     return runs, refs
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from single_controller import cli
-from single_controller.config import Config
-from single_controller.config_loader import load_config
+from single_controller.runtime import cli
+from single_controller.config.schema import Config
+from single_controller.config.loader import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = str(ROOT / "configs/embedded.yaml")
@@ -27,7 +27,7 @@ def fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
 
 def test_console_script_points_at_main():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["sc-grpo"] == "single_controller.cli:main"
+    assert pyproject["project"]["scripts"]["sc-grpo"] == "single_controller.runtime.cli:main"
 
 
 def test_help_describes_every_command_with_an_example(capsys):
@@ -95,23 +95,23 @@ def test_run_hands_the_validated_config_to_the_launcher(monkeypatch):
         received.append(cfg)
         return 3
 
-    fake_module(monkeypatch, "single_controller.launch", run_from_config=run_from_config)
+    fake_module(monkeypatch, "single_controller.runtime.driver", run_from_config=run_from_config)
     assert cli.main(["run", EMBEDDED, "run.max_steps=5"]) == 3
     assert received == [load_config(EMBEDDED, ["run.max_steps=5"])]
 
 
 def test_run_with_an_invalid_config_never_launches(monkeypatch, capsys):
-    fake_module(monkeypatch, "single_controller.launch",
+    fake_module(monkeypatch, "single_controller.runtime.driver",
                 run_from_config=lambda cfg: pytest.fail("launched an invalid config"))
     assert cli.main(["run", EMBEDDED, "rollout.group_size=1"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
 
 
 def test_run_without_a_launcher_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "single_controller.launch", None)  # import fails: not installed
+    monkeypatch.setitem(sys.modules, "single_controller.runtime.driver", None)  # import fails: not installed
     assert cli.main(["run", EMBEDDED]) == 1
     err = capsys.readouterr().err
-    assert "single_controller.launch:run_from_config is not available" in err
+    assert "single_controller.runtime.driver:run_from_config is not available" in err
     assert "Traceback" not in err
 
 
@@ -119,7 +119,7 @@ def test_ctrl_c_during_run_exits_130(monkeypatch, capsys):
     def run_from_config(cfg):
         raise KeyboardInterrupt
 
-    fake_module(monkeypatch, "single_controller.launch", run_from_config=run_from_config)
+    fake_module(monkeypatch, "single_controller.runtime.driver", run_from_config=run_from_config)
     assert cli.main(["run", EMBEDDED]) == 130
     assert "interrupted" in capsys.readouterr().err
 
@@ -127,9 +127,9 @@ def test_ctrl_c_during_run_exits_130(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "name, module, attr",
     [
-        ("overlap", "single_controller.bench", "main_overlap"),
-        ("reference", "single_controller.backends.cpu.reference", "main"),
-        ("storage", "replay.tq_bench", "main"),
+        ("overlap", "single_controller.bench.runner", "main_overlap"),
+        ("reference", "single_controller.bench.reference", "main"),
+        ("storage", "single_controller.bench.tq", "main"),
     ],
 )
 def test_bench_dispatches_with_the_remaining_arguments(monkeypatch, name, module, attr):
@@ -140,10 +140,10 @@ def test_bench_dispatches_with_the_remaining_arguments(monkeypatch, name, module
 
 
 def test_bench_with_a_missing_entry_point_says_which(monkeypatch, capsys):
-    fake_module(monkeypatch, "replay.tq_bench")  # the module exists, its main does not
+    fake_module(monkeypatch, "single_controller.bench.tq")  # the module exists, its main does not
     assert cli.main(["bench", "storage"]) == 1
     err = capsys.readouterr().err
-    assert "replay.tq_bench:main is not available" in err and "has no 'main'" in err
+    assert "single_controller.bench.tq:main is not available" in err and "has no 'main'" in err
 
 
 def test_unknown_benchmark_is_a_usage_error(capsys):
@@ -162,7 +162,7 @@ def test_a_broken_import_inside_an_existing_module_is_not_hidden(tmp_path, monke
 
 def test_status_forwards_the_url(monkeypatch):
     calls = []
-    fake_module(monkeypatch, "single_controller.status", main=lambda argv: calls.append(argv) or 0)
+    fake_module(monkeypatch, "single_controller.runtime.status", main=lambda argv: calls.append(argv) or 0)
     assert cli.main(["status", "--url", "http://127.0.0.1:1234"]) == 0
     assert cli.main(["status"]) == 0
     assert calls == [["--url", "http://127.0.0.1:1234"], []]
@@ -170,7 +170,7 @@ def test_status_forwards_the_url(monkeypatch):
 
 def test_status_forwards_watch_and_timeout_as_the_docs_use_them(monkeypatch):
     calls = []
-    fake_module(monkeypatch, "single_controller.status", main=lambda argv: calls.append(argv) or 0)
+    fake_module(monkeypatch, "single_controller.runtime.status", main=lambda argv: calls.append(argv) or 0)
     assert cli.main(["status", "--url", "10.0.0.1:9464", "--watch", "2", "--timeout", "0.5"]) == 0
     assert calls == [["--url", "10.0.0.1:9464", "--watch", "2.0", "--timeout", "0.5"]]
 
@@ -196,8 +196,8 @@ def test_python_dash_m_single_controller():
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
-    from single_controller.backends.cpu import reference
-    from single_controller.backends.hf_model import main_init_model
+    from single_controller.backends.torch import reference
+    from single_controller.backends.common.hf_model import main_init_model
 
     with pytest.raises(SystemExit) as info:
         reference.main(["--task", "sort_digits", "--seeds", "0"])

@@ -181,10 +181,10 @@ def _storage_list(address: str, env: dict[str, str]) -> dict[str, list[str]]:
 
 PUT_SENTINELS = """
 import sys, ray, torch
-from single_controller.ray_runtime import prepare_environment
+from single_controller.runtime.ray_session import prepare_environment
 prepare_environment(local=False)
 ray.init(address=sys.argv[1] if len(sys.argv) > 1 else {address!r}, namespace="foreign-writer", log_to_driver=False)
-from replay.tq_runtime import attach_tq
+from replay.transferqueue.runtime import attach_tq
 attach_tq(60)
 import transfer_queue as tq
 for partition in ("rollout", "other"):

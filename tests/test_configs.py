@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from single_controller import config_loader
-from single_controller.config import Config, required_capacity, resolved_capacity
-from single_controller.config_loader import (
+from single_controller.config import loader as config_loader
+from single_controller.config.schema import Config, required_capacity, resolved_capacity
+from single_controller.config.loader import (
     BOUNDS,
     CHOICES,
     ConfigError,
@@ -248,7 +248,7 @@ def test_each_check_rejects_its_violation(overrides, paths):
         ["model.max_seq_len=8"],
         ["metrics.port=0"],
         ["metrics.port=65535"],
-        ["task.name=single_controller.tasks:reverse_digits", "model.max_seq_len=4"],  # the digit rule is for digit tasks only
+        ["task.name=single_controller.data.tasks:reverse_digits", "model.max_seq_len=4"],  # the digit rule is for digit tasks only
         ["run.stop_at_success_rate=1.0"],
     ],
 )
@@ -371,7 +371,7 @@ def test_reference_documents_every_field():
 def test_readme_config_reference_is_in_sync():
     readme = (ROOT / "README.md").read_text()
     assert readme_reference(readme) == config_reference_markdown(), (
-        "README.md is stale: run `python -m single_controller.config_loader --write-readme`"
+        "README.md is stale: run `python -m single_controller.config.loader --write-readme`"
     )
 
 
@@ -394,7 +394,7 @@ def test_write_readme_rewrites_only_the_marked_section(tmp_path):
     [
         ("task.name=revers_digits", "task.name", "did you mean 'reverse_digits'"),
         ("task.reward_fn=nosuch_mod_xyz:f", "task.reward_fn", "cannot import module 'nosuch_mod_xyz'"),
-        ("task.reward_fn=single_controller.tasks:nope", "task.reward_fn", "has no attribute 'nope'"),
+        ("task.reward_fn=single_controller.data.tasks:nope", "task.reward_fn", "has no attribute 'nope'"),
         ("model.checkpoint=/nonexistent/ckpt", "model.checkpoint", "does not exist"),
     ],
 )

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
-from single_controller.config import (
+from single_controller.config.schema import (
     AdvantageConfig,
     BufferConfig,
     Config,
@@ -285,7 +285,7 @@ async def test_a_failing_pump_stops_the_run_with_its_cause(monkeypatch):
 async def test_advantages_travel_in_the_chunks_and_are_never_stored():
     """The trainer gets each row's advantage with its chunk (what the advantage pump computed from
     the group's rewards), and the storage never sees an `advantage` column."""
-    from pumps.advantage import grpo_advantages
+    from single_controller.algorithm.advantages import grpo_advantages
 
     class Recording(InMemoryRowStorage):
         fields_put: set = set()

@@ -34,7 +34,7 @@ def test_an_undeclared_import_fails_the_check(tmp_path):
     result = deptry("--config", str(tmp_path / "pyproject.toml"))
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
-    assert "single_controller/run_output.py" in out and "'tqdm' imported but" in out, out
+    assert "single_controller/runtime/run_dir.py" in out and "'tqdm' imported but" in out, out
 
 
 # The extras' packages (pyproject.toml's optional dependencies beyond the defaults), as imported.
@@ -72,4 +72,4 @@ def test_every_module_imports_without_the_extras():
     out = json.loads(result.stdout.splitlines()[-1])
     assert out["failed"] == [], "modules importing an extra's package at import time:\n" + "\n".join(out["failed"])
     assert {"single_controller.backends.vllm.worker", "single_controller.backends.megatron.trainer",
-            "single_controller.backends.hf_model", "single_controller.cli"} <= set(out["imported"])
+            "single_controller.backends.common.hf_model", "single_controller.runtime.cli"} <= set(out["imported"])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.dp_split import balanced_partition, dp_split, split_chunk
+from single_controller.algorithm.dp_split import balanced_partition, dp_split, split_chunk
 from single_controller.types import TrainChunk
 
 lengths_st = st.lists(st.integers(0, 64), min_size=0, max_size=40)

@@ -209,7 +209,7 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["rollout/worker_deaths"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1  # the dip is visible in the metrics
-    # (the restart itself is tested in test_cpu_ray.py: a new process takes seconds to import torch)
+    # (the restart itself is tested in test_torch_ray.py: a new process takes seconds to import torch)
 
 
 def _actor_pids(session: int, cls: str) -> list[int]:

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
 from single_controller.backends.sim import Faults, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
-from single_controller.config import Config, EvalConfig, RunConfig
-from single_controller.config_loader import ConfigError, load_config
+from single_controller.config.schema import Config, EvalConfig, RunConfig
+from single_controller.config.loader import ConfigError, load_config
 from single_controller.controller import Controller, RunFailed
-from single_controller.service import make_dataloader
+from single_controller.runtime.actor_host import make_dataloader
 from single_controller.state import Workers
-from single_controller.tasks import (
+from single_controller.data.tasks import (
     EVAL_DATASETS,
     TASKS,
     TOKENIZER,
@@ -417,18 +417,18 @@ def test_eval_request_carries_no_row_keys():
 
 
 def _cpu_core(storage, version=0):
-    from single_controller.backends.cpu.generation import GenerationCore
-    from single_controller.backends.cpu.model import TinyGPT
-    from single_controller.config import ModelConfig
+    from single_controller.backends.torch.generation import GenerationCore
+    from single_controller.backends.torch.model import TinyGPT
+    from single_controller.config.schema import ModelConfig
 
     torch.set_num_threads(1)
     model = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=3)
-    return GenerationCore(model, storage, "single_controller.tasks:positional_match_reward", seed=0, version=version), model
+    return GenerationCore(model, storage, "single_controller.data.tasks:positional_match_reward", seed=0, version=version), model
 
 
 async def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
-    from single_controller.backends.cpu.sampling import sample
-    from single_controller.tasks import positional_match_reward
+    from single_controller.backends.torch.sampling import sample
+    from single_controller.data.tasks import positional_match_reward
 
     storage = InMemoryRowStorage()
     core, model = _cpu_core(storage, version=4)
@@ -450,15 +450,15 @@ async def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_ro
 
 
 async def test_cpu_actor_takes_the_eval_lane_first():
-    from single_controller.backends.cpu.generation import GenerationActor
-    from single_controller.backends.cpu.trainer import pack_weights
-    from single_controller.config import ModelConfig
+    from single_controller.backends.torch.generation import GenerationActor
+    from single_controller.backends.torch.trainer import pack_weights
+    from single_controller.config.schema import ModelConfig
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from test_cpu_generation import GatedCore, request
+    from test_torch_generation import GatedCore, request
 
     storage = InMemoryRowStorage()
-    actor = GenerationActor("gen-eval", ModelConfig(), lambda: storage, "single_controller.tasks:positional_match_reward", max_batch_groups=4)
+    actor = GenerationActor("gen-eval", ModelConfig(), lambda: storage, "single_controller.data.tasks:positional_match_reward", max_batch_groups=4)
     _, model = _cpu_core(storage)
     snap = pack_weights(model, 0)
     await actor.update_weights(WeightsHandle(0, snap, snap.manifest.num_bytes))
@@ -498,7 +498,7 @@ def test_eval_dataset_with_no_prompts_or_no_held_out_split_is_refused(monkeypatc
         load_config(None, ["eval.enabled=true", "eval.dataset=_sc_eval_empty:none"])
     assert "1 problem" in str(info.value)
     with pytest.raises(ConfigError, match="has no registered held-out split"):
-        load_config(None, ["eval.enabled=true", "task.name=single_controller.tasks:reverse_digits"])
+        load_config(None, ["eval.enabled=true", "task.name=single_controller.data.tasks:reverse_digits"])
     with pytest.raises(ConfigError) as info:
         load_config(None, ["eval.num_samples=4"])
     assert "greedy samples of a prompt are all the same" in " ".join(str(info.value).split())
@@ -509,7 +509,7 @@ def test_eval_dataset_with_no_prompts_or_no_held_out_split_is_refused(monkeypatc
 
 # -- what it leaves: metrics.jsonl records, Prometheus, curves.png, the console -------------------
 async def test_prometheus_exports_the_last_eval_point():
-    from single_controller.metrics import families
+    from single_controller.runtime.metrics import families
 
     ctl, *_ = await run_eval_sim(eval_cfg(steps=4, every=2))
     samples = {s.name: s for fam in families(ctl.statistics()) for s in fam.samples}
@@ -526,7 +526,7 @@ async def test_prometheus_exports_the_last_eval_point():
 async def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
     import io
 
-    from single_controller.run_output import ConsoleReporter, RunDirectory, is_eval_record
+    from single_controller.runtime.run_dir import ConsoleReporter, RunDirectory, is_eval_record
 
     ctl, *_ = await run_eval_sim(eval_cfg(steps=6, every=3))
     records = sorted([*ctl.history, *ctl.eval_history], key=lambda r: r["time/wall_s"])
@@ -589,8 +589,8 @@ async def test_status_shows_the_last_eval_point():
     from prometheus_client.exposition import generate_latest
     from prometheus_client.registry import CollectorRegistry
 
-    from single_controller.metrics import ControllerCollector, parse_metrics
-    from single_controller.status import render
+    from single_controller.runtime.metrics import ControllerCollector, parse_metrics
+    from single_controller.runtime.status import render
 
     ctl, *_ = await run_eval_sim(eval_cfg(steps=4, every=2))
     registry = CollectorRegistry(auto_describe=False)
@@ -633,7 +633,7 @@ async def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L,
 
 
 def test_resume_drops_eval_points_that_will_be_measured_again(tmp_path):
-    from single_controller.run_output import RunDirectory
+    from single_controller.runtime.run_dir import RunDirectory
 
     cfg = Config(run=RunConfig(output_dir=str(tmp_path)))
     with RunDirectory(cfg) as rd:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from single_controller import config_loader
-from single_controller.config import Config
-from single_controller.config_loader import load_config
-from single_controller.tasks import TOKENIZER
+from single_controller.config import loader as config_loader
+from single_controller.config.schema import Config
+from single_controller.config.loader import load_config
+from single_controller.data.tasks import TOKENIZER
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -75,7 +75,7 @@ def _leaves(d: dict, prefix: str = ""):
 
 def test_a_module_in_the_current_directory_is_found_by_the_sc_grpo_script(tmp_path, monkeypatch, capsys):
     """The console script's sys.path holds its own directory, not the current one: `main` adds it."""
-    from single_controller.cli import main
+    from single_controller.runtime.cli import main
 
     (tmp_path / "my_reward_mod_xyz.py").write_text("def score(prompt, text):\n    return 0.0\n")
     monkeypatch.chdir(tmp_path)

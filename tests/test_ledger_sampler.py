@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pumps.advantage import grpo_advantages, is_zero_variance
+from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
 from replay.ledger import TERMINAL, CapacityError, GroupLedger, GroupState, LedgerError, PromptLedger, _record_dict
 from samplers.staleness import StalenessSampler
-from single_controller.config import SamplerConfig
+from single_controller.config.schema import SamplerConfig
 from single_controller.types import GenerationResult, Prompt
 
 

@@ -105,7 +105,7 @@ def hf_state():
 def _core(hf_state, **kw):
     from single_controller.backends.megatron.model import ModelSpec
     from single_controller.backends.megatron.trainer import MegatronTrainerCore
-    from single_controller.config import TrainConfig
+    from single_controller.config.schema import TrainConfig
 
     return MegatronTrainerCore(hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw)
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
     from free_ports import free_port
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
-    from single_controller.config import TrainConfig
+    from single_controller.config.schema import TrainConfig
     from single_controller.types import LossConfig
 
     torch.backends.cuda.matmul.allow_tf32 = False

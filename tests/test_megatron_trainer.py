@@ -37,10 +37,10 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_fixtures import filled_storage, load_hf, make_hf_dir, make_rows, rel_err, take, ray_init, VOCAB  # noqa: E402
 
-from replay.dp_split import balanced_partition  # noqa: E402
-from single_controller.backends.cpu.model import HFCausalLMPolicy, token_logprobs  # noqa: E402
-from single_controller.backends.cpu.trainer import TrainStepStateError, load_snapshot, resolve_snapshot  # noqa: E402
-from single_controller.config import TrainConfig  # noqa: E402
+from single_controller.algorithm.dp_split import balanced_partition  # noqa: E402
+from single_controller.backends.torch.model import HFCausalLMPolicy, token_logprobs  # noqa: E402
+from single_controller.backends.torch.trainer import TrainStepStateError, load_snapshot, resolve_snapshot  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.protocols import TrainerGroup  # noqa: E402
 from single_controller.types import LossConfig  # noqa: E402
 

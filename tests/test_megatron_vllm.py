@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_fixtures import take  # noqa: E402
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
-from single_controller.backends import hf_model  # noqa: E402
+from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.megatron.ray_workers import pack_named  # noqa: E402
-from single_controller.config import TrainConfig  # noqa: E402
-from single_controller.config_loader import load_config  # noqa: E402
-from single_controller.tasks import reverse_digits  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.config.loader import load_config  # noqa: E402
+from single_controller.data.tasks import reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 LOGPROB_TOL = 1e-4

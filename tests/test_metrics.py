@@ -26,11 +26,11 @@ import yaml
 from replay.ledger import LedgerStatistics, PromptLedgerStatistics
 from replay.storage import InMemoryRowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
-from single_controller import status
+from single_controller.runtime import status
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_workers
-from single_controller.config import Config, MetricsConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
+from single_controller.config.schema import Config, MetricsConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
 from single_controller.controller import Controller, ControllerStatistics
-from single_controller.metrics import families, parse_metrics, serve_from_config, start_metrics_server
+from single_controller.runtime.metrics import families, parse_metrics, serve_from_config, start_metrics_server
 from single_controller.state import PumpStatistics, SyncRecord, Workers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -239,7 +239,7 @@ def test_only_the_exporter_imports_prometheus_client():
         for path in sorted((ROOT / pkg).rglob("*.py")):
             if re.search(r"^\s*(import|from)\s+prometheus_client", path.read_text(), re.M):
                 importers.append(str(path.relative_to(ROOT)))
-    assert importers == ["single_controller/metrics.py"]
+    assert importers == ["single_controller/runtime/metrics.py"]
 
 
 # ---------------------------------------------------------------------------------------------

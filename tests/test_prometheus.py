@@ -45,9 +45,9 @@ import yaml
 
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, sim_prompts, sim_workers
-from single_controller.config import Config, EvalConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
+from single_controller.config.schema import Config, EvalConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
 from single_controller.controller import Controller
-from single_controller.metrics import start_metrics_server
+from single_controller.runtime.metrics import start_metrics_server
 from single_controller.state import Workers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

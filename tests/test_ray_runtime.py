@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from single_controller.config import RayConfig
-from single_controller.ray_runtime import prepare_environment, ray_session, worker_env
+from single_controller.config.schema import RayConfig
+from single_controller.runtime.ray_session import prepare_environment, ray_session, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def test_prepare_environment_sets_defaults_without_overriding(monkeypatch):
 POLICY_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, time
-    from single_controller.ray_runtime import RaySession, _Interrupts, _Tracker
+    from single_controller.runtime.ray_session import RaySession, _Interrupts, _Tracker
     mode, grace = sys.argv[1], float(sys.argv[2])
     policy = _Interrupts(grace, [])
     policy.install(2, 15)  # SIGINT, SIGTERM
@@ -261,7 +261,7 @@ STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monkeypatch, capfd):
     import ray
 
-    from single_controller import ray_runtime
+    from single_controller.runtime import ray_session as ray_runtime
 
     monkeypatch.setattr(ray_runtime, "_WAIT_EXIT_S", 1.0)
     monkeypatch.setattr(ray_runtime, "_TERM_S", 1.0)
@@ -297,8 +297,8 @@ def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monk
 RAY_SCRIPT = textwrap.dedent(
     """
     import asyncio, os
-    from single_controller.config import RayConfig
-    from single_controller.ray_runtime import ray_session
+    from single_controller.config.schema import RayConfig
+    from single_controller.runtime.ray_session import ray_session
 
     async def main(actor):
         try:
@@ -347,8 +347,8 @@ def test_ctrl_c_ends_a_ray_run_within_30s_leaving_no_ray_process():
 def test_a_ray_address_where_nothing_listens_is_refused_at_once_before_a_run_directory_exists(tmp_path, capsys):
     import socket
 
-    from single_controller import cli
-    from single_controller.ray_runtime import RayUnreachable, check_ray_address
+    from single_controller.runtime import cli
+    from single_controller.runtime.ray_session import RayUnreachable, check_ray_address
 
     with socket.socket() as s:  # a port that was free a moment ago, and one that listens
         s.bind(("127.0.0.1", 0))

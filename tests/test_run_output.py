@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from single_controller.config_loader import load_config
-from single_controller.run_output import (
+from single_controller.config.loader import load_config
+from single_controller.runtime.run_dir import (
     ConsoleReporter,
     RunDirectory,
     format_step_line,
@@ -203,8 +203,8 @@ def test_reopen_fills_step_records_the_killed_driver_never_wrote_from_the_checkp
     record of step 7: the resume takes it from the checkpoint's records, and drops steps >= 8."""
     import json
 
-    from single_controller.config import Config
-    from single_controller.run_output import RunDirectory
+    from single_controller.config.schema import Config
+    from single_controller.runtime.run_dir import RunDirectory
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/wall_s": float(s)}) + "\n" for s in range(7)))
     recovered = [{"step": s, "time/wall_s": float(s)} for s in range(4, 10)]
@@ -241,8 +241,8 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
     import asyncio
     import time
 
-    from single_controller.config import Config
-    from single_controller.service import ControllerService
+    from single_controller.config.schema import Config
+    from single_controller.runtime.actor_host import ControllerService
 
     service = ControllerService(Config())
 

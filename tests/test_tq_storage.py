@@ -55,13 +55,13 @@ def leak_probe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tq_cluster(leak_probe):
-    from replay.tq_runtime import configure_env
+    from replay.transferqueue.runtime import configure_env
 
     configure_env()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from replay.tq_runtime import start_tq, stop_tq
+    from replay.transferqueue.runtime import start_tq, stop_tq
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -79,7 +79,7 @@ def loop():
 
 
 def new_tq_storage(**kw):
-    from replay.tq_storage import TQRowStorage
+    from replay.transferqueue.storage import TQRowStorage
 
     return TQRowStorage(f"test-{uuid.uuid4().hex[:8]}", **kw)
 
@@ -280,7 +280,7 @@ def test_statistics_count_this_clients_bytes(storage, loop):
 # ---------------------------------------------------------------- TQ only
 def test_packed_rows_round_trip_every_dtype_and_empty_rows():
     from replay.storage import FieldSpec
-    from replay.tq_storage import pack_rows, unpack_rows
+    from replay.transferqueue.storage import pack_rows, unpack_rows
 
     specs = (
         FieldSpec("a", torch.int64, jagged=True, bulk=True),
@@ -316,8 +316,8 @@ def test_packed_rows_round_trip_every_dtype_and_empty_rows():
 
 @pytest.mark.tq
 def test_tq_rows_hold_the_bulk_fields_in_one_packed_field(tq_cluster, loop):
-    from replay.tq_runtime import import_transfer_queue
-    from replay.tq_storage import PACKED_FIELD
+    from replay.transferqueue.runtime import import_transfer_queue
+    from replay.transferqueue.storage import PACKED_FIELD
 
     tq = import_transfer_queue()
     storage = new_tq_storage(timeout_s=30.0)
@@ -341,8 +341,8 @@ def test_group_packed_rows_read_back_exactly_in_any_order_and_subset(tq_cluster,
     columns as the in-memory storage, every dtype, 0-length responses, groups of 1 to 16 rows."""
     import random
 
-    from replay.tq_runtime import import_transfer_queue
-    from replay.tq_storage import PACKED_FIELD
+    from replay.transferqueue.runtime import import_transfer_queue
+    from replay.transferqueue.storage import PACKED_FIELD
 
     store, mem = new_tq_storage(timeout_s=30.0, group_rows=True), InMemoryRowStorage()
     keys = []
@@ -477,7 +477,7 @@ def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
     class Worker:
         def __init__(self, repo: str, partition: str):
             sys.path.insert(0, repo)
-            from replay.tq_storage import TQRowStorage
+            from replay.transferqueue.storage import TQRowStorage
 
             self.storage = TQRowStorage.attach(partition, timeout_s=30.0)
 
@@ -522,9 +522,9 @@ def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
 def test_bench_storage_times_every_mode_and_layout_on_the_rows_a_worker_writes(tq_cluster, monkeypatch):
     """`sc-grpo bench storage` puts what a generation worker writes (every generation field, no
     tags), reads what a trainer rank reads, and refuses to report figures for wrong answers."""
-    from replay import tq_bench
+    from single_controller.bench import tq as tq_bench
     from replay.storage import GENERATION_FIELDS
-    from replay.tq_storage import TQRowStorage
+    from replay.transferqueue.storage import TQRowStorage
 
     args = tq_bench.parse_args(["--reps-group", "2", "--reps-step", "1", "--warmup", "0", "--groups-per-step", "3"])
     keys, columns = tq_bench.make_rows("x", 2, 4, 5, 3)
@@ -556,7 +556,7 @@ LEAK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     sys.path.insert(0, sys.argv[1])
-    from replay.tq_runtime import configure_env, start_tq, stop_tq, TQRuntimeError
+    from replay.transferqueue.runtime import configure_env, start_tq, stop_tq, TQRuntimeError
     configure_env()
     import psutil, ray, torch
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -567,18 +567,18 @@ LEAK_SCRIPT = textwrap.dedent(
     except TQRuntimeError as e:
         out["refused"] = str(e)
     out["refuse_s"] = time.perf_counter() - t0
-    from replay.tq_storage import TQRowStorage
+    from replay.transferqueue.storage import TQRowStorage
     try:
         TQRowStorage("leak")  # no client in this process yet
     except TQRuntimeError as e:
         out["no_client"] = str(e)
     me = psutil.Process()
-    import replay.tq_host
-    supported = replay.tq_host.layout_supported
+    import replay.transferqueue.host
+    supported = replay.transferqueue.host.layout_supported
     # the default (controller and unit in one process), TQ's own layout, and the fallback to it when
     # the installed TransferQueue is not laid out as the host needs (the host is then replaced)
     for layout, one_process in (("one", True), ("per_actor", False), ("fallback", True)):
-        replay.tq_host.layout_supported = (lambda: False) if layout == "fallback" else supported
+        replay.transferqueue.host.layout_supported = (lambda: False) if layout == "fallback" else supported
         while ray.available_resources().get("CPU", 0) < 2:  # a killed actor's CPU comes back a moment later
             time.sleep(0.05)
         start_tq(num_storage_units=1, one_process=one_process)
@@ -642,7 +642,7 @@ def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
         """
         import gc, sys
         from importlib import resources
-        from replay.tq_runtime import pause_gc_until_transfer_queue, worker_process_setup
+        from replay.transferqueue.runtime import pause_gc_until_transfer_queue, worker_process_setup
         worker_process_setup()
         assert not gc.isenabled(), "the collector runs during the imports"
         assert not pause_gc_until_transfer_queue(), "paused twice"
@@ -652,7 +652,7 @@ def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
         assert "torch._dynamo" not in sys.modules
         for name in ("transfer_queue", "tensordict"):
             loader = sys.modules[name].__spec__.loader
-            assert type(loader).__module__ != "replay.tq_runtime" and sys.modules[name].__loader__ is loader, (name, loader)
+            assert type(loader).__module__ != "replay.transferqueue.runtime" and sys.modules[name].__loader__ is loader, (name, loader)
         assert (resources.files("transfer_queue") / "config.yaml").is_file()
         assert not pause_gc_until_transfer_queue(), "TQ is imported already: nothing to pause for"
         print("OK")
@@ -665,7 +665,7 @@ def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_tran
     out = _python(
         """
         import gc, time
-        from replay.tq_runtime import pause_gc_until_transfer_queue, resume_gc
+        from replay.transferqueue.runtime import pause_gc_until_transfer_queue, resume_gc
         assert pause_gc_until_transfer_queue(max_s=0.3) and not gc.isenabled()
         time.sleep(1.0)
         assert gc.isenabled(), "still paused after max_s"
@@ -685,11 +685,11 @@ def test_transfer_queues_thread_limiter_changes_the_same_threads_without_reading
     out = _python(
         """
         import psutil, torch
-        import replay.tq_storage  # imports TransferQueue the way our processes do
+        import replay.transferqueue.storage  # imports TransferQueue the way our processes do
         import transfer_queue.client as client
         import transfer_queue.storage.simple_storage as storage_unit
         import transfer_queue.utils.common as common
-        from replay.tq_runtime import cheaper_thread_limiter
+        from replay.transferqueue.runtime import cheaper_thread_limiter
         limit = client.limit_pytorch_auto_parallel_threads
         assert storage_unit.limit_pytorch_auto_parallel_threads is limit, "the storage unit keeps TQ's"
         assert cheaper_thread_limiter() == [], "installed twice"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from single_controller import config_loader
+from single_controller.config import loader as config_loader
 from single_controller.backends import registry
-from single_controller.config_loader import ConfigError, load_config
+from single_controller.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def model_problems(*overrides: str) -> str:
 
 
 def test_model_dir_problems_for_vllm(tmp_path):
-    from single_controller.backends import hf_model
+    from single_controller.backends.common import hf_model
 
     pytest.importorskip("transformers")
     small = hf_model.init_model(tmp_path / "hd16", hidden_size=64, head_dim=16)

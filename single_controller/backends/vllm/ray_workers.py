@@ -23,8 +23,8 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import ray
 
-from single_controller.backends.cpu.ray_workers import ActorGenerationClient, _kill_all
-from single_controller.config import Config
+from single_controller.backends.torch.ray_workers import ActorGenerationClient, _kill_all
+from single_controller.config.schema import Config
 from single_controller.deadlines import within
 
 CANCEL_TIMEOUT_S = 30.0

@@ -40,9 +40,9 @@ import torch
 
 from replay.storage import LazyRowStorage
 from single_controller.backends.vllm.engine_env import apply_engine_env
-from single_controller.config import Config
+from single_controller.config.schema import Config
 from single_controller.protocols import GenerationFailed
-from single_controller.tasks import TOKENIZER, load_callable
+from single_controller.data.tasks import TOKENIZER, load_callable
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -83,7 +83,7 @@ def checkpoint_names(model_dir: str) -> set[str]:
 def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
     v, path = cfg.vllm, cfg.model.path
-    from single_controller.backends.hf_model import positions_of, read_config
+    from single_controller.backends.common.hf_model import positions_of, read_config
 
     positions = positions_of(read_config(path))
     args: dict[str, Any] = dict(

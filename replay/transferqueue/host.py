@@ -1,0 +1,97 @@
+"""TransferQueue's controller and its storage unit in one process (`storage.tq_one_process`).
+
+`tq.init` makes the controller and each storage unit a Ray actor of its own: a Python process that
+imports torch, Ray and TransferQueue (~2.5 s of CPU on this project's 2-core machine) to run a ZMQ
+server in background threads. TransferQueue uses Ray only to start them and to hand out their
+addresses and its config. With one storage unit, a second process buys nothing: a client asks the
+controller where rows are, then the unit for them, one after the other. `TransferQueueHost` builds
+both from their classes in one actor process, registered under the controller's actor name, and
+answers the Ray calls TransferQueue makes on its controller and storage handles; every attaching
+process finds it as it finds TQ's own controller.
+
+The host builds TQ's full config itself (defaults, overrides, the servers' addresses), so the
+process that starts it needs nothing of TransferQueue to create it: the host's process imports
+torch and TransferQueue while the starter imports them too. This module imports neither.
+Checked against TransferQueue 0.1.11; `layout_supported` says whether an installed TransferQueue is
+laid out as this needs (`replay.transferqueue.runtime` falls back to `tq.init` when it is not).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from replay.transferqueue.runtime import STORAGE_UNIT_NAME, full_tq_config, import_transfer_queue, tq_sampler_class
+
+# What the host calls on TransferQueue's server classes.
+_CONTROLLER_METHODS = ("get_zmq_server_info", "store_config", "get_config")
+_UNIT_METHODS = ("get_zmq_server_info", "shutdown")
+
+
+def plain_class(actor_class: Any) -> type | None:
+    """The class a `@ray.remote` decorator wrapped (TransferQueue decorates its server classes), or
+    None when `actor_class` is not such a wrapper of a class."""
+    cls = getattr(actor_class, "__ray_actor_class__", None)
+    return cls if isinstance(cls, type) else None
+
+
+def layout_supported() -> bool:
+    """Whether the installed TransferQueue has what the host builds on (call after importing it)."""
+    import transfer_queue.interface as tqi
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    controller, unit = plain_class(TransferQueueController), plain_class(SimpleStorageUnit)
+    return (
+        controller is not None
+        and unit is not None
+        and all(hasattr(controller, m) for m in _CONTROLLER_METHODS)
+        and all(hasattr(unit, m) for m in _UNIT_METHODS)
+        and all(hasattr(tqi, name) for name in ("_TQ_CONTROLLER", "_TQ_STORAGE", "_maybe_create_tq_client"))
+    )
+
+
+class TransferQueueHost:
+    """One Ray actor process running TransferQueue's controller and its SimpleStorage unit(s)."""
+
+    def __init__(self, overrides: dict) -> None:
+        import_transfer_queue()
+        from transfer_queue.controller import TransferQueueController
+        from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+        if not layout_supported():
+            raise RuntimeError(
+                "this TransferQueue is not laid out as replay.transferqueue.host needs (checked against 0.1.11): "
+                "set storage.tq_one_process=false"
+            )
+        final = full_tq_config(overrides)
+        if final.backend.storage_backend != "SimpleStorage":
+            raise ValueError(f"one TransferQueue process hosts SimpleStorage only, not {final.backend.storage_backend}")
+        sampler = tq_sampler_class(final)
+        if sampler is None:
+            raise ValueError(f"unknown TransferQueue sampler {final.controller.sampler!r}")
+        self._controller = plain_class(TransferQueueController)(sampler=sampler(), polling_mode=final.controller.polling_mode)
+        unit_conf = dict(final.backend.SimpleStorage)
+        unit_conf["_run_id"] = uuid.uuid4().hex
+        unit_cls = plain_class(SimpleStorageUnit)
+        self._units = {
+            STORAGE_UNIT_NAME.format(i): unit_cls(config=unit_conf) for i in range(int(unit_conf["num_data_storage_units"]))
+        }
+        final.controller.zmq_info = self._controller.get_zmq_server_info()
+        final.backend.SimpleStorage.zmq_info = {name: u.get_zmq_server_info() for name, u in self._units.items()}
+        self._controller.store_config(final)
+
+    # What TransferQueue calls on its controller's handle (attaching processes: `get_config`).
+    def get_zmq_server_info(self) -> Any:
+        return self._controller.get_zmq_server_info()
+
+    def store_config(self, conf: Any) -> None:
+        self._controller.store_config(conf)
+
+    def get_config(self) -> Any:
+        return self._controller.get_config()
+
+    def shutdown(self) -> None:
+        """What `tq.close()` asks of a storage handle before it kills it: stop the units' servers."""
+        for unit in self._units.values():
+            unit.shutdown()

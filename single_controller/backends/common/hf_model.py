@@ -1,0 +1,298 @@
+"""The Hugging Face model directory: the one model format every backend loads and saves.
+
+A model directory holds `config.json`, `*.safetensors` weights and the tokenizer files
+(`tokenizer.json`, `tokenizer_config.json`, ...), exactly what `save_pretrained` writes and what
+`transformers` and vLLM load offline. Weight snapshots between roles use the checkpoint's own
+parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...), so any trainer
+backend can feed any generation backend.
+
+Contract:
+* `init_model(dir, ...)` writes a tiny random-init `LlamaForCausalLM` (untied embeddings) plus a
+  character-level tokenizer whose token i is `tasks.TOKENIZER`'s character i, offline (no hub).
+* `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
+  torch or transformers (read by `config_loader` before any process starts).
+* `load_hf_policy(path)` returns the directory's model behind the `CausalPolicy` contract
+  (`backends.cpu.model.HFCausalLMPolicy`); `save_hf_policy` writes a policy back as a model directory
+  (weights + config via `save_pretrained`, tokenizer files copied from the source directory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Head sizes vLLM's CPU attention backend runs (measured: head_dim 16 fails with "Unsupported CPU
+# attention configuration"); any head size runs on a GPU.
+# RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
+# dimensions barely turn over 10 positions, leaving the model little positional signal.
+ROPE_THETA = 100.0
+ARCHS = ("llama", "gpt2")
+VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, *range(160, 513, 16)})
+
+
+def vllm_cpu_head_dim_ok(head_dim: int) -> bool:
+    return head_dim in VLLM_CPU_HEAD_DIMS
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / CONFIG_FILE).read_text())
+
+
+def head_dim_of(config: dict[str, Any]) -> int:
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden = config.get("hidden_size", config.get("n_embd"))
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    return int(hidden) // int(heads)
+
+
+def positions_of(config: dict[str, Any]) -> int:
+    return int(config.get("max_position_embeddings", config.get("n_positions", 0)))
+
+
+def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_positions: int = 0) -> list[str]:
+    """Everything wrong with `path` as a run's model directory (empty: usable). `vllm_cpu`: also
+    check that vLLM's CPU attention supports its head size; `min_positions`: the longest sequence."""
+    from single_controller.data.tasks import TOKENIZER
+
+    p = Path(path)
+    if not p.is_dir():
+        return [f"model directory {str(p)!r} does not exist (create one with `sc-grpo init-model {p}`)"]
+    out = []
+    config = None
+    if not (p / CONFIG_FILE).is_file():
+        out.append(f"model directory {str(p)!r} has no {CONFIG_FILE}")
+    else:
+        try:
+            config = read_config(p)
+        except (OSError, ValueError) as e:
+            out.append(f"{p / CONFIG_FILE} is not readable JSON: {e}")
+    if not list(p.glob("*.safetensors")):
+        out.append(f"model directory {str(p)!r} has no *.safetensors weights")
+    if not (p / "tokenizer.json").is_file():
+        out.append(
+            f"model directory {str(p)!r} has no tokenizer (tokenizer.json); every backend needs the "
+            "tokenizer next to the weights (`sc-grpo init-model` writes one)"
+        )
+    else:
+        try:
+            vocab = json.loads((p / "tokenizer.json").read_text())["model"]["vocab"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out.append(f"{p / 'tokenizer.json'} has no readable vocabulary: {e!r}")
+        else:
+            want = {ch: i for i, ch in enumerate(TOKENIZER.alphabet)}
+            if vocab != want:
+                out.append(
+                    f"the tokenizer in {str(p)!r} does not match the tasks' character tokenizer "
+                    f"(token i must be {TOKENIZER.alphabet!r}[i]); write the model with `sc-grpo init-model`"
+                )
+    if config is not None:
+        try:
+            hd = head_dim_of(config)
+            if vllm_cpu and not vllm_cpu_head_dim_ok(hd):
+                out.append(
+                    f"{p / CONFIG_FILE}: head_dim {hd} cannot run on vLLM's CPU attention (supported: 32, 64, "
+                    "80, 96, 112, 128, 160..512 in steps of 16); use a model with head_dim 32, e.g. "
+                    "hidden_size 64 with 2 attention heads"
+                )
+            if int(config.get("vocab_size", 0)) < TOKENIZER.vocab_size:
+                out.append(f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {TOKENIZER.vocab_size}")
+            if positions_of(config) < min_positions:
+                out.append(
+                    f"{p / CONFIG_FILE}: {positions_of(config)} positions (max_position_embeddings) are "
+                    f"fewer than the longest sequence ({min_positions} tokens)"
+                )
+        except (KeyError, TypeError, ValueError) as e:
+            out.append(f"{p / CONFIG_FILE} lacks a field every backend needs: {e!r}")
+    return out
+
+
+def write_tokenizer(directory: str | Path) -> None:
+    """The tasks' character tokenizer as HF tokenizer files (each character one token, no merges)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from single_controller.data.tasks import BOS_CHAR, EOS_CHAR, PAD_CHAR, TOKENIZER
+
+    vocab = {ch: i for i, ch in enumerate(TOKENIZER.alphabet)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_CHAR, eos_token=EOS_CHAR, pad_token=PAD_CHAR, unk_token="?"
+    )
+    fast.save_pretrained(str(directory))
+
+
+def init_model(
+    directory: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int | None = None,
+    max_positions: int = 32,
+    seed: int = 0,
+    init_std: float = 0.02,
+    rope_theta: float = ROPE_THETA,
+    arch: str = "llama",
+) -> Path:
+    """Write a random-init causal LM (untied embeddings, float32) and the character tokenizer into
+    `directory` (created; existing files are overwritten). Returns the directory.
+
+    `arch="llama"`: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU). `arch="gpt2"`: GPT2LMHeadModel (learned
+    absolute positions, LayerNorm, GELU MLP), the architecture of the embedded TinyGPT."""
+    import torch
+    import transformers
+
+    from single_controller.data.tasks import TOKENIZER
+
+    if hidden_size % head_dim:
+        raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    heads = hidden_size // head_dim
+    if arch == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=TOKENIZER.vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=heads,
+            n_inner=intermediate_size or 4 * hidden_size,
+            n_positions=max_positions,
+            initializer_range=init_std,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+            bos_token_id=TOKENIZER.bos_id,
+            eos_token_id=TOKENIZER.eos_id,
+            pad_token_id=TOKENIZER.pad_id,
+            torch_dtype="float32",
+        )
+        model_cls = transformers.GPT2LMHeadModel
+        return _write(directory, config, model_cls, seed)
+    config = transformers.LlamaConfig(
+        vocab_size=TOKENIZER.vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        rope_theta=rope_theta,
+        pad_token_id=TOKENIZER.pad_id,
+        bos_token_id=TOKENIZER.bos_id,
+        eos_token_id=TOKENIZER.eos_id,
+        torch_dtype="float32",
+    )
+    return _write(directory, config, transformers.LlamaForCausalLM, seed)
+
+
+def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
+        torch.manual_seed(seed)
+        model = model_cls(config).float()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    write_tokenizer(out)
+    return out
+
+
+def prepare_model_dir(model_cfg, seed: int) -> bool:
+    """Write the model `model.create` asks for when `model.path` does not exist yet (into a temporary
+    sibling first, then renamed: a crash never leaves a half-written directory). True if written."""
+    if model_cfg.path is None or not model_cfg.create or Path(model_cfg.path).exists():
+        return False
+    target = Path(model_cfg.path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    init_model(
+        tmp,
+        hidden_size=model_cfg.d_model,
+        num_layers=model_cfg.n_layers,
+        head_dim=model_cfg.d_model // model_cfg.n_heads,
+        max_positions=model_cfg.max_seq_len,
+        seed=seed,
+        init_std=model_cfg.init_std,
+        arch=model_cfg.arch,
+    )
+    tmp.rename(target)
+    return True
+
+
+def load_hf_policy(path: str | Path, dtype: Any = None):
+    """The model directory's causal LM as a `CausalPolicy` (float32 unless `dtype` is given)."""
+    import torch
+    import transformers
+
+    from single_controller.backends.torch.model import HFCausalLMPolicy
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
+    return HFCausalLMPolicy(model.eval())
+
+
+def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
+    """Write `policy` (an HFCausalLMPolicy) as a model directory, with the tokenizer files of `source`."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(str(out), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, out / name)
+    return out
+
+
+def main_init_model(argv: list[str] | None = None) -> int:
+    """`sc-grpo init-model DIR`: write a tiny random-init Llama + the character tokenizer."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="sc-grpo init-model",
+        description="Write a tiny random-init LlamaForCausalLM and the digit tasks' character tokenizer "
+        "into DIR (a Hugging Face model directory, loadable offline by transformers and vLLM).",
+    )
+    parser.add_argument("dir", metavar="DIR")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
+    parser.add_argument("--max-positions", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    args = parser.parse_args(argv)
+    if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
+        parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
+    if args.hidden_size % args.head_dim:
+        parser.error(
+            f"--hidden-size {args.hidden_size} is not a multiple of --head-dim {args.head_dim} "
+            f"(e.g. --hidden-size {max(1, round(args.hidden_size / args.head_dim)) * args.head_dim})"
+        )
+    path = init_model(
+        args.dir,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        head_dim=args.head_dim,
+        max_positions=args.max_positions,
+        seed=args.seed,
+        rope_theta=args.rope_theta,
+        arch=args.arch,
+    )
+    cfg = read_config(path)
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    print(
+        f"sc-grpo: wrote {path}: {cfg['architectures'][0]} hidden {hidden}, {layers} layers, "
+        f"{hidden // head_dim_of(cfg)} heads of {head_dim_of(cfg)}, vocab {cfg['vocab_size']}"
+    )
+    return 0

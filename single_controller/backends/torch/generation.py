@@ -1,0 +1,459 @@
+"""Generation: sample prompt groups, score them next to the tokens, store the rows.
+
+`GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
+per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
+function, and writes ALL rows of the batch's rollout requests to the row storage in ONE put (fields
+GENERATION_FIELDS, keys `request.row_keys`; no per-row tags: a row's key names its group and its
+`token_versions` its weights, and TransferQueue's per-row tags cost the writer ~20 % of a put); eval
+requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
+greedily. The response text given to
+the reward function excludes a final stop token. It stamps results with `version`, the policy
+version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
+
+`GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
+directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
+rollouts; one batching loop takes up to `max_batch_groups` groups' worth of them (the eval lane
+first, an eval request weighed by its rows), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
+future. It is version-gated (`protocols.VersionGated`): a request whose `min_version` is newer
+than the weights loaded waits in its lane until an update brings them. Weights change only under
+`_weights_lock`, which a batch holds from its first to its last token, so a batch never sees a
+half-applied update and version_start == version_end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from replay.storage import LazyRowStorage
+from single_controller.backends.torch.model import state_module
+from single_controller.backends.torch.sampling import sample
+from single_controller.backends.torch.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
+from single_controller.config.schema import ModelConfig
+from single_controller.protocols import GenerationFailed
+from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+
+
+@dataclass(frozen=True)
+class GenerationStatistics:
+    version: int | None
+    batches: int
+    groups: int
+    rows: int
+    tokens: int
+    pending: int  # queued, not yet in a batch (actor only)
+    running: int  # in the batch being sampled (actor only)
+    weight_updates: int
+    last_batch_s: float
+    eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
+
+
+class GenerationCore:
+    def __init__(
+        self,
+        policy: nn.Module,
+        storage: Any,
+        reward_fn: Callable | str,
+        *,
+        tokenizer: CharTokenizer = TOKENIZER,
+        seed: int = 0,
+        version: int | None = None,
+    ):
+        self.policy = policy
+        self.storage = storage  # has put_rows_sync(keys, columns)
+        self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        self.tokenizer = tokenizer
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
+        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0)
+        self._last_batch_s = 0.0
+        # Cancel vs. write: a cancelled group's rows must never be written after its cancel returns.
+        # Both take this lock; the write skips groups cancelled before it.
+        self._write_lock = threading.Lock()
+        self.running_ids: set[str] = set()  # groups of the batch being sampled (set on the actor's loop)
+        self._cancelled: set[str] = set()  # running groups cancelled: not to be written
+        self._written: set[str] = set()  # running groups whose rows are already stored
+
+    def end_batch(self) -> None:
+        with self._write_lock:
+            self.running_ids, self._cancelled, self._written = set(), set(), set()
+
+    def cancel(self, group_id: str) -> bool:
+        """After this returns no row of `group_id` is written; True if its rows were already stored
+        (the caller clears them)."""
+        with self._write_lock:
+            if group_id in self._written:
+                return True
+            if group_id in self.running_ids:
+                self._cancelled.add(group_id)
+            return False
+
+    def load_weights(self, snapshot: WeightSnapshot) -> None:
+        """Apply a resolved snapshot (numpy buckets) and take its version."""
+        v = snapshot.manifest.version
+        if self.version is not None and v < self.version:
+            raise ValueError(f"weights v{v} are older than the loaded v{self.version}")
+        load_snapshot(state_module(self.policy), snapshot)
+        self.version = v
+        self._counts["weight_updates"] += 1
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | None]:
+        """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not stored)."""
+        started = time.perf_counter()
+        if self.version is None:
+            raise GenerationFailed("no weights loaded yet (update_weights first)")
+        for r in requests:
+            if not r.eval and len(r.row_keys) != r.sampling.n:
+                raise ValueError(f"group {r.group_id}: {len(r.row_keys)} row keys for n={r.sampling.n}")
+        version = self.version
+        # One sampling pass per (prompt length, settings): rows of a pass share their prompt length.
+        passes: dict[tuple, list[int]] = collections.defaultdict(list)
+        for i, r in enumerate(requests):
+            s = r.sampling
+            passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_id)].append(i)
+        # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
+        # tensors are split from the pass's outputs in one call per field (slicing them row by row
+        # cost ~10 us a row); every storage copies what it is given.
+        responses: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, int]]] = [[] for _ in requests]
+        for (_, temperature, top_p, max_new, stop), idx in passes.items():
+            prompt_ids = torch.tensor(
+                [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
+            )  # [sum n, Tp]
+            greedy = temperature == 0  # logprobs then reported at temperature 1
+            out = sample(
+                self.policy,
+                prompt_ids,
+                max_new_tokens=max_new,
+                temperature=1.0 if greedy else temperature,
+                top_p=top_p,
+                stop_token_id=stop,
+                pad_id=self.tokenizer.pad_id,
+                generator=self.generator,
+                greedy=greedy,
+            )
+            token_lists, lengths = out.tokens.tolist(), out.lengths.tolist()
+            generated = torch.arange(out.tokens.shape[1])[None, :] < out.lengths[:, None]  # [B, N]
+            ids, lps, masks = (torch.split(x[generated], lengths) for x in (out.tokens, out.logprobs, out.mask))
+            row = 0
+            for i in idx:
+                for _ in range(requests[i].sampling.n):
+                    n = lengths[row]
+                    # The reward sees the text without a final stop token.
+                    text_ids = token_lists[row][: n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n]
+                    responses[i].append((ids[row], lps[row], masks[row], self.tokenizer.decode(text_ids), n))
+                    row += 1
+
+        with self._write_lock:
+            return self._score_and_store(requests, responses, version, started)
+
+    def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
+        """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
+        keys, results, lengths = [], [], []
+        cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
+        cancelled = self._cancelled
+        eval_rows = eval_tokens = n_eval = 0
+        for r, rows in zip(requests, responses):
+            if r.group_id in cancelled:
+                results.append(None)  # cancelled while sampling: no result wanted, no row stored
+                continue
+            prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
+            rewards = [float(self.reward_fn(r.prompt, text)) for *_, text, _ in rows]
+            results.append(
+                GenerationResult(
+                    group_id=r.group_id,
+                    rewards=tuple(rewards),
+                    response_lengths=tuple(n for *_, n in rows),
+                    prompt_length=len(r.prompt.token_ids),
+                    version_start=version,
+                    version_end=version,
+                )
+            )
+            if r.eval:  # scored, never stored
+                n_eval += 1
+                eval_rows += len(rows)
+                eval_tokens += sum(n for *_, n in rows)
+                continue
+            cols["prompt_ids"].extend(prompt for _ in rows)
+            cols["response_ids"].extend(ids for ids, *_ in rows)
+            cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
+            cols["response_mask"].extend(mask for _, _, mask, *_ in rows)
+            lengths.extend(n for *_, n in rows)
+            cols["reward"].extend(rewards)
+            keys.extend(r.row_keys)
+        if keys:
+            columns: dict[str, Any] = dict(cols)
+            columns["token_versions"] = list(torch.split(torch.full((sum(lengths),), version, dtype=torch.int64), lengths))
+            columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
+            self.storage.put_rows_sync(keys, columns)
+        self._written.update(res.group_id for res in results if res is not None)
+        self._counts["batches"] += 1
+        self._counts["groups"] += sum(res is not None for res in results) - n_eval
+        self._counts["eval_requests"] += n_eval
+        self._counts["rows"] += len(keys) + eval_rows
+        self._counts["tokens"] += sum(lengths) + eval_tokens
+        self._last_batch_s = time.perf_counter() - started
+        return results
+
+    def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
+        return GenerationStatistics(
+            version=self.version, pending=pending, running=running, last_batch_s=self._last_batch_s, **self._counts
+        )
+
+
+class GenerationActor:
+    """Batches concurrent `generate` calls over one `GenerationCore`. Run it as a Ray async actor
+    (`ray.remote(GenerationActor)`) or on a local event loop; `storage_factory` is a picklable
+    zero-arg callable returning an object with `put_rows_sync`."""
+
+    def __init__(
+        self,
+        name: str,
+        model_cfg: ModelConfig,
+        storage_factory: Callable[[], Any],
+        reward_fn: str | Callable,
+        *,
+        seed: int = 0,
+        torch_threads: int = 1,
+        max_batch_groups: int = 16,
+        policy: nn.Module | None = None,
+    ):
+        from single_controller.backends.torch.model import TinyGPT
+
+        torch.set_num_threads(torch_threads)
+        if max_batch_groups < 1:
+            raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")
+        self.name = name
+        self.max_batch_groups = max_batch_groups
+        # Weights arrive with the first update_weights (version 0 from the trainer); until then the
+        # parameters are placeholders and generate() refuses to run.
+        if policy is None and model_cfg.path is not None:  # the same architecture as the trainer's
+            from single_controller.backends.common.hf_model import load_hf_policy
+
+            policy = load_hf_policy(model_cfg.path)
+        if policy is None:
+            policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
+        # The storage client connects on first use (or connect()): storage may still be starting.
+        self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
+        self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
+        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # priority lane
+        self._rollout_n = 1
+        self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
+        self._has_pending: asyncio.Event | None = None
+        self._weights_lock: asyncio.Lock | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._running = 0
+        self._closed = False
+
+    def _start(self) -> None:
+        # Created on first use: the event loop is running by then (Ray builds async actors outside it).
+        if self._loop_task is None:
+            self._has_pending = asyncio.Event()
+            self._weights_lock = asyncio.Lock()
+            self._serving = asyncio.Event()  # cleared by pause(): no new batch starts
+            self._serving.set()
+            self._idle = asyncio.Event()  # set while no batch is being sampled
+            self._idle.set()
+            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name=f"{self.name}.batch_loop")
+            self._loop_task.add_done_callback(self._on_loop_done)
+
+    def _on_loop_done(self, task: asyncio.Task) -> None:
+        # The loop only ends by close() or a bug; either way no queued call may wait forever.
+        cause = None if task.cancelled() else task.exception()
+        self._closed = True
+        unserved = list(self._eval_pending) + list(self._pending)
+        self._pending.clear()
+        self._eval_pending.clear()
+        for req, fut in unserved:
+            if not fut.done():
+                err = GenerationFailed(f"{self.name}: batching loop stopped before serving group {req.group_id}")
+                err.__cause__ = cause
+                fut.set_exception(err)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        fut = asyncio.get_running_loop().create_future()
+        self._lane(request).append((request, fut))
+        self._has_pending.set()
+        return await fut  # cancelling the call cancels fut; the loop then skips it
+
+    def _lane(self, request: GenerationRequest) -> collections.deque:
+        if not request.eval:
+            self._rollout_n = request.sampling.n  # rows of a rollout group: what an eval request is weighed against
+        return self._eval_pending if request.eval else self._pending
+
+    async def generate_many(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | GenerationFailed]:
+        """Several requests in one call (the client coalesces what the controller sends in one tick);
+        each entry is its request's result, or the GenerationFailed that ended it."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        loop = asyncio.get_running_loop()
+        futs = []
+        for req in requests:
+            fut = loop.create_future()
+            self._lane(req).append((req, fut))
+            self._by_group[req.group_id] = fut
+            futs.append(fut)
+        self._has_pending.set()
+        try:
+            if futs:
+                await asyncio.wait(futs)  # every request's own outcome is read below
+        except asyncio.CancelledError:
+            for fut in futs:
+                fut.cancel()  # the batching loop skips cancelled requests: nothing samples for nobody
+            raise
+        finally:
+            for req in requests:
+                self._by_group.pop(req.group_id, None)
+        out: list[GenerationResult | GenerationFailed] = []
+        for req, fut in zip(requests, futs):
+            if fut.cancelled():
+                out.append(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+            elif isinstance(fut.exception(), GenerationFailed):
+                out.append(fut.exception())
+            elif fut.exception() is not None:
+                raise fut.exception()  # a bug, not a generation failure: let it surface
+            else:
+                out.append(fut.result())
+        return out
+
+    async def cancel(self, group_id: str) -> bool:
+        """Cancel a request of `generate_many`: a queued one is dropped; one being sampled is not
+        stored. Returns once no row of the group can be written any more; True if its rows were
+        already stored (the caller clears them)."""
+        fut = self._by_group.get(group_id)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if group_id not in self._core.running_ids:
+            return False
+        return await asyncio.to_thread(self._core.cancel, group_id)  # waits out a write in progress
+
+    async def update_weights(self, weights: WeightsHandle) -> int:
+        """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        snapshot = await resolve_snapshot(weights.payload)
+        if snapshot.manifest.version != weights.version:
+            raise ValueError(f"handle v{weights.version} carries a snapshot of v{snapshot.manifest.version}")
+        async with self._weights_lock:
+            # Synchronous on the loop: nothing can cancel it halfway.
+            self._core.load_weights(snapshot)
+        if self._pending or self._eval_pending:
+            self._has_pending.set()  # requests held for these weights may go now
+        return self._core.version
+
+    async def pause(self) -> int:
+        """Stop starting batches (requests keep queueing) and return once the batch being sampled,
+        if any, has finished: the engine is then idle until `resume()`. Returns the queued count."""
+        self._start()
+        self._serving.clear()
+        await self._idle.wait()
+        return await self.in_flight()
+
+    async def resume(self) -> None:
+        self._start()
+        self._serving.set()
+
+    async def connect(self) -> None:
+        """Connect the storage client now rather than on the first batch."""
+        await asyncio.to_thread(self._core.storage.connect)
+
+    async def in_flight(self) -> int:
+        queued = itertools.chain(self._eval_pending, self._pending)
+        return sum(1 for _, f in queued if not f.done()) + self._running
+
+    async def version(self) -> int | None:
+        return self._core.version
+
+    async def statistics(self) -> GenerationStatistics:
+        return self._core.statistics(pending=await self.in_flight() - self._running, running=self._running)
+
+    async def get_weights(self) -> dict[str, Any]:
+        """Copies of the parameters as numpy arrays (for checks)."""
+        return {n: p.detach().clone().numpy() for n, p in state_module(self._core.policy).named_parameters()}
+
+    async def close(self) -> None:
+        """Stop the batching loop and fail every queued request."""
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.wait([self._loop_task])  # its CancelledError stays with it; _on_loop_done fails the queue
+
+    async def _batch_loop(self) -> None:
+        while True:
+            # Exits: cancelled by close(). A failing batch fails its own requests, not the loop.
+            await self._has_pending.wait()
+            await self._serving.wait()
+            batch = self._take_batch()
+            if batch:
+                await self._serve(batch)
+
+    def _take_batch(self) -> list[tuple[GenerationRequest, asyncio.Future]]:
+        """The eval lane first, then rollouts, up to `max_batch_groups` groups; an eval request counts
+        as its share of a rollout group by rows (n / the last rollout's n), so a whole eval round of
+        one-sample requests usually fits in one batch (one weight version, little delay to rollouts).
+        A request that needs newer weights than those loaded (`min_version`) stays in its lane, in
+        its place, while those behind it that need none go."""
+        batch = []
+        budget = float(self.max_batch_groups)
+        version = self._core.version
+        for lane in (self._eval_pending, self._pending):  # the eval lane first
+            held = []
+            while lane:
+                req, fut = lane[0]
+                if fut.done():  # skip calls cancelled while queued
+                    lane.popleft()
+                    continue
+                if req.min_version is not None and (version is None or req.min_version > version):
+                    held.append(lane.popleft())  # until an update brings its weights
+                    continue
+                cost = req.sampling.n / self._rollout_n if req.eval else 1.0
+                if batch and cost > budget:
+                    break
+                lane.popleft()
+                batch.append((req, fut))
+                budget -= cost
+            lane.extendleft(reversed(held))  # back in front, in their order
+        if not batch:  # empty lanes, or only held requests: wait for a request or for weights
+            self._has_pending.clear()
+        return batch
+
+    async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
+        self._running = len(batch)
+        self._idle.clear()
+        self._core.running_ids = {r.group_id for r, _ in batch}  # on the loop: before any cancel can look
+        try:
+            async with self._weights_lock:
+                results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
+        except Exception as e:  # delivered to every caller of the batch
+            for req, fut in batch:
+                if not fut.done():
+                    err = GenerationFailed(f"{self.name}: generating group {req.group_id} failed: {e!r}")
+                    err.__cause__ = e
+                    fut.set_exception(err)
+        else:
+            for (req, fut), res in zip(batch, results):
+                if not fut.done():
+                    if res is None:
+                        fut.set_exception(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+                    else:
+                        fut.set_result(res)
+        finally:
+            self._core.end_batch()
+            self._running = 0
+            self._idle.set()
+            for req, fut in batch:  # only when cancelled by close(): nothing else would answer them
+                if not fut.done():
+                    fut.set_exception(GenerationFailed(f"{self.name} closed while sampling group {req.group_id}"))

@@ -1,0 +1,309 @@
+"""Policies for the embedded CPU backend: a pure-torch TinyGPT and an adapter for HF causal LMs.
+
+Contract (`CausalPolicy`): a module with `vocab_size`, `max_seq_len` and
+  * `forward(input_ids [B, T]) -> logits [B, T, V]` (causal, positions 0..T-1; what the trainer uses),
+  * `new_cache(batch_size, max_len=None) -> cache` and `forward_cached(input_ids [B, t], cache) -> logits [B, t, V]`,
+    which appends the t tokens to the cache (what sampling uses: one prefill, then one token at a time).
+Both paths compute the same function, so generation logprobs and trainer logprobs agree to float
+rounding. `token_logprobs` is the one place logprobs of given tokens are computed for training.
+
+TinyGPT: pre-LayerNorm blocks, learned absolute positions, tied input/output embeddings (the head is
+`F.linear(x, tok_emb.weight)`, so the state dict has no duplicate tensor), GELU MLP (4x),
+`F.scaled_dot_product_attention`, a preallocated KV cache. Weights are saved as
+`model.safetensors` + `config.json` in a directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from single_controller.config.schema import ModelConfig
+
+
+@runtime_checkable
+class CausalPolicy(Protocol):
+    vocab_size: int
+    max_seq_len: int
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> Any: ...
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor: ...
+
+
+class KVCache:
+    """Keys and values of every layer for the first `length` positions of `batch_size` rows."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_heads: int, max_len: int, head_dim: int, like: torch.Tensor):
+        shape = (n_layers, batch_size, n_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.length = 0
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, D = x.shape  # [B, T, D]
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            start = cache.length
+            cache.k[layer, :, :, start : start + T] = k
+            cache.v[layer, :, :, start : start + T] = v
+            k = cache.k[layer, :, :, : start + T]  # [B, H, start+T, hd]
+            v = cache.v[layer, :, :, : start + T]
+            if T == 1:  # one new query attends to every cached position
+                y = F.scaled_dot_product_attention(q, k, v)
+            elif start == 0:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # chunk after a prefix: query i sees positions <= start + i
+                allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int | None = 0):
+        super().__init__()
+        if cfg.d_model % cfg.n_heads:
+            raise ValueError(f"d_model {cfg.d_model} is not divisible by n_heads {cfg.n_heads}")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.max_seq_len = cfg.max_seq_len
+        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        if seed is not None:
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std) weights and embeddings, zero biases, unit LayerNorms; the global RNG is untouched."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.startswith("ln") or ".ln" in name:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(self.cfg.init_std).to(p.dtype))
+
+    def _run(self, input_ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        B, T = input_ids.shape
+        start = 0 if cache is None else cache.length
+        limit = self.max_seq_len if cache is None else cache.k.shape[3]
+        if start + T > limit:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.max_seq_len} (or the cache's length {limit})")
+        pos = torch.arange(start, start + T, device=input_ids.device)
+        x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.length += T
+        return F.linear(self.ln_f(x), self.tok_emb.weight)  # [B, T, V]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids, None)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """A cache for `max_len` positions (default max_seq_len)."""
+        length = self.max_seq_len if max_len is None else min(max_len, self.max_seq_len)
+        ref = self.tok_emb.weight
+        return KVCache(len(self.blocks), batch_size, self.cfg.n_heads, length, self.cfg.d_model // self.cfg.n_heads, ref)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self._run(input_ids, cache)
+
+
+class _HFCache:
+    """Holds the `past_key_values` an HF model returned, to pass back on the next call."""
+
+    def __init__(self) -> None:
+        self.past: Any = None
+
+
+class HFCausalLMPolicy(nn.Module):
+    """Adapts a `transformers` causal LM (anything called as `model(input_ids=..., past_key_values=...,
+    use_cache=...)` returning `.logits` and `.past_key_values`) to `CausalPolicy`. Rows of a batch
+    must share their prompt length (no padding, positions inferred from the cache length), which is
+    how the generation core batches them."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.model = hf_model
+        self.vocab_size = int(hf_model.config.vocab_size)
+        self.max_seq_len = int(hf_model.config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> _HFCache:
+        return _HFCache()
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: _HFCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, past_key_values=cache.past, use_cache=True)
+        cache.past = out.past_key_values
+        return out.logits
+
+
+def pad_right(rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stack 1-D tensors of any lengths (one dtype) into [B, max_len], padded on the right with
+    `value`, then cast to `dtype` if given."""
+    if not rows:
+        return torch.zeros(0, 0, dtype=dtype or torch.float32)
+    out = _pad_flat(torch.cat(list(rows)), [r.shape[0] for r in rows], value)
+    return out if dtype is None else out.to(dtype)
+
+
+def _pad_flat(flat: torch.Tensor, lengths: Sequence[int], value: float | int | bool) -> torch.Tensor:
+    """Rows laid end to end in `flat` (row b has `lengths[b]` elements) -> [B, max_len], padded on
+    the right with `value`: one masked write. A microbatch has hundreds of short rows, and anything
+    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each: this is ~4x faster
+    than padding row by row at 64 rows."""
+    n = torch.tensor(lengths, dtype=torch.long, device=flat.device)
+    width = int(n.max()) if len(lengths) else 0
+    out = torch.full((len(lengths), width), value, dtype=flat.dtype, device=flat.device)
+    out[torch.arange(width, device=flat.device)[None, :] < n[:, None]] = flat  # row-major: the rows in order
+    return out
+
+
+def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The policy's log-distribution at `temperature`; the only formula sampling and training use."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+def token_logprobs(
+    policy: nn.Module,
+    prompt_ids: Sequence[torch.Tensor],
+    response_ids: Sequence[torch.Tensor],
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of each response token given its prompt and the response tokens before it.
+
+    Returns (logprobs [B, R], valid [B, R]) with R the longest response; `valid` is False on padding.
+    The distribution is log_softmax(logits / temperature), exactly as `sampling.sample` reports it.
+    `policy` may be a DDP wrapper: it is only called, never inspected.
+    """
+    device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
+    n_prompt = [p.shape[0] for p in prompt_ids]
+    n_response = [r.shape[0] for r in response_ids]
+    if min(n_prompt, default=1) < 1:
+        raise ValueError("every row needs at least one prompt token")
+    lp = torch.tensor(n_prompt, device=device)  # [B]
+    lr = torch.tensor(n_response, device=device)  # [B]
+    # each row's prompt then its response, all rows end to end, padded in one write
+    ends = [t for pair in zip(prompt_ids, response_ids) for t in pair]
+    flat = torch.cat(ends).long() if ends else torch.zeros(0, dtype=torch.long)
+    input_ids = _pad_flat(flat, [a + b for a, b in zip(n_prompt, n_response)], 0).to(device)  # [B, L]
+    R = int(lr.max()) if len(lr) else 0
+    j = torch.arange(R, device=device)  # [R]
+    valid = j[None, :] < lr[:, None]  # [B, R]
+    # Response token j of row b sits at position lp[b] + j; the logits predicting it at lp[b] + j - 1.
+    pos = (lp[:, None] + j[None, :] - 1).clamp(max=input_ids.shape[1] - 1)  # [B, R]
+    targets = torch.gather(input_ids, 1, (pos + 1).clamp(max=input_ids.shape[1] - 1))  # [B, R]
+    logits = policy(input_ids)  # [B, L, V]
+    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
+    out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
+    return out.masked_fill(~valid, 0.0), valid
+
+
+# --- save / load ------------------------------------------------------------------------------
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+def save_tinygpt(model: TinyGPT, directory: str | Path) -> Path:
+    """Write `model.safetensors` and `config.json` (ModelConfig fields + vocab_size) into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE))
+    meta = {"architecture": "TinyGPT", "vocab_size": model.vocab_size, **dataclasses.asdict(model.cfg)}
+    meta["checkpoint"] = None
+    for k in ("path", "create", "arch"):
+        meta.pop(k, None)
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return directory
+
+
+def load_tinygpt(directory: str | Path) -> TinyGPT:
+    """Rebuild a TinyGPT from `save_tinygpt` output (architecture from config.json, weights exact)."""
+    directory = Path(directory)
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    if meta.pop("architecture", None) != "TinyGPT":
+        raise ValueError(f"{directory / CONFIG_FILE} does not describe a TinyGPT")
+    vocab_size = meta.pop("vocab_size")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in meta.items() if k in fields and k != "checkpoint"})
+    model = TinyGPT(cfg, vocab_size, seed=None)
+    state = load_file(str(directory / WEIGHTS_FILE))
+    dtype = next(iter(state.values())).dtype
+    model.to(dtype).load_state_dict(state, strict=True)
+    return model
+
+
+def state_module(policy: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's names (what weight snapshots carry): the
+    wrapped transformers model of an `HFCausalLMPolicy`, the policy itself otherwise."""
+    return policy.model if isinstance(policy, HFCausalLMPolicy) else policy
+
+
+def build_policy(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
+    """The initial policy: the Hugging Face model directory `cfg.path` if set, else a TinyGPT."""
+    if cfg.path is not None:
+        from single_controller.backends.common.hf_model import load_hf_policy
+
+        policy = load_hf_policy(cfg.path)
+        if policy.vocab_size < vocab_size:
+            raise ValueError(f"model {cfg.path} has vocab_size {policy.vocab_size} < the tokenizer's {vocab_size}")
+        return policy
+    return build_tinygpt(cfg, vocab_size, seed)
+
+
+def save_policy(policy: nn.Module, directory: str | Path, cfg: ModelConfig) -> Path:
+    """An HF policy as a model directory (tokenizer copied from `cfg.path`), a TinyGPT as its checkpoint."""
+    if isinstance(policy, HFCausalLMPolicy):
+        from single_controller.backends.common.hf_model import save_hf_policy
+
+        return save_hf_policy(policy, directory, cfg.path)
+    return save_tinygpt(policy, directory)
+
+
+def build_tinygpt(cfg: ModelConfig, vocab_size: int, seed: int) -> TinyGPT:
+    """The initial policy: `cfg.checkpoint` if set (its config must match `cfg`), else a seeded random init."""
+    if cfg.checkpoint is None:
+        return TinyGPT(cfg, vocab_size, seed=seed)
+    model = load_tinygpt(cfg.checkpoint)
+    want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False, arch=ModelConfig.arch)
+    if model.cfg != want or model.vocab_size != vocab_size:
+        raise ValueError(
+            f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); config asks for {want} (vocab {vocab_size})"
+        )
+    return model.float()

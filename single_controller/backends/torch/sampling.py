@@ -1,0 +1,90 @@
+"""Batched autoregressive sampling with a KV cache.
+
+Contract: `sample(policy, prompt_ids [B, Tp], ...)` draws up to `max_new_tokens` tokens per row from
+softmax(logits / temperature), restricted to the top-p nucleus when top_p < 1, and reports for each
+drawn token its log-probability under log_softmax(logits / temperature): the *tempered, un-truncated*
+policy. The trainer computes the same quantity (`model.token_logprobs` with the same temperature), so
+for identical weights and tokens the two agree to float rounding; top-p only restricts which tokens
+can be drawn (as vLLM reports logprobs), which keeps every importance ratio finite.
+
+A row that emits `stop_token_id` stops: the stop token is its last real token, and every later
+position has `mask` False, token `pad_id` and logprob 0. `SampleOutput.row(i)` gives the real tokens
+of row i (up to and including the stop token). Sampling ends early once every row has stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from single_controller.backends.torch.model import log_softmax_tempered
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    tokens: torch.Tensor  # [B, N] int64, pad_id after a row stopped
+    logprobs: torch.Tensor  # [B, N] float, 0 after a row stopped
+    mask: torch.Tensor  # [B, N] bool, True on real tokens (incl. the stop token)
+    lengths: torch.Tensor  # [B] int64, real tokens per row
+
+    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [n_i], logprobs [n_i]) of row i's real tokens."""
+        n = int(self.lengths[i])
+        return self.tokens[i, :n].clone(), self.logprobs[i, :n].clone()
+
+
+def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    probs = logp.exp()  # [B, V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
+
+
+@torch.inference_mode()
+def sample(
+    policy,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop_token_id: int | None = None,
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> SampleOutput:
+    """Sample continuations of `prompt_ids` [B, Tp] (rows share their prompt length).
+
+    `greedy` takes the argmax instead of drawing (for evaluation); logprobs are reported as above.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    B, Tp = prompt_ids.shape
+    if Tp + max_new_tokens > policy.max_seq_len:
+        raise ValueError(f"prompt {Tp} + {max_new_tokens} new tokens exceeds max_seq_len {policy.max_seq_len}")
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(B, max_new_tokens)
+    mask = torch.zeros(B, max_new_tokens, dtype=torch.bool)
+    alive = torch.ones(B, dtype=torch.bool)  # [B] rows that have not emitted the stop token
+    cache = policy.new_cache(B, Tp + max_new_tokens)
+    logits = policy.forward_cached(prompt_ids, cache)[:, -1]  # [B, V]
+    for t in range(max_new_tokens):
+        # Exits: max_new_tokens drawn, or every row has stopped.
+        logp = log_softmax_tempered(logits, temperature)  # [B, V]
+        tok = logp.argmax(-1) if greedy else _draw(logp, top_p, generator)  # [B]
+        tokens[:, t] = tok.masked_fill(~alive, pad_id)
+        logprobs[:, t] = logp.gather(1, tok[:, None]).squeeze(1).masked_fill(~alive, 0.0).float()
+        mask[:, t] = alive
+        if stop_token_id is not None:
+            alive = alive & (tok != stop_token_id)
+        if t + 1 == max_new_tokens or not alive.any():
+            break
+        logits = policy.forward_cached(tok[:, None], cache)[:, -1]  # [B, V]
+    return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=mask.sum(1))

@@ -1,0 +1,142 @@
+"""`TrainerRankActor`: one trainer rank of the embedded torch backend, run as a Ray actor.
+
+The controller starts it through the light stand-in `ray_workers.TrainerRankActor`
+(`backends.deferred`), so this module (torch, the model, the optimizer) is imported only in the
+rank's own process. `CpuTrainerGroup` in `ray_workers` is its controller-side adapter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+
+from replay.fetch import RowPrefetcher, with_advantages
+from replay.storage import LazyRowStorage, column_nbytes
+from single_controller.backends.torch.model import build_policy, save_policy, state_module
+from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
+from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.config.schema import Config
+from single_controller.data.tasks import TOKENIZER
+from single_controller.types import LossConfig
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class TrainerRankActor(RankStepCalls):
+    """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
+    one at a time in the actor's process)."""
+
+    def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
+        torch.set_num_threads(cfg.backend.torch_threads)
+        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        self.dtype = _DTYPES[dtype]
+        self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
+        self.prefetcher = RowPrefetcher(self.storage)
+        self.core: TrainerCore | None = None
+
+    def node_address(self) -> tuple[str, int]:
+        """(this node's IP, a port free there): the group's rendezvous when this is rank 0."""
+        return node_address()
+
+    def node_info(self) -> dict[str, str]:
+        return node_info()
+
+    def setup(self, master_addr: str | None, master_port: int | None, timeout_s: float) -> int:
+        """Join the gloo group at rank 0's address (all ranks call this concurrently) and build the
+        policy and optimizer; returns the parameter count. Needs no storage: it runs while the storage
+        service is still starting (`connect_storage` follows once it is up)."""
+        pg = None
+        if self.world_size > 1:
+            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
+            dist.init_process_group(
+                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+            pg = dist.group.WORLD
+        device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(device=device, dtype=self.dtype)
+        self.core = TrainerCore(
+            policy,
+            self.cfg.train,
+            temperature=self.cfg.rollout.temperature,
+            process_group=pg,
+            bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
+        )
+        return sum(p.numel() for p in policy.parameters())
+
+    def connect_storage(self) -> None:
+        """Build this rank's storage client now (not on its first read): a storage that is not up
+        fails the start, not the first step."""
+        self.storage.connect()
+
+    def begin_train_step(self, step: int, loss: LossConfig) -> None:
+        self.core.begin_train_step(step, loss)
+
+    def train_microbatch_keys(
+        self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
+    ) -> int:
+        """Fetch this rank's rows and accumulate their gradients into step `step` (refused unless it is
+        the open one); returns the bytes read. `advantages` (one per key) come with the call; None: the
+        rows' `advantage` field is among `fields`."""
+        self._refuse_other_step(step, "train_microbatch")  # before touching storage
+        if keys:
+            try:
+                rows = self.prefetcher.fetch(list(keys), list(fields))
+                nbytes = sum(column_nbytes(c) for c in rows.values())
+                rows = with_advantages(rows, advantages)
+            except BaseException as e:
+                self.core.mark_failed(f"reading its rows: {type(e).__name__}: {e}")  # the step's finish refuses
+                raise
+        else:
+            rows, nbytes = {"prompt_ids": []}, 0
+        self.core.train_microbatch(rows, bytes_read=nbytes)
+        return nbytes
+
+    def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
+        """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
+        self.prefetcher.prefetch(list(keys), list(fields))
+
+    def export_weights(self, version: int) -> WeightSnapshot:
+        snap = self.core.publish_weights(version)
+        return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
+
+    def save_checkpoint(self, directory: str) -> str:
+        if self.core.step_open:
+            raise TrainStepStateError("save_checkpoint while a train step is open")
+        return str(save_policy(self.core.policy, directory, self.cfg.model))
+
+    def save_state(self, directory: str) -> None:
+        """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
+        all-reduce) and a loadable policy; every rank writes its own RNG state."""
+        os.makedirs(directory, exist_ok=True)
+        state = self.core.state_dict()
+        torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
+        if self.rank == 0:
+            torch.save(state, os.path.join(directory, "trainer.pt"))
+            save_policy(self.core.policy, os.path.join(directory, "policy"), self.cfg.model)
+
+    def load_state(self, directory: str) -> int:
+        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
+        state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
+        self.core.load_state_dict(state)
+        return self.core.next_step
+
+    def get_weights(self) -> dict[str, Any]:
+        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
+
+    def statistics(self) -> TrainerStatistics:
+        return self.core.statistics()
+
+    def get_grads(self) -> dict[str, Any]:
+        """The gradient the last finished step applied (for checks)."""
+        return {n: p.grad.detach().cpu().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,353 @@
+"""The controller's host: builds storage, workers and the dataloader from a config, runs the
+Controller, serves its Prometheus metrics, and streams one record per step to whoever drives it.
+
+`ControllerService` is a plain class with async methods. `launch` runs it as a CPU-only Ray actor
+(`ray.remote(num_cpus=0, num_gpus=0)`) for Ray backends, or in-process for the `sim` backend and
+tests. Workers are built per role (`backend.generation`, `backend.trainer`) through
+`backends.registry`; the controller itself never sees which. Its own lifecycle: `setup()` -> `run()` (while the driver calls `next_records`) ->
+`close()` (always, also after a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import random
+import time
+import traceback
+import uuid
+from dataclasses import asdict
+from typing import Any, Iterator
+
+from single_controller.config.schema import Config
+from single_controller.deadlines import within
+from single_controller.types import Prompt
+
+# Heavy modules (torch, TransferQueue, the backends) are imported inside methods, which run in the
+# controller's own process: the driver that only starts the actor stays light and starts fast.
+
+
+class PromptStream:
+    """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
+    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on. Its
+    position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly.
+    With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
+    draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
+
+    def __init__(self, cfg: Config):
+        from single_controller.data.tasks import load_eval_prompts, load_task
+
+        self.pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+        if cfg.eval.enabled:
+            held_out = {p.token_ids for p in load_eval_prompts(cfg)}
+            self.pool = [p for p in self.pool if p.token_ids not in held_out]
+            if not self.pool:
+                raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
+        self._rng = random.Random(cfg.seed)
+        self.epoch = -1
+        self.cursor = 0
+        self._order: list[int] = []
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self.cursor = 0
+        self._order = list(range(len(self.pool)))
+        self._rng.shuffle(self._order)
+
+    def __iter__(self) -> "PromptStream":
+        return self
+
+    def __next__(self) -> Prompt:
+        if self.cursor == len(self._order):
+            self._new_epoch()
+        p = self.pool[self._order[self.cursor]]
+        self.cursor += 1
+        return Prompt(f"e{self.epoch}-{p.prompt_id}", p.token_ids, p.answer)
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def seek(self, taken: int) -> None:
+        """Position after `taken` prompts from the start (replays the epoch shuffles, nothing else)."""
+        epochs, cursor = divmod(taken, len(self.pool))
+        for _ in range(epochs):
+            self._new_epoch()
+        self.cursor = cursor
+
+
+def make_dataloader(cfg: Config) -> Iterator[Prompt]:
+    return PromptStream(cfg)
+
+
+def run_id_of(run_dir: str | None) -> str:
+    """The run id kept in the run directory (`RunDirectory`), else a fresh random one."""
+    from pathlib import Path
+
+    from single_controller.runtime.run_dir import RUN_ID_FILE
+
+    if run_dir is not None and (Path(run_dir) / RUN_ID_FILE).exists():
+        return (Path(run_dir) / RUN_ID_FILE).read_text(encoding="utf-8").strip()
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+class ControllerService:
+    """`run_id` names this run's TransferQueue partition (`<storage.partition>-<run id>`): runs
+    sharing one TQ never touch each other's keys (default: the run directory's, else a fresh one)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | None = None,
+        resume: bool = False,
+        run_id: str | None = None,
+    ):
+        from single_controller.config.schema import check_capacity
+
+        check_capacity(cfg)
+        self.cfg = cfg
+        self.run_dir = run_dir  # checkpoints go to <run_dir>/checkpoints (None: no checkpoints)
+        self.run_id = run_id or run_id_of(run_dir)
+        self.partition = f"{cfg.storage.partition}-{self.run_id}"
+        self.resume = resume
+        self.resumed_from: dict | None = None
+        self.controller = None
+        self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
+        self._records_base = 0  # records before it were read by the driver (`next_records`) and dropped
+        self._changed = asyncio.Event()
+        self._finished = asyncio.Event()  # set once the run has ended, however it ended
+        self._metrics_server = None
+        self._workers: tuple[Any, Any] | None = None
+        self.metrics_port: int | None = None
+        self.metrics_url: str | None = None
+        self._storage = None
+        self._started_tq = False
+        self.setup_times: dict[str, float] = {}
+
+    async def setup(self) -> dict:
+        cfg = self.cfg
+        if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
+            storage, gens, trainer = self._sim_workers()
+        else:
+            storage, gens, trainer = await self._ray_workers()
+        # Imported only now (torch, via the ledger's row schema): the worker processes were started
+        # first, so their own imports run beside this one.
+        from single_controller.controller import Controller
+        from single_controller.state import Workers
+        from single_controller.data.tasks import TOKENIZER, load_eval_prompts
+
+        stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
+        prompts = PromptStream(cfg)
+        saved = await self._load_checkpoint(storage, trainer, prompts) if self.resume else None
+        self.controller = Controller(
+            cfg,
+            prompts,
+            storage,
+            Workers(gens, trainer),
+            stop_token_id=stop,
+            on_step=self._on_step,
+            run_dir=self.run_dir,
+            resume=saved,
+            dataloader_state=prompts.state,
+            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
+            on_eval=self._on_step,
+            # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
+            prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
+        )
+        if cfg.metrics.enabled:
+            from single_controller.runtime.metrics import serve_from_config
+
+            self._metrics_server = serve_from_config(cfg.metrics, self.controller.statistics)
+            self.metrics_port = self._metrics_server.port
+            self.metrics_url = self._metrics_server.url
+        return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
+
+    async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
+        """The newest checkpoint of the run directory into the trainer, the dataloader position, and
+        the controller state; keys of rolled-back attempts that a surviving storage may hold are cleared."""
+        from replay.storage import row_keys
+        from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
+
+        t0 = time.perf_counter()
+        path = latest_checkpoint(self.run_dir)
+        saved = read_controller_state(path)
+        check_compatible(saved, self.cfg, path)
+        step = await within(trainer.load_state(str(path / "trainer")), self.cfg.timeouts.train_call_s, f"trainer.load_state({path})")
+        if step != saved["step"]:
+            raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
+        prompts.seek(saved["dataloader"]["taken"])
+        keys = [k for g in saved["rolled_back"] for k in row_keys(g, self.cfg.rollout.group_size)]
+        if keys:
+            await within(storage.clear_rows(keys), self.cfg.timeouts.storage_s, "storage clear of rolled-back attempts")
+        self.setup_times["resume_s"] = time.perf_counter() - t0
+        self.resumed_from = {"path": str(path), "step": saved["step"]}
+        return saved
+
+    async def request_stop(self, reason: str) -> None:
+        """An interrupt: stop on the last finished step (the open one is aborted) and checkpoint it."""
+        if self.controller is not None:
+            self.controller.state.request_stop(reason, abandon_open_step=True)
+
+    def _sim_workers(self):
+        from replay.storage import InMemoryRowStorage
+        from single_controller.backends.sim import sim_workers
+
+        b, P = self.cfg.backend, self.cfg.train.groups_per_step
+        storage = InMemoryRowStorage()
+        gens, trainer = sim_workers(
+            storage, num_generators=b.num_generation_workers, gen_group_s=b.sim_generate_s / P, train_group_s=b.sim_train_s / P
+        )
+        return storage, gens, trainer
+
+    async def _ray_workers(self):
+        """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
+        # TQ itself is imported on the storage thread: the worker processes start first
+        from replay.transferqueue.runtime import attach_tq_storage, open_tq_storage
+        from single_controller.backends.registry import start_workers
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+
+        def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
+            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition)  # starts TQ, or attaches per storage.attach
+            self._started_tq = not cfg.storage.attach
+            self._storage = storage
+            self.setup_times["transferqueue_s"] = time.perf_counter() - t0
+            return storage
+
+        storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
+        factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s, cfg.storage.pack_groups)
+        what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
+        gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
+        self._workers = (gens, trainer)
+        self.setup_times["workers_s"] = time.perf_counter() - t0
+        return await storage, gens, trainer
+
+    def _on_step(self, record: dict) -> None:
+        self.records.append(record)
+        self._changed.set()
+
+    async def run(self) -> dict:
+        """Run to the end; a failed run returns its cause (pump, error, traceback) instead of raising,
+        so the driver can write every record and one readable paragraph."""
+        from single_controller.controller import RunFailed
+
+        t0 = time.perf_counter()
+        failure: dict | None = None
+        try:
+            summary = await self.controller.run()
+            steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
+        except RunFailed as e:
+            from single_controller.errors import error_text
+
+            cause = e.__cause__ or e
+            failure = {
+                "pump": e.pump,
+                "error": error_text(cause),
+                "traceback": "".join(traceback.format_exception(cause)),
+            }
+            steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint
+        finally:
+            self._finished.set()
+            self._changed.set()
+        st = self.controller.statistics()
+        try:  # every key in the partition, whoever wrote it: a clean run leaves none
+            left = sorted(await within(self.controller.state.storage.resident_keys(), self.cfg.timeouts.storage_s, "storage listing after the run"))
+        except Exception as e:
+            left = [f"<listing failed: {type(e).__name__}: {e}>"]
+        return {
+            "steps": steps,
+            "run_id": self.run_id,
+            "storage_partition": self.partition if self.cfg.storage.kind == "tq" else None,
+            "metrics_url": self.metrics_url,
+            "placement": self._placement(),
+            "storage_keys_left": len(left),
+            "storage_keys_left_sample": left[:10],
+            "stop_reason": reason,
+            "wall_s": time.perf_counter() - t0,
+            "failure": failure,
+            "checkpoint": asdict(checkpoint) if checkpoint is not None else None,
+            "resumed_from": self.resumed_from,
+            "prompts": asdict(st.prompts),
+            "storage": asdict(st.storage),
+            "teardown_errors": list(self.controller.state.teardown_errors),
+            "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
+        }
+
+    def _placement(self) -> dict:
+        """Where this run's processes ran: its Ray namespace, the controller's node and each trainer
+        rank's (Ray node ids)."""
+        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": [], "trainer_node_ips": []}
+        if self.cfg.backend.generation == "sim":
+            return out
+        import ray
+
+        from single_controller.backends.common.rank_calls import node_info
+
+        try:
+            out["controller_node"] = node_info()["node_id"]
+            out["ray_namespace"] = ray.get_runtime_context().namespace
+        except Exception:  # Ray is not initialized here (tests driving the service in-process)
+            pass
+        trainer = self._workers[1] if self._workers is not None else None
+        out["trainer_nodes"] = [n["node_id"] for n in getattr(trainer, "rank_nodes", [])]
+        out["trainer_node_ips"] = [n["node_ip"] for n in getattr(trainer, "rank_nodes", [])]
+        return out
+
+    async def next_records(self, cursor: int, linger_s: float = 0.0) -> tuple[list[dict], bool]:
+        """Records from `cursor` (an index over the run) on, waiting until there is one or the run
+        has finished; then, with `linger_s`, up to that long more for the records behind it (never
+        past the run's end). Asking from `cursor` acknowledges every record before it: those are
+        dropped, so the controller's memory stays flat however long the run."""
+        if cursor > self._records_base:
+            del self.records[: cursor - self._records_base]
+            self._records_base = cursor
+        while self._records_base + len(self.records) <= cursor and not self._finished.is_set():
+            self._changed.clear()
+            await self._changed.wait()
+        if linger_s > 0 and not self._finished.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._finished.wait(), linger_s)
+        if cursor < self._records_base:
+            raise ValueError(f"records before {self._records_base} were already read and dropped (asked from {cursor})")
+        return self.records[cursor - self._records_base :], self._finished.is_set() and self._records_base + len(self.records) <= cursor
+
+    async def save_checkpoint(self, directory: str) -> str:
+        if self._workers is None:
+            return ""
+        _, trainer = self._workers
+        return await within(trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save")
+
+    async def prompt_ledger(self) -> dict | None:
+        return None if self.controller is None else self.controller.state.prompts.to_dict()
+
+    async def close(self) -> None:
+        if self.controller is not None:
+            self.controller.state.prompts.close()
+        stopping_metrics = None
+        if self._metrics_server is not None:
+            server, self._metrics_server = self._metrics_server, None
+            stopping_metrics = asyncio.ensure_future(asyncio.to_thread(server.stop))  # blocks up to 0.5 s: beside the rest
+        try:
+            if self._workers is not None:
+                from single_controller.backends.registry import shutdown_workers
+
+                gens, trainer = self._workers
+                self._workers = None
+                await within(shutdown_workers(gens, trainer), 60, "shutting down the workers")
+            if self._started_tq:
+                from replay.transferqueue.runtime import stop_tq
+
+                self._started_tq = False
+                await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it
+            elif self._storage is not None and self.cfg.storage.attach:
+                storage, self._storage = self._storage, None
+                try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
+                    await storage.drop_partition_if_empty()
+                except Exception as e:
+                    print(f"sc-grpo: could not drop the empty partition {self.partition!r}: {e}", flush=True)
+        finally:
+            if stopping_metrics is not None:
+                await stopping_metrics

@@ -1,0 +1,307 @@
+"""The `sc-grpo` command line: run, check a config, benchmark, inspect a live run.
+
+Contract: `main(argv=None) -> int` never prints a traceback for a user error. An invalid configuration
+prints the `ConfigError` report to stderr and returns 2; a command whose implementation is not
+installed prints which entry point is missing and returns 1. Implementations are imported lazily,
+inside each command, so `sc-grpo config` and `--help` work with nothing but the config modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Callable, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # argparse's code for usage errors; also used for invalid configurations
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+# `sc-grpo bench NAME` -> "module:function", each `main(argv: list[str]) -> int`
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "overlap": (
+        "single_controller.bench.runner:main_overlap",
+        "how much the async pipeline overlaps generation and training (vs synchronous)",
+    ),
+    "reference": (
+        "single_controller.bench.reference:main",
+        "the embedded CPU backend against a plain single-process reference loop",
+    ),
+    "storage": (
+        "single_controller.bench.tq:main",
+        "TransferQueue row storage put/get throughput",
+    ),
+    "scale": (
+        "single_controller.bench.runner:main_scale",
+        "the control plane at 16-1024 groups per step and 1-64 workers; memory over 10,000 steps",
+    ),
+    "embedded": (
+        "single_controller.bench.runner:main_embedded",
+        "the embedded default for 3 seeds: start-up, training time vs the reference loop, whole command",
+    ),
+    "eval": (
+        "single_controller.bench.runner:main_eval",
+        "training throughput with held-out evaluation every N steps vs eval off",
+    ),
+}
+
+
+class EntryPointMissing(Exception):
+    """The module or function implementing a command is not part of this installation."""
+
+
+def _load_entry_point(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # only "the module itself (or a parent package) does not exist" is a missing entry point; a
+        # missing dependency inside an existing module is a real error and keeps its traceback
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise EntryPointMissing(f"{spec} is not available: no module named {e.name!r}") from None
+        raise
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise EntryPointMissing(f"{spec} is not available: {module_name} has no {attr!r}") from None
+
+
+def _load(args: argparse.Namespace):
+    from single_controller.config.loader import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from single_controller.checkpoint import latest_checkpoint
+    from single_controller.config.loader import load_config
+
+    if args.resume is None:
+        if args.config is None:
+            raise _UsageError("sc-grpo run: a CONFIG file is required (or --resume RUN_DIR)")
+        cfg = _load(args)
+    else:
+        overrides = list(args.overrides)
+        if args.config is not None:
+            if "=" not in args.config:
+                raise _UsageError("sc-grpo run --resume RUN_DIR takes the run's own config.yaml; give only KEY=VALUE overrides")
+            overrides.insert(0, args.config)
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.is_file():
+            raise _UsageError(f"sc-grpo run --resume: {args.resume} is not a run directory (no config.yaml)")
+        latest_checkpoint(args.resume)  # a clear error now, before anything starts
+        cfg = load_config(str(saved), overrides)
+    run_from_config = _load_entry_point("single_controller.runtime.driver:run_from_config")
+    return int(run_from_config(cfg) if args.resume is None else run_from_config(cfg, args.resume))
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from single_controller.config.loader import config_reference_markdown, config_to_yaml
+
+    if args.reference:
+        sys.stdout.write(config_reference_markdown())
+        return EXIT_OK
+    if args.config is None:
+        raise _UsageError("sc-grpo config: give a CONFIG file (or --reference)")
+    from single_controller.config.loader import environment_problems
+
+    cfg = _load(args)
+    sys.stdout.write(config_to_yaml(cfg))
+    # The config is valid; what this machine lacks for it (packages, the model directory) is what
+    # `sc-grpo run` would refuse here: said on stderr, without failing (a config for another machine
+    # is still a valid config).
+    problems = environment_problems(cfg)
+    if problems:
+        print(f"sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it ({len(problems)}):", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name is None:
+        raise _UsageError(f"sc-grpo bench: give a benchmark NAME: {', '.join(BENCHMARKS)}")
+    spec, _ = BENCHMARKS[args.name]
+    fn = _load_entry_point(spec)
+    return int(fn(list(args.args)))
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.backends.common.hf_model:main_init_model")
+    return int(fn([args.dir, *args.args]))
+
+
+def _cmd_storage(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("replay.transferqueue.service:main")
+    return int(fn(list(args.args)))
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.runtime.status:main")
+    argv = ["--url", args.url] if args.url else []
+    if args.watch is not None:
+        argv += ["--watch", str(args.watch)]
+    if args.timeout is not None:
+        argv += ["--timeout", str(args.timeout)]
+    return int(fn(argv))
+
+
+class _UsageError(Exception):
+    pass
+
+
+_EXAMPLES = """\
+commands:
+  run      train with a config:      sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100
+  config   validate and print it:    sc-grpo config configs/embedded_sync.yaml sampler.order=fifo
+  bench    run a benchmark:          sc-grpo bench overlap --help
+  status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
+  init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
+  storage  a TransferQueue for runs:  sc-grpo storage serve --address HEAD_IP:6379
+
+Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
+The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
+or printed by `sc-grpo config --reference`.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sc-grpo",
+        description="Asynchronous GRPO with a single asyncio controller.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def with_config(p: argparse.ArgumentParser, required: bool = True) -> None:
+        p.add_argument("config", metavar="CONFIG", nargs=None if required else "?",
+                       help="YAML config file, e.g. configs/embedded.yaml")
+        p.add_argument("overrides", metavar="KEY=VALUE", nargs="*",
+                       help="override a field, e.g. train.lr=3e-4 (applied in order, after the file)")
+
+    p = sub.add_parser(
+        "run",
+        help="train with a config",
+        description="Validate the config, then run asynchronous GRPO: the run directory "
+        "(<run.output_dir>/<run.name>-<timestamp>) gets the resolved config.yaml, metrics.jsonl, "
+        "checkpoints/, prompt_ledger.json, summary.json and curves.png. Ctrl-C or SIGTERM stops the run "
+        "on its last finished step and checkpoints it; a second one forces the exit.",
+        epilog="examples:\n  sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100\n"
+        "  sc-grpo run --resume runs/embedded-20261123-120000 run.max_steps=300",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    with_config(p, required=False)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue this run directory from its newest checkpoint (its config.yaml, plus overrides)")
+    p.set_defaults(func=_cmd_run, subparser=p)
+
+    p = sub.add_parser(
+        "config",
+        help="validate a config and print it resolved",
+        description="Load CONFIG with the overrides, report every problem at once (exit 2), or print "
+        "the complete resolved configuration as YAML (exit 0); what this machine lacks for it (backend "
+        "packages, a usable model.path), which `sc-grpo run` would refuse, is listed on stderr.",
+        epilog="examples:\n  sc-grpo config configs/embedded.yaml rollout.group_size=8\n"
+        "  sc-grpo config --reference > reference.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    with_config(p, required=False)
+    p.add_argument("--reference", action="store_true",
+                   help="print the markdown reference of every config field instead")
+    p.set_defaults(func=_cmd_config, subparser=p)
+
+    bench_lines = "\n".join(f"  {name:<10} {desc}" for name, (_, desc) in BENCHMARKS.items())
+    p = sub.add_parser(
+        "bench",
+        usage="sc-grpo bench [-h] NAME [ARGS ...]",
+        help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
+        description="Run a benchmark; the arguments after NAME are passed to it unchanged.\n\n"
+        f"benchmarks:\n{bench_lines}",
+        epilog="example:\n  sc-grpo bench overlap --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", metavar="NAME", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    p.set_defaults(func=_cmd_bench, subparser=p)
+
+    p = sub.add_parser(
+        "status",
+        help="show the state of a running controller",
+        description="Read a running controller's metrics endpoint and summarize its state.",
+        epilog="examples:\n  sc-grpo status --url http://127.0.0.1:9464\n  sc-grpo status --url 10.0.0.1:9464 --watch 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own; host:port is enough)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="HTTP timeout of one fetch (default 3)")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "storage",
+        help="serve a TransferQueue on a Ray cluster that outlives runs, or list its partitions",
+        description="serve: start a TransferQueue on the Ray cluster at --address and keep it until "
+        "Ctrl-C / SIGTERM; runs attach to it with ray.address=ADDRESS storage.attach=true, each in its "
+        "own partition. list: print its partitions and keys.",
+        epilog="examples:\n  sc-grpo storage serve --address 10.0.0.1:6379\n"
+        "  sc-grpo storage list --address 10.0.0.1:6379 --keys",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve|list and their options (--help)")
+    p.set_defaults(func=_cmd_storage)
+
+    p = sub.add_parser(
+        "init-model",
+        help="write a tiny random-init Hugging Face model with the tasks' tokenizer",
+        description="Write a random-init LlamaForCausalLM, or GPT2LMHeadModel with --arch gpt2 (untied "
+        "embeddings, head_dim 32 by default: valid for vLLM's CPU attention) and the digit tasks' character "
+        "tokenizer into DIR, offline. Use it as model.path. Options after DIR: --hidden-size, --num-layers, "
+        "--head-dim, --max-positions, --seed, --arch, --rope-theta (`sc-grpo init-model DIR --help`).",
+        epilog="examples:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0\n"
+        "  sc-grpo init-model models/tiny-gpt2 --arch gpt2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", metavar="DIR", help="the model directory to write")
+    p.add_argument("args", metavar="OPTIONS", nargs=argparse.REMAINDER, help="--hidden-size N etc.")
+    p.set_defaults(func=_cmd_init_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from single_controller.checkpoint import CheckpointError
+    from single_controller.config.loader import ConfigError
+    from single_controller.runtime.ray_session import RayUnreachable
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with usage on bad arguments, 0 on --help
+    # A config's `module:function` names (task.name, task.reward_fn, eval.dataset) import from the
+    # current directory, as under `python -m single_controller`; Ray puts the driver's current
+    # directory on its workers' path too, so a user's reward module is found everywhere.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _UsageError as e:
+        getattr(args, "subparser", parser).print_usage(sys.stderr)
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except (CheckpointError, RayUnreachable) as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except EntryPointMissing as e:
+        print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"sc-grpo {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

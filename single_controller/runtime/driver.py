@@ -1,0 +1,286 @@
+"""`sc-grpo run`: from a validated config to a finished run directory.
+
+Ray backends (`backend.generation` / `backend.trainer`: torch, vllm, megatron): start (or attach
+to) Ray with resources that fit the machine, start the controller as a CPU-only Ray actor (which
+starts TransferQueue and the workers side by side), stream one record per step into the run
+directory and the console, save the final policy, and tear everything down on success, error and
+Ctrl-C. sim backends: the same controller in-process.
+
+Every exit writes its records: `metrics.jsonl` (streamed), `summary.json` (with the stop reason),
+`prompt_ledger.json`, and on failure `error.log` (the full traceback) beside one short paragraph on
+the console: which pump, what happened, where the checkpoint is, how to resume.
+
+SIGTERM / SIGINT: the first one asks the controller to stop on the last finished step (the step in
+progress is aborted) and to checkpoint it; the run then exits normally with code 130. A second one,
+or 25 s without an exit, forces it.
+
+`resume_dir`: continue that run directory from its newest checkpoint (`sc-grpo run --resume DIR`).
+
+Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from single_controller.config.schema import Config
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+# After a step's record, the driver's next call waits this long for the records behind it: a few
+# steps per call instead of one actor call per step (~20 a second in the embedded run, each one
+# CPU time in the driver, in Ray and in the controller's event loop, on a machine the run keeps busy).
+RECORDS_LINGER_S = 0.25
+
+
+def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
+    """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
+    from single_controller.config.loader import check_environment
+    from single_controller.runtime.run_dir import RunDirectory
+
+    check_environment(cfg)
+    if cfg.backend.generation != "sim":
+        from single_controller.runtime.ray_session import check_ray_address
+
+        check_ray_address(cfg.ray.address)  # before a run directory exists for a run that cannot start
+    if cfg.model.path is not None and cfg.model.create:
+        from single_controller.backends.common.hf_model import prepare_model_dir
+
+        if prepare_model_dir(cfg.model, cfg.seed):
+            print(f"sc-grpo: wrote a random-init model to {cfg.model.path}", flush=True)
+    t_start = time.perf_counter()
+    if resume_dir is not None:
+        from single_controller.checkpoint import latest_checkpoint, read_controller_state
+
+        step = _check_resumable(cfg, resume_dir)  # before anything starts
+        recovered = read_controller_state(latest_checkpoint(resume_dir)).get("records", [])
+        run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step, recovered=recovered)
+        print(f"sc-grpo: resuming {run_dir.path} from the checkpoint of step {step}", flush=True)
+    else:
+        run_dir = RunDirectory.create(cfg)
+        print(f"sc-grpo: run directory {run_dir.path}", flush=True)
+    try:
+        if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
+            from single_controller.runtime.ray_session import new_event_loop
+
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                code = runner.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
+        else:
+            code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
+    except KeyboardInterrupt:
+        print("sc-grpo: interrupted; everything was shut down", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
+    finally:
+        run_dir.close()
+    return code
+
+
+def _check_resumable(cfg: Config, resume_dir: str) -> int:
+    from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
+
+    path = latest_checkpoint(resume_dir)
+    saved = read_controller_state(path)
+    check_compatible(saved, cfg, path)
+    return int(saved["step"])
+
+
+def _run_on_ray(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
+    from single_controller.runtime.ray_session import ray_session, worker_env
+
+    b = cfg.backend
+    # Logical CPUs: TQ takes 1 + storage units; workers and the controller ask for none, so this
+    # never oversubscribes the real cores (one torch thread per worker process does that job).
+    min_cpus = 1 + cfg.storage.num_storage_units + 1
+    # One Ray namespace per run: runs sharing a cluster never collide on actor names.
+    namespace = f"sc-grpo-{run_dir.run_id}"
+    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads), namespace=namespace) as session:
+        print(f"sc-grpo: ray {time.perf_counter() - t_start:.1f}s", flush=True)
+        # TransferQueue is started by the controller actor, beside the workers' own start-up.
+        return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
+
+
+async def _drive_actor(cfg: Config, run_dir, t_start: float, resume: bool, session) -> int:
+    import ray
+
+    from single_controller.runtime.actor_host import ControllerService
+
+    actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerService)
+    actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64, **_on_this_node()).remote(
+        cfg, str(run_dir.path.resolve()), resume, run_dir.run_id
+    )
+
+    async def call(method: str, *args: Any) -> Any:
+        return await getattr(actor, method).remote(*args)
+
+    try:
+        return await _drive(cfg, run_dir, t_start, call, lambda stop: session.on_interrupt(stop))
+    finally:
+        ray.kill(actor)
+
+
+def _on_this_node() -> dict:
+    """Scheduling options that keep the controller on the driver's node: the metrics URL printed
+    here (loopback by default) is then the one that serves, and the run directory is local to it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception:  # a Ray client driver (ray://) is on no node: let Ray choose
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+
+
+async def _drive_local(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
+    from single_controller.runtime.actor_host import ControllerService
+
+    service = ControllerService(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id)
+
+    async def call(method: str, *args: Any) -> Any:
+        return await getattr(service, method)(*args)
+
+    def on_interrupt(stop: Callable[[str], None]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, signal.Signals(sig).name)
+
+    return await _drive(cfg, run_dir, t_start, call, on_interrupt)
+
+
+async def _drive(
+    cfg: Config,
+    run_dir,
+    t_start: float,
+    call: Callable[..., Awaitable[Any]],
+    on_interrupt: Callable[[Callable[[str], None]], None],
+) -> int:
+    """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
+    from single_controller.deadlines import within
+    from single_controller.runtime.run_dir import ConsoleReporter, is_eval_record
+
+    reporter = ConsoleReporter(cfg)
+    interrupted: list[str] = []
+    summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
+    t_ready = None
+    stop_requests: set[asyncio.Task] = set()
+
+    def stop(name: str) -> None:  # on the loop's thread
+        interrupted.append(name)
+        print(f"sc-grpo: {name}: stopping on the last finished step and checkpointing it", file=sys.stderr, flush=True)
+        task = asyncio.ensure_future(call("request_stop", f"interrupted ({name})"))
+        stop_requests.add(task)
+        task.add_done_callback(stop_requests.discard)
+
+    on_interrupt(stop)
+    try:
+        info = await within(call("setup"), cfg.timeouts.setup_s, "controller setup (storage, workers, metrics)")
+        t_ready = time.perf_counter()
+        if info.get("metrics_url"):
+            print(f"sc-grpo: metrics on {info['metrics_url']}", flush=True)
+        parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
+        print(f"sc-grpo: started in {t_ready - t_start:.1f}s{f' ({parts})' if parts else ''}; training", flush=True)
+        if interrupted:  # a signal during start-up
+            await call("request_stop", f"interrupted ({interrupted[0]})")
+        run = asyncio.ensure_future(call("run"))
+        t_run = time.perf_counter() - t_start
+        cursor = 0
+        try:
+            while True:
+                records, finished = await call("next_records", cursor, RECORDS_LINGER_S)
+                cursor += len(records)
+                for rec in records:
+                    # the controller's clock starts as the run starts; records arrive in batches
+                    since = t_run + rec["time/wall_s"] if "time/wall_s" in rec else time.perf_counter() - t_start
+                    rec = {**rec, "time/since_launch_s": since}
+                    if run_dir.wall_offset_s and "time/wall_s" in rec:
+                        rec["time/wall_s"] += run_dir.wall_offset_s  # a resumed run continues the clock
+                    run_dir.append_metrics(rec)
+                    (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
+                if finished:
+                    break
+            summary = await run
+        except BaseException:
+            run.cancel()
+            raise
+        finally:
+            reporter.close()
+        if summary["failure"] is None:
+            summary["policy"] = await call("save_checkpoint", str(run_dir.path / "checkpoint"))  # loadable as model.checkpoint
+            print(
+                f"sc-grpo: {summary['steps']} steps in {summary['wall_s']:.1f}s of training "
+                f"(+{t_ready - t_start:.1f}s startup): {summary['stop_reason']}",
+                flush=True,
+            )
+    except Exception as e:
+        from single_controller.errors import error_text
+
+        error = error_text(e)
+        summary = {**summary, "stop_reason": f"failed: {error.split(': ', 1)[-1]}", "failure": {"pump": None, "error": error, "traceback": _format_tb(e)}}
+    finally:
+        await _write_records(cfg, run_dir, call, summary, t_start, t_ready)
+        if summary["failure"] is None and cfg.run.plot:
+            run_dir.start_plot()  # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
+        try:
+            await within(call("close"), 60, "controller close")
+        except Exception as e:
+            print(f"sc-grpo: close failed: {e}", file=sys.stderr, flush=True)
+    if summary["failure"] is not None:
+        _print_failure(run_dir, summary)
+        return EXIT_FAILED
+    if interrupted:
+        ck = summary.get("checkpoint")
+        where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""
+        print(f"sc-grpo: interrupted by {interrupted[0]}{where}; resume with: sc-grpo run --resume {run_dir.path}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+async def _write_records(cfg: Config, run_dir, call, summary: dict, t_start: float, t_ready: float | None) -> None:
+    """summary.json, prompt_ledger.json and (on failure) error.log, whatever happened."""
+    from single_controller.deadlines import within
+
+    failure = summary.get("failure")
+    if failure is not None:
+        (Path(run_dir.path) / "error.log").write_text(
+            f"{failure.get('pump') or 'run'}: {failure['error']}\n\n{failure.get('traceback', '')}", encoding="utf-8"
+        )
+    record = {k: v for k, v in summary.items() if k != "failure"}
+    if failure is not None:
+        record["failure"] = {"pump": failure.get("pump"), "error": failure["error"]}
+    record["startup_s"] = (t_ready - t_start) if t_ready is not None else None
+    record["command_s"] = time.perf_counter() - t_start
+    try:
+        ledger = await within(call("prompt_ledger"), 60, "controller prompt ledger")
+        if ledger is not None:
+            run_dir.write_json("prompt_ledger.json", ledger)
+    except Exception as e:
+        record["prompt_ledger_error"] = f"{type(e).__name__}: {e}"
+    run_dir.write_json("summary.json", record)
+
+
+def _format_tb(e: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(e))
+
+
+def _print_failure(run_dir, summary: dict) -> None:
+    f = summary["failure"]
+    where = f" in the {f['pump']} pump" if f.get("pump") else ""
+    ck = summary.get("checkpoint")
+    lines = [f"sc-grpo: run failed{where} after {summary['steps']} steps: {f['error']}"]
+    if ck:
+        lines.append(f"  last checkpoint: {ck['path']} (step {ck['step']})")
+        lines.append(f"  resume with:     sc-grpo run --resume {run_dir.path}")
+    else:
+        lines.append("  no checkpoint was written; the run cannot be resumed")
+    lines.append(f"  full traceback:  {Path(run_dir.path) / 'error.log'}")
+    print("\n".join(lines), file=sys.stderr, flush=True)

@@ -1,0 +1,262 @@
+"""GenerationCore and the batching GenerationActor on a plain event loop (no Ray)."""
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys
+from single_controller.backends.torch.generation import GenerationActor, GenerationCore
+from single_controller.backends.torch.model import TinyGPT, token_logprobs
+from single_controller.backends.torch.trainer import pack_weights
+from single_controller.config.schema import ModelConfig
+from single_controller.protocols import GenerationFailed
+from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits
+from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
+
+torch.set_num_threads(1)
+PROMPTS = reverse_digits(20, 3, seed=0)
+REWARD = "single_controller.data.tasks:positional_match_reward"
+
+
+def request(i: int, n: int = 4, prompt=None, **sampling) -> GenerationRequest:
+    gid = f"grp{i}"
+    return GenerationRequest(gid, prompt or PROMPTS[i], SamplingParams(n=n, **sampling), row_keys(gid, n))
+
+
+def trained_like_model(seed=0) -> TinyGPT:
+    return TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=seed)
+
+
+def test_core_generates_scores_and_stores_a_batch_in_one_put():
+    storage = InMemoryRowStorage()
+    model = trained_like_model()
+    core = GenerationCore(model, storage, REWARD, seed=0, version=3)
+    four_digit = reverse_digits(1, 4, seed=1)[0]  # a longer prompt: a second sampling pass
+    reqs = [
+        request(0),
+        request(1, n=3, temperature=0.8, top_p=0.9),
+        request(2, n=2, prompt=four_digit, max_new_tokens=4),
+        request(3, n=5, max_new_tokens=6, stop_token_id=TOKENIZER.eos_id),
+    ]
+    results = core.generate(reqs)
+    assert storage.statistics().puts == 1 and storage.statistics().rows_put == 4 + 3 + 2 + 5
+    for req, res in zip(reqs, results):
+        assert res.group_id == req.group_id and (res.version_start, res.version_end) == (3, 3)
+        assert res.prompt_length == len(req.prompt.token_ids)
+        rows = storage.get_rows_sync(req.row_keys, GENERATION_FIELDS)
+        assert [len(r) for r in rows["response_ids"]] == list(res.response_lengths)
+        assert rows["reward"].tolist() == pytest.approx(list(res.rewards))
+        for k, ids, lp, mask, prompt_ids in zip(req.row_keys, rows["response_ids"], rows["gen_logprobs"],
+                                                 rows["response_mask"], rows["prompt_ids"]):
+            assert prompt_ids.tolist() == list(req.prompt.token_ids)
+            assert mask.all() and len(mask) == len(ids) == len(lp) <= req.sampling.max_new_tokens
+            stop = req.sampling.stop_token_id
+            if stop is not None and len(ids) < req.sampling.max_new_tokens:
+                assert ids[-1] == stop and (ids[:-1] != stop).all()
+            text = TOKENIZER.decode(ids[:-1] if stop is not None and ids[-1] == stop else ids)
+            assert storage.tags(k) == {}  # provenance is in the row itself: its key and token_versions
+            assert (rows["token_versions"][req.row_keys.index(k)] == 3).all()
+            assert positional_match_reward(req.prompt, text) == pytest.approx(rows["reward"][req.row_keys.index(k)].item())
+        # the stored logprobs are what the trainer computes for these tokens
+        tlp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"], req.sampling.temperature)
+        assert (tlp[valid] - torch.cat(rows["gen_logprobs"])).abs().max() < 1e-5
+    assert core.statistics().batches == 1 and core.statistics().groups == 4
+
+
+def test_core_refuses_without_weights_and_bad_requests():
+    core = GenerationCore(trained_like_model(), InMemoryRowStorage(), REWARD)
+    with pytest.raises(GenerationFailed, match="no weights"):
+        core.generate([request(0)])
+    core.version = 0
+    bad = GenerationRequest("g", PROMPTS[0], SamplingParams(n=3), row_keys("g", 2))
+    with pytest.raises(ValueError, match="2 row keys for n=3"):
+        core.generate([bad])
+
+
+class GatedCore:
+    """Wraps a core's generate so a test decides when a batch may finish."""
+
+    def __init__(self, core):
+        self.core, self.inner = core, core.generate
+        self.started, self.release = threading.Event(), threading.Event()
+        self.batches: list[list[str]] = []
+        core.generate = self.generate
+
+    def generate(self, requests):
+        self.batches.append([r.group_id for r in requests])
+        self.started.set()
+        assert self.release.wait(10), "test never released the batch"
+        return self.inner(requests)
+
+
+def make_actor(storage, max_batch_groups=4, reward=REWARD) -> GenerationActor:
+    return GenerationActor("gen-test", ModelConfig(), lambda: storage, reward, seed=0, max_batch_groups=max_batch_groups)
+
+
+def handle(version: int, seed: int) -> WeightsHandle:
+    snap = pack_weights(trained_like_model(seed), version)
+    return WeightsHandle(version, snap, snap.manifest.num_bytes)
+
+
+async def test_actor_batches_concurrent_requests_and_applies_weights_between_batches():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    assert await actor.update_weights(handle(0, seed=0)) == 0
+    src = trained_like_model(0)
+    weights = await actor.get_weights()
+    assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in src.named_parameters())
+
+    gate = GatedCore(actor._core)
+    gate.release.set()
+    results = await asyncio.gather(*(actor.generate(request(i)) for i in range(10)))
+    assert gate.batches == [[f"grp{i}" for i in range(4)], [f"grp{i}" for i in range(4, 8)], ["grp8", "grp9"]]
+    assert storage.statistics().puts == 3  # one put per batch
+    assert [r.group_id for r in results] == [f"grp{i}" for i in range(10)]
+    assert await actor.in_flight() == 0
+
+    # A weight update waits for the batch being sampled; that batch keeps the old version.
+    gate.release.clear()
+    gate.started.clear()
+    first = asyncio.create_task(actor.generate(request(10)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    assert await actor.in_flight() == 1
+    update = asyncio.create_task(actor.update_weights(handle(1, seed=1)))
+    queued = asyncio.create_task(actor.generate(request(11)))
+    for _ in range(20):
+        await asyncio.sleep(0)  # give the update every chance to (wrongly) get through
+    assert not update.done() and await actor.version() == 0
+    assert await actor.in_flight() == 2
+    gate.release.set()
+    assert (await first).version_start == 0
+    assert await update == 1
+    r11 = await queued
+    assert (r11.version_start, r11.version_end) == (1, 1)
+    weights = await actor.get_weights()
+    assert all(torch.equal(torch.from_numpy(weights[n]), p) for n, p in trained_like_model(1).named_parameters())
+    with pytest.raises(ValueError, match="older"):
+        await actor.update_weights(handle(0, seed=0))
+    await actor.close()
+
+
+async def test_actor_cancel_failure_and_close():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=1)
+    with pytest.raises(GenerationFailed, match="no weights"):
+        await actor.generate(request(0))  # refused before any update, delivered to the caller
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    busy = asyncio.create_task(actor.generate(request(1)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    cancelled = asyncio.create_task(actor.generate(request(2)))
+    later = asyncio.create_task(actor.generate(request(3)))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    gate.release.set()
+    await busy
+    await later
+    assert cancelled.cancelled()
+    assert gate.batches == [["grp1"], ["grp3"]]  # the cancelled queued request never ran
+    assert not (await storage.resident_keys()) & set(row_keys("grp2", 4))
+
+    # A failing batch fails its callers and the loop goes on serving.
+    def broken(requests):
+        raise RuntimeError("reward server down")
+
+    gate.inner = broken
+    with pytest.raises(GenerationFailed, match="reward server down"):
+        await actor.generate(request(4))
+    gate.inner = actor._core.__class__.generate.__get__(actor._core)
+    assert (await actor.generate(request(5))).group_id == "grp5"
+
+    # close fails what is queued and refuses new work
+    gate.release.clear()
+    gate.started.clear()
+    running = asyncio.create_task(actor.generate(request(6)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    queued = asyncio.create_task(actor.generate(request(7)))
+    await asyncio.sleep(0)
+    await actor.close()
+    with pytest.raises(GenerationFailed, match="stopped before serving group grp7"):
+        await queued
+    with pytest.raises(GenerationFailed, match="closed while sampling group grp6"):
+        await running
+    with pytest.raises(GenerationFailed, match="closed"):
+        await actor.generate(request(8))
+    gate.release.set()
+
+
+async def test_cancel_of_a_group_being_sampled_means_its_rows_are_never_written():
+    """Issue 9, defect 2: a group cancelled while its batch samples must not be stored afterwards
+    (the controller clears its keys right after the cancel returns). Checked by listing every key."""
+
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    call = asyncio.create_task(actor.generate_many([request(1), request(2)]))
+    await asyncio.to_thread(gate.started.wait, 10)  # grp1 and grp2 are being sampled
+    assert await actor.cancel("grp1") is False  # nothing stored yet, and now nothing will be
+    gate.release.set()
+    results = await call
+    assert isinstance(results[0], GenerationFailed) and results[1].group_id == "grp2"
+    assert await storage.resident_keys() == set(row_keys("grp2", 4))
+    await actor.close()
+
+
+async def test_actor_pause_finishes_the_running_batch_then_holds_requests_until_resume():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=1)
+    await actor.update_weights(handle(0, seed=0))
+    gate = GatedCore(actor._core)
+    running = asyncio.create_task(actor.generate(request(0)))
+    await asyncio.to_thread(gate.started.wait, 10)
+    pause = asyncio.create_task(actor.pause())
+    queued = asyncio.create_task(actor.generate(request(1)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not pause.done(), "pause returned while a batch was still sampling"
+    gate.release.set()
+    assert (await running).group_id == "grp0"
+    assert await pause == 1  # grp1 is queued, not served
+    await asyncio.sleep(0.3)  # real time for a (wrongly) unpaused loop to sample grp1 on its thread
+    assert not queued.done() and gate.batches == [["grp0"]]
+    await actor.resume()
+    assert (await asyncio.wait_for(queued, 10)).group_id == "grp1"
+    assert gate.batches == [["grp0"], ["grp1"]]
+    await actor.close()
+
+
+async def test_actor_holds_a_request_until_it_has_the_weights_of_its_min_version():
+    """`protocols.VersionGated`: a request for weights the actor does not have yet waits in its lane
+    (whatever order it and the update arrive in), is then served with those weights, and can be
+    cancelled while it waits; one for weights it has, or with no min_version, goes at once."""
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4)
+    early = asyncio.create_task(actor.generate(dataclasses.replace(request(0), min_version=0)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not early.done() and await actor.in_flight() == 1  # held, not refused for lack of weights
+    assert await actor.update_weights(handle(0, seed=0)) == 0
+    r0 = await asyncio.wait_for(early, 10)
+    assert (r0.version_start, r0.version_end) == (0, 0)
+
+    held = asyncio.create_task(actor.generate(dataclasses.replace(request(1), min_version=1)))
+    behind = asyncio.create_task(actor.generate(dataclasses.replace(request(2), min_version=1)))
+    dropped = asyncio.create_task(actor.generate(dataclasses.replace(request(3), min_version=1)))
+    old_ok = await asyncio.wait_for(actor.generate(dataclasses.replace(request(4), min_version=0)), 10)
+    assert old_ok.version_start == 0  # not held up behind the requests waiting for v1
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not held.done() and not behind.done() and storage.statistics().puts == 2
+    dropped.cancel()
+    assert await actor.update_weights(handle(1, seed=1)) == 1
+    r1, r2 = await asyncio.wait_for(asyncio.gather(held, behind), 10)
+    assert (r1.version_start, r2.version_start) == (1, 1)
+    assert dropped.cancelled()
+    stats = storage.statistics()
+    assert (stats.puts, stats.rows_put) == (3, 4 * 4)  # grp0, grp4, then grp1 + grp2 in one batch; grp3 never sampled
+    assert await actor.in_flight() == 0
+    await actor.close()
