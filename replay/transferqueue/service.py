@@ -2,7 +2,7 @@
 
 Contract:
   * `serve`: connects to the Ray cluster at `--address` (namespace `sc-grpo-storage`), starts TQ
-    there (`tq_runtime.start_tq`: 1 controller + `--storage-units` units, each a 1-CPU Ray actor),
+    there (`replay.transferqueue.runtime.start_tq`: 1 controller + `--storage-units` units, each a 1-CPU Ray actor),
     prints one `ready` line naming the address, then serves until SIGINT / SIGTERM, when it closes TQ
     (only the creating process may) and disconnects. TQ's actors belong to this process: they live
     exactly as long as it does. Runs use it with `ray.address=ADDRESS storage.attach=true`; each run

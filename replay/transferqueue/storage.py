@@ -22,8 +22,8 @@ Contract (on top of `replay.storage.RowStorage`):
   * `statistics()` counts what THIS client moved (puts/gets/clears, rows, tensor bytes); with
     `track_resident`, `resident_rows` counts keys this client put and has not cleared.
 
-Importing this module calls `replay.transferqueue.runtime.configure_env()` before it imports TQ (TQ reads
-`TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
+Importing this module imports TransferQueue the package's way (`replay.transferqueue.common.import_transfer_queue`:
+environment knobs first, TQ reads `TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
 """
 
 from __future__ import annotations
@@ -37,22 +37,23 @@ from typing import Any, Awaitable, Callable, Mapping, NoReturn, Sequence, TypeVa
 import numpy as np
 import torch
 
-from replay.transferqueue.runtime import TQRuntimeError, client_connected, attach_tq, configure_env, import_transfer_queue
+from replay.transferqueue import shims
+from replay.transferqueue.common import TQRuntimeError, client_connected, import_transfer_queue
+from replay.transferqueue.runtime import attach_tq
 
-configure_env()
-tq = import_transfer_queue()  # after configure_env (TQ reads its env at import), without torch._dynamo
+tq = import_transfer_queue()
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from replay.storage import (  # noqa: E402
     ROLLOUT_SCHEMA,
-    StorageWriteError,
     Column,
     Columns,
     FieldSpec,
     StorageError,
     StorageReadError,
     StorageStatistics,
+    StorageWriteError,
     column_nbytes,
     row_bulk_fields,
     validate_put,
@@ -600,12 +601,10 @@ class TQRowStorage:
         client = tq.get_client()
         if self.partition not in await self._call(client.async_get_partition_list(), "TQ partition list"):
             return False
-        # TQ 0.1.11's public clear_partition() skips a partition without samples ("non-existent"), so
-        # ask the controller directly to drop its (empty) metadata, as clear_partition does last.
-        drop = getattr(client, "_clear_partition_in_controller", None)
+        drop = shims.clear_empty_partition(client, self.partition)
         if drop is None:
             return False
-        await self._call(drop(self.partition), f"TQ drop of the empty partition {self.partition!r}")
+        await self._call(drop, f"TQ drop of the empty partition {self.partition!r}")
         return True
 
     def statistics(self) -> StorageStatistics:

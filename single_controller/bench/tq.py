@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from replay.transferqueue.runtime import configure_env
+from replay.transferqueue.common import configure_env
 
 
 def make_rows(prefix: str, num_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
