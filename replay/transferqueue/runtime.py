@@ -104,7 +104,11 @@ def check_ray_cpus(num_storage_units: int, available_cpus: float, one_process: b
         raise TQRuntimeError(f"num_storage_units must be >= 1, got {num_storage_units}")
     needed = 1 if one_process else 1 + num_storage_units
     if available_cpus < needed:
-        what = "1 process for its controller and storage unit" if one_process else f"1 controller + {num_storage_units} storage unit(s)"
+        what = (
+            "1 process for its controller and storage unit"
+            if one_process
+            else f"1 controller + {num_storage_units} storage unit(s)"
+        )
         raise TQRuntimeError(
             f"TransferQueue needs {needed} free logical Ray CPUs ({what}) but Ray has {available_cpus:g} "
             f"available; tq.init would hang silently. Give Ray more logical CPUs (ray.init(num_cpus=...); "
@@ -250,7 +254,8 @@ def _attach_tq(timeout_s: float) -> TQRuntimeInfo:
     while True:
         left = timeout_s - (time.perf_counter() - t0)
         if left <= 0:
-            raise DeadlineExceeded("the TransferQueue controller's config (is its creator still in tq.init?)", timeout_s)
+            what = "the TransferQueue controller's config (is its creator still in tq.init?)"
+            raise DeadlineExceeded(what, timeout_s)
         try:
             conf = ray.get(controller.get_config.remote(), timeout=left)
         except ray.exceptions.GetTimeoutError:

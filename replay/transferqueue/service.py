@@ -54,13 +54,15 @@ def serve(address: str, storage_units: int, timeout_s: float) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
-            # TQ's own layout on a cluster: it places the units across the nodes (`storage.tq_one_process` is for one machine)
+            # TQ's own layout on a cluster: it places the units across the nodes
+            # (`storage.tq_one_process` is for one machine)
             info = start_tq(storage_units, timeout_s=timeout_s, one_process=False)
         except (TQRuntimeError, DeadlineExceeded) as e:
             print(f"sc-grpo storage serve: {e}", file=sys.stderr, flush=True)
             return 1
         print(
-            f"sc-grpo storage: ready: TransferQueue ({storage_units} storage unit(s), started in {info.startup_s:.1f}s) "
+            f"sc-grpo storage: ready: TransferQueue ({storage_units} storage unit(s), "
+            f"started in {info.startup_s:.1f}s) "
             f"on the Ray cluster at {address}; runs attach with ray.address={address} storage.attach=true; "
             "Ctrl-C stops it",
             flush=True,

@@ -1,4 +1,6 @@
-"""`RowStorage` on TransferQueue's KV API: one partition, one key per row.
+"""`TQRowStorage`: the `RowStorage` the controller and the workers (generation, trainer ranks) read and
+write rows through, on TransferQueue's KV API: one partition, one key per row (or per group, `group_rows`).
+Open it with `replay.transferqueue.factory` (or after `runtime.start_tq` / `attach_tq`).
 
 Contract (on top of `replay.storage.RowStorage`):
   * Every put is checked completely with `validate_put` BEFORE anything reaches TQ: TQ registers
@@ -179,7 +181,8 @@ def _unpack_at(specs: Sequence[FieldSpec], wanted: Sequence[str], buf: np.ndarra
         if spec.name not in wanted or (header[:, i] < 0).any():
             continue
         data = torch.from_numpy(buf[_gather(field_start[:, i], sizes[:, i])])  # a fresh, aligned copy
-        flat = data.view(spec.dtype) if data.numel() else torch.empty(0, dtype=spec.dtype)  # (an empty one may have stride 0)
+        # (an empty one may have stride 0)
+        flat = data.view(spec.dtype) if data.numel() else torch.empty(0, dtype=spec.dtype)
         out[spec.name] = list(torch.split(flat, header[:, i].tolist()))
     return out
 
@@ -467,7 +470,9 @@ class TQRowStorage:
                 if name in packed:
                     continue
                 if self.schema[name].jagged:
-                    raise StorageWriteError(f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it")
+                    raise StorageWriteError(
+                        f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it"
+                    )
                 flat = col.detach().contiguous().numpy()
                 bounds = np.cumsum([0, *sizes])
                 data[name] = NonTensorStack(*(flat[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])))

@@ -147,12 +147,17 @@ def run_bench(args, timeout_s: float | None = None) -> list[dict[str, Any]]:
         storage = TQRowStorage(
             f"bench-{layout}", timeout_s=timeout_s or args.timeout_s, track_resident=False, group_rows=layout == "group"
         )
-        rows += _bench_local(storage, args, layout)
-        if args.mode in ("async", "both"):
-            with asyncio.Runner() as runner:  # one long-lived loop, as the controller's (TQ pools sockets per loop)
-                rows += _bench_mode(args, "async", layout, lambda k, c: runner.run(_rep_async(storage, k, c)))
-        if args.mode in ("sync", "both"):
-            rows += _bench_mode(args, "sync", layout, lambda k, c: _rep_sync(storage, k, c))
+        rows += _bench_layout(storage, args, layout)
+    return rows
+
+
+def _bench_layout(storage, args, layout: str) -> list[dict[str, Any]]:
+    rows = _bench_local(storage, args, layout)
+    if args.mode in ("async", "both"):
+        with asyncio.Runner() as runner:  # one long-lived loop, as the controller's (TQ pools sockets per loop)
+            rows += _bench_mode(args, "async", layout, lambda k, c: runner.run(_rep_async(storage, k, c)))
+    if args.mode in ("sync", "both"):
+        rows += _bench_mode(args, "sync", layout, lambda k, c: _rep_sync(storage, k, c))
     return rows
 
 
@@ -161,17 +166,30 @@ def _summarize(mode, layout, label, num_rows, columns, times, op_name: str | Non
 
     nbytes = sum(column_nbytes(c) for c in columns.values())
     return [
-        {"mode": mode, "layout": layout, "batch": label, "op": op_name or op, "rows": num_rows, "bytes": nbytes, "reps": len(ts), **_percentiles(ts)}
+        {
+            "mode": mode,
+            "layout": layout,
+            "batch": label,
+            "op": op_name or op,
+            "rows": num_rows,
+            "bytes": nbytes,
+            "reps": len(ts),
+            **_percentiles(ts),
+        }
         for op, ts in times.items()
     ]
 
 
 def _print(rows: list[dict[str, Any]], header: str, out: Callable[[str], None] = print) -> None:
     out(header)
-    out(f"{'mode':<6} {'layout':<6} {'batch':<6} {'op':<17} {'rows':>5} {'bytes':>7} {'reps':>5} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    out(
+        f"{'mode':<6} {'layout':<6} {'batch':<6} {'op':<17} {'rows':>5} {'bytes':>7} {'reps':>5} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}"
+    )
     for r in rows:
         out(
-            f"{r['mode']:<6} {r['layout']:<6} {r['batch']:<6} {r['op']:<17} {r['rows']:>5} {r['bytes']:>7} {r['reps']:>5} "
+            f"{r['mode']:<6} {r['layout']:<6} {r['batch']:<6} {r['op']:<17} {r['rows']:>5} {r['bytes']:>7} "
+            f"{r['reps']:>5} "
             f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['mean_ms']:>8.2f}"
         )
 
