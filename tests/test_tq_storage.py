@@ -55,7 +55,7 @@ def leak_probe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tq_cluster(leak_probe):
-    from replay.transferqueue.runtime import configure_env
+    from replay.transferqueue.common import configure_env
 
     configure_env()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -316,7 +316,7 @@ def test_packed_rows_round_trip_every_dtype_and_empty_rows():
 
 @pytest.mark.tq
 def test_tq_rows_hold_the_bulk_fields_in_one_packed_field(tq_cluster, loop):
-    from replay.transferqueue.runtime import import_transfer_queue
+    from replay.transferqueue.common import import_transfer_queue
     from replay.transferqueue.storage import PACKED_FIELD
 
     tq = import_transfer_queue()
@@ -341,7 +341,7 @@ def test_group_packed_rows_read_back_exactly_in_any_order_and_subset(tq_cluster,
     columns as the in-memory storage, every dtype, 0-length responses, groups of 1 to 16 rows."""
     import random
 
-    from replay.transferqueue.runtime import import_transfer_queue
+    from replay.transferqueue.common import import_transfer_queue
     from replay.transferqueue.storage import PACKED_FIELD
 
     store, mem = new_tq_storage(timeout_s=30.0, group_rows=True), InMemoryRowStorage()
@@ -556,7 +556,8 @@ LEAK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     sys.path.insert(0, sys.argv[1])
-    from replay.transferqueue.runtime import configure_env, start_tq, stop_tq, TQRuntimeError
+    from replay.transferqueue.common import configure_env, TQRuntimeError
+    from replay.transferqueue.runtime import start_tq, stop_tq
     configure_env()
     import psutil, ray, torch
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -642,8 +643,8 @@ def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
         """
         import gc, sys
         from importlib import resources
-        from replay.transferqueue.runtime import pause_gc_until_transfer_queue, worker_process_setup
-        worker_process_setup()
+        from replay.transferqueue.shims import install_shims, pause_gc_until_transfer_queue
+        install_shims()
         assert not gc.isenabled(), "the collector runs during the imports"
         assert not pause_gc_until_transfer_queue(), "paused twice"
         import transfer_queue
@@ -652,7 +653,7 @@ def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
         assert "torch._dynamo" not in sys.modules
         for name in ("transfer_queue", "tensordict"):
             loader = sys.modules[name].__spec__.loader
-            assert type(loader).__module__ != "replay.transferqueue.runtime" and sys.modules[name].__loader__ is loader, (name, loader)
+            assert type(loader).__module__ != "replay.transferqueue.shims" and sys.modules[name].__loader__ is loader, (name, loader)
         assert (resources.files("transfer_queue") / "config.yaml").is_file()
         assert not pause_gc_until_transfer_queue(), "TQ is imported already: nothing to pause for"
         print("OK")
@@ -665,7 +666,7 @@ def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_tran
     out = _python(
         """
         import gc, time
-        from replay.transferqueue.runtime import pause_gc_until_transfer_queue, resume_gc
+        from replay.transferqueue.shims import pause_gc_until_transfer_queue, resume_gc
         assert pause_gc_until_transfer_queue(max_s=0.3) and not gc.isenabled()
         time.sleep(1.0)
         assert gc.isenabled(), "still paused after max_s"
@@ -674,43 +675,5 @@ def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_tran
         print("OK")
         """,
         timeout=60,
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
-
-
-def test_transfer_queues_thread_limiter_changes_the_same_threads_without_reading_sysfs_each_time():
-    """TQ wraps every put/get/clear in a limiter that read the physical core count through psutil
-    (~70 us) each time. Ours reads it once and changes the same thread counts: TQ_NUM_THREADS inside
-    the block (at most the physical cores), and back to TQ's default after, even on an error."""
-    out = _python(
-        """
-        import psutil, torch
-        import replay.transferqueue.storage  # imports TransferQueue the way our processes do
-        import transfer_queue.client as client
-        import transfer_queue.storage.simple_storage as storage_unit
-        import transfer_queue.utils.common as common
-        from replay.transferqueue.runtime import cheaper_thread_limiter
-        limit = client.limit_pytorch_auto_parallel_threads
-        assert storage_unit.limit_pytorch_auto_parallel_threads is limit, "the storage unit keeps TQ's"
-        assert cheaper_thread_limiter() == [], "installed twice"
-        calls = []
-        real = psutil.cpu_count
-        psutil.cpu_count = lambda *a, **k: calls.append(1) or real(*a, **k)
-        cores = real(logical=False)
-        torch.set_num_threads(common.DEFAULT_TORCH_NUM_THREADS)
-        for target in (1, cores, cores + 3, None):
-            with limit(target_num_threads=target, info="test"):
-                want = min(target, cores) if target is not None else min(cores, 16)
-                assert torch.get_num_threads() == want, (target, torch.get_num_threads())
-            assert torch.get_num_threads() == common.DEFAULT_TORCH_NUM_THREADS
-        try:
-            with limit(target_num_threads=1):
-                raise KeyError("x")
-        except KeyError:
-            pass
-        assert torch.get_num_threads() == common.DEFAULT_TORCH_NUM_THREADS
-        assert calls == [], f"psutil read the core count {len(calls)} times"
-        print("OK")
-        """
     )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]

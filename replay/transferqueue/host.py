@@ -1,31 +1,56 @@
-"""TransferQueue's controller and its storage unit in one process (`storage.tq_one_process`).
+"""The one-process host: TransferQueue's controller and its storage unit in one Ray actor process
+(`storage.tq_one_process`, on by default with one storage unit).
 
 `tq.init` makes the controller and each storage unit a Ray actor of its own: a Python process that
-imports torch, Ray and TransferQueue (~2.5 s of CPU on this project's 2-core machine) to run a ZMQ
-server in background threads. TransferQueue uses Ray only to start them and to hand out their
-addresses and its config. With one storage unit, a second process buys nothing: a client asks the
-controller where rows are, then the unit for them, one after the other. `TransferQueueHost` builds
-both from their classes in one actor process, registered under the controller's actor name, and
-answers the Ray calls TransferQueue makes on its controller and storage handles; every attaching
-process finds it as it finds TQ's own controller.
+imports torch, Ray and TransferQueue to run a ZMQ server in background threads. TransferQueue uses Ray
+only to start them and to hand out their addresses and its config. With one storage unit, a second
+process buys nothing: a client asks the controller where rows are, then the unit for them, one after
+the other. `TransferQueueHost` builds both from their classes in one actor process, registered under
+the controller's actor name, and answers the Ray calls TransferQueue makes on its controller and
+storage handles; every attaching process finds it as it finds TQ's own controller.
+(docs/performance.md, "One TransferQueue process, not two", has the start-up it saves.)
 
 The host builds TQ's full config itself (defaults, overrides, the servers' addresses), so the
 process that starts it needs nothing of TransferQueue to create it: the host's process imports
 torch and TransferQueue while the starter imports them too. This module imports neither.
-Checked against TransferQueue 0.1.11; `layout_supported` says whether an installed TransferQueue is
-laid out as this needs (`replay.transferqueue.runtime` falls back to `tq.init` when it is not).
+`replay.transferqueue.runtime` creates the host, then makes it this process's TQ
+(`replay.transferqueue.shims.adopt_controller`). Checked against TransferQueue 0.1.11;
+`layout_supported` says whether an installed TransferQueue is laid out as this needs (`runtime`
+falls back to `tq.init` when it is not).
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from replay.transferqueue.runtime import STORAGE_UNIT_NAME, full_tq_config, import_transfer_queue, tq_sampler_class
+from replay.transferqueue import shims
+from replay.transferqueue.common import STORAGE_UNIT_NAME, import_transfer_queue
 
 # What the host calls on TransferQueue's server classes.
 _CONTROLLER_METHODS = ("get_zmq_server_info", "store_config", "get_config")
 _UNIT_METHODS = ("get_zmq_server_info", "shutdown")
+
+
+def full_tq_config(overrides: dict) -> Any:
+    """TransferQueue's default config with `overrides` merged in, as `tq.init` builds it."""
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(
+        OmegaConf.create({}, flags={"allow_objects": True}),
+        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
+        overrides,
+    )
+
+
+def tq_sampler_class(final: Any) -> type | None:
+    """The sampler class a full TQ config names (`controller.sampler`, one of TQ's), or None."""
+    import transfer_queue.interface as tqi
+
+    name = final.controller.sampler
+    cls = getattr(tqi, name, None) if isinstance(name, str) else None
+    return cls if isinstance(cls, type) else None
 
 
 def plain_class(actor_class: Any) -> type | None:
@@ -37,7 +62,6 @@ def plain_class(actor_class: Any) -> type | None:
 
 def layout_supported() -> bool:
     """Whether the installed TransferQueue has what the host builds on (call after importing it)."""
-    import transfer_queue.interface as tqi
     from transfer_queue.controller import TransferQueueController
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -47,7 +71,7 @@ def layout_supported() -> bool:
         and unit is not None
         and all(hasattr(controller, m) for m in _CONTROLLER_METHODS)
         and all(hasattr(unit, m) for m in _UNIT_METHODS)
-        and all(hasattr(tqi, name) for name in ("_TQ_CONTROLLER", "_TQ_STORAGE", "_maybe_create_tq_client"))
+        and shims.can_adopt_controller()
     )
 
 
@@ -72,7 +96,6 @@ class TransferQueueHost:
             raise ValueError(f"unknown TransferQueue sampler {final.controller.sampler!r}")
         self._controller = plain_class(TransferQueueController)(sampler=sampler(), polling_mode=final.controller.polling_mode)
         unit_conf = dict(final.backend.SimpleStorage)
-        unit_conf["_run_id"] = uuid.uuid4().hex
         unit_cls = plain_class(SimpleStorageUnit)
         self._units = {
             STORAGE_UNIT_NAME.format(i): unit_cls(config=unit_conf) for i in range(int(unit_conf["num_data_storage_units"]))

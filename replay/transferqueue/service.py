@@ -2,7 +2,7 @@
 
 Contract:
   * `serve`: connects to the Ray cluster at `--address` (namespace `sc-grpo-storage`), starts TQ
-    there (`tq_runtime.start_tq`: 1 controller + `--storage-units` units, each a 1-CPU Ray actor),
+    there (`replay.transferqueue.runtime.start_tq`: 1 controller + `--storage-units` units, each a 1-CPU Ray actor),
     prints one `ready` line naming the address, then serves until SIGINT / SIGTERM, when it closes TQ
     (only the creating process may) and disconnects. TQ's actors belong to this process: they live
     exactly as long as it does. Runs use it with `ray.address=ADDRESS storage.attach=true`; each run
@@ -54,13 +54,15 @@ def serve(address: str, storage_units: int, timeout_s: float) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
         try:
-            # TQ's own layout on a cluster: it places the units across the nodes (`storage.tq_one_process` is for one machine)
+            # TQ's own layout on a cluster: it places the units across the nodes
+            # (`storage.tq_one_process` is for one machine)
             info = start_tq(storage_units, timeout_s=timeout_s, one_process=False)
         except (TQRuntimeError, DeadlineExceeded) as e:
             print(f"sc-grpo storage serve: {e}", file=sys.stderr, flush=True)
             return 1
         print(
-            f"sc-grpo storage: ready: TransferQueue ({storage_units} storage unit(s), started in {info.startup_s:.1f}s) "
+            f"sc-grpo storage: ready: TransferQueue ({storage_units} storage unit(s), "
+            f"started in {info.startup_s:.1f}s) "
             f"on the Ray cluster at {address}; runs attach with ray.address={address} storage.attach=true; "
             "Ctrl-C stops it",
             flush=True,

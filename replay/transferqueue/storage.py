@@ -1,4 +1,6 @@
-"""`RowStorage` on TransferQueue's KV API: one partition, one key per row.
+"""`TQRowStorage`: the `RowStorage` the controller and the workers (generation, trainer ranks) read and
+write rows through, on TransferQueue's KV API: one partition, one key per row (or per group, `group_rows`).
+Open it with `replay.transferqueue.factory` (or after `runtime.start_tq` / `attach_tq`).
 
 Contract (on top of `replay.storage.RowStorage`):
   * Every put is checked completely with `validate_put` BEFORE anything reaches TQ: TQ registers
@@ -22,8 +24,8 @@ Contract (on top of `replay.storage.RowStorage`):
   * `statistics()` counts what THIS client moved (puts/gets/clears, rows, tensor bytes); with
     `track_resident`, `resident_rows` counts keys this client put and has not cleared.
 
-Importing this module calls `replay.transferqueue.runtime.configure_env()` before it imports TQ (TQ reads
-`TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
+Importing this module imports TransferQueue the package's way (`replay.transferqueue.common.import_transfer_queue`:
+environment knobs first, TQ reads `TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
 """
 
 from __future__ import annotations
@@ -37,22 +39,23 @@ from typing import Any, Awaitable, Callable, Mapping, NoReturn, Sequence, TypeVa
 import numpy as np
 import torch
 
-from replay.transferqueue.runtime import TQRuntimeError, client_connected, attach_tq, configure_env, import_transfer_queue
+from replay.transferqueue import shims
+from replay.transferqueue.common import TQRuntimeError, client_connected, import_transfer_queue
+from replay.transferqueue.runtime import attach_tq
 
-configure_env()
-tq = import_transfer_queue()  # after configure_env (TQ reads its env at import), without torch._dynamo
+tq = import_transfer_queue()
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from replay.storage import (  # noqa: E402
     ROLLOUT_SCHEMA,
-    StorageWriteError,
     Column,
     Columns,
     FieldSpec,
     StorageError,
     StorageReadError,
     StorageStatistics,
+    StorageWriteError,
     column_nbytes,
     row_bulk_fields,
     validate_put,
@@ -178,7 +181,8 @@ def _unpack_at(specs: Sequence[FieldSpec], wanted: Sequence[str], buf: np.ndarra
         if spec.name not in wanted or (header[:, i] < 0).any():
             continue
         data = torch.from_numpy(buf[_gather(field_start[:, i], sizes[:, i])])  # a fresh, aligned copy
-        flat = data.view(spec.dtype) if data.numel() else torch.empty(0, dtype=spec.dtype)  # (an empty one may have stride 0)
+        # (an empty one may have stride 0)
+        flat = data.view(spec.dtype) if data.numel() else torch.empty(0, dtype=spec.dtype)
         out[spec.name] = list(torch.split(flat, header[:, i].tolist()))
     return out
 
@@ -466,7 +470,9 @@ class TQRowStorage:
                 if name in packed:
                     continue
                 if self.schema[name].jagged:
-                    raise StorageWriteError(f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it")
+                    raise StorageWriteError(
+                        f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it"
+                    )
                 flat = col.detach().contiguous().numpy()
                 bounds = np.cumsum([0, *sizes])
                 data[name] = NonTensorStack(*(flat[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])))
@@ -600,12 +606,10 @@ class TQRowStorage:
         client = tq.get_client()
         if self.partition not in await self._call(client.async_get_partition_list(), "TQ partition list"):
             return False
-        # TQ 0.1.11's public clear_partition() skips a partition without samples ("non-existent"), so
-        # ask the controller directly to drop its (empty) metadata, as clear_partition does last.
-        drop = getattr(client, "_clear_partition_in_controller", None)
+        drop = shims.clear_empty_partition(client, self.partition)
         if drop is None:
             return False
-        await self._call(drop(self.partition), f"TQ drop of the empty partition {self.partition!r}")
+        await self._call(drop, f"TQ drop of the empty partition {self.partition!r}")
         return True
 
     def statistics(self) -> StorageStatistics:

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from replay.transferqueue.runtime import configure_env
+from replay.transferqueue.common import configure_env
 
 
 def make_rows(prefix: str, num_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
@@ -75,7 +75,36 @@ def _shapes(args) -> list[tuple[str, int]]:
     return [("group", 1), ("step", args.groups_per_step)]
 
 
-async def _bench_async(storage, args, layout: str) -> list[dict[str, Any]]:
+# One timed repetition: put, get (the fields a trainer rank reads), clear -> (rows read, 4 time stamps).
+Rep = Callable[[list[str], dict[str, Any]], tuple[dict[str, Any], tuple[float, float, float, float]]]
+
+
+async def _rep_async(storage, keys: list[str], columns: dict[str, Any]):
+    from replay.storage import TRAIN_ROW_FIELDS
+
+    t0 = time.perf_counter()
+    await storage.put_rows(keys, columns)
+    t1 = time.perf_counter()
+    got = await storage.get_rows(keys, TRAIN_ROW_FIELDS)
+    t2 = time.perf_counter()
+    await storage.clear_rows(keys)
+    return got, (t0, t1, t2, time.perf_counter())
+
+
+def _rep_sync(storage, keys: list[str], columns: dict[str, Any]):
+    from replay.storage import TRAIN_ROW_FIELDS
+
+    t0 = time.perf_counter()
+    storage.put_rows_sync(keys, columns)
+    t1 = time.perf_counter()
+    got = storage.get_rows_sync(keys, TRAIN_ROW_FIELDS)
+    t2 = time.perf_counter()
+    storage.clear_rows_sync(keys)
+    return got, (t0, t1, t2, time.perf_counter())
+
+
+def _bench_mode(args, mode: str, layout: str, rep_fn: Rep) -> list[dict[str, Any]]:
+    """Every batch shape of one (mode, layout): `rep_fn` times each repetition, on fresh keys."""
     from replay.storage import TRAIN_ROW_FIELDS
 
     rows = []
@@ -83,41 +112,14 @@ async def _bench_async(storage, args, layout: str) -> list[dict[str, Any]]:
         reps = args.reps_group if label == "group" else args.reps_step
         times: dict[str, list[float]] = {"put": [], "get": [], "clear": []}
         for rep in range(args.warmup + reps):
-            keys, columns = make_rows(f"a{layout}{label}{rep}", num_groups, args.group_size, args.prompt_len, args.response_len, rep)
-            t0 = time.perf_counter()
-            await storage.put_rows(keys, columns)
-            t1 = time.perf_counter()
-            got = await storage.get_rows(keys, TRAIN_ROW_FIELDS)
-            t2 = time.perf_counter()
-            await storage.clear_rows(keys)
-            t3 = time.perf_counter()
-            _check_read(got, columns, TRAIN_ROW_FIELDS, f"async {layout} {label} repetition {rep}")
+            keys, columns = make_rows(
+                f"{mode[0]}{layout}{label}{rep}", num_groups, args.group_size, args.prompt_len, args.response_len, rep
+            )
+            got, stamps = rep_fn(keys, columns)
+            _check_read(got, columns, TRAIN_ROW_FIELDS, f"{mode} {layout} {label} repetition {rep}")
             if rep >= args.warmup:
-                _record(times, t0, t1, t2, t3)
-        rows += _summarize("async", layout, label, len(keys), columns, times)
-    return rows
-
-
-def _bench_sync(storage, args, layout: str) -> list[dict[str, Any]]:
-    from replay.storage import TRAIN_ROW_FIELDS
-
-    rows = []
-    for label, num_groups in _shapes(args):
-        reps = args.reps_group if label == "group" else args.reps_step
-        times: dict[str, list[float]] = {"put": [], "get": [], "clear": []}
-        for rep in range(args.warmup + reps):
-            keys, columns = make_rows(f"s{layout}{label}{rep}", num_groups, args.group_size, args.prompt_len, args.response_len, rep)
-            t0 = time.perf_counter()
-            storage.put_rows_sync(keys, columns)
-            t1 = time.perf_counter()
-            got = storage.get_rows_sync(keys, TRAIN_ROW_FIELDS)
-            t2 = time.perf_counter()
-            storage.clear_rows_sync(keys)
-            t3 = time.perf_counter()
-            _check_read(got, columns, TRAIN_ROW_FIELDS, f"sync {layout} {label} repetition {rep}")
-            if rep >= args.warmup:
-                _record(times, t0, t1, t2, t3)
-        rows += _summarize("sync", layout, label, len(keys), columns, times)
+                _record(times, *stamps)
+        rows += _summarize(mode, layout, label, len(keys), columns, times)
     return rows
 
 
@@ -145,11 +147,17 @@ def run_bench(args, timeout_s: float | None = None) -> list[dict[str, Any]]:
         storage = TQRowStorage(
             f"bench-{layout}", timeout_s=timeout_s or args.timeout_s, track_resident=False, group_rows=layout == "group"
         )
-        rows += _bench_local(storage, args, layout)
-        if args.mode in ("async", "both"):
-            rows += asyncio.run(_bench_async(storage, args, layout))
-        if args.mode in ("sync", "both"):
-            rows += _bench_sync(storage, args, layout)
+        rows += _bench_layout(storage, args, layout)
+    return rows
+
+
+def _bench_layout(storage, args, layout: str) -> list[dict[str, Any]]:
+    rows = _bench_local(storage, args, layout)
+    if args.mode in ("async", "both"):
+        with asyncio.Runner() as runner:  # one long-lived loop, as the controller's (TQ pools sockets per loop)
+            rows += _bench_mode(args, "async", layout, lambda k, c: runner.run(_rep_async(storage, k, c)))
+    if args.mode in ("sync", "both"):
+        rows += _bench_mode(args, "sync", layout, lambda k, c: _rep_sync(storage, k, c))
     return rows
 
 
@@ -158,17 +166,30 @@ def _summarize(mode, layout, label, num_rows, columns, times, op_name: str | Non
 
     nbytes = sum(column_nbytes(c) for c in columns.values())
     return [
-        {"mode": mode, "layout": layout, "batch": label, "op": op_name or op, "rows": num_rows, "bytes": nbytes, "reps": len(ts), **_percentiles(ts)}
+        {
+            "mode": mode,
+            "layout": layout,
+            "batch": label,
+            "op": op_name or op,
+            "rows": num_rows,
+            "bytes": nbytes,
+            "reps": len(ts),
+            **_percentiles(ts),
+        }
         for op, ts in times.items()
     ]
 
 
 def _print(rows: list[dict[str, Any]], header: str, out: Callable[[str], None] = print) -> None:
     out(header)
-    out(f"{'mode':<6} {'layout':<6} {'batch':<6} {'op':<17} {'rows':>5} {'bytes':>7} {'reps':>5} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    out(
+        f"{'mode':<6} {'layout':<6} {'batch':<6} {'op':<17} {'rows':>5} {'bytes':>7} {'reps':>5} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}"
+    )
     for r in rows:
         out(
-            f"{r['mode']:<6} {r['layout']:<6} {r['batch']:<6} {r['op']:<17} {r['rows']:>5} {r['bytes']:>7} {r['reps']:>5} "
+            f"{r['mode']:<6} {r['layout']:<6} {r['batch']:<6} {r['op']:<17} {r['rows']:>5} {r['bytes']:>7} "
+            f"{r['reps']:>5} "
             f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['mean_ms']:>8.2f}"
         )
 

@@ -204,7 +204,7 @@ class ControllerService:
     async def _ray_workers(self):
         """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
         # TQ itself is imported on the storage thread: the worker processes start first
-        from replay.transferqueue.runtime import attach_tq_storage, open_tq_storage
+        from replay.transferqueue.factory import attach_tq_storage, open_tq_storage
         from single_controller.backends.registry import start_workers
 
         cfg = self.cfg

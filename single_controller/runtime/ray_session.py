@@ -45,7 +45,7 @@ __all__ = ["RaySession", "ray_session", "worker_env", "prepare_environment", "ne
 
 T = TypeVar("T")
 
-WORKER_SETUP_HOOK = "replay.transferqueue.runtime.worker_process_setup"
+WORKER_SETUP_HOOK = "replay.transferqueue.shims.install_shims"
 DEFAULT_GRACE_S = 25.0  # first interrupt -> forced exit after this long; keeps Ctrl-C under 30 s
 _WAIT_EXIT_S = 5.0  # after ray.shutdown, how long the session's processes get to exit on their own
 _TERM_S = 2.0  # SIGTERM -> SIGKILL for stragglers
@@ -340,7 +340,7 @@ def ray_session(
     e.g. `worker_env(cfg.backend.torch_threads)`. `setup_hook` ("module.function") runs in every
     worker process before its actor class loads (Ray's `worker_process_setup_hook`); by default
     TransferQueue is imported there without torch._dynamo, and with the cyclic collector paused until
-    it is in (`replay.transferqueue.runtime.worker_process_setup`).
+    it is in (`replay.transferqueue.shims.install_shims`).
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
     `cfg.ray_observability`, does it keep Ray's own task events, metrics and event-loop statistics

@@ -1,0 +1,41 @@
+"""How a run opens its TransferQueue storage: the two calls the controller makes.
+
+  * `open_tq_storage(cfg, timeouts, partition)`: in the controller, start TQ (or attach to one, per
+    `storage.attach`) and return the run's `TQRowStorage`.
+  * `attach_tq_storage(partition, timeout_s, group_rows)`: the workers' storage factory; a worker
+    calls it in its own process to attach and open the same partition.
+
+Importing this module imports neither torch nor TransferQueue (`replay.transferqueue.storage` does,
+so it is imported inside the calls): the controller pickles `attach_tq_storage` by reference and
+starts its workers before it imports TQ itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replay.transferqueue.runtime import attach_tq, start_tq
+from single_controller.config.schema import StorageConfig, TimeoutConfig
+
+if TYPE_CHECKING:
+    from replay.transferqueue.storage import TQRowStorage
+
+
+def attach_tq_storage(partition: str, timeout_s: float, group_rows: bool = False) -> TQRowStorage:
+    """`TQRowStorage.attach(partition, timeout_s=..., group_rows=...)`, importable without importing TQ."""
+    from replay.transferqueue.storage import TQRowStorage
+
+    return TQRowStorage.attach(partition, timeout_s=timeout_s, group_rows=group_rows)
+
+
+def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None) -> TQRowStorage:
+    """Start or attach (per `cfg.attach`) and return the row storage of `partition` (default
+    `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`)."""
+    if cfg.attach:
+        attach_tq(timeouts.setup_s)
+    else:
+        start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s, one_process=cfg.tq_one_process)
+    # imports TransferQueue: after TQ's processes were created
+    from replay.transferqueue.storage import TQRowStorage
+
+    return TQRowStorage(partition or cfg.partition, timeout_s=timeouts.storage_s, group_rows=cfg.pack_groups)
