@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from single_controller.config import environment, fields, reference
-from single_controller.config.schema import Config, required_capacity, resolved_capacity
 from single_controller.config.loader import (
     BOUNDS,
     CHOICES,
@@ -21,6 +20,7 @@ from single_controller.config.loader import (
     load_config,
     readme_reference,
 )
+from single_controller.config.schema import Config, required_capacity, resolved_capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -424,3 +424,19 @@ def test_a_backend_whose_package_is_missing_names_its_extra(monkeypatch):
     assert "sc_grpo_absent_pkg" in problem.message and "'.[megatron]'" in problem.message
     with pytest.raises(ConfigError, match=r"install the `megatron` extra"):
         environment.check_environment(cfg)
+
+
+def test_the_config_package_uses_no_private_api_of_its_libraries():
+    """OmegaConf's (or anyone's) private names change without notice: `_set_flag`, `_get_node`..."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "single_controller/config").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or "", *(a.name for a in node.names)]
+            bad += [f"{path.name}:{node.lineno}: {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert bad == []

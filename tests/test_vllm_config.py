@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config import environment
 from single_controller.backends import registry
+from single_controller.config import environment
 from single_controller.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

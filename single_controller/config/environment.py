@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from single_controller.backends import registry
 from single_controller.backends.common import hf_model

@@ -13,7 +13,8 @@ import dataclasses
 import inspect
 import types
 import typing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import annotated_types as at
 
@@ -147,7 +148,11 @@ def all_paths(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def default_of(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"config field {f.name!r} has no default")
 
 
 def get(cfg: Any, path: str) -> Any:

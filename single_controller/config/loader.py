@@ -27,8 +27,9 @@ import dataclasses
 import difflib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -78,7 +79,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     problems: list[Problem] = []
     failed: set[str] = set()  # paths whose value was rejected: the rules' findings on them are left out
     sources: dict[str, str] = {}  # leaf path -> the file or override that set it last
-    merged = OmegaConf.create(_plain(Config()))
+    merged: DictConfig | ListConfig = OmegaConf.create(_plain(Config()))
     for source, layer in _layers(path, overrides, problems):
         known = _known_keys(layer, Config, "", source, problems, failed, sources)
         merged = OmegaConf.merge(merged, known)
@@ -214,7 +215,7 @@ def _unknown_key_message(path: str, cls: type, prefix: str) -> str:
     return f"{path}: unknown key {where}; {hint}"
 
 
-def _resolve(merged: DictConfig, problems: list[Problem], failed: set[str]) -> dict[str, Any]:
+def _resolve(merged: DictConfig | ListConfig, problems: list[Problem], failed: set[str]) -> dict[str, Any]:
     """The merged tree as plain nested dicts, resolving leaf by leaf so each bad interpolation is
     reported (and replaced by the field's default), not just the first."""
     values: dict[str, Any] = {}

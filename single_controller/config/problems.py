@@ -8,8 +8,8 @@ readable multi-line report the CLI prints (no traceback needed).
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["ConfigError", "Problem"]
 

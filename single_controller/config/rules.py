@@ -14,8 +14,8 @@ directory) is `config.environment`'s, checked only by `sc-grpo run`.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from single_controller.config.problems import Problem
 from single_controller.config.schema import Config, eval_max_new_tokens, required_capacity

@@ -12,7 +12,7 @@ defaults elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Interval
 
@@ -36,7 +36,7 @@ class RunConfig:
     """Where run directories are created (resolved config, metrics.jsonl, checkpoint, plot)."""
     max_steps: PositiveInt = 400
     """Number of RL steps (= optimizer steps) to train at most."""
-    stop_at_success_rate: Optional[Fraction] = None
+    stop_at_success_rate: Fraction | None = None
     """Stop early once the moving average of the trained groups' success rate reaches this (null: never)."""
     success_window: PositiveInt = 5
     """Number of steps in the moving average used by `stop_at_success_rate`."""
@@ -74,9 +74,9 @@ class ModelConfig:
     """Longest prompt + response the model accepts (learned absolute positions)."""
     init_std: Positive = 0.02
     """Std of the normal initialisation of weights."""
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
-    path: Optional[str] = None
+    path: str | None = None
     """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
     loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
     create: bool = False
@@ -174,7 +174,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    capacity_groups: Optional[PositiveInt] = None
+    capacity_groups: PositiveInt | None = None
     """Prompt groups resident at once (reserved, in flight, stored, training); null: the least that the
     lookahead needs, (L + 1) * groups_per_step."""
 
@@ -305,11 +305,11 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    address: Optional[str] = None
+    address: str | None = None
     """Attach to this Ray cluster (e.g. `auto`, `HEAD_IP:6379` or `ray://host:10001`); null starts a
     local one. Each run gets its own Ray namespace, `sc-grpo-<run id>`, so runs sharing a cluster
     never collide on actor names."""
-    num_cpus: Optional[PositiveInt] = None
+    num_cpus: PositiveInt | None = None
     """Logical CPUs of a local Ray (null: enough for TQ + workers + controller, whatever the core count)."""
     ray_observability: bool = False
     """A local Ray's own task events (its state API's task list, `ray.timeline()`), its own metrics and
@@ -339,7 +339,7 @@ class EvalConfig:
     """Evaluate the policy on held-out prompts while training goes on (the eval pump; no drain)."""
     every_steps: PositiveInt = 10
     """Evaluate every this many policy versions (optimizer steps), plus at the start and the end of the run."""
-    dataset: Optional[str] = None
+    dataset: str | None = None
     """Held-out prompts: null is the task's held-out split (`<task>.held_out` for the built-in digit
     tasks, never used for training); or a registered name (`reverse_digits.held_out`,
     `copy_digits.held_out`) or `module:function` returning `Prompt`s for (num_prompts, num_digits, seed)."""
@@ -352,7 +352,7 @@ class EvalConfig:
     """Eval sampling temperature; 0 is greedy (argmax). Must be > 0 when num_samples > 1."""
     top_p: Fraction = 1.0
     """Eval nucleus sampling mass (1.0 = full vocabulary; ignored when greedy)."""
-    max_new_tokens: Optional[PositiveInt] = None
+    max_new_tokens: PositiveInt | None = None
     """Tokens generated per eval completion at most (null: rollout.max_new_tokens)."""
     max_retries: Count = 2
     """Re-issues of one eval request after generation failures before that eval point is abandoned
