@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from single_controller.config import loader as config_loader
-from single_controller.config.schema import Config, required_capacity, resolved_capacity
+from single_controller.config import environment, fields, reference
 from single_controller.config.loader import (
     BOUNDS,
     CHOICES,
@@ -21,6 +20,7 @@ from single_controller.config.loader import (
     load_config,
     readme_reference,
 )
+from single_controller.config.schema import Config, required_capacity, resolved_capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -74,7 +74,7 @@ def test_shipped_yaml_holds_only_differences_from_the_defaults(path: Path):
     same = [
         key
         for key, value in _leaves(data)
-        if value == config_loader._get(defaults, key)
+        if value == fields.get(defaults, key)
     ]
     assert same == [], f"{path.name} restates defaults: {same}"
 
@@ -338,8 +338,8 @@ def test_config_to_yaml_round_trips(path: Path, tmp_path):
 
 def _numeric_leaf_paths() -> list[str]:
     out = []
-    for path, _, tp in config_loader._leaf_fields():
-        inner, _ = config_loader._unwrap_optional(tp)
+    for path, _, tp in fields.leaf_fields():
+        inner = fields.base_type(tp)
         if inner in (int, float) or typing.get_origin(inner) is tuple:
             out.append(path)
     return out
@@ -352,12 +352,12 @@ def test_every_numeric_field_has_declared_bounds():
 def test_choices_name_real_fields_and_defaults_are_valid_choices():
     defaults = Config()
     for path, choices in CHOICES.items():
-        assert config_loader._get(defaults, path) in choices
+        assert fields.get(defaults, path) in choices
 
 
 def test_reference_documents_every_field():
     md = config_reference_markdown()
-    for path, f, _ in config_loader._leaf_fields():
+    for path, f, _ in fields.leaf_fields():
         section = path.rsplit(".", 1)[0] if "." in path else None
         assert f"| `{f.name}` |" in md, path
         if section:
@@ -371,7 +371,7 @@ def test_reference_documents_every_field():
 def test_readme_config_reference_is_in_sync():
     readme = (ROOT / "README.md").read_text()
     assert readme_reference(readme) == config_reference_markdown(), (
-        "README.md is stale: run `python -m single_controller.config.loader --write-readme`"
+        "README.md is stale: run `python -m single_controller.config.reference --write-readme`"
     )
 
 
@@ -380,13 +380,13 @@ def test_write_readme_rewrites_only_the_marked_section(tmp_path):
     readme.write_text(
         "# T\nintro\n<!-- config-reference:start -->\nold stuff\n<!-- config-reference:end -->\ntail\n"
     )
-    assert config_loader.main(["--write-readme", str(readme)]) == 0
+    assert reference.main(["--write-readme", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# T\nintro\n<!-- config-reference:start -->\n")
     assert text.endswith("<!-- config-reference:end -->\ntail\n")
     assert "old stuff" not in text
     assert readme_reference(text) == config_reference_markdown()
-    assert config_loader.write_readme_reference(readme) is False  # idempotent
+    assert reference.write_readme_reference(readme) is False  # idempotent
 
 
 @pytest.mark.parametrize(
@@ -409,7 +409,7 @@ def test_names_that_do_not_resolve_are_config_errors_before_anything_starts(over
 
 
 def test_default_backends_need_nothing_more():
-    assert config_loader.environment_problems(Config()) == []
+    assert environment.environment_problems(Config()) == []
 
 
 def test_a_backend_whose_package_is_missing_names_its_extra(monkeypatch):
@@ -419,8 +419,24 @@ def test_a_backend_whose_package_is_missing_names_its_extra(monkeypatch):
         registry.TRAINER_BACKENDS, "megatron", registry.BackendEntry("sc_grpo_absent.ray_workers:start", ("sc_grpo_absent_pkg",), "megatron")
     )
     cfg = load_config(None, ["backend.trainer=megatron"])  # loading never needs the package
-    (problem,) = config_loader.environment_problems(cfg)
+    (problem,) = environment.environment_problems(cfg)
     assert problem.paths == ("backend.trainer",)
     assert "sc_grpo_absent_pkg" in problem.message and "'.[megatron]'" in problem.message
-    with pytest.raises(config_loader.ConfigError, match=r"install the `megatron` extra"):
-        config_loader.check_environment(cfg)
+    with pytest.raises(ConfigError, match=r"install the `megatron` extra"):
+        environment.check_environment(cfg)
+
+
+def test_the_config_package_uses_no_private_api_of_its_libraries():
+    """OmegaConf's (or anyone's) private names change without notice: `_set_flag`, `_get_node`..."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "single_controller/config").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or "", *(a.name for a in node.names)]
+            bad += [f"{path.name}:{node.lineno}: {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert bad == []

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config import loader as config_loader
-from single_controller.config.schema import Config
+from single_controller.config import fields
 from single_controller.config.loader import load_config
+from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def test_every_example_config_loads_and_states_only_differences(name, monkeypatc
     path = EXAMPLES / name / "config.yaml"
     assert isinstance(load_config(str(path), []), Config)
     data = yaml.safe_load(path.read_text())
-    same = [k for k, v in _leaves(data) if v == config_loader._get(Config(), k)]
+    same = [k for k, v in _leaves(data) if v == fields.get(Config(), k)]
     assert same == [], f"{name} restates defaults: {same}"
 
 

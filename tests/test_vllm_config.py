@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config import loader as config_loader
 from single_controller.backends import registry
+from single_controller.config import environment
 from single_controller.config.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def env_problems(*overrides: str) -> str:
     with pytest.raises(ConfigError) as e:
-        config_loader.check_environment(load_config(None, list(overrides)))
+        environment.check_environment(load_config(None, list(overrides)))
     return " ".join(str(e.value).split())  # the report is wrapped at 100 columns
 
 
@@ -41,7 +41,7 @@ def test_vllm_on_cuda_without_the_extra_names_the_gpu_extra(no_vllm, tmp_path):
 def model_problems(*overrides: str) -> str:
     """The model-directory problems only (whether vLLM itself is installed does not matter here)."""
     cfg = load_config(None, list(overrides))
-    return " | ".join(p.message for p in config_loader.environment_problems(cfg) if "model.path" in p.paths)
+    return " | ".join(p.message for p in environment.environment_problems(cfg) if "model.path" in p.paths)
 
 
 def test_model_dir_problems_for_vllm(tmp_path):

