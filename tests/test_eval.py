@@ -497,8 +497,9 @@ def test_eval_dataset_with_no_prompts_or_no_held_out_split_is_refused(monkeypatc
     with pytest.raises(ConfigError, match="gave no prompts") as info:
         load_config(None, ["eval.enabled=true", "eval.dataset=_sc_eval_empty:none"])
     assert "1 problem" in str(info.value)
-    with pytest.raises(ConfigError, match="has no registered held-out split"):
+    with pytest.raises(ConfigError) as info:
         load_config(None, ["eval.enabled=true", "task.name=single_controller.data.tasks:reverse_digits"])
+    assert "has no registered held-out split" in " ".join(str(info.value).split())  # the message wraps
     with pytest.raises(ConfigError) as info:
         load_config(None, ["eval.num_samples=4"])
     assert "greedy samples of a prompt are all the same" in " ".join(str(info.value).split())
