@@ -440,3 +440,10 @@ def test_the_config_package_uses_no_private_api_of_its_libraries():
                 names = [node.module or "", *(a.name for a in node.names)]
             bad += [f"{path.name}:{node.lineno}: {n}" for n in names if n.startswith("_") and not n.startswith("__")]
     assert bad == []
+
+
+def test_a_number_given_for_a_text_field_is_that_text():
+    cfg = load_config(None, ["run.name=2024", "model.path=7"])
+    assert cfg.run.name == "2024" and cfg.model.path == "7"
+    with pytest.raises(ConfigError, match="run.max_steps: expected int"):
+        load_config(None, ["run.max_steps=abc"])

@@ -27,6 +27,8 @@ import dataclasses
 import difflib
 import json
 import os
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -254,6 +256,7 @@ def _lookup(tree: dict[str, Any], path: str) -> Any:
 def _validate(values: dict[str, Any], problems: list[Problem], failed: set[str], sources: dict[str, str]) -> Config:
     """The `Config` of `values`; each rejected field is a problem and is judged by the rules with its
     default instead (their findings on it are left out)."""
+    _numbers_as_text(values)
     try:
         return _CONFIG.validate_json(json.dumps(values), strict=True)
     except ValidationError as e:
@@ -266,6 +269,22 @@ def _validate(values: dict[str, Any], problems: list[Problem], failed: set[str],
         failed.add(path)
         _put(values, path, _plain_default(_LEAVES[path][0]))
     return _CONFIG.validate_json(json.dumps(values), strict=True)
+
+
+def _accepts_text(tp: Any) -> bool:
+    """A plain text field (`str`, `str | None`), not a choice."""
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
+
+
+def _numbers_as_text(values: dict[str, Any]) -> None:
+    """A number given for a text field is that text (`run.name=2024`), as YAML cannot tell them apart."""
+    for path, (_, tp) in _LEAVES.items():
+        try:
+            value = _lookup(values, path)
+        except (KeyError, TypeError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and _accepts_text(tp):
+            _put(values, path, str(value))
 
 
 def _value_message(path: str, err: Any, value: Any) -> str:
