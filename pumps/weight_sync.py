@@ -20,8 +20,9 @@ every worker has applied it.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
-from replay.ledger import GroupState
+from replay.ledger import GroupRecord
 from single_controller.channels import Channel
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorkerDied, version_gated
@@ -101,15 +102,9 @@ def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
     _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.trainer_version))
 
 
-def _abort_in_flight(state: RunState, reason: str, which) -> None:
-    """Cancel the in-flight rollouts `which(rec)` selects; the rollout pump discards what they
+def _abort_in_flight(state: RunState, reason: str, which: Callable[[GroupRecord], bool]) -> None:
+    """Abort the in-flight rollouts `which(rec)` selects; the rollout pump discards what they
     wrote and re-dispatches their prompts."""
-    aborted = 0
-    for group_id, task in list(state.in_flight_tasks.items()):
-        rec = state.ledger[group_id]
-        if rec.state is GroupState.RESERVED and not rec.abort_reason and which(rec):
-            rec.abort_reason = reason
-            task.cancel()
-            aborted += 1
+    aborted = state.abort_rollouts(reason, which)
     state.sampler.record_aborted(aborted)
     state.sync.aborted_in_flight += aborted

@@ -159,7 +159,7 @@ class RunState:
         self.select_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the latest
         self.sync = SyncRecord()
         self.teardown_errors: list[str] = []
-        self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
+        self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its task, while it awaits its worker
         self.down_workers: dict[str, str] = {}  # generation worker name -> why it is out of routing
         self.restarting: set[str] = set()
         self.given_up: set[str] = set()  # dead workers that will not be restarted again
@@ -291,6 +291,24 @@ class RunState:
 
     def in_flight(self) -> int:
         return self.ledger.count(GroupState.RESERVED)
+
+    def abort_rollouts(self, reason: str, which: Callable[[GroupRecord], bool] = lambda rec: True, *, relabel: bool = False) -> int:
+        """Abort the rollouts in flight that `which(rec)` selects and that no abort marked yet: each is
+        marked with `reason` and, while its worker call is under way, its task is cancelled; the
+        rollout pump discards it, not as an error (a group not started yet sees the mark and never
+        calls its worker). `relabel` (the run's end): the ones marked already take `reason` too.
+        Returns how many were aborted now."""
+        aborted = 0
+        for rec in self.ledger.in_state(GroupState.RESERVED):
+            if rec.abort_reason is None and which(rec):
+                rec.abort_reason = reason
+                task = self.in_flight_tasks.get(rec.group_id)
+                if task is not None:
+                    task.cancel()
+                aborted += 1
+            elif relabel and rec.abort_reason is not None:
+                rec.abort_reason = reason
+        return aborted
 
     # -- generation worker health ------------------------------------------------------------------
     def routable(self) -> list[GenerationWorker]:

@@ -748,47 +748,36 @@ async def test_the_ledger_forgets_finished_steps():
     assert len(led._live_by_step) <= 3 and len(led._open_by_step) <= 3, (dict(led._live_by_step), dict(led._open_by_step))
 
 
-# -- requests without a task of their own (`protocols.Submitting`) ----------------------------------
-class _NoSubmit:
-    """A sim worker seen without its `submit`: the rollout pump runs a task per request."""
+# -- a cancelled request writes nothing more before its rows are cleared -------------------------
+class Withdrawing:
+    """A sim worker whose cancelled `generate` takes a while to be sure it writes nothing more, then
+    records ("withdrawn", group id) in `events`. Requests `hold(request)` picks are never answered;
+    `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
         self.inner, self.name = inner, inner.name
+        self.events = events
+        self.hold, self.self_cancel = hold, self_cancel
+        self.held: list[str] = []
 
     async def generate(self, request):
-        return await self.inner.generate(request)
+        if self.self_cancel(request):
+            raise asyncio.CancelledError()
+        try:
+            if self.hold(request):
+                self.held.append(request.group_id)
+                await asyncio.Event().wait()
+            return await self.inner.generate(request)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)
+            self.events.append(("withdrawn", request.group_id))
+            raise
 
     async def update_weights(self, weights):
         await self.inner.update_weights(weights)
 
     async def in_flight(self):
         return await self.inner.in_flight()
-
-
-class Submitter(_NoSubmit):
-    """A `Submitting` worker over a sim worker's `generate` (each submission runs it as a task) that
-    records its withdrawals in `events`. Submissions `hold(request)` picks are never answered;
-    `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
-
-    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
-        super().__init__(inner)
-        self.events = events
-        self.hold, self.self_cancel = hold, self_cancel
-        self.held: list[str] = []
-
-    def submit(self, request):
-        loop = asyncio.get_running_loop()
-        if self.hold(request):
-            self.held.append(request.group_id)
-            return loop.create_future()
-        fut = asyncio.ensure_future(self.inner.generate(request))
-        if self.self_cancel(request):
-            loop.call_soon(fut.cancel)
-        return fut
-
-    async def withdraw(self, request, future):
-        await asyncio.sleep(0.01)  # the worker takes a while to be sure it writes nothing more
-        self.events.append(("withdrawn", request.group_id))
 
 
 class RecordingClears(InMemoryRowStorage):
@@ -801,10 +790,10 @@ class RecordingClears(InMemoryRowStorage):
         await super().clear_rows(keys)
 
 
-def _submitters(cfg, events, **kw):
+def _withdrawing(cfg, events, **kw):
     storage = RecordingClears(events)
     inner, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001)
-    gens = [Submitter(g, events, **kw) for g in inner]
+    gens = [Withdrawing(g, events, **kw) for g in inner]
     return Controller(cfg, sim_prompts(), storage, Workers(gens, trainer)), gens, trainer, storage
 
 
@@ -812,10 +801,10 @@ def _withdrawn_before_cleared(events, gid):
     return events.index(("withdrawn", gid)) < events.index(("cleared", gid))
 
 
-async def test_a_submitted_request_past_its_deadline_is_withdrawn_before_its_rows_are_cleared_and_retried():
+async def test_a_request_past_its_deadline_is_withdrawn_before_its_rows_are_cleared_and_retried():
     events: list = []
     cfg = make_cfg(steps=4, P=2, L=1, timeouts={"generate_s": 0.2})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id == "p000002-a0")
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id == "p000002-a0")
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 4
     assert [g for w in gens for g in w.held] == ["p000002-a0"]
@@ -825,12 +814,12 @@ async def test_a_submitted_request_past_its_deadline_is_withdrawn_before_its_row
     await assert_clean_end(ctl, trainer, storage)
 
 
-async def test_an_aborted_submission_is_withdrawn_before_its_rows_are_cleared():
-    """The stale in-flight rule cancels a submitted request: discarded as aborted (not an error),
+async def test_an_aborted_request_is_withdrawn_before_its_rows_are_cleared():
+    """The stale in-flight rule cancels a request: discarded as aborted (not an error),
     after the worker's withdrawal."""
     events: list = []
     cfg = make_cfg(steps=6, P=2, L=1, S=1, chunk=1, order="fifo", sampler={"abort_stale_in_flight": True})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id == "p000000-a0")
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id == "p000000-a0")
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 6
     assert _withdrawn_before_cleared(events, "p000000-a0")
@@ -839,10 +828,10 @@ async def test_an_aborted_submission_is_withdrawn_before_its_rows_are_cleared():
     await assert_clean_end(ctl, trainer, storage)
 
 
-async def test_submissions_still_in_flight_when_the_run_fails_are_withdrawn():
+async def test_requests_still_in_flight_when_the_run_fails_are_withdrawn():
     events: list = []
     cfg = make_cfg(steps=6, P=2, L=1, train={"max_step_retries": 0})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id in ("p000004-a0", "p000005-a0"))
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id in ("p000004-a0", "p000005-a0"))
     trainer.faults.train_fail.add((1, 0, 0))
     with pytest.raises(RunFailed, match="injected trainer failure"):
         await asyncio.wait_for(ctl.run(), 30)
@@ -851,52 +840,8 @@ async def test_submissions_still_in_flight_when_the_run_fails_are_withdrawn():
     assert ctl.state.teardown_errors == []
 
 
-async def test_a_worker_that_cancels_a_submission_itself_stops_the_run_naming_it():
+async def test_a_worker_that_cancels_a_request_itself_stops_the_run_naming_it():
     events: list = []
-    ctl, gens, trainer, storage = _submitters(make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0")
+    ctl, gens, trainer, storage = _withdrawing(make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0")
     with pytest.raises(RunFailed, match=r"cancelled the request of p000001-a0 itself"):
         await asyncio.wait_for(ctl.run(), 30)
-
-
-@pytest.mark.parametrize("writes_rows", [False, True])
-async def test_submitted_requests_train_what_a_task_per_request_trains(writes_rows):
-    """The sim worker's plain submissions (no rows written: one future on the engine's queue) and
-    its other ones (a task running generate) train exactly what requests awaited by a task train."""
-    from single_controller.protocols import Submitting
-
-    async def run(submit):
-        storage = InMemoryRowStorage()
-        gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001,
-                                    workers_write_rows=writes_rows, trainer_reads_rows=writes_rows)
-        workers = gens if submit else [_NoSubmit(g) for g in gens]
-        assert all(isinstance(w, Submitting) == submit for w in workers)
-        ctl = Controller(make_cfg(steps=5, P=3, L=0, chunk=3), sim_prompts(), storage, Workers(workers, trainer))
-        summary = await asyncio.wait_for(ctl.run(), 30)
-        assert summary.steps == 5 and ctl.state.ledger.resident() == 0
-        assert [await g.in_flight() for g in gens] == [0, 0]
-        return trainer.trained, sorted(x for g in gens for x in g.generated)
-
-    assert await run(True) == await run(False)
-
-
-async def test_a_submission_that_ends_while_the_pump_stops_is_left_to_the_pumps_withdrawal():
-    """Its follow-up cannot start in a task group that takes no more tasks: it goes back to the
-    pump's in-flight submissions, which the pump withdraws on its way out (no error escapes into
-    the event loop's handler, none is recorded)."""
-    import types
-
-    from pumps import rollout
-    from single_controller.protocols import GenerationFailed
-
-    async with asyncio.TaskGroup() as finished:
-        pass
-    submitted = rollout._Submitted()
-    submitted.children = finished
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_exception(GenerationFailed("the engine failed"))
-    worker, rec = types.SimpleNamespace(name="w"), types.SimpleNamespace(group_id="p1-a0", abort_reason=None)
-    submitted.pending["p1-a0"] = (worker, "request", fut)
-    state = types.SimpleNamespace(in_flight_tasks={}, teardown_errors=[])
-    rollout._submission_done(state, submitted, {id(worker): 1}, worker, rec, "request", None, 0.0, fut)
-    assert submitted.pending == {"p1-a0": (worker, "request", fut)}
-    assert state.in_flight_tasks == {} and state.teardown_errors == []
