@@ -536,8 +536,7 @@ class SimTrainerGroup:
             if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
                 raise RuntimeError(f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)")
         if self.group_s:
-            # a chunk holds whole groups: one row of each ends in "_g0" (counted at C speed)
-            n_groups = max(1, ("\n".join(chunk.row_keys) + "\n").count("_g0\n"))
+            n_groups = max(1, sum(k.endswith("_g0") for k in chunk.row_keys))  # a chunk holds whole groups
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
         if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
