@@ -127,12 +127,12 @@ async def eval_pump(
             # or the run was interrupted.
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
-            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state) or state.abandon_open_step)
-            if state.abandon_open_step or (_training_over(state) and evaluated == state.policy_version):
+            await state.changed.wait_until(lambda: state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step)
+            if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.policy):
                 break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
             clk.iterations += 1
-            evaluated = point.version if point is not None else state.policy_version
+            evaluated = point.version if point is not None else state.versions.policy
             due = (evaluated // cfg.every_steps + 1) * cfg.every_steps
             if point is not None:
                 tracker.points.append(point)
@@ -147,13 +147,13 @@ async def eval_pump(
 
 def _training_over(state: RunState) -> bool:
     """No weight update can come any more: the policy version is final."""
-    return state.train_done and state.pumps["weight_sync"].finished
+    return state.stop.train_done and state.pumps["weight_sync"].finished
 
 
 async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int) -> EvalPoint | None:
     """Evaluate until every prompt has a result served by one version; None if abandoned."""
     t0 = state.clock()
-    target = state.policy_version
+    target = state.versions.policy
     tracker.evaluating_version = target
     accepted: dict[int, GenerationResult] = {}  # prompt index -> result served by `target`
     attempts = [0] * len(prompts)
@@ -163,7 +163,7 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
     abandoned: str | None = None
     try:
         async with asyncio.TaskGroup() as requests:
-            interrupted = requests.create_task(state.changed.wait_until(lambda: state.abandon_open_step))
+            interrupted = requests.create_task(state.changed.wait_until(lambda: state.stop.abandon_open_step))
 
             def issue(i: int) -> None:
                 req = GenerationRequest(f"eval{index}-{prompts[i].prompt_id}-a{attempts[i]}", prompts[i], sampling, eval=True)
@@ -231,10 +231,10 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     """One eval request to routable worker `route` (mod their number); a generation failure or a
     missed deadline is returned, not raised (a dead worker is also taken out of routing)."""
     # A dead worker may be restarting (by the rollout pump, which restarts no one once it has exited).
-    await state.changed.wait_until(lambda: bool(state.routable()) or state.rollout_done)
+    await state.changed.wait_until(lambda: bool(state.routable()) or state.stop.rollout_done)
     routable = state.routable()
     if not routable:
-        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.down_workers}")
+        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.health.down}")
     worker = routable[route % len(routable)]
     t0 = state.clock()
     try:

@@ -60,10 +60,10 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     lambda: _admissible(state) or _finished(state) or bool(_needs_restart(state)), PUMP, "admission"
                 )
                 for w in _needs_restart(state):
-                    state.restarting.add(w.name)
+                    state.health.restarting.add(w.name)
                     children.create_task(_restart(state, w), name=f"restart {w.name}")
                 if _finished(state):
-                    if state.stopping:  # the groups still in flight are discarded as the task group closes
+                    if state.stop.requested:  # the groups still in flight are discarded as the task group closes
                         state.abort_rollouts("run_ended", relabel=True)
                     break
                 if _admissible(state):
@@ -72,7 +72,7 @@ async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> 
                     # not held up behind the start of a whole step's worth of requests)
                     await asyncio.sleep(0)
     finally:
-        state.rollout_done = True
+        state.stop.rollout_done = True
         state.pumps[PUMP].finished = True
         state.notify()
 
@@ -82,7 +82,7 @@ def _dispatch_slice(
 ) -> None:
     """Dispatch up to DISPATCH_SLICE admissible groups, each to the least-loaded routable worker
     (ties: the first in routing order), and tell the other pumps once."""
-    led, version = state.ledger, state.dispatch_version
+    led, version = state.ledger, state.versions.dispatch
     routable = state.routable()
     budget = min(DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident())
     for _ in range(budget):
@@ -101,11 +101,11 @@ def _dispatch_slice(
 
 
 def _needs_restart(state: RunState) -> list[GenerationWorker]:
-    if not state.down_workers:  # the common case, checked on every state change
+    if not state.health.down:  # the common case, checked on every state change
         return []
     return [
         w for w in state.workers.generators
-        if w.name in state.down_workers and w.name not in state.restarting and w.name not in state.given_up
+        if w.name in state.health.down and w.name not in state.health.restarting and w.name not in state.health.given_up
     ]
 
 
@@ -116,38 +116,38 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
     try:
         if not isinstance(worker, Restartable):
             raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
-        if state.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
+        if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
             raise GenerationFailed(f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts")
-        state.restarts_of[worker.name] += 1
-        applied = state.latest_weights
+        state.health.restarts_of[worker.name] += 1
+        applied = state.versions.latest_weights
         await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
-        while state.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
-            applied = state.latest_weights
+        while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
+            applied = state.versions.latest_weights
             await within(worker.update_weights(applied), cfg.timeouts.weight_sync_s, f"generation worker {worker.name}: update_weights(v{applied.version}) after restart")
     except Exception as e:
-        if not [w for w in state.routable() if w is not worker] and not state.restarting - {worker.name}:
+        if not [w for w in state.routable() if w is not worker] and not state.health.restarting - {worker.name}:
             raise NoGenerationWorkers(
-                f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.down_workers.items())}; "
+                f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
                 f"restarting {worker.name} failed: {type(e).__name__}: {e}"
             ) from e
         state.pumps[PUMP].errors += 1
-        state.given_up.add(worker.name)
+        state.health.given_up.add(worker.name)
         state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
         return  # it stays out of routing; the others carry on
     finally:
-        state.restarting.discard(worker.name)
-    del state.down_workers[worker.name]
-    state.worker_restarts += 1
+        state.health.restarting.discard(worker.name)
+    del state.health.down[worker.name]
+    state.counters.worker_restarts += 1
     state.notify()
 
 
 def _admissible(state: RunState) -> bool:
-    if state.stopping or not state.admission_open or not state.any_routable():
+    if state.stop.requested or not state.admission_open or not state.any_routable():
         return False
     if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
         return False
     target = state.ledger.next_target_step()
-    if target is None or not state.sampler.may_admit(target, state.dispatch_version):
+    if target is None or not state.sampler.may_admit(target, state.versions.dispatch):
         return False
     return state.has_prompt()
 
@@ -155,7 +155,7 @@ def _admissible(state: RunState) -> bool:
 def _finished(state: RunState) -> bool:
     # With every step full the pump keeps waiting: a group dropped or evicted later (zero
     # variance, staleness) must still be refilled. The train pump's end requests the stop.
-    if state.stopping:
+    if state.stop.requested:
         return True
     if state.has_prompt():
         return False
@@ -184,7 +184,7 @@ async def _rollout(
     if result.group_id != rec.group_id:
         raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {rec.group_id}")
     state.ledger.commit(rec.group_id, result, state.clock())
-    state.tokens_generated += sum(result.response_lengths)
+    state.counters.tokens_generated += sum(result.response_lengths)
     state.notify()
 
 

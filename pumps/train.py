@@ -71,9 +71,9 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
             await _train_loop(state, weights, on_step, clears)
     finally:
         weights.close()
-        state.train_done = True
+        state.stop.train_done = True
         clk.finished = True
-        state.request_stop(state.stop_reason or "training finished")
+        state.request_stop(state.stop.reason or "training finished")
 
 
 @dataclass
@@ -89,13 +89,13 @@ class _Ahead:
 
 async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
     ahead: _Ahead | None = None
-    while state.trainer_version < state.cfg.run.max_steps:
+    while state.versions.trainer < state.cfg.run.max_steps:
         # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-        report, ahead = await _train_step(state, state.trainer_version, clears, ahead)
+        report, ahead = await _train_step(state, state.versions.trainer, clears, ahead)
         if report is None:
             break
         await _after_step(state, weights, on_step, report)
-        if state.stopping:
+        if state.stop.requested:
             break
     if ahead is not None and ahead.sent:
         # The run stops with the next step begun behind the last finish: undo it. Its groups stay
@@ -111,8 +111,8 @@ async def _after_step(state: RunState, weights: Channel[WeightsHandle], on_step,
     await state.waiting(weights.send(handle), PUMP, "weight sync")
     state.pumps[PUMP].iterations += 1
     on_step(report)
-    if state.after_step is not None:
-        await state.after_step()  # a periodic checkpoint, when one is due
+    if state.hooks.after_step is not None:
+        await state.hooks.after_step()  # a periodic checkpoint, when one is due
 
 
 async def _train_step(
@@ -137,7 +137,7 @@ async def _train_step(
     while True:
         try:
             while True:
-                if state.abandon_open_step:  # interrupted: stop on the last finished step
+                if state.stop.abandon_open_step:  # interrupted: stop on the last finished step
                     if is_open:
                         await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
                     return None, None
@@ -151,7 +151,7 @@ async def _train_step(
                 if len(groups) >= need:
                     break
                 picked = await _wait_selectable(state, step, need - len(groups))
-                if state.abandon_open_step:
+                if state.stop.abandon_open_step:
                     continue
                 if not picked:
                     break
@@ -162,7 +162,7 @@ async def _train_step(
                 groups.extend(sel)
                 chunks.append(_chunk(state, step, len(chunks), sel))
                 state.notify()
-            if not chunks or state.abandon_open_step:
+            if not chunks or state.stop.abandon_open_step:
                 if is_open:
                     await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
                 return None, None
@@ -175,17 +175,17 @@ async def _train_step(
                 # The finish landed after its deadline: take its recorded result, no second step.
                 # (A next step begun behind it was aborted: `FinishAndBegin`; its chunk is sent again.)
                 result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
-                state.late_finishes += 1
+                state.counters.late_finishes += 1
                 break
             await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step})")
-            state.aborted_steps += 1
+            state.counters.aborted_steps += 1
             is_open, sent = False, 0
             retries += 1
             if retries > cfg.train.max_step_retries:
                 raise TrainStepFailed(f"train step {step} failed {retries} times; last error: {e}") from e
-            state.step_retries += 1
+            state.counters.step_retries += 1
     _finish_groups(state, step, groups, clears)
-    state.trainer_version = step + 1
+    state.versions.trainer = step + 1
     state.notify()
     return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock()), ahead_slot[0]
 
@@ -230,9 +230,9 @@ def _may_send_ahead(state: RunState, step: int) -> bool:
     return (
         state.trainer_can(FinishAndBegin)
         and cfg.train.pipeline_steps
-        and not (state.stopping or state.abandon_open_step)
+        and not (state.stop.requested or state.stop.abandon_open_step)
         and step < cfg.run.max_steps
-        and not (state.checkpoint_due is not None and state.checkpoint_due(step))
+        and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
     )
 
 
@@ -247,7 +247,7 @@ async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
     def chunk_ready() -> bool:
         return state.sampler.selectable(ready, step) >= want and not state.sampler.any_evictable(ready, step)
 
-    await state.changed.wait_until(lambda: chunk_ready() or state.stopping or state.abandon_open_step)
+    await state.changed.wait_until(lambda: chunk_ready() or state.stop.requested or state.stop.abandon_open_step)
     if not chunk_ready():
         return []
     return state.sampler.select_from(ready, step, state.cfg.train.groups_per_step)
@@ -294,7 +294,7 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
     want = min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
-        if state.abandon_open_step:
+        if state.stop.abandon_open_step:
             return []
         ready = state.ledger.ready_index()
         stale = state.sampler.evictable_from(ready, step)
@@ -305,14 +305,14 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
         if len(picked) >= want or _no_more_can_arrive(state):
             if waited_from is not None and picked:
                 newest = max(g.t_committed for g in picked)
-                state.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
+                state.counters.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
             return picked
         waited_from = state.clock()
         await state.wait_until(  # re-checked on every state change: O(keys), not O(groups)
             lambda: state.sampler.selectable(ready, step) >= want
             or state.sampler.any_evictable(ready, step)
             or _no_more_can_arrive(state)
-            or state.abandon_open_step,
+            or state.stop.abandon_open_step,
             PUMP,
             "ready groups",
         )
@@ -321,7 +321,7 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
 def _no_more_can_arrive(state: RunState) -> bool:
     """No group that is not ready now can become ready: nothing in flight or awaiting advantages,
     and no prompt left to dispatch (the dataloader is dry, or the run is stopping)."""
-    source_dry = state.stopping or state.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
+    source_dry = state.stop.requested or state.stop.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
     return source_dry and state.ledger.count(GroupState.RESERVED) == 0 and state.ledger.count(GroupState.COMMITTED) == 0
 
 
@@ -357,13 +357,13 @@ async def prefetch_pump(state: RunState) -> None:
     while True:
         # Exits: the train pump has finished. Looks again only when a group became READY or the
         # trainer moved on (not on every state change: a look selects over the READY groups).
-        await state.changed.wait_until(lambda: state.train_done or (state.trainer_version, state.ledger.ready_marks) != seen)
-        if state.train_done:
+        await state.changed.wait_until(lambda: state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen)
+        if state.stop.train_done:
             return
-        if state.trainer_version != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
+        if state.versions.trainer != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
             hinted = {g for g in hinted if g in state.ledger.ready_ids()}
-        seen = (state.trainer_version, state.ledger.ready_marks)
-        step = state.trainer_version + 1
+        seen = (state.versions.trainer, state.ledger.ready_marks)
+        step = state.versions.trainer + 1
         groups = _unhinted(state, hinted)
         if not groups:
             continue
@@ -376,9 +376,9 @@ async def prefetch_pump(state: RunState) -> None:
 
 
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
-    if state.trainer_version + 1 >= state.cfg.run.max_steps:
+    if state.versions.trainer + 1 >= state.cfg.run.max_steps:
         return []
-    nxt = state.sampler.select_from(state.ledger.ready_index(), state.trainer_version + 1, state.cfg.train.groups_per_step)
+    nxt = state.sampler.select_from(state.ledger.ready_index(), state.versions.trainer + 1, state.cfg.train.groups_per_step)
     return [g for g in nxt if g.group_id not in hinted]
 
 

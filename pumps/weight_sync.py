@@ -68,13 +68,13 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
             routable = state.routable()
             for w in routable:  # a dead or restarting worker gets the newest weights at restart
                 fanout.create_task(_update(state, w, handle))
-            if routable and all(map(version_gated, routable)):
-                state.latest_weights = handle  # a worker restarted from now on applies these first
+            if routable and all(version_gated(w) for w in routable):
+                state.versions.latest_weights = handle  # a worker restarted from now on applies these first
                 state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
                 state.set_admission(True)
                 state.sync.early_admissions += 1
                 t_open = state.clock()
-        state.latest_weights = handle  # what a restarted generation worker must apply first
+        state.versions.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
         state.set_admission(True)
@@ -99,7 +99,7 @@ async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
     if not state.sampler.aborts_in_flight:  # the default: no in-flight group is ever looked at
         return
-    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.trainer_version))
+    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trainer))
 
 
 def _abort_in_flight(state: RunState, reason: str, which: Callable[[GroupRecord], bool]) -> None:

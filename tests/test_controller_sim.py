@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.ledger import GroupState
-from replay.storage import InMemoryRowStorage
+from replay.storage import InMemoryRowStorage, StorageError
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config.schema import (
     AdvantageConfig,
@@ -27,7 +27,7 @@ from single_controller.config.schema import (
 from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.state import PumpClock, Workers
+from single_controller.state import CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S, PumpClock, Workers, clear_backoff_s
 
 
 def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capacity=None, in_flight=64, **sections) -> Config:
@@ -199,7 +199,7 @@ async def test_trainer_failure_mid_step_aborts_and_retries():
     faulty = await run_sim(make_cfg(steps=5, L=0, chunk=2), Faults(train_fail={(2, 0, 0)}))
     ctl, trainer, storage, summary, err = faulty
     assert err is None and summary.steps == 5
-    assert trainer.aborts == 1 and ctl.state.step_retries == 1
+    assert trainer.aborts == 1 and ctl.state.counters.step_retries == 1
     assert trained_prompts(trainer) == trained_prompts(clean[1]), "the retried step trained other groups"
     await assert_clean_end(ctl, trainer, storage)
 
@@ -214,7 +214,7 @@ async def test_a_chunk_sent_behind_a_finish_that_fails_is_retried_and_trains_wha
     ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(train_fail={(3, 0, 0)}), train_s=0.005)
     assert err is None and summary.steps == 6
     assert 3 in trainer.begun_behind_finish and len(clean[1].begun_behind_finish) >= 3
-    assert trainer.attempts[3] == 1 and ctl.state.step_retries == 1 and ctl.state.late_finishes == 0
+    assert trainer.attempts[3] == 1 and ctl.state.counters.step_retries == 1 and ctl.state.counters.late_finishes == 0
     assert trainer.optimizer_steps == 6
     assert trained_prompts(trainer) == trained_prompts(clean[1])
     await assert_clean_end(ctl, trainer, storage)
@@ -349,7 +349,7 @@ async def test_zero_variance_groups_are_dropped_and_refilled():
     for r in zero:
         assert len(set(sim_rewards(r.prompt.prompt_id, 0, 2))) == 1
     assert all(len(v) == 4 for v in trained_prompts(trainer).values())
-    assert ctl.state.zero_variance_groups == len(zero)
+    assert ctl.state.counters.zero_variance_groups == len(zero)
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -526,7 +526,7 @@ async def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
     assert err is None, err
     assert summary.steps == 3
     assert trainer.optimizer_steps == 3 == trainer.version
-    assert ctl.state.late_finishes == 3 and ctl.state.aborted_steps == 0
+    assert ctl.state.counters.late_finishes == 3 and ctl.state.counters.aborted_steps == 0
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -555,10 +555,54 @@ async def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure(
     ctl, trainer, storage, summary, err = await run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
     assert err is None, err
     assert hung, "the scenario never evicted"
-    assert ctl.state.aborted_steps == 0 and ctl.state.step_retries == 0
-    assert ctl.state.storage_retries >= 1
+    assert ctl.state.counters.aborted_steps == 0 and ctl.state.counters.step_retries == 0
+    assert ctl.state.counters.storage_retries >= 1
     assert summary.steps == 4
     await assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
+
+
+class FailingClearStorage(InMemoryRowStorage):
+    """In-memory storage whose first `clear_rows` raises `error`."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error, self.clears = error, 0
+
+    async def clear_rows(self, keys):
+        self.clears += 1
+        if self.clears == 1:
+            raise self.error
+        await super().clear_rows(keys)
+
+
+async def _run_with_failing_clear(error: Exception):
+    storage = FailingClearStorage(error)
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.001)
+    ctl = Controller(make_cfg(steps=4, P=2), sim_prompts(), storage, Workers(gens, trainer))
+    try:
+        return ctl, trainer, storage, await asyncio.wait_for(ctl.run(), 30), None
+    except RunFailed as e:
+        return ctl, trainer, storage, None, e
+
+
+async def test_a_storage_error_in_a_clear_is_retried_after_a_pause():
+    ctl, trainer, storage, summary, err = await _run_with_failing_clear(StorageError("the store is restarting"))
+    assert err is None, err
+    assert summary.steps == 4 and ctl.state.counters.storage_retries == 1
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_bug_in_a_storage_clear_stops_the_run_at_once_instead_of_being_retried():
+    ctl, trainer, storage, summary, err = await _run_with_failing_clear(TypeError("clear_rows() got an unexpected keyword"))
+    assert err is not None and isinstance(err.__cause__, TypeError), err
+    assert ctl.state.counters.storage_retries == 0
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3, 10])
+def test_the_pause_before_a_clear_is_retried_is_jittered_exponential_and_bounded(attempt):
+    bound = min(CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S * 2 ** (attempt - 1))
+    pauses = [clear_backoff_s(attempt) for _ in range(200)]
+    assert all(0.0 <= p <= bound for p in pauses) and len(set(pauses)) > 1
 
 
 async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
@@ -570,8 +614,8 @@ async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
     assert err is None, err
     assert summary.steps == 3
     assert all(len(keys) == 2 * 2 for keys in trainer.trained.values())
-    assert sum(ctl.state.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
-    assert ctl.state.zero_variance_kept >= 3 * 2
+    assert sum(ctl.state.counters.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
+    assert ctl.state.counters.zero_variance_kept >= 3 * 2
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -684,7 +728,7 @@ async def test_a_periodic_checkpoint_commits_in_the_background_while_training_go
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert seen == {"trained": 4, "latest": False, "thread": True}
     assert summary.checkpoint.step == 6 and latest_checkpoint(tmp_path).name == "step_000006"
-    assert ctl.state.checkpoints_written == 3
+    assert ctl.state.counters.checkpoints_written == 3
     assert read_controller_state(latest_checkpoint(tmp_path))["step"] == 6
 
 
@@ -717,8 +761,8 @@ async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt
     assert err is None, err
     assert summary.steps == 8
     gens = ctl.state.workers.generators
-    assert gens[0].restarts == int(restart_ok) and ctl.state.worker_restarts == int(restart_ok)
-    assert ctl.state.worker_deaths == 1
+    assert gens[0].restarts == int(restart_ok) and ctl.state.counters.worker_restarts == int(restart_ok)
+    assert ctl.state.counters.worker_deaths == 1
     # Out of routing from its first failed call: at most what was already in flight hit the corpse.
     assert gens[0].calls_while_dead <= cfg.rollout.max_in_flight_groups
     # With max_retries=0 any charged failure would drop a prompt: none was dropped or lost.
