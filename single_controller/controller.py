@@ -196,7 +196,7 @@ class Controller:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """The controller's side of a checkpoint at the cut `trainer_version` (between steps).
+        """The controller's side of a checkpoint at the cut `versions.trainer` (between steps).
         Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
         st = self.state
         live = {g.group_id for g in st.ledger.active_records() if g.state not in TERMINAL}

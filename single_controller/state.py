@@ -5,10 +5,10 @@ by `notify()`), and every wait is `await state.wait_until(predicate, pump, on=..
 the change signal and records how long the pump waited and on what. No locks are needed: the
 pumps run on one loop and mutate between awaits.
 
-Versions: `trainer_version` = optimizer steps completed (the next step to train); `policy_version`
-= the version the generation workers serve, bumped by the weight-sync pump once every worker has
-applied the snapshot; `dispatch_version` = the version new rollouts are admitted for and stamped
-with (`GenerationRequest.min_version`): `policy_version`, or with version-gated workers
+Versions (`RunState.versions`): `trainer` = optimizer steps completed (the next step to train);
+`policy` = the version the generation workers serve, bumped by the weight-sync pump once every
+worker has applied the snapshot; `dispatch` = the version new rollouts are admitted for and stamped
+with (`GenerationRequest.min_version`): `policy`, or with version-gated workers
 (`protocols.VersionGated`) the snapshot being applied, from the moment it was sent. Admission and
 staleness read only these and the stamps on each group.
 """
