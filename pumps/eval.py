@@ -284,5 +284,8 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     if result.group_id != req.group_id:
         raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}")
     if len(result.rewards) != req.sampling.n:
-        raise RuntimeError(f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} ({req.group_id})")
+        raise RuntimeError(
+            f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} "
+            f"({req.group_id})"
+        )
     return result

@@ -243,7 +243,8 @@ class GroupLedger:
         return recs
 
     def drop(self, group_id: str, reason: str) -> GroupRecord:
-        """Any non-terminal group; SELECTED only when its step is abandoned (the run fails, or stops with the next step begun)."""
+        """Any non-terminal group; SELECTED only when its step is abandoned (the run fails, or stops
+        with the next step begun)."""
         rec = self._groups[group_id]
         if rec.state in TERMINAL:
             raise LedgerError(f"drop({group_id}): already {rec.state.value}")

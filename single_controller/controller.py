@@ -34,7 +34,7 @@ from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
-from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
+from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
