@@ -14,13 +14,11 @@ from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage, StorageError
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config.schema import (
-    AdvantageConfig,
     BufferConfig,
     Config,
     RolloutConfig,
     RunConfig,
     SamplerConfig,
-    SyncConfig,
     TimeoutConfig,
     TrainConfig,
 )
