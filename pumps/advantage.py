@@ -17,7 +17,6 @@ Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in a
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Protocol, Sequence
 
@@ -43,7 +42,7 @@ async def advantage_pump(state: RunState, logprob_passes: Sequence[LogprobPass] 
         while True:
             # Exits: the rollout pump is done and no committed group remains.
             await state.wait_until(
-                lambda: state.ledger.count(GroupState.COMMITTED) > 0 or state.rollout_done, PUMP, "committed groups"
+                lambda: state.ledger.count(GroupState.COMMITTED) > 0 or state.stop.rollout_done, PUMP, "committed groups"
             )
             batch = state.ledger.in_state(GroupState.COMMITTED)
             if not batch:
@@ -61,21 +60,21 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
     keep: list[tuple[GroupRecord, tuple[float, ...]]] = []
     for rec in batch:
         if is_zero_variance(rec.rewards):
-            state.zero_variance_groups += 1
-            if cfg.drop_zero_variance and not state.stopping:
-                dropped = state.zero_variance_drops[rec.target_step]
+            state.counters.zero_variance_groups += 1
+            if cfg.drop_zero_variance and not state.stop.requested:
+                dropped = state.counters.zero_variance_drops[rec.target_step]
                 if dropped < cfg.max_zero_variance_drops_per_step:
-                    state.zero_variance_drops[rec.target_step] = dropped + 1
+                    state.counters.zero_variance_drops[rec.target_step] = dropped + 1
                     state.ledger.drop(rec.group_id, "zero_variance")
                     state.prompts.settle(rec.prompt.prompt_id, "dropped", reason="zero_variance")
                     await state.clear_groups([rec], f"storage clear of zero-variance group {rec.group_id}")
                     continue
-                state.zero_variance_kept += 1
+                state.counters.zero_variance_kept += 1
         keep.append((rec, grpo_advantages(rec.rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)))
     if keep:
         for lp in logprob_passes:
             await lp.run([rec for rec, _ in keep])
-        if not all(map(math.isfinite, itertools.chain.from_iterable(advs for _, advs in keep))):
+        if not all(math.isfinite(a) for _, advs in keep for a in advs):
             raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")
         now = state.clock()
         for rec, advs in keep:

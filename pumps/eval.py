@@ -127,12 +127,12 @@ async def eval_pump(
             # or the run was interrupted.
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
-            await state.changed.wait_until(lambda: state.policy_version >= due or _training_over(state) or state.abandon_open_step)
-            if state.abandon_open_step or (_training_over(state) and evaluated == state.policy_version):
+            await state.changed.wait_until(lambda: state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step)
+            if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.policy):
                 break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
             clk.iterations += 1
-            evaluated = point.version if point is not None else state.policy_version
+            evaluated = point.version if point is not None else state.versions.policy
             due = (evaluated // cfg.every_steps + 1) * cfg.every_steps
             if point is not None:
                 tracker.points.append(point)
@@ -147,71 +147,24 @@ async def eval_pump(
 
 def _training_over(state: RunState) -> bool:
     """No weight update can come any more: the policy version is final."""
-    return state.train_done and state.pumps["weight_sync"].finished
+    return state.stop.train_done and state.pumps["weight_sync"].finished
 
 
-async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int) -> EvalPoint | None:
+async def _round(
+    state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int
+) -> EvalPoint | None:
     """Evaluate until every prompt has a result served by one version; None if abandoned."""
     t0 = state.clock()
-    target = state.policy_version
-    tracker.evaluating_version = target
-    accepted: dict[int, GenerationResult] = {}  # prompt index -> result served by `target`
-    attempts = [0] * len(prompts)
-    failures = [0] * len(prompts)
-    reissued = 0
-    pending: dict[asyncio.Task, int] = {}
-    abandoned: str | None = None
+    rnd = _Round(state, prompts, sampling, tracker, index)
+    tracker.evaluating_version = rnd.target
     try:
         async with asyncio.TaskGroup() as requests:
-            interrupted = requests.create_task(state.changed.wait_until(lambda: state.abandon_open_step))
-
-            def issue(i: int) -> None:
-                req = GenerationRequest(f"eval{index}-{prompts[i].prompt_id}-a{attempts[i]}", prompts[i], sampling, eval=True)
-                route = i + attempts[i]  # a re-issue goes to the next worker
-                attempts[i] += 1
-                tracker.requests += 1
-                pending[requests.create_task(_request(state, req, route), name=req.group_id)] = i
-
-            for i in range(len(prompts)):
-                issue(i)
-            while pending and abandoned is None:
-                # Exits: every prompt has a result served by `target` (nothing pending); a request
-                # failed more than eval.max_retries times (the round is abandoned); an interrupt.
-                done, _ = await state.waiting(asyncio.wait([*pending, interrupted], return_when=asyncio.FIRST_COMPLETED), PUMP, "eval results")
-                if interrupted.done():
-                    abandoned = "interrupted"
-                    break
-                for task in done:
-                    i = pending.pop(task)
-                    outcome = task.result()  # a bug raised inside _request propagates from here
-                    if isinstance(outcome, GenerationWorkerDied):
-                        issue(i)  # not the request's fault: the worker is out of routing now
-                        continue
-                    if isinstance(outcome, Exception):
-                        failures[i] += 1
-                        tracker.request_failures += 1
-                        if failures[i] > state.cfg.eval.max_retries:
-                            abandoned = f"eval request for {prompts[i].prompt_id} failed {failures[i]} times: {outcome}"
-                        else:
-                            issue(i)
-                        continue
-                    version = outcome.version_end if outcome.version_start == outcome.version_end else None
-                    if version is None or version < target:
-                        reissued += 1
-                        issue(i)  # served (partly) by weights this round no longer measures
-                        continue
-                    if version > target:  # a weight update landed mid-round: measure the newer version
-                        target = tracker.evaluating_version = version
-                        for j in list(accepted):
-                            del accepted[j]
-                            reissued += 1
-                            issue(j)
-                    accepted[i] = outcome
-            interrupted.cancel()
-            for task in pending:
+            rnd.start(requests)
+            abandoned = await _collect(state, rnd)
+            for task in rnd.pending:
                 task.cancel()  # abandoned: the other requests are not needed (eval stores nothing)
     finally:
-        tracker.reissued += reissued
+        tracker.reissued += rnd.reissued
         tracker.evaluating_version = None
     if abandoned == "interrupted":
         return None
@@ -220,21 +173,103 @@ async def _round(state: RunState, prompts: Sequence[Prompt], sampling: SamplingP
         tracker.last_failure = abandoned
         state.pumps[PUMP].errors += 1
         return None
-    results = [accepted[i] for i in range(len(prompts))]
-    if any(r.version_start != target or r.version_end != target for r in results):
-        raise AssertionError(f"eval round {index} would report v{target} with results of other versions")
-    metrics = eval_metrics(results, state.cfg.task.success_reward)
-    return EvalPoint(target, metrics, state.clock() - t0, reissued, sum(failures), state.clock())
+    return rnd.point(t0)
+
+
+async def _collect(state: RunState, rnd: _Round) -> str | None:
+    """Take the round's results as they come; returns why the round was abandoned, if it was."""
+    interrupted = asyncio.ensure_future(state.changed.wait_until(lambda: state.stop.abandon_open_step))
+    try:
+        while rnd.pending:
+            # Exits: every prompt has a result served by the round's target (nothing pending); a
+            # request failed more than eval.max_retries times (abandoned); an interrupt.
+            waiting = asyncio.wait([*rnd.pending, interrupted], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await state.waiting(waiting, PUMP, "eval results")
+            if interrupted.done():
+                return "interrupted"
+            abandoned = None
+            for task in done:
+                # (a bug raised inside _request propagates from `result()`)
+                abandoned = rnd.take(rnd.pending.pop(task), task.result()) or abandoned
+            if abandoned is not None:
+                return abandoned
+        return None
+    finally:
+        interrupted.cancel()
+
+
+class _Round:
+    """One eval round: its requests in flight and the results accepted so far."""
+
+    def __init__(
+        self, state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int
+    ) -> None:
+        self.state, self.prompts, self.sampling, self.tracker, self.index = state, prompts, sampling, tracker, index
+        self.target = state.versions.policy  # the version the round measures
+        self.accepted: dict[int, GenerationResult] = {}  # prompt index -> result served by `target`
+        self.attempts = [0] * len(prompts)
+        self.failures = [0] * len(prompts)
+        self.reissued = 0
+        self.pending: dict[asyncio.Task, int] = {}  # request -> prompt index
+        self.requests: asyncio.TaskGroup | None = None
+
+    def start(self, requests: asyncio.TaskGroup) -> None:
+        self.requests = requests
+        for i in range(len(self.prompts)):
+            self.issue(i)
+
+    def issue(self, i: int) -> None:
+        p = self.prompts[i]
+        req = GenerationRequest(f"eval{self.index}-{p.prompt_id}-a{self.attempts[i]}", p, self.sampling, eval=True)
+        route = i + self.attempts[i]  # a re-issue goes to the next worker
+        self.attempts[i] += 1
+        self.tracker.requests += 1
+        self.pending[self.requests.create_task(_request(self.state, req, route), name=req.group_id)] = i
+
+    def take(self, i: int, outcome: GenerationResult | Exception) -> str | None:
+        """Account prompt `i`'s outcome (accept it, or issue the request again); returns why the
+        round is abandoned, if this outcome abandons it."""
+        if isinstance(outcome, GenerationWorkerDied):
+            self.issue(i)  # not the request's fault: the worker is out of routing now
+            return None
+        if isinstance(outcome, Exception):
+            self.failures[i] += 1
+            self.tracker.request_failures += 1
+            if self.failures[i] > self.state.cfg.eval.max_retries:
+                return f"eval request for {self.prompts[i].prompt_id} failed {self.failures[i]} times: {outcome}"
+            self.issue(i)
+            return None
+        version = outcome.version_end if outcome.version_start == outcome.version_end else None
+        if version is None or version < self.target:
+            self.reissued += 1
+            self.issue(i)  # served (partly) by weights this round no longer measures
+            return None
+        if version > self.target:  # a weight update landed mid-round: measure the newer version
+            self.target = self.tracker.evaluating_version = version
+            for j in list(self.accepted):
+                del self.accepted[j]
+                self.reissued += 1
+                self.issue(j)
+        self.accepted[i] = outcome
+        return None
+
+    def point(self, t0: float) -> EvalPoint:
+        results = [self.accepted[i] for i in range(len(self.prompts))]
+        if any(r.version_start != self.target or r.version_end != self.target for r in results):
+            raise AssertionError(f"eval round {self.index} would report v{self.target} with results of other versions")
+        metrics = eval_metrics(results, self.state.cfg.task.success_reward)
+        now = self.state.clock()
+        return EvalPoint(self.target, metrics, now - t0, self.reissued, sum(self.failures), now)
 
 
 async def _request(state: RunState, req: GenerationRequest, route: int) -> GenerationResult | Exception:
     """One eval request to routable worker `route` (mod their number); a generation failure or a
     missed deadline is returned, not raised (a dead worker is also taken out of routing)."""
     # A dead worker may be restarting (by the rollout pump, which restarts no one once it has exited).
-    await state.changed.wait_until(lambda: bool(state.routable()) or state.rollout_done)
+    await state.changed.wait_until(lambda: bool(state.routable()) or state.stop.rollout_done)
     routable = state.routable()
     if not routable:
-        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.down_workers}")
+        return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.health.down}")
     worker = routable[route % len(routable)]
     t0 = state.clock()
     try:
@@ -249,5 +284,8 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     if result.group_id != req.group_id:
         raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}")
     if len(result.rewards) != req.sampling.n:
-        raise RuntimeError(f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} ({req.group_id})")
+        raise RuntimeError(
+            f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} "
+            f"({req.group_id})"
+        )
     return result

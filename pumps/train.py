@@ -25,7 +25,7 @@ released only once its rows are gone, and never leaks.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from replay.ledger import GroupRecord, GroupState
@@ -71,9 +71,9 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
             await _train_loop(state, weights, on_step, clears)
     finally:
         weights.close()
-        state.train_done = True
+        state.stop.train_done = True
         clk.finished = True
-        state.request_stop(state.stop_reason or "training finished")
+        state.request_stop(state.stop.reason or "training finished")
 
 
 @dataclass
@@ -89,13 +89,13 @@ class _Ahead:
 
 async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
     ahead: _Ahead | None = None
-    while state.trainer_version < state.cfg.run.max_steps:
+    while state.versions.trainer < state.cfg.run.max_steps:
         # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-        report, ahead = await _train_step(state, state.trainer_version, clears, ahead)
+        report, ahead = await _train_step(state, state.versions.trainer, clears, ahead)
         if report is None:
             break
         await _after_step(state, weights, on_step, report)
-        if state.stopping:
+        if state.stop.requested:
             break
     if ahead is not None and ahead.sent:
         # The run stops with the next step begun behind the last finish: undo it. Its groups stay
@@ -111,93 +111,119 @@ async def _after_step(state: RunState, weights: Channel[WeightsHandle], on_step,
     await state.waiting(weights.send(handle), PUMP, "weight sync")
     state.pumps[PUMP].iterations += 1
     on_step(report)
-    if state.after_step is not None:
-        await state.after_step()  # a periodic checkpoint, when one is due
+    if state.hooks.after_step is not None:
+        await state.hooks.after_step()  # a periodic checkpoint, when one is due
+
+
+@dataclass
+class _Step:
+    """One RL step in progress, kept across its retries."""
+
+    number: int
+    groups: list[GroupRecord] = field(default_factory=list)
+    chunks: list[TrainChunk] = field(default_factory=list)
+    t_start: float | None = None  # when its first chunk was selected
+    sent: int = 0  # chunks sent in the current attempt
+    is_open: bool = False  # begun on the trainer in the current attempt
+    retries: int = 0
+    ahead: _Ahead | None = None  # the next step's first chunk, once selected
+
+    @classmethod
+    def starting(cls, number: int, begun: _Ahead | None) -> _Step:
+        """Step `number`, with its first chunk if that was selected (and perhaps sent) ahead."""
+        if begun is None:
+            return cls(number)
+        sent = 1 if begun.sent else 0
+        return cls(number, list(begun.groups), [begun.chunk], begun.t_start, sent=sent, is_open=begun.sent)
 
 
 async def _train_step(
-    state: RunState, step: int, clears: asyncio.TaskGroup, ahead: _Ahead | None
+    state: RunState, step: int, clears: asyncio.TaskGroup, begun: _Ahead | None
 ) -> tuple[StepReport | None, _Ahead | None]:
-    """One RL step; `ahead`: its first chunk, selected (and perhaps sent) while the previous step
-    finished. Returns the step's report (None: no step) and the next step's chunk, if one was taken
-    ahead."""
-    cfg = state.cfg
-    trainer = state.workers.trainer
-    need = cfg.train.groups_per_step
-    groups: list[GroupRecord] = []
-    chunks: list[TrainChunk] = []
-    sent = 0  # chunks sent in the current attempt
-    is_open = False
-    retries = 0
-    t_start = None
-    if ahead is not None:
-        groups, chunks, t_start = list(ahead.groups), [ahead.chunk], ahead.t_start
-        sent, is_open = (1, True) if ahead.sent else (0, False)
-    ahead_slot: list[_Ahead | None] = [None]  # the next step's first chunk, once selected (kept across retries)
-    while True:
+    """One RL step; `begun`: its first chunk, selected (and perhaps sent) while the previous step
+    finished. Returns the step's report (None: no step) and the next step's first chunk, if one was
+    taken ahead."""
+    cur = _Step.starting(step, begun)
+    result: StepResult | None = None
+    while result is None:
+        # Exits: the step finished (or a finish landed after its deadline); an interrupt, or no
+        # group came (no step).
         try:
-            while True:
-                if state.abandon_open_step:  # interrupted: stop on the last finished step
-                    if is_open:
-                        await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
-                    return None, None
-                if sent < len(chunks):  # send the newest chunk, or replay after a retry
-                    if not is_open:
-                        await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
-                        is_open = True
-                    await _timed(state, trainer.train_microbatch(chunks[sent]), f"trainer.train_microbatch(step {step}, chunk {sent})")
-                    sent += 1
-                    continue
-                if len(groups) >= need:
-                    break
-                picked = await _wait_selectable(state, step, need - len(groups))
-                if state.abandon_open_step:
-                    continue
-                if not picked:
-                    break
-                now = state.clock()
-                t_start = t_start if t_start is not None else now
-                sel = state.ledger.select([g.group_id for g in picked], step, now)
-                state.sampler.record_selected(sel, step)
-                groups.extend(sel)
-                chunks.append(_chunk(state, step, len(chunks), sel))
-                state.notify()
-            if not chunks or state.abandon_open_step:
-                if is_open:
-                    await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
+            if not await _fill(state, cur):
+                if cur.is_open:
+                    await _timed(state, state.workers.trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
                 return None, None
-            result = await _finish(state, step, ahead_slot)
-            break
+            result = await _finish(state, cur)
         except TrainerFailed as e:
-            state.pumps[PUMP].errors += 1
-            status = await _where_trainer_stands(state, step, e)
-            if status.last_finished == step and status.open_step is None:
-                # The finish landed after its deadline: take its recorded result, no second step.
-                # (A next step begun behind it was aborted: `FinishAndBegin`; its chunk is sent again.)
-                result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
-                state.late_finishes += 1
-                break
-            await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step})")
-            state.aborted_steps += 1
-            is_open, sent = False, 0
-            retries += 1
-            if retries > cfg.train.max_step_retries:
-                raise TrainStepFailed(f"train step {step} failed {retries} times; last error: {e}") from e
-            state.step_retries += 1
-    _finish_groups(state, step, groups, clears)
-    state.trainer_version = step + 1
+            result = await _recover(state, cur, e)
+    _finish_groups(state, step, cur.groups, clears)
+    state.versions.trainer = step + 1
     state.notify()
-    return StepReport(step, result, tuple(groups), len(chunks), retries, t_start, state.clock()), ahead_slot[0]
+    return StepReport(step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock()), cur.ahead
 
 
-async def _finish(state: RunState, step: int, slot: list[_Ahead | None]) -> StepResult:
-    """Finish `step`. With a trainer that can (`FinishAndBegin`), the next step's first chunk goes
-    out behind the finish as soon as its groups are ready. `slot[0]`: that chunk once selected (its
+async def _fill(state: RunState, cur: _Step) -> bool:
+    """Send the step's chunks (again, after a retry) and select more until it has
+    `groups_per_step` groups or none can arrive. False: interrupted, or no group came."""
+    need = state.cfg.train.groups_per_step
+    while not state.stop.abandon_open_step:
+        # Exits: the step is full, or no more groups can arrive (every chunk sent); an interrupt.
+        if cur.sent < len(cur.chunks):
+            await _send_next(state, cur)
+        elif len(cur.groups) >= need:
+            return True
+        else:
+            picked = await _wait_selectable(state, cur.number, need - len(cur.groups))
+            if not picked:
+                return bool(cur.chunks) and not state.stop.abandon_open_step
+            if not state.stop.abandon_open_step:
+                groups, chunk, now = _select(state, cur.number, len(cur.chunks), picked)
+                cur.t_start = now if cur.t_start is None else cur.t_start
+                cur.groups += groups
+                cur.chunks.append(chunk)
+    return False
+
+
+async def _send_next(state: RunState, cur: _Step) -> None:
+    """Send the step's next unsent chunk, beginning the step first if it is not open."""
+    trainer, step = state.workers.trainer, cur.number
+    if not cur.is_open:
+        await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
+        cur.is_open = True
+    await _timed(state, trainer.train_microbatch(cur.chunks[cur.sent]), f"trainer.train_microbatch(step {step}, chunk {cur.sent})")
+    cur.sent += 1
+
+
+async def _recover(state: RunState, cur: _Step, error: TrainerFailed) -> StepResult | None:
+    """After a trainer error inside the step: the recorded result of a finish that landed after
+    its deadline (never a second optimizer step), or None once the step is aborted to be sent again
+    (`TrainStepFailed` after `train.max_step_retries` retries)."""
+    trainer, step = state.workers.trainer, cur.number
+    state.pumps[PUMP].errors += 1
+    status = await _where_trainer_stands(state, step, error)
+    if status.last_finished == step and status.open_step is None:
+        # (A next step begun behind that finish was aborted: `FinishAndBegin`; its chunk goes again.)
+        result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
+        state.counters.late_finishes += 1
+        return result
+    await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step})")
+    state.counters.aborted_steps += 1
+    cur.is_open, cur.sent = False, 0
+    cur.retries += 1
+    if cur.retries > state.cfg.train.max_step_retries:
+        raise TrainStepFailed(f"train step {step} failed {cur.retries} times; last error: {error}") from error
+    state.counters.step_retries += 1
+    return None
+
+
+async def _finish(state: RunState, cur: _Step) -> StepResult:
+    """Finish the step. With a trainer that can (`FinishAndBegin`), the next step's first chunk goes
+    out behind the finish as soon as its groups are ready. `cur.ahead`: that chunk once selected (its
     groups belong to the next step from then on, whatever this finish does; one kept from an
     earlier attempt of this step goes out at once); `sent` when the finish succeeded with it behind."""
-    trainer = state.workers.trainer
+    trainer, step = state.workers.trainer, cur.number
     what = f"trainer.finish_train_step({step})"
-    nxt = slot[0]
+    nxt = cur.ahead
     if not _may_send_ahead(state, step + 1):
         return await _timed(state, trainer.finish_train_step(step), what)
     finish = asyncio.ensure_future(_timed(state, trainer.finish_train_step(step), what))
@@ -207,7 +233,7 @@ async def _finish(state: RunState, step: int, slot: list[_Ahead | None]) -> Step
         if ready is not None:
             await asyncio.wait([finish, ready], return_when=asyncio.FIRST_COMPLETED)
             if ready.done() and ready.result() and not finish.done() and _may_send_ahead(state, step + 1):
-                nxt = slot[0] = _select_ahead(state, step + 1, ready.result())
+                nxt = cur.ahead = _select_ahead(state, step + 1, ready.result())
         else:
             await asyncio.sleep(0)  # the finish task's first step: its calls are sent
         if nxt is not None and not finish.done():
@@ -230,9 +256,9 @@ def _may_send_ahead(state: RunState, step: int) -> bool:
     return (
         state.trainer_can(FinishAndBegin)
         and cfg.train.pipeline_steps
-        and not (state.stopping or state.abandon_open_step)
+        and not (state.stop.requested or state.stop.abandon_open_step)
         and step < cfg.run.max_steps
-        and not (state.checkpoint_due is not None and state.checkpoint_due(step))
+        and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
     )
 
 
@@ -247,18 +273,24 @@ async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
     def chunk_ready() -> bool:
         return state.sampler.selectable(ready, step) >= want and not state.sampler.any_evictable(ready, step)
 
-    await state.changed.wait_until(lambda: chunk_ready() or state.stopping or state.abandon_open_step)
+    await state.changed.wait_until(lambda: chunk_ready() or state.stop.requested or state.stop.abandon_open_step)
     if not chunk_ready():
         return []
     return state.sampler.select_from(ready, step, state.cfg.train.groups_per_step)
 
 
-def _select_ahead(state: RunState, step: int, picked: list[GroupRecord]) -> _Ahead:
+def _select(state: RunState, step: int, index: int, picked: list[GroupRecord]) -> tuple[list[GroupRecord], TrainChunk, float]:
+    """Select `picked` for `step` as its chunk `index`: the groups, the chunk, and when."""
     now = state.clock()
-    sel = state.ledger.select([g.group_id for g in picked], step, now)
-    state.sampler.record_selected(sel, step)
+    groups = state.ledger.select([g.group_id for g in picked], step, now)
+    state.sampler.record_selected(groups, step)
     state.notify()
-    return _Ahead(step, list(sel), _chunk(state, step, 0, sel), now)
+    return groups, _chunk(state, step, index, groups), now
+
+
+def _select_ahead(state: RunState, step: int, picked: list[GroupRecord]) -> _Ahead:
+    groups, chunk, now = _select(state, step, 0, picked)
+    return _Ahead(step, groups, chunk, now)
 
 
 async def _where_trainer_stands(state: RunState, step: int, error: Exception) -> TrainStatus:
@@ -294,7 +326,7 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
     want = min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
-        if state.abandon_open_step:
+        if state.stop.abandon_open_step:
             return []
         ready = state.ledger.ready_index()
         stale = state.sampler.evictable_from(ready, step)
@@ -305,14 +337,14 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
         if len(picked) >= want or _no_more_can_arrive(state):
             if waited_from is not None and picked:
                 newest = max(g.t_committed for g in picked)
-                state.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
+                state.counters.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
             return picked
         waited_from = state.clock()
         await state.wait_until(  # re-checked on every state change: O(keys), not O(groups)
             lambda: state.sampler.selectable(ready, step) >= want
             or state.sampler.any_evictable(ready, step)
             or _no_more_can_arrive(state)
-            or state.abandon_open_step,
+            or state.stop.abandon_open_step,
             PUMP,
             "ready groups",
         )
@@ -321,7 +353,7 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
 def _no_more_can_arrive(state: RunState) -> bool:
     """No group that is not ready now can become ready: nothing in flight or awaiting advantages,
     and no prompt left to dispatch (the dataloader is dry, or the run is stopping)."""
-    source_dry = state.stopping or state.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
+    source_dry = state.stop.requested or state.stop.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
     return source_dry and state.ledger.count(GroupState.RESERVED) == 0 and state.ledger.count(GroupState.COMMITTED) == 0
 
 
@@ -357,13 +389,13 @@ async def prefetch_pump(state: RunState) -> None:
     while True:
         # Exits: the train pump has finished. Looks again only when a group became READY or the
         # trainer moved on (not on every state change: a look selects over the READY groups).
-        await state.changed.wait_until(lambda: state.train_done or (state.trainer_version, state.ledger.ready_marks) != seen)
-        if state.train_done:
+        await state.changed.wait_until(lambda: state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen)
+        if state.stop.train_done:
             return
-        if state.trainer_version != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
+        if state.versions.trainer != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
             hinted = {g for g in hinted if g in state.ledger.ready_ids()}
-        seen = (state.trainer_version, state.ledger.ready_marks)
-        step = state.trainer_version + 1
+        seen = (state.versions.trainer, state.ledger.ready_marks)
+        step = state.versions.trainer + 1
         groups = _unhinted(state, hinted)
         if not groups:
             continue
@@ -376,9 +408,9 @@ async def prefetch_pump(state: RunState) -> None:
 
 
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
-    if state.trainer_version + 1 >= state.cfg.run.max_steps:
+    if state.versions.trainer + 1 >= state.cfg.run.max_steps:
         return []
-    nxt = state.sampler.select_from(state.ledger.ready_index(), state.trainer_version + 1, state.cfg.train.groups_per_step)
+    nxt = state.sampler.select_from(state.ledger.ready_index(), state.versions.trainer + 1, state.cfg.train.groups_per_step)
     return [g for g in nxt if g.group_id not in hinted]
 
 

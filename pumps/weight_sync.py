@@ -20,8 +20,9 @@ every worker has applied it.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
-from replay.ledger import GroupState
+from replay.ledger import GroupRecord
 from single_controller.channels import Channel
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationWorkerDied, version_gated
@@ -67,13 +68,13 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
             routable = state.routable()
             for w in routable:  # a dead or restarting worker gets the newest weights at restart
                 fanout.create_task(_update(state, w, handle))
-            if routable and all(map(version_gated, routable)):
-                state.latest_weights = handle  # a worker restarted from now on applies these first
+            if routable and all(version_gated(w) for w in routable):
+                state.versions.latest_weights = handle  # a worker restarted from now on applies these first
                 state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
                 state.set_admission(True)
                 state.sync.early_admissions += 1
                 t_open = state.clock()
-        state.latest_weights = handle  # what a restarted generation worker must apply first
+        state.versions.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
         state.set_admission(True)
@@ -98,18 +99,12 @@ async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
     if not state.sampler.aborts_in_flight:  # the default: no in-flight group is ever looked at
         return
-    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.trainer_version))
+    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trainer))
 
 
-def _abort_in_flight(state: RunState, reason: str, which) -> None:
-    """Cancel the in-flight rollouts `which(rec)` selects; the rollout pump discards what they
+def _abort_in_flight(state: RunState, reason: str, which: Callable[[GroupRecord], bool]) -> None:
+    """Abort the in-flight rollouts `which(rec)` selects; the rollout pump discards what they
     wrote and re-dispatches their prompts."""
-    aborted = 0
-    for group_id, task in list(state.in_flight_tasks.items()):
-        rec = state.ledger[group_id]
-        if rec.state is GroupState.RESERVED and not rec.abort_reason and which(rec):
-            rec.abort_reason = reason
-            task.cancel()
-            aborted += 1
+    aborted = state.abort_rollouts(reason, which)
     state.sampler.record_aborted(aborted)
     state.sync.aborted_in_flight += aborted

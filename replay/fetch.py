@@ -68,9 +68,6 @@ def fetch_and_broadcast(
     n = len(keys)
     jagged = [f for f in fields if schema[f].jagged]
     is_src = dist.get_rank() == src_rank
-
-    # Header: [status, lengths of every jagged field's rows...]  # [1 + len(jagged) * B]
-    header = torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
     got: dict[str, Column] = {}
     error: Exception | None = None
     if is_src:
@@ -80,35 +77,60 @@ def fetch_and_broadcast(
             got = fetch_rows(storage, keys, fields)
         except Exception as e:  # incl. a storage deadline: siblings must not wait in the broadcast
             error = e
-            header[0] = 1
-        else:
-            for j, f in enumerate(jagged):
-                header[1 + j * n : 1 + (j + 1) * n] = torch.tensor([t.numel() for t in got[f]], dtype=torch.int64)
+    header = _header(got, jagged, n, failed=error is not None) if is_src else torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
     dist.broadcast(header, src=src_rank, group=group)
-
     if header[0].item() != 0:
-        message = [str(error) if error is not None else None]
-        dist.broadcast_object_list(message, src=src_rank, group=group)
-        if error is not None:
-            raise error
-        raise StorageReadError(f"rank {src_rank} could not read the {n} rows to broadcast: {message[0]}")
-
+        _raise_source_error(error, n, group, src_rank)
     lengths = {f: header[1 + j * n : 1 + (j + 1) * n] for j, f in enumerate(jagged)}  # [B] each
     numels = {f: int(lengths[f].sum()) if schema[f].jagged else n for f in fields}
     nbytes = {f: numels[f] * torch.empty(0, dtype=_wire_dtype(schema[f].dtype)).element_size() for f in fields}
-    payload = torch.empty(sum(nbytes.values()), dtype=torch.uint8)  # every field's bytes, in `fields` order
-    if is_src:
-        offset = 0
-        for f in fields:
-            if nbytes[f]:  # (torch.cat of no rows would raise)
-                flat = torch.cat(list(got[f])) if schema[f].jagged else got[f]
-                payload[offset : offset + nbytes[f]] = flat.to(_wire_dtype(schema[f].dtype)).contiguous().view(torch.uint8)
-            offset += nbytes[f]
+    payload = _pack(got, fields, schema, nbytes) if is_src else torch.empty(sum(nbytes.values()), dtype=torch.uint8)
     if payload.numel():
         dist.broadcast(payload, src=src_rank, group=group)
-    if is_src:
-        return got
+    return got if is_src else _unpack(payload, fields, schema, nbytes, lengths)
 
+
+def _header(got: Mapping[str, Column], jagged: Sequence[str], n: int, *, failed: bool) -> torch.Tensor:
+    """[status, lengths of every jagged field's rows...]  # [1 + len(jagged) * B]"""
+    header = torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
+    if failed:
+        header[0] = 1
+        return header
+    for j, f in enumerate(jagged):
+        header[1 + j * n : 1 + (j + 1) * n] = torch.tensor([t.numel() for t in got[f]], dtype=torch.int64)
+    return header
+
+
+def _raise_source_error(error: Exception | None, n: int, group: Any, src_rank: int) -> None:
+    """The source's read failed: it re-raises its own error; every other rank raises one quoting it."""
+    import torch.distributed as dist
+
+    message = [str(error) if error is not None else None]
+    dist.broadcast_object_list(message, src=src_rank, group=group)
+    if error is not None:
+        raise error
+    raise StorageReadError(f"rank {src_rank} could not read the {n} rows to broadcast: {message[0]}")
+
+
+def _pack(got: Mapping[str, Column], fields: Sequence[str], schema: Mapping[str, FieldSpec], nbytes: Mapping[str, int]) -> torch.Tensor:
+    """Every field's bytes in one buffer, in `fields` order."""
+    payload = torch.empty(sum(nbytes.values()), dtype=torch.uint8)
+    offset = 0
+    for f in fields:
+        if nbytes[f]:  # (torch.cat of no rows would raise)
+            flat = torch.cat(list(got[f])) if schema[f].jagged else got[f]
+            payload[offset : offset + nbytes[f]] = flat.to(_wire_dtype(schema[f].dtype)).contiguous().view(torch.uint8)
+        offset += nbytes[f]
+    return payload
+
+
+def _unpack(
+    payload: torch.Tensor,
+    fields: Sequence[str],
+    schema: Mapping[str, FieldSpec],
+    nbytes: Mapping[str, int],
+    lengths: Mapping[str, torch.Tensor],
+) -> dict[str, Column]:
     out: dict[str, Column] = {}
     offset = 0
     for f in fields:

@@ -1,4 +1,5 @@
-"""Group-granular replay ledger and the exactly-once prompt ledger. Pure state, no I/O, no asyncio.
+"""Group-granular replay ledger and the exactly-once prompt ledger: state, no asyncio. The only I/O is
+the prompt ledger's optional history file (settled prompts appended as JSON lines, `PromptLedger`).
 
 Group lifecycle (one group = one attempt at one prompt = G rows in storage):
 
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import collections
 import enum
-import itertools
 import json
-import operator
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -52,18 +51,10 @@ class GroupState(enum.Enum):
     DROPPED = "dropped"
     EVICTED = "evicted"
 
-    # Members are singletons compared by identity: hash them by identity too, in C. Enum's own
-    # __hash__ is a Python call, and the ledger's indexes hash a state on every transition.
-    __hash__ = object.__hash__
 
-
-_RESERVED, _COMMITTED, _READY, _SELECTED, _TRAINED = (
-    GroupState.RESERVED, GroupState.COMMITTED, GroupState.READY, GroupState.SELECTED, GroupState.TRAINED
-)
 TERMINAL = frozenset({GroupState.TRAINED, GroupState.DROPPED, GroupState.EVICTED})
 LIVE_EXCLUDED = frozenset({GroupState.DROPPED, GroupState.EVICTED})
 
-_SEQ = operator.attrgetter("seq")  # dispatch order (a C-level sort key)
 RETAIN_RELEASED = 1_000  # released (terminal, rows cleared) groups kept queryable, newest first out last
 
 ReadyKey = tuple[int, int]  # (target_step, version): every READY group of one key is alike to the sampler
@@ -155,7 +146,7 @@ class GroupLedger:
 
     def in_state(self, state: GroupState) -> list[GroupRecord]:
         """Resident groups in `state`, in dispatch order."""
-        return sorted(self._by_state[state].values(), key=_SEQ)
+        return sorted(self._by_state[state].values(), key=lambda g: g.seq)
 
     def count(self, state: GroupState) -> int:
         """Resident groups in `state` (O(1))."""
@@ -206,12 +197,8 @@ class GroupLedger:
         self._open_by_step[target_step] += 1
         return rec
 
-    # The transitions every trained group makes (commit, mark_ready, select) do their one index
-    # update in place; `_move` is the general case (mark_trained, drop, evict).
     def commit(self, group_id: str, result: GenerationResult, now: float) -> GroupRecord:
-        rec = self._groups.get(group_id)
-        if rec is None or rec.state is not _RESERVED:
-            self._refuse(group_id, _RESERVED, "commit")
+        rec = self._expect(group_id, GroupState.RESERVED, "commit")
         if len(result.rewards) != self.group_size or len(result.response_lengths) != self.group_size:
             raise LedgerError(
                 f"group {group_id}: {len(result.rewards)} rewards / {len(result.response_lengths)} lengths "
@@ -219,93 +206,45 @@ class GroupLedger:
             )
         rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
-        rec.prompt_length = p = result.prompt_length
-        rec.seq_lengths = tuple(map(operator.add, itertools.repeat(p), rec.response_lengths))
+        rec.prompt_length = result.prompt_length
+        rec.seq_lengths = tuple(result.prompt_length + n for n in rec.response_lengths)
         rec.version_start, rec.version_end = result.version_start, result.version_end
-        by_state = self._by_state
-        del by_state[_RESERVED][group_id]
-        by_state[_COMMITTED][group_id] = rec
-        rec.state = _COMMITTED
+        self._move(rec, GroupState.COMMITTED)
         return rec
 
     def mark_ready(self, group_id: str, advantages: tuple[float, ...], now: float) -> GroupRecord:
-        rec = self._groups.get(group_id)
-        if rec is None or rec.state is not _COMMITTED:
-            self._refuse(group_id, _COMMITTED, "mark_ready")
+        rec = self._expect(group_id, GroupState.COMMITTED, "mark_ready")
         rec.advantages, rec.t_ready = tuple(advantages), now
-        by_state = self._by_state
-        del by_state[_COMMITTED][group_id]
-        by_state[_READY][group_id] = rec
-        key = (rec.target_step, rec.version)
-        bucket = self._ready.get(key)
-        if bucket is None:
-            self._ready[key] = {group_id: rec}
-        else:
-            bucket[group_id] = rec
-        rec.state = _READY
+        self._move(rec, GroupState.READY)
         self.ready_marks += 1
         return rec
 
     def select(self, group_ids: Iterable[str], step: int, now: float) -> list[GroupRecord]:
-        ids = list(group_ids)
-        recs = list(map(self._groups.get, ids))
-        for g, rec in zip(ids, recs):
-            if rec is None or rec.state is not _READY:
-                self._refuse(g, _READY, "select")
-        ready, selected, index = self._by_state[_READY], self._by_state[_SELECTED], self._ready
+        """Hand READY groups to the trainer for `step`: every group is checked before any moves."""
+        recs = self._expect_all(group_ids, GroupState.READY, "select")
         for rec in recs:
-            gid = rec.group_id
             rec.trained_step, rec.t_selected = step, now
-            del ready[gid]
-            selected[gid] = rec
-            key = (rec.target_step, rec.version)
-            bucket = index[key]
-            del bucket[gid]
-            if not bucket:
-                del index[key]
-            rec.state = _SELECTED
+            self._move(rec, GroupState.SELECTED)
         return recs
 
     def mark_trained(self, group_id: str, step: int) -> GroupRecord:
-        rec = self._groups.get(group_id)
-        if rec is None or rec.state is not _SELECTED:
-            self._refuse(group_id, _SELECTED, "mark_trained")
-        if rec.trained_step != step:
-            raise LedgerError(f"group {group_id} selected for step {rec.trained_step}, trained in {step}")
-        self._move(rec, _TRAINED)
-        self._trained += 1
-        return rec
+        return self.mark_trained_many([group_id], step)[0]
 
     def mark_trained_many(self, group_ids: Iterable[str], step: int) -> list[GroupRecord]:
-        """`mark_trained` of a finished step's groups in one pass (the train pump's case): every group
-        is checked before any moves, so a refused one changes nothing."""
-        ids = list(group_ids)
-        recs = list(map(self._groups.get, ids))
-        for g, rec in zip(ids, recs):
-            if rec is None or rec.state is not _SELECTED:
-                self._refuse(g, _SELECTED, "mark_trained")
-            if rec.trained_step != step:
-                raise LedgerError(f"group {g} selected for step {rec.trained_step}, trained in {step}")
-        if len(set(ids)) != len(ids):
-            raise LedgerError(f"mark_trained of step {step}: a group is listed twice")
-        selected, trained, open_by_step = self._by_state[_SELECTED], self._by_state[_TRAINED], self._open_by_step
+        """`mark_trained` of a finished step's groups: every group is checked before any moves, so a
+        refused one changes nothing."""
+        recs = self._expect_all(group_ids, GroupState.SELECTED, "mark_trained")
         for rec in recs:
-            gid, s = rec.group_id, rec.target_step
-            del selected[gid]
-            trained[gid] = rec
-            rec.state = _TRAINED
-            left = open_by_step[s] - 1
-            if left > 0:
-                open_by_step[s] = left
-            else:  # as `_move` does: the step's last open group left
-                del open_by_step[s]
-                if s < self._min_short_step:
-                    self._live_by_step.pop(s, None)
+            if rec.trained_step != step:
+                raise LedgerError(f"group {rec.group_id} selected for step {rec.trained_step}, trained in {step}")
+        for rec in recs:
+            self._move(rec, GroupState.TRAINED)
         self._trained += len(recs)
         return recs
 
     def drop(self, group_id: str, reason: str) -> GroupRecord:
-        """Any non-terminal group; SELECTED only when its step is abandoned (the run fails, or stops with the next step begun)."""
+        """Any non-terminal group; SELECTED only when its step is abandoned (the run fails, or stops
+        with the next step begun)."""
         rec = self._groups[group_id]
         if rec.state in TERMINAL:
             raise LedgerError(f"drop({group_id}): already {rec.state.value}")
@@ -343,6 +282,12 @@ class GroupLedger:
             self._refuse(group_id, state, op)
         return rec
 
+    def _expect_all(self, group_ids: Iterable[str], state: GroupState, op: str) -> list[GroupRecord]:
+        ids = list(group_ids)
+        if len(set(ids)) != len(ids):
+            raise LedgerError(f"{op}: a group is listed twice")
+        return [self._expect(g, state, op) for g in ids]
+
     def _refuse(self, group_id: str, state: GroupState, op: str) -> None:
         rec = self._groups.get(group_id)
         if rec is None:
@@ -350,8 +295,7 @@ class GroupLedger:
         raise LedgerError(f"{op}({group_id}): state {rec.state.value}, expected {state.value}")
 
     def _move(self, rec: GroupRecord, new: GroupState) -> None:
-        """A transition in general (to a terminal state): keeps the state and READY indexes and the
-        per-step counts current. commit, mark_ready and select do their one index update in place."""
+        """A transition: keeps the state and READY indexes and the per-step counts current."""
         old, gid = rec.state, rec.group_id
         del self._by_state[old][gid]
         self._by_state[new][gid] = rec
@@ -499,7 +443,7 @@ class PromptLedger:
         finally:
             if self._history is not None and settled:
                 # a record leaves memory only once its line is written: a failed write loses none
-                self._history.write("".join(map(_history_line, settled)))
+                self._history.write("".join(_history_line(rec) for rec in settled))
                 for rec in settled:
                     del prompts[rec.prompt.prompt_id]
 
@@ -601,30 +545,15 @@ class PromptLedger:
         )
 
 
-_str = json.encoder.encode_basestring_ascii  # a JSON string literal, as json.dumps writes one
-
-
-def _opt(v: Any) -> str:
-    return "null" if v is None else _str(v) if type(v) is str else str(v) if type(v) is int else json.dumps(v)
-
-
 def _history_line(r: PromptRecord) -> str:
-    """`json.dumps(_record_dict(r)) + "\\n"`, written directly: one line per settled prompt, and the
-    generic encoder was the largest single cost of settling one."""
-    p = r.prompt
-    if type(p.answer) is not str or type(r.order) is not int or type(r.uncharged) is not int:
-        return json.dumps(_record_dict(r)) + "\n"  # not the usual types: the generic path
-    return (
-        f'{{"prompt_id": {_str(p.prompt_id)}, "token_ids": [{", ".join(map(str, map(int, p.token_ids)))}], '
-        f'"answer": {_str(p.answer)}, "order": {r.order}, "attempts": [{", ".join(map(_str, r.attempts))}], '
-        f'"uncharged": {r.uncharged}, "fate": {_opt(r.fate)}, "step": {_opt(r.step)}, "reason": {_opt(r.reason)}}}\n'
-    )
+    """One settled prompt as a line of the history file."""
+    return json.dumps(_record_dict(r)) + "\n"
 
 
 def _record_dict(r: PromptRecord) -> dict[str, Any]:
     return {
         "prompt_id": r.prompt.prompt_id,
-        "token_ids": list(r.prompt.token_ids),
+        "token_ids": [int(t) for t in r.prompt.token_ids],
         "answer": r.prompt.answer,
         "order": r.order,
         "attempts": list(r.attempts),

@@ -13,10 +13,6 @@ simulated backend. `replay.transferqueue.storage.TQRowStorage` is the TransferQu
 
 from __future__ import annotations
 
-import collections
-import functools
-import itertools
-import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -61,13 +57,8 @@ def row_bulk_fields(schema: Mapping[str, FieldSpec]) -> tuple[str, ...]:
     return tuple(name for name, spec in schema.items() if spec.bulk and spec.jagged)
 
 
-@functools.lru_cache(maxsize=64)
-def _row_suffixes(group_size: int) -> tuple[str, ...]:
-    return tuple(f"_g{i}" for i in range(group_size))
-
-
 def row_keys(group_id: str, group_size: int) -> tuple[str, ...]:
-    return tuple(map(group_id.__add__, _row_suffixes(group_size)))
+    return tuple(f"{group_id}_g{i}" for i in range(group_size))
 
 
 class StorageError(RuntimeError):
@@ -97,13 +88,10 @@ class StorageStatistics:
     resident_rows: int  # rows this client knows to be stored and not yet cleared (-1: unknown)
 
 
-_nbytes = operator.attrgetter("nbytes")
-
-
 def column_nbytes(col: Column) -> int:
     if isinstance(col, torch.Tensor):
         return col.nbytes
-    return sum(map(_nbytes, col))
+    return sum(t.nbytes for t in col)
 
 
 def validate_put(
@@ -256,8 +244,9 @@ class InMemoryRowStorage:
         return got
 
     def clear_rows_sync(self, keys) -> None:
-        for d in (self._rows, self._tags):
-            collections.deque(map(d.pop, keys, itertools.repeat(None)), maxlen=0)  # pop each, absent or not
+        for k in keys:  # absent or not
+            self._rows.pop(k, None)
+            self._tags.pop(k, None)
         self._counts["clears"] += 1
 
     def tags(self, key: str) -> dict[str, Any]:

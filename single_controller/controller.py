@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import itertools
-import operator
 import statistics as pystats
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -36,13 +34,11 @@ from replay.storage import RowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
-from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (CapacityConfigError, check_capacity: re-exported)
+from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
-
-_RESPONSE_LENGTHS, _SEQ_LENGTHS = operator.attrgetter("response_lengths"), operator.attrgetter("seq_lengths")
 
 
 class RunFailed(RuntimeError):
@@ -149,8 +145,8 @@ class Controller:
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
         if run_dir is not None and isinstance(workers.trainer, Checkpointable):
-            self.state.after_step = self._periodic_checkpoint
-            self.state.checkpoint_due = self._checkpoint_due
+            self.state.hooks.after_step = self._periodic_checkpoint
+            self.state.hooks.checkpoint_due = self._checkpoint_due
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
@@ -168,8 +164,8 @@ class Controller:
         if self._resumed:
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
-            v = st.trainer_version
-            st.latest_weights = await within(st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})")
+            v = st.versions.trainer
+            st.versions.latest_weights = await within(st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})")
         # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
         # the cyclic collector for the run: each full collection would walk it again (~60 ms
         # each on this machine). Given back at the end, so nothing is kept alive for good.
@@ -196,11 +192,11 @@ class Controller:
         gc.unfreeze()
         await self._final_checkpoint(failed=False)
         await self._teardown(failed=False)
-        return RunSummary(st.trainer_version, st.stop_reason or "finished", st.clock() - self._t0, list(self.history), self.last_checkpoint)
+        return RunSummary(st.versions.trainer, st.stop.reason or "finished", st.clock() - self._t0, list(self.history), self.last_checkpoint)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """The controller's side of a checkpoint at the cut `trainer_version` (between steps).
+        """The controller's side of a checkpoint at the cut `versions.trainer` (between steps).
         Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
         st = self.state
         live = {g.group_id for g in st.ledger.active_records() if g.state not in TERMINAL}
@@ -211,7 +207,7 @@ class Controller:
                 rolled_back += [a for a in p["attempts"] if a in live]
                 p["attempts"] = [a for a in p["attempts"] if a not in live]
         return {
-            "step": st.trainer_version,
+            "step": st.versions.trainer,
             "prompts": prompts,
             "rolled_back": rolled_back,
             "dataloader": {"taken": len(st.prompts), **(self._dataloader_state() if self._dataloader_state else {})},
@@ -220,11 +216,11 @@ class Controller:
             "records": [dict(r) for r in self.history if r["step"] >= (self._last_checkpoint_step or 0)],
             "success_window": list(self._success),
             "counters": {
-                "zero_variance_groups": st.zero_variance_groups,
-                "tokens_generated": st.tokens_generated,
+                "zero_variance_groups": st.counters.zero_variance_groups,
+                "tokens_generated": st.counters.tokens_generated,
                 "tokens_trained": self._tokens_trained,
-                "aborted_steps": st.aborted_steps,
-                "step_retries": st.step_retries,
+                "aborted_steps": st.counters.aborted_steps,
+                "step_retries": st.counters.step_retries,
             },
             "config": config_fingerprint(self.cfg),
         }
@@ -235,20 +231,20 @@ class Controller:
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
         self._success.extend(saved["success_window"])
         c = saved["counters"]
-        st.zero_variance_groups, st.tokens_generated = c["zero_variance_groups"], c["tokens_generated"]
-        st.aborted_steps, st.step_retries = c["aborted_steps"], c["step_retries"]
+        st.counters.zero_variance_groups, st.counters.tokens_generated = c["zero_variance_groups"], c["tokens_generated"]
+        st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         self._tokens_trained = c["tokens_trained"]
 
     async def _sync_resumed_weights(self) -> None:
         """A resumed run starts from the checkpoint's policy: every generation worker gets the
         trainer's weights (version = the cut) before the first rollout."""
         st, cfg = self.state, self.cfg
-        v = st.trainer_version
+        v = st.versions.trainer
         handle = await within(st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)")
         async with asyncio.TaskGroup() as fanout:
             for w in st.workers.generators:
                 fanout.create_task(within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{v}) (resume)"))
-        st.latest_weights = handle
+        st.versions.latest_weights = handle
 
     def _checkpoint_due(self, version: int) -> bool:
         c, st = self.cfg.checkpoint, self.state
@@ -260,7 +256,7 @@ class Controller:
         st = self.state
         # A next step already open (sent behind the finish, when no checkpoint was due then; the
         # time-based one may have come due since): the checkpoint waits for the next step boundary.
-        if self._checkpoint_due(st.trainer_version) and not st.ledger.count(GroupState.SELECTED):
+        if self._checkpoint_due(st.versions.trainer) and not st.ledger.count(GroupState.SELECTED):
             await self.checkpoint(durable=False)
 
     async def checkpoint(self, *, durable: bool = True) -> CheckpointInfo | None:
@@ -271,7 +267,7 @@ class Controller:
         for them and raises their error, if any."""
         st = self.state
         await self._checkpoint_committed()
-        step = st.trainer_version
+        step = st.versions.trainer
         staged = await within(
             stage_checkpoint(
                 self.run_dir, step, self.checkpoint_state(), st.workers.trainer.save_state, keep=self.cfg.checkpoint.keep, clock=st.clock
@@ -295,8 +291,8 @@ class Controller:
                 self._committing = None
         st = self.state
         self.last_checkpoint = info
-        st.checkpoints_written += 1
-        st.last_checkpoint_s = info.write_s
+        st.counters.checkpoints_written += 1
+        st.counters.last_checkpoint_s = info.write_s
         return info
 
     async def _final_checkpoint(self, *, failed: bool) -> None:
@@ -309,13 +305,13 @@ class Controller:
             if not failed:
                 raise
             st.teardown_errors.append(f"checkpoint of step {self._last_checkpoint_step}: {type(e).__name__}: {e}")
-        if self.state.after_step is None or not self.cfg.checkpoint.at_exit:
+        if self.state.hooks.after_step is None or not self.cfg.checkpoint.at_exit:
             return
-        if st.trainer_version == self._last_checkpoint_step:
+        if st.versions.trainer == self._last_checkpoint_step:
             return
         try:
             if st.ledger.count(GroupState.SELECTED):
-                step = st.trainer_version
+                step = st.versions.trainer
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (final checkpoint)")
             await self.checkpoint()
         except Exception as e:
@@ -326,11 +322,11 @@ class Controller:
     # -- per-step record ---------------------------------------------------------------------
     def _record_step(self, report: StepReport) -> None:
         st, cfg = self.state, self.cfg
-        rewards = list(itertools.chain.from_iterable(g.rewards for g in report.groups))
-        success = sum(map(operator.ge, rewards, itertools.repeat(cfg.task.success_reward))) / max(1, len(rewards))
-        stale = list(map(st.sampler.staleness, report.groups, itertools.repeat(report.step)))
-        gen_tokens = sum(map(sum, map(_RESPONSE_LENGTHS, report.groups)))
-        seq_tokens = sum(map(sum, map(_SEQ_LENGTHS, report.groups)))
+        rewards = [r for g in report.groups for r in g.rewards]
+        success = sum(r >= cfg.task.success_reward for r in rewards) / max(1, len(rewards))
+        stale = [st.sampler.staleness(g, report.step) for g in report.groups]
+        gen_tokens = sum(sum(g.response_lengths) for g in report.groups)
+        seq_tokens = sum(sum(g.seq_lengths) for g in report.groups)
         self._tokens_trained += seq_tokens
         step_s = report.t_end - self._last_step_end
         self._last_step_end = report.t_end
@@ -349,12 +345,12 @@ class Controller:
             "throughput/train_tokens_per_s": seq_tokens / step_s if step_s > 0 else 0.0,
             "throughput/gen_tokens_per_s": gen_tokens / step_s if step_s > 0 else 0.0,
             "replay/resident_groups": st.ledger.resident(),
-            "sync/policy_version": st.policy_version,
+            "sync/policy_version": st.versions.policy,
             "sync/last_s": st.sync.last_s,
             "sync/admission_closed_s": st.sync.last_closed_s,
             "rollout/workers_routable": st.routable_count(),
-            "rollout/worker_deaths": st.worker_deaths,
-            "rollout/worker_restarts": st.worker_restarts,
+            "rollout/worker_deaths": st.counters.worker_deaths,
+            "rollout/worker_restarts": st.counters.worker_restarts,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -385,7 +381,7 @@ class Controller:
             "eval/seconds": point.seconds,
             "eval/reissued": point.reissued,
             "eval/failures": point.failures,
-            "eval/trainer_version": self.state.trainer_version,
+            "eval/trainer_version": self.state.versions.trainer,
             "time/wall_s": point.t_end - self._t0,
         }
         self.eval_history.append(rec)
@@ -398,7 +394,7 @@ class Controller:
         reason = "run_failed" if failed else "run_ended"
         if failed and st.ledger.count(GroupState.SELECTED):
             try:  # the step is open on the trainer: leave its state as it was before begin
-                step = st.trainer_version  # the open step is always the next one
+                step = st.versions.trainer  # the open step is always the next one
                 await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
@@ -426,40 +422,40 @@ class Controller:
         last = self.history[-1] if self.history else {}
         return ControllerStatistics(
             t=now,
-            policy_version=st.policy_version,
-            trainer_version=st.trainer_version,
+            policy_version=st.versions.policy,
+            trainer_version=st.versions.trainer,
             admission_open=st.admission_open,
-            stopping=st.stopping,
+            stopping=st.stop.requested,
             pumps={n: c.statistics(now) for n, c in st.pumps.items()},
             ledger=st.ledger.statistics(),
             prompts=st.prompts.statistics(),
             sampler=st.sampler.statistics(),
             storage=st.storage.statistics(),
             sync=SyncRecord(**vars(st.sync)),
-            zero_variance_groups=st.zero_variance_groups,
-            aborted_steps=st.aborted_steps,
-            step_retries=st.step_retries,
-            steps=st.trainer_version,
-            tokens_generated=st.tokens_generated,
+            zero_variance_groups=st.counters.zero_variance_groups,
+            aborted_steps=st.counters.aborted_steps,
+            step_retries=st.counters.step_retries,
+            steps=st.versions.trainer,
+            tokens_generated=st.counters.tokens_generated,
             tokens_trained=self._tokens_trained,
             last_step_s=last.get("time/step_s", 0.0),
             last_reward_mean=last.get("rollout/reward_mean", 0.0),
             last_success_rate=last.get("rollout/success_rate", 0.0),
             generation_workers=len(st.workers.generators),
-            generation_workers_down=len(st.down_workers),
-            worker_deaths=st.worker_deaths,
-            worker_restarts=st.worker_restarts,
-            late_finishes=st.late_finishes,
-            storage_retries=st.storage_retries,
-            checkpoints_written=st.checkpoints_written,
-            last_checkpoint_s=st.last_checkpoint_s,
+            generation_workers_down=len(st.health.down),
+            worker_deaths=st.counters.worker_deaths,
+            worker_restarts=st.counters.worker_restarts,
+            late_finishes=st.counters.late_finishes,
+            storage_retries=st.counters.storage_retries,
+            checkpoints_written=st.counters.checkpoints_written,
+            last_checkpoint_s=st.counters.last_checkpoint_s,
             mismatch=dict(self._mismatch),
             mismatch_kl_bound=self.cfg.metrics.mismatch_kl_bound,
             eval=self.eval_tracker.statistics() if self.eval_tracker is not None else None,
         )
 
     def select_latency_percentiles(self) -> tuple[float, float]:
-        lat = sorted(self.state.select_latency_s)
+        lat = sorted(self.state.counters.select_latency_s)
         if not lat:
             return float("nan"), float("nan")
         return pystats.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]

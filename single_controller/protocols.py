@@ -1,14 +1,13 @@
 """Worker contracts the controller drives. Backends (simulated, embedded CPU, vLLM/Megatron) are
 separate classes that satisfy these Protocols; the controller never imports a backend.
 
-All methods are coroutines on the controller's event loop (but `Submitting.submit`, which returns
-a future). The controller puts a deadline on every call (see `single_controller.deadlines`), so
-implementations need not time out themselves.
+All methods are coroutines on the controller's event loop. The controller puts a deadline on every
+call (see `single_controller.deadlines`), so implementations need not time out themselves; a call
+it cancels (a deadline, an aborted rollout) must write nothing more by the time it re-raises.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol, runtime_checkable
 
 from single_controller.types import (
@@ -89,25 +88,6 @@ class VersionGated(Protocol):
     update's answer, the controller's admission and the requests' own trip all come first)."""
 
     honours_min_version: bool
-
-
-@runtime_checkable
-class Submitting(Protocol):
-    """Optional capability of a GenerationWorker: a rollout request in flight without a task of its
-    own. `submit(request)` starts the request and returns a future of its result, which fails as
-    `generate` would raise (`GenerationFailed`, `GenerationWorkerDied`); it never raises itself.
-    The caller may cancel the future (a deadline, an aborted rollout) and then awaits
-    `withdraw(request, future)`, which returns once the worker guarantees it writes none of the
-    request's rows: what a cancelled `generate` guarantees before it re-raises.
-
-    The rollout pump submits where a worker offers it: a group in flight then costs a future and
-    a callback on the controller's loop, not a task, its coroutines and their scheduling (the
-    event-loop work per group that dominates at small step sizes, docs/performance.md). Eval
-    requests still go through `generate`."""
-
-    def submit(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]: ...
-
-    async def withdraw(self, request: GenerationRequest, future: asyncio.Future[GenerationResult]) -> None: ...
 
 
 def version_gated(worker: object) -> bool:

@@ -5,10 +5,10 @@ by `notify()`), and every wait is `await state.wait_until(predicate, pump, on=..
 the change signal and records how long the pump waited and on what. No locks are needed: the
 pumps run on one loop and mutate between awaits.
 
-Versions: `trainer_version` = optimizer steps completed (the next step to train); `policy_version`
-= the version the generation workers serve, bumped by the weight-sync pump once every worker has
-applied the snapshot; `dispatch_version` = the version new rollouts are admitted for and stamped
-with (`GenerationRequest.min_version`): `policy_version`, or with version-gated workers
+Versions (`RunState.versions`): `trainer` = optimizer steps completed (the next step to train);
+`policy` = the version the generation workers serve, bumped by the weight-sync pump once every
+worker has applied the snapshot; `dispatch` = the version new rollouts are admitted for and stamped
+with (`GenerationRequest.min_version`): `policy`, or with version-gated workers
 (`protocols.VersionGated`) the snapshot being applied, from the moment it was sent. Admission and
 staleness read only these and the stamps on each group.
 """
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
-from replay.storage import RowStorage
+from replay.storage import RowStorage, StorageError, StorageWriteError
 from samplers.staleness import StalenessSampler
 from single_controller.channels import Signal
 from single_controller.config.schema import Config, resolved_capacity
-from single_controller.deadlines import within
+from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import GenerationWorker, TrainerGroup
 from single_controller.types import Prompt, WeightsHandle
 
@@ -36,10 +36,28 @@ T = TypeVar("T")
 PUMPS = ("rollout", "advantage", "train", "weight_sync")
 
 CLEAR_ATTEMPTS = 3  # tries of one storage clear (each under its own deadline) before StorageFailed
+CLEAR_BACKOFF_S = 0.05  # the pause after a clear's first failure; it doubles after each one
+CLEAR_BACKOFF_MAX_S = 1.0
 
 
 class StorageFailed(RuntimeError):
     """The row storage kept failing (deadline or error) on the same request after every retry."""
+
+
+def retryable_storage_error(e: BaseException) -> bool:
+    """Whether trying a storage request again can succeed: the storage did not answer in time
+    (`DeadlineExceeded`), failed on its side (`StorageError`, which the TransferQueue adapter raises
+    for TQ's own errors), or lost its connection (`ConnectionError`). Not a request the storage
+    refused (`StorageWriteError`: the same request is refused again) nor any other error (a bug)."""
+    if isinstance(e, StorageWriteError):
+        return False
+    return isinstance(e, (DeadlineExceeded, StorageError, ConnectionError))
+
+
+def clear_backoff_s(attempt: int) -> float:
+    """The pause after failed try `attempt` (1, 2, ...): full jitter over an exponential bound, so
+    clears that failed together do not all come back at once."""
+    return random.uniform(0.0, min(CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S * 2 ** (attempt - 1)))
 
 
 @dataclass(frozen=True)
@@ -103,7 +121,76 @@ class Workers:
     trainer: TrainerGroup
 
 
+@dataclass
+class Versions:
+    """The policy versions (see the module docstring). Owners: the train pump bumps `trainer`; the
+    weight-sync pump bumps `policy` and `dispatch` (`RunState.bump_policy_version`, `dispatch`)
+    and sets `latest_weights`."""
+
+    trainer: int
+    policy: int
+    dispatch: int
+    latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
+
+
+@dataclass
+class Stop:
+    """Whether and why the run stops. `RunState.request_stop` sets the request; each of the rollout
+    and train pumps marks its own end on its way out."""
+
+    requested: bool = False  # no new rollouts: early stop or shutdown
+    reason: str | None = None
+    abandon_open_step: bool = False  # an interrupt: abort the step in progress instead of finishing it
+    rollout_done: bool = False  # the rollout pump has exited: nothing new will be committed
+    train_done: bool = False
+
+
+@dataclass
+class StepHooks:
+    """The controller's hooks into the train pump (None: no checkpoints)."""
+
+    after_step: Callable[[], Awaitable[None]] | None = None  # a periodic checkpoint, when one is due
+    # Whether `after_step` would write a checkpoint once the trainer is at this version (the train
+    # pump then sends no next step behind the finish: a checkpoint needs no step open).
+    checkpoint_due: Callable[[int], bool] | None = None
+
+
+@dataclass
+class WorkerHealth:
+    """Generation workers out of routing. Any pump that sees one die calls `RunState.worker_down`;
+    the rollout pump owns the restarts."""
+
+    down: dict[str, str] = field(default_factory=dict)  # worker name -> why it is out of routing
+    restarting: set[str] = field(default_factory=set)
+    given_up: set[str] = field(default_factory=set)  # dead workers that will not be restarted again
+    restarts_of: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class Counters:
+    """Run totals for the step records, statistics and checkpoints; the pump named beside each
+    writes it. Only `zero_variance_drops` is also read by a pump's logic (its per-step cap)."""
+
+    tokens_generated: int = 0  # rollout: response tokens of every committed group (trained or not)
+    worker_deaths: int = 0  # RunState.worker_down
+    worker_restarts: int = 0  # rollout
+    zero_variance_groups: int = 0  # advantage
+    zero_variance_drops: collections.Counter[int] = field(default_factory=collections.Counter)  # advantage: step -> dropped
+    zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
+    aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
+    step_retries: int = 0  # train
+    late_finishes: int = 0  # train: finishes that landed after their deadline (recorded result taken)
+    # train: how long a selection waited past its newest group's commit (the latest ones)
+    select_latency_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=10_000))
+    storage_retries: int = 0  # RunState.clear_groups: clears retried after a storage error
+    checkpoints_written: int = 0  # controller
+    last_checkpoint_s: float = 0.0  # controller: seconds the last checkpoint took to write
+
+
 class RunState:
+    """What the pumps share: configuration and workers, the ledgers and sampler, and small records
+    each with its owner (`versions`, `stop`, `hooks`, `health`, `counters`, `sync`)."""
+
     def __init__(
         self,
         cfg: Config,
@@ -130,73 +217,31 @@ class RunState:
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
-
-        self.policy_version = first_step
-        self.trainer_version = first_step
+        self.versions = Versions(trainer=first_step, policy=first_step, dispatch=first_step)
         self.admission_open = True
-        self.dispatch_version = first_step  # see the module docstring
-        self.stopping = False  # no new rollouts: early stop or shutdown
-        self.stop_reason: str | None = None
-        self.abandon_open_step = False  # an interrupt: abort the step in progress instead of finishing it
-        self.after_step: Callable[[], Awaitable[None]] | None = None  # the controller's checkpoint hook
-        # Whether the checkpoint hook would write a checkpoint once the trainer is at this version (the
-        # train pump then sends no next step behind the finish: a checkpoint needs no step open).
-        self.checkpoint_due: Callable[[int], bool] | None = None
-        self.rollout_done = False  # the rollout pump has exited: nothing new will be committed
-        self.train_done = False
-
-        self.zero_variance_groups = 0
-        self.zero_variance_drops: collections.Counter[int] = collections.Counter()  # target step -> dropped
-        self.zero_variance_kept = 0  # zero-variance groups trained because their step hit the drop cap
-        self.tokens_generated = 0  # response tokens of every committed group (trained or not)
-        self.aborted_steps = 0  # abort_train_step calls after trainer errors
-        self.late_finishes = 0  # finishes that landed after their deadline (recorded result taken)
-        self.storage_retries = 0  # storage clears retried after a deadline or error
-        self.checkpoints_written = 0
-        self.latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
-        self.last_checkpoint_s = 0.0  # seconds the last checkpoint took to write
-        self.step_retries = 0
-        self.select_latency_s: collections.deque[float] = collections.deque(maxlen=10_000)  # the latest
+        self.stop = Stop()
+        self.hooks = StepHooks()
+        self.health = WorkerHealth()
+        self.counters = Counters()
         self.sync = SyncRecord()
+        self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its task, while it awaits its worker
         self.teardown_errors: list[str] = []
-        self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its generation task
-        self.down_workers: dict[str, str] = {}  # generation worker name -> why it is out of routing
-        self.restarting: set[str] = set()
-        self.given_up: set[str] = set()  # dead workers that will not be restarted again
-        self.restarts_of: collections.Counter[str] = collections.Counter()
-        self.worker_deaths = 0
-        self.worker_restarts = 0
-
         self.changed = Signal()
-        self.notify = self.changed.notify  # called on every state change: one call, not two
-        self._trainer_can: dict[type, bool] = {}
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
 
+    def notify(self) -> None:
+        """Called on every state change a pump may wait on: one check of the waiters per loop iteration."""
+        self.changed.notify()
+
     def trainer_can(self, capability: type) -> bool:
-        """Whether the trainer group has an optional capability (a runtime-checkable protocol),
-        checked once: the check inspects every attribute the protocol names, tens of microseconds,
-        and the train pump asks on every step."""
-        can = self._trainer_can.get(capability)
-        if can is None:
-            can = self._trainer_can[capability] = isinstance(self.workers.trainer, capability)
-        return can
+        """Whether the trainer group has an optional capability (a runtime-checkable protocol)."""
+        return isinstance(self.workers.trainer, capability)
 
     # -- waiting ---------------------------------------------------------------------------------
-    # notify(): bound in __init__ to the change signal's `notify`. State owners call it after
-    # every mutation a pump may wait on; it schedules one check of the waiters per loop iteration.
-
     async def wait_until(self, predicate: Callable[[], bool], pump: str, on: str) -> None:
-        """Return once `predicate()` holds, accounting the time as `pump` waiting on `on` (what
-        `waiting` does, inline: every pump waits here once per state change it needs)."""
-        if predicate():
-            return
-        clk = self.pumps[pump]
-        clk.waiting_on, clk.wait_started = on, self.clock()
-        try:
-            await self.changed.wait_until(predicate, checked=True)
-        finally:
-            clk.wait_s[on] += self.clock() - clk.wait_started
-            clk.waiting_on = None
+        """Return once `predicate()` holds, accounting the time as `pump` waiting on `on`."""
+        if not predicate():
+            await self.waiting(self.changed.wait_until(predicate, checked=True), pump, on)
 
     async def waiting(self, aw: Awaitable[T], pump: str, on: str) -> T:
         """Await `aw`, accounting the time as `pump` waiting on `on`."""
@@ -210,18 +255,23 @@ class RunState:
 
     # -- storage ---------------------------------------------------------------------------------
     async def clear_groups(self, groups: Sequence[GroupRecord], what: str) -> None:
-        """Clear terminal groups' rows, then release their slots. Retries a failing clear (a slot is
-        freed only once its rows are gone, so none ever leaks); raises `StorageFailed` naming
-        `what` when the storage stays down."""
-        keys = list(itertools.chain.from_iterable(g.keys for g in groups))
+        """Clear terminal groups' rows, then release their slots (a slot is freed only once its rows
+        are gone, so none ever leaks). A clear that fails in a way a retry can fix
+        (`retryable_storage_error`) is tried again after a jittered, exponentially growing pause, up
+        to CLEAR_ATTEMPTS tries, then `StorageFailed` names `what`; any other error is a bug and
+        propagates at once."""
+        keys = [k for g in groups for k in g.keys]
         for attempt in range(1, CLEAR_ATTEMPTS + 1):
             try:
                 await within(self.storage.clear_rows(keys), self.cfg.timeouts.storage_s, what)
                 break
-            except Exception as e:  # a deadline already waited storage_s: try again at once
+            except Exception as e:
+                if not retryable_storage_error(e):
+                    raise
                 if attempt == CLEAR_ATTEMPTS:
                     raise StorageFailed(f"{what} failed {attempt} times; last error: {e}") from e
-                self.storage_retries += 1
+                self.counters.storage_retries += 1
+                await asyncio.sleep(clear_backoff_s(attempt))
         for g in groups:
             self.ledger.release(g.group_id)
         self.notify()
@@ -254,7 +304,7 @@ class RunState:
         if not charge:
             self.prompts[pid].uncharged += 1
         attempts = self.prompts.charged_attempts(pid)
-        if not self.stopping and attempts <= max_retries:
+        if not self.stop.requested and attempts <= max_retries:
             self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
             return True
@@ -269,44 +319,64 @@ class RunState:
     def dispatch(self, version: int) -> None:
         """New rollouts are for `version` from now on (its snapshot is on its way to every worker,
         each of which holds them until it has applied it: `protocols.VersionGated`)."""
-        if version <= self.dispatch_version:
-            raise RuntimeError(f"dispatch version must increase: {self.dispatch_version} -> {version}")
-        self.dispatch_version = version
+        v = self.versions
+        if version <= v.dispatch:
+            raise RuntimeError(f"dispatch version must increase: {v.dispatch} -> {version}")
+        v.dispatch = version
         self.notify()
 
     def bump_policy_version(self, version: int) -> None:
-        if version <= self.policy_version:
-            raise RuntimeError(f"policy version must increase: {self.policy_version} -> {version}")
-        self.policy_version = version
-        self.dispatch_version = max(self.dispatch_version, version)
+        v = self.versions
+        if version <= v.policy:
+            raise RuntimeError(f"policy version must increase: {v.policy} -> {version}")
+        v.policy = version
+        v.dispatch = max(v.dispatch, version)
         self.notify()
 
     def request_stop(self, reason: str, *, abandon_open_step: bool = False) -> None:
         """No new rollouts. `abandon_open_step` (an interrupt): the step in progress is aborted, not
         finished with fewer groups, so the run stops on the last finished step (its checkpoint)."""
-        if not self.stopping:
-            self.stopping, self.stop_reason = True, reason
-        self.abandon_open_step = self.abandon_open_step or abandon_open_step
+        if not self.stop.requested:
+            self.stop.requested, self.stop.reason = True, reason
+        self.stop.abandon_open_step = self.stop.abandon_open_step or abandon_open_step
         self.notify()
 
     def in_flight(self) -> int:
         return self.ledger.count(GroupState.RESERVED)
 
+    def abort_rollouts(self, reason: str, which: Callable[[GroupRecord], bool] = lambda rec: True, *, relabel: bool = False) -> int:
+        """Abort the rollouts in flight that `which(rec)` selects and that no abort marked yet: each is
+        marked with `reason` and, while its worker call is under way, its task is cancelled; the
+        rollout pump discards it, not as an error (a group not started yet sees the mark and never
+        calls its worker). `relabel` (the run's end): the ones marked already take `reason` too.
+        Returns how many were aborted now."""
+        aborted = 0
+        for rec in self.ledger.in_state(GroupState.RESERVED):
+            if rec.abort_reason is None and which(rec):
+                rec.abort_reason = reason
+                task = self.in_flight_tasks.get(rec.group_id)
+                if task is not None:
+                    task.cancel()
+                aborted += 1
+            elif relabel and rec.abort_reason is not None:
+                rec.abort_reason = reason
+        return aborted
+
     # -- generation worker health ------------------------------------------------------------------
     def routable(self) -> list[GenerationWorker]:
         """Generation workers that take work: not known dead, not restarting."""
-        return [w for w in self.workers.generators if w.name not in self.down_workers]
+        return [w for w in self.workers.generators if w.name not in self.health.down]
 
     def routable_count(self) -> int:
         """`len(routable())`, without the list."""
-        return len(self.workers.generators) - len(self.down_workers)
+        return len(self.workers.generators) - len(self.health.down)
 
     def any_routable(self) -> bool:
-        return len(self.down_workers) < len(self.workers.generators)
+        return len(self.health.down) < len(self.workers.generators)
 
     def worker_down(self, worker: GenerationWorker, why: str) -> None:
         """Take a dead worker out of routing (the rollout pump restarts it)."""
-        if worker.name not in self.down_workers:
-            self.down_workers[worker.name] = why
-            self.worker_deaths += 1
+        if worker.name not in self.health.down:
+            self.health.down[worker.name] = why
+            self.counters.worker_deaths += 1
             self.notify()

@@ -41,25 +41,35 @@ def _is_yield(call: ast.Call) -> bool:
     return len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0
 
 
+def _is_backoff(call: ast.Call) -> bool:
+    """`asyncio.sleep(<...backoff...>(attempt))`: a retry's pause after a failure, which waits for time
+    to pass by design (a storage that failed gets a moment), not for a state change."""
+    arg = call.args[0] if len(call.args) == 1 and not call.keywords else None
+    return isinstance(arg, ast.Call) and "backoff" in _dotted(arg.func)
+
+
 def _sleep_polls(fn: ast.AsyncFunctionDef) -> list[int]:
     lines = []
     for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.While, ast.For))):
         for node in ast.walk(loop):
             if isinstance(node, ast.Await) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "asyncio.sleep":
-                if not _is_yield(node.value):
+                if not _is_yield(node.value) and not _is_backoff(node.value):
                     lines.append(node.lineno)
     return lines
 
 
 def test_no_sleep_polling_loops_in_async_code():
     """A `while` loop in async code that awaits asyncio.sleep is a poll: waits must be event-driven.
-    (`asyncio.sleep(0)`, a yield to the loop, waits for nothing.)"""
+    (`asyncio.sleep(0)`, a yield to the loop, waits for nothing; a retry's backoff pause is no poll.)"""
     bad = [f"{path}:{line} {fn.name}" for path, fn in _async_bodies() for line in _sleep_polls(fn)]
     assert not bad, "sleep-polling loops in async code:\n" + "\n".join(bad)
 
 
 def test_the_poll_check_tells_a_poll_from_a_yield():
-    polls = "async def f():\n    while True:\n        await asyncio.sleep(0.1)\n        await asyncio.sleep(x)\n        await asyncio.sleep(0)\n"
+    polls = (
+        "async def f():\n    while True:\n        await asyncio.sleep(0.1)\n        await asyncio.sleep(x)\n"
+        "        await asyncio.sleep(0)\n        await asyncio.sleep(clear_backoff_s(attempt))\n"
+    )
     assert _sleep_polls(ast.parse(polls).body[0]) == [3, 4]
 
 

@@ -11,23 +11,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.ledger import GroupState
-from replay.storage import InMemoryRowStorage
+from replay.storage import InMemoryRowStorage, StorageError
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
 from single_controller.config.schema import (
-    AdvantageConfig,
     BufferConfig,
     Config,
     RolloutConfig,
     RunConfig,
     SamplerConfig,
-    SyncConfig,
     TimeoutConfig,
     TrainConfig,
 )
 from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.state import PumpClock, Workers
+from single_controller.state import CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S, PumpClock, Workers, clear_backoff_s
 
 
 def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capacity=None, in_flight=64, **sections) -> Config:
@@ -199,7 +197,7 @@ async def test_trainer_failure_mid_step_aborts_and_retries():
     faulty = await run_sim(make_cfg(steps=5, L=0, chunk=2), Faults(train_fail={(2, 0, 0)}))
     ctl, trainer, storage, summary, err = faulty
     assert err is None and summary.steps == 5
-    assert trainer.aborts == 1 and ctl.state.step_retries == 1
+    assert trainer.aborts == 1 and ctl.state.counters.step_retries == 1
     assert trained_prompts(trainer) == trained_prompts(clean[1]), "the retried step trained other groups"
     await assert_clean_end(ctl, trainer, storage)
 
@@ -214,7 +212,7 @@ async def test_a_chunk_sent_behind_a_finish_that_fails_is_retried_and_trains_wha
     ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(train_fail={(3, 0, 0)}), train_s=0.005)
     assert err is None and summary.steps == 6
     assert 3 in trainer.begun_behind_finish and len(clean[1].begun_behind_finish) >= 3
-    assert trainer.attempts[3] == 1 and ctl.state.step_retries == 1 and ctl.state.late_finishes == 0
+    assert trainer.attempts[3] == 1 and ctl.state.counters.step_retries == 1 and ctl.state.counters.late_finishes == 0
     assert trainer.optimizer_steps == 6
     assert trained_prompts(trainer) == trained_prompts(clean[1])
     await assert_clean_end(ctl, trainer, storage)
@@ -349,7 +347,7 @@ async def test_zero_variance_groups_are_dropped_and_refilled():
     for r in zero:
         assert len(set(sim_rewards(r.prompt.prompt_id, 0, 2))) == 1
     assert all(len(v) == 4 for v in trained_prompts(trainer).values())
-    assert ctl.state.zero_variance_groups == len(zero)
+    assert ctl.state.counters.zero_variance_groups == len(zero)
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -526,7 +524,7 @@ async def test_finish_outliving_its_deadline_is_applied_once(monkeypatch):
     assert err is None, err
     assert summary.steps == 3
     assert trainer.optimizer_steps == 3 == trainer.version
-    assert ctl.state.late_finishes == 3 and ctl.state.aborted_steps == 0
+    assert ctl.state.counters.late_finishes == 3 and ctl.state.counters.aborted_steps == 0
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -555,10 +553,54 @@ async def test_storage_deadline_while_evicting_is_retried_not_a_trainer_failure(
     ctl, trainer, storage, summary, err = await run_sim(cfg, hang_clear=hang_first_evicted_clear, gen_s=0.01)
     assert err is None, err
     assert hung, "the scenario never evicted"
-    assert ctl.state.aborted_steps == 0 and ctl.state.step_retries == 0
-    assert ctl.state.storage_retries >= 1
+    assert ctl.state.counters.aborted_steps == 0 and ctl.state.counters.step_retries == 0
+    assert ctl.state.counters.storage_retries >= 1
     assert summary.steps == 4
     await assert_clean_end(ctl, trainer, storage)  # no slot leaked, no key left
+
+
+class FailingClearStorage(InMemoryRowStorage):
+    """In-memory storage whose first `clear_rows` raises `error`."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error, self.clears = error, 0
+
+    async def clear_rows(self, keys):
+        self.clears += 1
+        if self.clears == 1:
+            raise self.error
+        await super().clear_rows(keys)
+
+
+async def _run_with_failing_clear(error: Exception):
+    storage = FailingClearStorage(error)
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.001)
+    ctl = Controller(make_cfg(steps=4, P=2), sim_prompts(), storage, Workers(gens, trainer))
+    try:
+        return ctl, trainer, storage, await asyncio.wait_for(ctl.run(), 30), None
+    except RunFailed as e:
+        return ctl, trainer, storage, None, e
+
+
+async def test_a_storage_error_in_a_clear_is_retried_after_a_pause():
+    ctl, trainer, storage, summary, err = await _run_with_failing_clear(StorageError("the store is restarting"))
+    assert err is None, err
+    assert summary.steps == 4 and ctl.state.counters.storage_retries == 1
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_bug_in_a_storage_clear_stops_the_run_at_once_instead_of_being_retried():
+    ctl, trainer, storage, summary, err = await _run_with_failing_clear(TypeError("clear_rows() got an unexpected keyword"))
+    assert err is not None and isinstance(err.__cause__, TypeError), err
+    assert ctl.state.counters.storage_retries == 0
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 3, 10])
+def test_the_pause_before_a_clear_is_retried_is_jittered_exponential_and_bounded(attempt):
+    bound = min(CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S * 2 ** (attempt - 1))
+    pauses = [clear_backoff_s(attempt) for _ in range(200)]
+    assert all(0.0 <= p <= bound for p in pauses) and len(set(pauses)) > 1
 
 
 async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
@@ -570,8 +612,8 @@ async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
     assert err is None, err
     assert summary.steps == 3
     assert all(len(keys) == 2 * 2 for keys in trainer.trained.values())
-    assert sum(ctl.state.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
-    assert ctl.state.zero_variance_kept >= 3 * 2
+    assert sum(ctl.state.counters.zero_variance_drops.values()) == 3 * 3  # the cap, for each step
+    assert ctl.state.counters.zero_variance_kept >= 3 * 2
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -684,7 +726,7 @@ async def test_a_periodic_checkpoint_commits_in_the_background_while_training_go
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert seen == {"trained": 4, "latest": False, "thread": True}
     assert summary.checkpoint.step == 6 and latest_checkpoint(tmp_path).name == "step_000006"
-    assert ctl.state.checkpoints_written == 3
+    assert ctl.state.counters.checkpoints_written == 3
     assert read_controller_state(latest_checkpoint(tmp_path))["step"] == 6
 
 
@@ -717,8 +759,8 @@ async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt
     assert err is None, err
     assert summary.steps == 8
     gens = ctl.state.workers.generators
-    assert gens[0].restarts == int(restart_ok) and ctl.state.worker_restarts == int(restart_ok)
-    assert ctl.state.worker_deaths == 1
+    assert gens[0].restarts == int(restart_ok) and ctl.state.counters.worker_restarts == int(restart_ok)
+    assert ctl.state.counters.worker_deaths == 1
     # Out of routing from its first failed call: at most what was already in flight hit the corpse.
     assert gens[0].calls_while_dead <= cfg.rollout.max_in_flight_groups
     # With max_retries=0 any charged failure would drop a prompt: none was dropped or lost.
@@ -748,47 +790,36 @@ async def test_the_ledger_forgets_finished_steps():
     assert len(led._live_by_step) <= 3 and len(led._open_by_step) <= 3, (dict(led._live_by_step), dict(led._open_by_step))
 
 
-# -- requests without a task of their own (`protocols.Submitting`) ----------------------------------
-class _NoSubmit:
-    """A sim worker seen without its `submit`: the rollout pump runs a task per request."""
+# -- a cancelled request writes nothing more before its rows are cleared -------------------------
+class Withdrawing:
+    """A sim worker whose cancelled `generate` takes a while to be sure it writes nothing more, then
+    records ("withdrawn", group id) in `events`. Requests `hold(request)` picks are never answered;
+    `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
         self.inner, self.name = inner, inner.name
+        self.events = events
+        self.hold, self.self_cancel = hold, self_cancel
+        self.held: list[str] = []
 
     async def generate(self, request):
-        return await self.inner.generate(request)
+        if self.self_cancel(request):
+            raise asyncio.CancelledError()
+        try:
+            if self.hold(request):
+                self.held.append(request.group_id)
+                await asyncio.Event().wait()
+            return await self.inner.generate(request)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)
+            self.events.append(("withdrawn", request.group_id))
+            raise
 
     async def update_weights(self, weights):
         await self.inner.update_weights(weights)
 
     async def in_flight(self):
         return await self.inner.in_flight()
-
-
-class Submitter(_NoSubmit):
-    """A `Submitting` worker over a sim worker's `generate` (each submission runs it as a task) that
-    records its withdrawals in `events`. Submissions `hold(request)` picks are never answered;
-    `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
-
-    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
-        super().__init__(inner)
-        self.events = events
-        self.hold, self.self_cancel = hold, self_cancel
-        self.held: list[str] = []
-
-    def submit(self, request):
-        loop = asyncio.get_running_loop()
-        if self.hold(request):
-            self.held.append(request.group_id)
-            return loop.create_future()
-        fut = asyncio.ensure_future(self.inner.generate(request))
-        if self.self_cancel(request):
-            loop.call_soon(fut.cancel)
-        return fut
-
-    async def withdraw(self, request, future):
-        await asyncio.sleep(0.01)  # the worker takes a while to be sure it writes nothing more
-        self.events.append(("withdrawn", request.group_id))
 
 
 class RecordingClears(InMemoryRowStorage):
@@ -801,10 +832,10 @@ class RecordingClears(InMemoryRowStorage):
         await super().clear_rows(keys)
 
 
-def _submitters(cfg, events, **kw):
+def _withdrawing(cfg, events, **kw):
     storage = RecordingClears(events)
     inner, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001)
-    gens = [Submitter(g, events, **kw) for g in inner]
+    gens = [Withdrawing(g, events, **kw) for g in inner]
     return Controller(cfg, sim_prompts(), storage, Workers(gens, trainer)), gens, trainer, storage
 
 
@@ -812,10 +843,10 @@ def _withdrawn_before_cleared(events, gid):
     return events.index(("withdrawn", gid)) < events.index(("cleared", gid))
 
 
-async def test_a_submitted_request_past_its_deadline_is_withdrawn_before_its_rows_are_cleared_and_retried():
+async def test_a_request_past_its_deadline_is_withdrawn_before_its_rows_are_cleared_and_retried():
     events: list = []
     cfg = make_cfg(steps=4, P=2, L=1, timeouts={"generate_s": 0.2})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id == "p000002-a0")
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id == "p000002-a0")
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 4
     assert [g for w in gens for g in w.held] == ["p000002-a0"]
@@ -825,12 +856,12 @@ async def test_a_submitted_request_past_its_deadline_is_withdrawn_before_its_row
     await assert_clean_end(ctl, trainer, storage)
 
 
-async def test_an_aborted_submission_is_withdrawn_before_its_rows_are_cleared():
-    """The stale in-flight rule cancels a submitted request: discarded as aborted (not an error),
+async def test_an_aborted_request_is_withdrawn_before_its_rows_are_cleared():
+    """The stale in-flight rule cancels a request: discarded as aborted (not an error),
     after the worker's withdrawal."""
     events: list = []
     cfg = make_cfg(steps=6, P=2, L=1, S=1, chunk=1, order="fifo", sampler={"abort_stale_in_flight": True})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id == "p000000-a0")
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id == "p000000-a0")
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 6
     assert _withdrawn_before_cleared(events, "p000000-a0")
@@ -839,10 +870,10 @@ async def test_an_aborted_submission_is_withdrawn_before_its_rows_are_cleared():
     await assert_clean_end(ctl, trainer, storage)
 
 
-async def test_submissions_still_in_flight_when_the_run_fails_are_withdrawn():
+async def test_requests_still_in_flight_when_the_run_fails_are_withdrawn():
     events: list = []
     cfg = make_cfg(steps=6, P=2, L=1, train={"max_step_retries": 0})
-    ctl, gens, trainer, storage = _submitters(cfg, events, hold=lambda r: r.group_id in ("p000004-a0", "p000005-a0"))
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, hold=lambda r: r.group_id in ("p000004-a0", "p000005-a0"))
     trainer.faults.train_fail.add((1, 0, 0))
     with pytest.raises(RunFailed, match="injected trainer failure"):
         await asyncio.wait_for(ctl.run(), 30)
@@ -851,52 +882,8 @@ async def test_submissions_still_in_flight_when_the_run_fails_are_withdrawn():
     assert ctl.state.teardown_errors == []
 
 
-async def test_a_worker_that_cancels_a_submission_itself_stops_the_run_naming_it():
+async def test_a_worker_that_cancels_a_request_itself_stops_the_run_naming_it():
     events: list = []
-    ctl, gens, trainer, storage = _submitters(make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0")
+    ctl, gens, trainer, storage = _withdrawing(make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0")
     with pytest.raises(RunFailed, match=r"cancelled the request of p000001-a0 itself"):
         await asyncio.wait_for(ctl.run(), 30)
-
-
-@pytest.mark.parametrize("writes_rows", [False, True])
-async def test_submitted_requests_train_what_a_task_per_request_trains(writes_rows):
-    """The sim worker's plain submissions (no rows written: one future on the engine's queue) and
-    its other ones (a task running generate) train exactly what requests awaited by a task train."""
-    from single_controller.protocols import Submitting
-
-    async def run(submit):
-        storage = InMemoryRowStorage()
-        gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001,
-                                    workers_write_rows=writes_rows, trainer_reads_rows=writes_rows)
-        workers = gens if submit else [_NoSubmit(g) for g in gens]
-        assert all(isinstance(w, Submitting) == submit for w in workers)
-        ctl = Controller(make_cfg(steps=5, P=3, L=0, chunk=3), sim_prompts(), storage, Workers(workers, trainer))
-        summary = await asyncio.wait_for(ctl.run(), 30)
-        assert summary.steps == 5 and ctl.state.ledger.resident() == 0
-        assert [await g.in_flight() for g in gens] == [0, 0]
-        return trainer.trained, sorted(x for g in gens for x in g.generated)
-
-    assert await run(True) == await run(False)
-
-
-async def test_a_submission_that_ends_while_the_pump_stops_is_left_to_the_pumps_withdrawal():
-    """Its follow-up cannot start in a task group that takes no more tasks: it goes back to the
-    pump's in-flight submissions, which the pump withdraws on its way out (no error escapes into
-    the event loop's handler, none is recorded)."""
-    import types
-
-    from pumps import rollout
-    from single_controller.protocols import GenerationFailed
-
-    async with asyncio.TaskGroup() as finished:
-        pass
-    submitted = rollout._Submitted()
-    submitted.children = finished
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_exception(GenerationFailed("the engine failed"))
-    worker, rec = types.SimpleNamespace(name="w"), types.SimpleNamespace(group_id="p1-a0", abort_reason=None)
-    submitted.pending["p1-a0"] = (worker, "request", fut)
-    state = types.SimpleNamespace(in_flight_tasks={}, teardown_errors=[])
-    rollout._submission_done(state, submitted, {id(worker): 1}, worker, rec, "request", None, 0.0, fut)
-    assert submitted.pending == {"p1-a0": (worker, "request", fut)}
-    assert state.in_flight_tasks == {} and state.teardown_errors == []

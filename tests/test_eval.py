@@ -187,7 +187,7 @@ async def test_weight_update_during_eval_reissues_and_reports_one_version():
     # the round's start, so each round sees a newer version and must re-issue the rest.
     slow = EVAL_PROMPTS[3].prompt_id
     cfg = eval_cfg(steps=30, every=10)
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done))
     assert err is None and summary.steps == 30
     first = ctl.eval_history[0]
     assert first["eval/policy_version"] > 0 and first["eval/reissued"] >= len(EVAL_PROMPTS) - 1
@@ -204,14 +204,14 @@ async def test_without_reissue_a_point_mixes_versions(monkeypatch):
     import pumps.eval as ev
 
     async def lax_round(state, prompts, sampling, tracker, index):
-        t0, target = state.clock(), state.policy_version
+        t0, target = state.clock(), state.versions.policy
         reqs = [ev.GenerationRequest(f"eval{index}-{p.prompt_id}-a0", p, sampling, eval=True) for p in prompts]
         results = await asyncio.gather(*(ev._request(state, r, i) for i, r in enumerate(reqs)))
         return ev.EvalPoint(target, ev.eval_metrics(results, 1.0), state.clock() - t0, 0, 0, state.clock())
 
     monkeypatch.setattr(ev, "_round", lax_round)
     slow = EVAL_PROMPTS[3].prompt_id
-    ctl, *_ = await run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.policy_version % 10 >= 2 or st.train_done))
+    ctl, *_ = await run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done))
     with pytest.raises(AssertionError, match="mixes versions"):
         assert_points_served_by_their_version(ctl)
 
@@ -235,7 +235,7 @@ async def test_generation_worker_death_during_eval_reissues_uncharged():
     ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, Faults(die_after={"sim-gen-0": 1}), gen_s=0.01)
     assert err is None and summary.steps == 8
     st = ctl.eval_tracker.statistics()
-    assert ctl.state.worker_deaths == 1 and gens[0].restarts == 1
+    assert ctl.state.counters.worker_deaths == 1 and gens[0].restarts == 1
     assert st.failed == 0 and st.request_failures == 0
     first_round = [gid for g in gens for gid, _ in g.evaluated if gid.startswith("eval0-")]
     assert any(gid.startswith("eval0-") and not gid.endswith("-a0") for gid in first_round), "nothing was re-issued"
@@ -269,7 +269,7 @@ async def test_run_end_during_eval_reports_the_final_version_and_ends():
     # The first round's held request outlives training: the round follows the versions to the
     # final one, which is then the end-of-run point; nothing hangs waiting for more updates.
     slow = EVAL_PROMPTS[0].prompt_id
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.stop.train_done))
     assert err is None and summary.steps == 5
     assert [r["eval/policy_version"] for r in ctl.eval_history] == [5]
     assert ctl.eval_history[0]["eval/trainer_version"] == 5
@@ -279,7 +279,7 @@ async def test_run_end_during_eval_reports_the_final_version_and_ends():
 
 async def test_early_stop_during_eval_still_evaluates_the_final_version():
     cfg = eval_cfg(steps=50, every=100, run={"stop_at_success_rate": 0.0, "success_window": 2})
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.stop.train_done))
     assert err is None and summary.steps == 2
     assert ctl.eval_history[-1]["eval/policy_version"] == 2
     await assert_eval_left_nothing(ctl, gens, trainer, storage)

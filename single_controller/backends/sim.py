@@ -180,10 +180,7 @@ class SimGenerationWorker:
     together). Requests that arrive in the same tick, and those queued while a batch computes, are
     served together, up to `max_batch` of one lane per batch: a batch takes the sum of its requests'
     times (the serial engine's throughput), starts at one version, and all its results come back at
-    its end, on one timer.
-
-    It is `Submitting`: the rollout pump submits its requests (a future each, no task); a plain one
-    rides the engine's queue as that future alone (`submit`)."""
+    its end, on one timer."""
 
     def __init__(
         self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None,
@@ -212,8 +209,8 @@ class SimGenerationWorker:
         self._reset_engine()
 
     def _reset_engine(self) -> None:
-        # Queued requests by lane (eval first): (request, future, arrival time, plain); the future
-        # takes the version the request is served at, or its result for a plain submission.
+        # Queued requests by lane (eval first): (request, future, arrival time); the future takes the
+        # version the request is served at.
         self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
         self._computing = False  # a request's compute is under way (its timer is set)
         self._free_at = 0.0  # when the work scheduled so far ends
@@ -271,7 +268,7 @@ class SimGenerationWorker:
                 version = self._starts(request)
             else:
                 served = asyncio.get_running_loop().create_future()
-                self._enqueue(request, served, plain=False)
+                self._enqueue(request, served)
                 version = await served
             if fault_key in self.faults.gen_fail:
                 raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
@@ -289,40 +286,17 @@ class SimGenerationWorker:
         finally:
             self._in_flight -= 1
 
-    def submit(self, request: GenerationRequest) -> asyncio.Future:
-        """`protocols.Submitting`. A plain request (a rollout on a timed engine that writes no rows,
-        with no fault scripted on this worker) joins the engine's queue as one future that its
-        compute's end resolves with the result: nothing runs for it in between. Any other request
-        runs `generate` as a task, whose future this is."""
-        f = self.faults
-        if self.dead or request.eval or self.writes_rows or not self.group_s or f.gate is not None or f.gen_fail or f.gen_stall or f.gen_delay or self.name in f.die_after:
-            return asyncio.ensure_future(self.generate(request))
-        fut = asyncio.get_running_loop().create_future()
-        self._in_flight += 1
-        self._enqueue(request, fut, plain=True)
-        return fut
-
-    def _enqueue(self, request: GenerationRequest, fut: asyncio.Future, *, plain: bool) -> None:
-        """Queue `request` in its lane (`fut`: resolved with the version it is served at, or with
-        its result when `plain`) and start the engine if it is idle."""
+    def _enqueue(self, request: GenerationRequest, served: asyncio.Future) -> None:
+        """Queue `request` in its lane (`served`: resolved with the version it is served at) and start
+        the engine if it is idle."""
         loop = asyncio.get_running_loop()
-        self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, fut, loop.time(), plain))
+        self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, served, loop.time()))
         if not self._computing:
             if self.max_batch == 1:
                 self._serve_next(loop)
             else:  # the rest of this tick's requests join the batch, as one generate_many call
                 self._computing = True
                 loop.call_soon(self._serve_scheduled, loop, self._epoch)
-
-    async def withdraw(self, request: GenerationRequest, future: asyncio.Future) -> None:
-        """A plain request writes nothing; a request running `generate` writes nothing once its
-        task has unwound."""
-        if isinstance(future, asyncio.Task) and not future.done():
-            await asyncio.wait([future])
-
-    def _plain_result(self, request: GenerationRequest, version: int) -> GenerationResult:
-        self.generated.append(request.group_id)
-        return self._result(request, int(request.group_id.rsplit("-a", 1)[1]), version)
 
     def _result(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         """What generating `request` at `version` answers: its rewards, G responses of the full length."""
@@ -342,18 +316,16 @@ class SimGenerationWorker:
         if epoch is not None and epoch != self._epoch:  # scheduled before a restart
             return
         for lane in self._lanes:
-            batch: list[tuple[asyncio.Future, GenerationRequest | None]] = []  # (future, the request if plain)
+            batch: list[asyncio.Future] = []  # each resolved with the version it is served at
             cost, first_arrived = 0.0, None
             while lane and len(batch) < self.max_batch:
-                request, served, arrived, plain = lane.popleft()
+                request, served, arrived = lane.popleft()
                 if served.done():  # its caller stopped waiting
-                    if plain:
-                        self._in_flight -= 1
                     continue
                 version = self._starts(request)
                 cost += self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
                 first_arrived = arrived if first_arrived is None else first_arrived
-                batch.append((served, request if plain else None))
+                batch.append(served)
             if batch:
                 # timed against the worker's own schedule: a timer that fires late (they are
                 # millisecond-grained) delays one batch, not every one after it
@@ -365,15 +337,11 @@ class SimGenerationWorker:
 
     _serve_scheduled = _serve_next  # `_serve_next` as an event-loop callback (metered on its own)
 
-    def _served(self, loop: asyncio.AbstractEventLoop, batch: list[tuple[asyncio.Future, GenerationRequest | None]], version: int, epoch: int) -> None:
+    def _served(self, loop: asyncio.AbstractEventLoop, batch: list[asyncio.Future], version: int, epoch: int) -> None:
         if epoch != self._epoch:  # computed by the process a restart replaced
             return
-        for served, plain in batch:
-            if plain is not None:  # a plain submission: its future takes the result itself
-                self._in_flight -= 1
-                if not served.done():
-                    served.set_result(self._plain_result(plain, version))
-            elif not served.done():
+        for served in batch:
+            if not served.done():
                 served.set_result(version)
         self._computing = False
         self._apply_pending_update()
@@ -568,8 +536,7 @@ class SimTrainerGroup:
             if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
                 raise RuntimeError(f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)")
         if self.group_s:
-            # a chunk holds whole groups: one row of each ends in "_g0" (counted at C speed)
-            n_groups = max(1, ("\n".join(chunk.row_keys) + "\n").count("_g0\n"))
+            n_groups = max(1, sum(k.endswith("_g0") for k in chunk.row_keys))  # a chunk holds whole groups
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
         if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
@@ -684,7 +651,7 @@ def sim_workers(
     return gens, trainer
 
 
-GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart", "withdraw")
+GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart")
 TRAINER_CALLS = (
     "begin_train_step", "train_microbatch", "finish_train_step", "abort_train_step", "train_status",
     "export_weights", "save_state", "load_state", "begin_behind_finish",
@@ -699,7 +666,6 @@ def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGr
             setattr(g, name, _metered_coroutine(getattr(g, name), meter))
         g._served = _metered_callback(g._served, meter)  # scheduled as self._served: this one
         g._serve_scheduled = _metered_callback(g._serve_scheduled, meter)  # what a batching engine schedules
-        g.submit = _metered_callback(g.submit, meter)  # a plain call, not a coroutine
     for name in TRAINER_CALLS:
         setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))
     trainer.meter = meter

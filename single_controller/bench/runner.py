@@ -404,7 +404,7 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
         "groups": summary.steps * P,
         "p50": p50,
         "p99": p99,
-        "latency_samples": len(ctl.state.select_latency_s),
+        "latency_samples": len(ctl.state.counters.select_latency_s),
     }
 
 

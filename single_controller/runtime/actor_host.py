@@ -248,7 +248,7 @@ class ControllerService:
                 "error": error_text(cause),
                 "traceback": "".join(traceback.format_exception(cause)),
             }
-            steps, reason, checkpoint = self.controller.state.trainer_version, f"failed: {e}", e.checkpoint
+            steps, reason, checkpoint = self.controller.state.versions.trainer, f"failed: {e}", e.checkpoint
         finally:
             self._finished.set()
             self._changed.set()
