@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E402
 from single_controller.backends.torch.model import TinyGPT, load_tinygpt  # noqa: E402
-from single_controller.backends.torch.trainer import TrainerCore, TrainStepStateError  # noqa: E402
+from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import BackendConfig, Config  # noqa: E402
-from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup  # noqa: E402
+from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_workers_satisfy_the_protocols_and_start_at_version_0(workers, loop):
     expected = TinyGPT(CFG.model, TOKENIZER.vocab_size, seed=CFG.seed)  # rank 0's seeded init
     assert all(np.array_equal(w0[n], p.detach().numpy()) for n, p in expected.named_parameters())
     for g in gens:
-        assert run(loop, g.version()) == 0
+        assert run(loop, g.actor.version.remote()) == 0
         assert_same_weights(run(loop, g.actor.get_weights.remote()), w0)
 
 
@@ -163,7 +163,7 @@ def test_generate_train_sync_abort(workers, loop):
     assert handle.version == 1 and handle.num_bytes == 4 * sum(v.size for v in after.values())
     run(loop, gather(*(g.update_weights(handle) for g in gens)))
     for g in gens:
-        assert run(loop, g.version()) == 1
+        assert run(loop, g.actor.version.remote()) == 1
         assert_same_weights(run(loop, g.actor.get_weights.remote()), after)
     assert run(loop, gens[0].generate(GenerationRequest("v1", prompts[0], sampling, row_keys("v1", 4)))).version_start == 1
 
@@ -267,7 +267,7 @@ def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(w
     with pytest.raises(GenerationWorkerDied):
         run(loop, gen.update_weights(handle))
     run(loop, gen.restart(handle), timeout=120)
-    assert run(loop, gen.version()) == 7
+    assert run(loop, gen.actor.version.remote()) == 7
     assert_same_weights(run(loop, gen.actor.get_weights.remote()), run(loop, rank_weights(group, 0)))
     res = run(loop, gen.generate(dataclasses.replace(req, group_id="alive0", row_keys=row_keys("alive0", 4))))
     assert (res.version_start, res.version_end) == (7, 7)
@@ -346,7 +346,7 @@ def test_shutdown_stops_the_actors(workers, loop):
 
     run(loop, shutdown_cpu_workers(gens, group))
     with pytest.raises(ray.exceptions.RayActorError):
-        run(loop, gens[0].version())
+        run(loop, gens[0].actor.version.remote())
     with pytest.raises(ray.exceptions.RayActorError):
         run(loop, group.ranks[1].get_weights.remote())
 
