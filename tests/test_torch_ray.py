@@ -337,6 +337,56 @@ def test_a_rank_takes_read_ahead_hints_while_a_microbatch_runs(cluster, loop, tm
         run(loop, group.shutdown())
 
 
+def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, loop):
+    """A bug in the loss (here a `str` where the loss computes `1 - clip_eps`) raises its own error
+    on every call that reports it, with the rank's traceback: never the `TrainerFailed` the train pump
+    aborts and retries (`rank_calls.RETRYABLE`). The step stays open until it is aborted."""
+    storage, gens, group = workers
+    req = GenerationRequest("bug0", reverse_digits(1, 3, seed=7)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("bug0", 4))
+    run(loop, gens[0].generate(req))
+    keys = list(req.row_keys)
+    rows = run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS)))
+    lengths = tuple(len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"]))
+    step = run(loop, group.train_status()).next_step
+
+    async def step_with_a_bug_in_the_loss():
+        await group.begin_train_step(step, LossConfig(clip_eps="0.2"))
+        await group.train_microbatch(TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5)))
+        await group.finish_train_step(step)
+
+    with pytest.raises(TypeError, match="unsupported operand") as info:
+        run(loop, step_with_a_bug_in_the_loss())
+    assert not isinstance(info.value, TrainerFailed)
+    assert "grpo_loss" in str(info.value)  # the rank's traceback comes with it
+    run(loop, group.abort_train_step(step))
+    assert run(loop, group.train_status()).open_step is None
+    run(loop, storage.clear_rows(keys))
+
+
+async def test_rank_call_retries_only_what_a_retry_can_fix():
+    """`rank_call` keeps a rank's bug as it is and makes a failure a retry can fix a `TrainerFailed`."""
+    import ray
+
+    from single_controller.backends.common.rank_calls import rank_call
+
+    def answered(value=None, error=None) -> asyncio.Future:  # what awaiting a rank's ObjectRef gives
+        fut = asyncio.get_running_loop().create_future()
+        if error is None:
+            fut.set_result(value)
+        else:  # Ray delivers a rank's exception wrapped, an instance of the original class too
+            fut.set_exception(ray.exceptions.RayTaskError("f", f"Traceback\n{error!r}", error).as_instanceof_cause())
+        return fut
+
+    with pytest.raises(TypeError) as info:
+        await rank_call("train_microbatch(step=0, chunk=0)", [answered(1), answered(error=TypeError("bad operand"))])
+    assert not isinstance(info.value, TrainerFailed)
+    with pytest.raises(TrainerFailed, match=r"finish_train_step\(0\) failed on rank 1: reading its rows"):
+        await rank_call("finish_train_step(0)", [answered(1), answered(error=TrainerFailed("reading its rows: timeout"))])
+    with pytest.raises(TrainStepStateError):
+        await rank_call("begin_train_step(1)", [answered(error=TrainStepStateError("step 0 is still open"))])
+    assert await rank_call("train_status", [answered(1), answered(2)]) == [1, 2]
+
+
 def test_shutdown_stops_the_actors(workers, loop):
     """Runs last: shuts the module's workers down (the fixture's own shutdown then finds them gone)."""
     import ray
