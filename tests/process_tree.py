@@ -3,6 +3,7 @@ engines'), to check that none outlives the run. Test code: it polls with `time.s
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import psutil
@@ -12,6 +13,22 @@ class ProcessTree:
     def __init__(self, pid: int):
         self.root = psutil.Process(pid)
         self.seen: dict[int, str] = {}  # pid -> the start of its command line
+
+    @classmethod
+    def follow(cls, proc: subprocess.Popen, timeout: float = 60) -> tuple[ProcessTree, str]:
+        """Read `proc`'s output to its end, recording its descendants after each line, and wait for
+        it to exit (killed if it has not `timeout` s after its output ended). Returns (tree, output)."""
+        tree = cls(proc.pid)
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                tree.snapshot()
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        return tree, "".join(lines)
 
     def snapshot(self) -> None:
         """Record the driver's descendants alive now."""

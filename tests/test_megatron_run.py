@@ -33,17 +33,7 @@ def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):
          "run.max_steps=4", "run.stop_at_success_rate=null"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    tree = ProcessTree(proc.pid)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            tree.snapshot()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
+    tree, out = ProcessTree.follow(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     assert sum("MegatronRankActor" in c for c in tree.seen.values()) == 2, tree.seen  # both ranks ran

@@ -125,17 +125,7 @@ def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> sub
 @pytest.mark.slow
 def test_vllm_cpu_run_and_no_process_outlives_it(tmp_path, model_dir):
     proc = _start(tmp_path, model_dir, "configs/vllm_cpu.yaml", "run.max_steps=4", "run.stop_at_success_rate=null")
-    tree = ProcessTree(proc.pid)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            tree.snapshot()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
+    tree, out = ProcessTree.follow(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     assert any("VllmGenerationActor" in c for c in tree.seen.values()), tree.seen  # the engine's actor ran

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def pad_right(rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+def pad_right(
+    rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Stack 1-D tensors of any lengths (one dtype) into [B, max_len], padded on the right with
     `value`, then cast to `dtype` if given."""
     if not rows:

@@ -44,7 +44,9 @@ class ActorGenerationClient:
 
     honours_min_version = True
 
-    def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None, *, shielded_cancel: bool = False):
+    def __init__(
+        self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None, *, shielded_cancel: bool = False
+    ):
         self.name = name
         self.actor = actor_handle
         self._spawn = spawn  # starts a replacement actor (restart after a death)
@@ -67,7 +69,8 @@ class ActorGenerationClient:
             raise
 
     async def _cancel_remote(self, group_id: str) -> None:
-        ack = within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, f"generation worker {self.name}: cancel({group_id})")
+        what = f"generation worker {self.name}: cancel({group_id})"
+        ack = within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, what)
         if self._shielded_cancel:
             # Not cancellable itself: the caller clears the group's keys only after this.
             with contextlib.suppress(Exception):  # a dead or stuck worker writes nothing more

@@ -9,7 +9,7 @@ every rank in rank order. What a failure becomes decides whether the step is ret
 * `TrainStepStateError` (split API out of order) and everything else, e.g. a `TypeError` in the
   loss: raised as it is (Ray's error carries the rank's traceback), so a bug fails the run at once.
 Ranks say themselves which of their failures a retry can fix, by raising `TrainerFailed`
-(`RankStepCalls.read_rows`, `split_step.collective`).
+(`RankStepCalls._read_rows`, `split_step.collective`).
 
 Shared by every trainer group: `train_status_of`, `load_state_of` and `stop_ranks` (fan-out, the
 ranks' agreement checked, shutdown with the placement released).
@@ -257,10 +257,13 @@ class RankStepCalls:
         if open_step != step:
             raise TrainStepStateError(f"{what}(step {step}): the open step is {open_step}")
 
-    def read_rows(self, step: int, read: Callable[[], tuple[Mapping[str, Any], int]]) -> tuple[Mapping[str, Any], int]:
-        """`read()` of this rank's rows for a microbatch of `step` (the rows, the bytes read). A failure marks the step failed
-        (its finish refuses; only an abort closes it); one a retry can fix (the storage could not
-        serve the rows, or could not be reached) is raised as `TrainerFailed`."""
+    def _read_rows(
+        self, step: int, read: Callable[[], tuple[Mapping[str, Any], int]]
+    ) -> tuple[Mapping[str, Any], int]:
+        """`read()` of this rank's rows for a microbatch of `step` (the rows, the bytes read). A
+        failure marks the step failed (its finish refuses; only an abort closes it); one a retry can
+        fix (the storage could not serve the rows, or could not be reached) is raised as
+        `TrainerFailed`."""
         from replay.storage import StorageError
 
         try:

@@ -127,6 +127,17 @@ class SplitStep:
             "last_finished": None if self.last_finished is None else self.last_finished[0],
         }
 
+    def counts(self) -> dict[str, int | None]:
+        """The fields a rank's `statistics()` record shares with every trainer backend."""
+        st = self.open
+        return {
+            "steps_done": self.steps_done,
+            "aborts": self.aborts,
+            "open_step": None if st is None else st.step,
+            "open_microbatches": 0 if st is None else st.microbatches,  # local, in the open step
+            "open_tokens": 0 if st is None else st.tokens,  # local valid tokens in the open step
+        }
+
     def require_open(self, what: str) -> OpenStep:
         if self.open is None:
             raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")

@@ -56,7 +56,9 @@ def _named(tensors: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, t
     return list(tensors.named_parameters() if isinstance(tensors, nn.Module) else tensors.items())
 
 
-def _group(named: Iterable[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def _group(
+    named: Iterable[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive tensors, grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     filled = 0

@@ -169,7 +169,7 @@ class MegatronRankActor(RankStepCalls):
         rows: Mapping[str, Any] = {"prompt_ids": []}
         nbytes = 0
         if keys:
-            rows, nbytes = self.read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
+            rows, nbytes = self._read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 

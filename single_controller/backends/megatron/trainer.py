@@ -230,17 +230,7 @@ class MegatronTrainerCore:
     # --- the split API -------------------------------------------------------------------------
 
     def statistics(self) -> MegatronTrainerStatistics:
-        st = self.steps.open
-        return MegatronTrainerStatistics(
-            rank=self.rank,
-            dp_rank=self.dp_rank,
-            tp_rank=self.tp_rank,
-            steps_done=self.steps.steps_done,
-            aborts=self.steps.aborts,
-            open_step=None if st is None else st.step,
-            open_microbatches=0 if st is None else st.microbatches,
-            open_tokens=0 if st is None else st.tokens,
-        )
+        return MegatronTrainerStatistics(rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, **self.steps.counts())
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)

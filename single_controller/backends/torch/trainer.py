@@ -96,16 +96,7 @@ class TrainerCore:
         self.steps = SplitStep(has_reference=self.reference is not None)
 
     def statistics(self) -> TrainerStatistics:
-        st = self.steps.open
-        return TrainerStatistics(
-            rank=self.rank,
-            world_size=self.world_size,
-            steps_done=self.steps.steps_done,
-            aborts=self.steps.aborts,
-            open_step=None if st is None else st.step,
-            open_microbatches=0 if st is None else st.microbatches,
-            open_tokens=0 if st is None else st.tokens,
-        )
+        return TrainerStatistics(rank=self.rank, world_size=self.world_size, **self.steps.counts())
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)

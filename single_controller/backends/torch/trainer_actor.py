@@ -85,11 +85,16 @@ class TrainerRankActor(RankStepCalls):
         the open one); returns the bytes read. `advantages` (one per key) come with the call; None: the
         rows' `advantage` field is among `fields`."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage
-        rows, nbytes = self.read_rows(step, lambda: self._fetch(keys, fields, advantages)) if keys else ({"prompt_ids": []}, 0)
+        rows: Mapping[str, Any] = {"prompt_ids": []}
+        nbytes = 0
+        if keys:
+            rows, nbytes = self._read_rows(step, lambda: self._fetch(keys, fields, advantages))
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
-    def _fetch(self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None) -> tuple[Mapping[str, Any], int]:
+    def _fetch(
+        self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None
+    ) -> tuple[Mapping[str, Any], int]:
         rows = self.prefetcher.fetch(list(keys), list(fields))
         return with_advantages(rows, advantages), sum(column_nbytes(c) for c in rows.values())
 
