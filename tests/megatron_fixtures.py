@@ -63,7 +63,8 @@ def make_rows(n: int, seed: int, hf_model=None) -> dict:
     responses = [torch.randint(0, VOCAB, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g) for _ in range(n)]
     masks = [torch.rand(len(r), generator=g) > 0.15 for r in responses]
     if hf_model is not None:
-        from single_controller.backends.torch.model import HFCausalLMPolicy, token_logprobs
+        from single_controller.algorithm.logprobs import token_logprobs
+        from single_controller.backends.torch.model import HFCausalLMPolicy
 
         with torch.no_grad():
             lp, _ = token_logprobs(HFCausalLMPolicy(hf_model), prompts, responses)

@@ -15,7 +15,8 @@ import torch  # noqa: E402
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
-from single_controller.backends.torch.model import build_policy, save_policy, state_module, token_logprobs  # noqa: E402
+from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
+from single_controller.backends.torch.model import build_policy, load_hf_policy, save_policy, state_module  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.runtime.cli import main as cli_main  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
@@ -135,6 +136,6 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
 
     out = save_policy(trainer.policy, tmp_path / "ckpt", cfg.model)
     assert hf_model.model_dir_problems(out) == []
-    back = hf_model.load_hf_policy(out)
+    back = load_hf_policy(out)
     for (n, a), (_, b) in zip(state_module(trainer.policy).named_parameters(), state_module(back).named_parameters()):
         assert torch.equal(a, b), n

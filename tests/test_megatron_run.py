@@ -12,48 +12,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.megatron]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Tree:
-    """Every process descended from a driver while it runs."""
-
-    def __init__(self, pid: int):
-        self.root = psutil.Process(pid)
-        self.seen: dict[int, str] = {}
-
-    def snapshot(self) -> None:
-        try:
-            for p in self.root.children(recursive=True):
-                try:
-                    self.seen.setdefault(p.pid, " ".join(p.cmdline())[:80])
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-        except psutil.NoSuchProcess:
-            pass
-
-    def alive(self, timeout: float) -> dict[int, str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = {}
-            for pid, cmd in self.seen.items():
-                try:
-                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        alive[pid] = cmd
-                except psutil.NoSuchProcess:
-                    continue
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.2)  # test code, not the controller
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_tree import ProcessTree  # noqa: E402
 
 
 def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):
@@ -66,17 +34,7 @@ def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):
          "run.max_steps=4", "run.stop_at_success_rate=null"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    tree = _Tree(proc.pid)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            tree.snapshot()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
+    tree, out = ProcessTree.follow(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     assert sum("MegatronRankActor" in c for c in tree.seen.values()) == 2, tree.seen  # both ranks ran

@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_fixtures import filled_storage, load_hf, make_hf_dir, make_rows, rel_err, take, ray_init, VOCAB  # noqa: E402
 
 from single_controller.algorithm.dp_split import balanced_partition  # noqa: E402
-from single_controller.backends.torch.model import HFCausalLMPolicy, token_logprobs  # noqa: E402
-from single_controller.backends.torch.trainer import TrainStepStateError, load_snapshot, resolve_snapshot  # noqa: E402
+from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
+from single_controller.backends.common.weights import load_snapshot, resolve_snapshot  # noqa: E402
+from single_controller.backends.torch.model import HFCausalLMPolicy  # noqa: E402
+from single_controller.protocols import TrainStepStateError  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.protocols import TrainerGroup  # noqa: E402
 from single_controller.types import LossConfig  # noqa: E402

@@ -39,7 +39,7 @@ from megatron_fixtures import take  # noqa: E402
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
-from single_controller.backends.megatron.ray_workers import pack_named  # noqa: E402
+from single_controller.backends.common.weights import pack_weights  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.data.tasks import reverse_digits  # noqa: E402
@@ -71,7 +71,7 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
     try:
         rank.build(str(model_dir), TrainConfig(lr=0.01), tensor_parallel_size=1, emulate_cpu=True)
         actor = VllmGenerationActor("vllm-megatron", cfg, lambda: storage, seed=0)
-        assert run(actor.update_weights(WeightsHandle(0, pack_named(rank.core.hf_state_dict(), 0, bucket_bytes=16 << 10)))) == 0
+        assert run(actor.update_weights(WeightsHandle(0, pack_weights(rank.core.hf_state_dict(), 0, bucket_bytes=16 << 10)))) == 0
         for v in range(ROUNDS):
             reqs = [
                 GenerationRequest(f"r{v}-{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"r{v}-{i}", 4))
@@ -97,7 +97,7 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
             storage.clear_rows_sync(keys)
             moved = float((rank.logprobs(rows["prompt_ids"], rows["response_ids"]) - gen).abs().max())
             assert moved > 100 * LOGPROB_TOL, f"step {v} hardly moved the weights ({moved}): the check would prove nothing"
-            snap = pack_named(rank.core.hf_state_dict(), v + 1, bucket_bytes=16 << 10)
+            snap = pack_weights(rank.core.hf_state_dict(), v + 1, bucket_bytes=16 << 10)
             assert len(snap.buckets) > 1  # streamed into the engine bucket by bucket
             assert run(actor.update_weights(WeightsHandle(v + 1, snap))) == v + 1
     finally:

@@ -9,8 +9,9 @@ import torch
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys
 from single_controller.backends.torch.generation import GenerationActor, GenerationCore
-from single_controller.backends.torch.model import TinyGPT, token_logprobs
-from single_controller.backends.torch.trainer import pack_weights
+from single_controller.algorithm.logprobs import token_logprobs
+from single_controller.backends.common.weights import pack_weights
+from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import ModelConfig
 from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits

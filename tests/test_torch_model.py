@@ -5,15 +5,14 @@ import dataclasses
 import pytest
 import torch
 
+from single_controller.algorithm.logprobs import pad_right, token_logprobs
 from single_controller.backends.torch.model import (
     HFCausalLMPolicy,
     TinyGPT,
-    pad_right,
     build_tinygpt,
     state_module,
     load_tinygpt,
     save_tinygpt,
-    token_logprobs,
 )
 from single_controller.backends.torch.sampling import sample
 from single_controller.config.schema import ModelConfig
@@ -129,7 +128,8 @@ def test_hf_causal_lm_adapter():
     # The same worker contract end to end: generate + store, train one step, sync the weights.
     from replay.storage import TRAIN_FIELDS, InMemoryRowStorage, row_keys
     from single_controller.backends.torch.generation import GenerationCore
-    from single_controller.backends.torch.trainer import TrainerCore, load_snapshot, pack_weights
+    from single_controller.backends.common.weights import load_snapshot, pack_weights
+    from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.config.schema import TrainConfig
     from single_controller.types import GenerationRequest, LossConfig, SamplingParams
 

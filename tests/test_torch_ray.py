@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E402
 from single_controller.backends.torch.model import TinyGPT, load_tinygpt  # noqa: E402
-from single_controller.backends.torch.trainer import TrainerCore, TrainStepStateError  # noqa: E402
+from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import BackendConfig, Config  # noqa: E402
-from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup  # noqa: E402
+from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
@@ -97,7 +97,7 @@ def test_workers_satisfy_the_protocols_and_start_at_version_0(workers, loop):
     expected = TinyGPT(CFG.model, TOKENIZER.vocab_size, seed=CFG.seed)  # rank 0's seeded init
     assert all(np.array_equal(w0[n], p.detach().numpy()) for n, p in expected.named_parameters())
     for g in gens:
-        assert run(loop, g.version()) == 0
+        assert run(loop, g.actor.version.remote()) == 0
         assert_same_weights(run(loop, g.actor.get_weights.remote()), w0)
 
 
@@ -163,7 +163,7 @@ def test_generate_train_sync_abort(workers, loop):
     assert handle.version == 1 and handle.num_bytes == 4 * sum(v.size for v in after.values())
     run(loop, gather(*(g.update_weights(handle) for g in gens)))
     for g in gens:
-        assert run(loop, g.version()) == 1
+        assert run(loop, g.actor.version.remote()) == 1
         assert_same_weights(run(loop, g.actor.get_weights.remote()), after)
     assert run(loop, gens[0].generate(GenerationRequest("v1", prompts[0], sampling, row_keys("v1", 4)))).version_start == 1
 
@@ -267,7 +267,7 @@ def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(w
     with pytest.raises(GenerationWorkerDied):
         run(loop, gen.update_weights(handle))
     run(loop, gen.restart(handle), timeout=120)
-    assert run(loop, gen.version()) == 7
+    assert run(loop, gen.actor.version.remote()) == 7
     assert_same_weights(run(loop, gen.actor.get_weights.remote()), run(loop, rank_weights(group, 0)))
     res = run(loop, gen.generate(dataclasses.replace(req, group_id="alive0", row_keys=row_keys("alive0", 4))))
     assert (res.version_start, res.version_end) == (7, 7)
@@ -337,6 +337,56 @@ def test_a_rank_takes_read_ahead_hints_while_a_microbatch_runs(cluster, loop, tm
         run(loop, group.shutdown())
 
 
+def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, loop):
+    """A bug in the loss (here a `str` where the loss computes `1 - clip_eps`) raises its own error
+    on every call that reports it, with the rank's traceback: never the `TrainerFailed` the train pump
+    aborts and retries (`rank_calls.RETRYABLE`). The step stays open until it is aborted."""
+    storage, gens, group = workers
+    req = GenerationRequest("bug0", reverse_digits(1, 3, seed=7)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("bug0", 4))
+    run(loop, gens[0].generate(req))
+    keys = list(req.row_keys)
+    rows = run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS)))
+    lengths = tuple(len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"]))
+    step = run(loop, group.train_status()).next_step
+
+    async def step_with_a_bug_in_the_loss():
+        await group.begin_train_step(step, LossConfig(clip_eps="0.2"))
+        await group.train_microbatch(TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5)))
+        await group.finish_train_step(step)
+
+    with pytest.raises(TypeError, match="unsupported operand") as info:
+        run(loop, step_with_a_bug_in_the_loss())
+    assert not isinstance(info.value, TrainerFailed)
+    assert "grpo_loss" in str(info.value)  # the rank's traceback comes with it
+    run(loop, group.abort_train_step(step))
+    assert run(loop, group.train_status()).open_step is None
+    run(loop, storage.clear_rows(keys))
+
+
+async def test_rank_call_retries_only_what_a_retry_can_fix():
+    """`rank_call` keeps a rank's bug as it is and makes a failure a retry can fix a `TrainerFailed`."""
+    import ray
+
+    from single_controller.backends.common.rank_calls import rank_call
+
+    def answered(value=None, error=None) -> asyncio.Future:  # what awaiting a rank's ObjectRef gives
+        fut = asyncio.get_running_loop().create_future()
+        if error is None:
+            fut.set_result(value)
+        else:  # Ray delivers a rank's exception wrapped, an instance of the original class too
+            fut.set_exception(ray.exceptions.RayTaskError("f", f"Traceback\n{error!r}", error).as_instanceof_cause())
+        return fut
+
+    with pytest.raises(TypeError) as info:
+        await rank_call("train_microbatch(step=0, chunk=0)", [answered(1), answered(error=TypeError("bad operand"))])
+    assert not isinstance(info.value, TrainerFailed)
+    with pytest.raises(TrainerFailed, match=r"finish_train_step\(0\) failed on rank 1: reading its rows"):
+        await rank_call("finish_train_step(0)", [answered(1), answered(error=TrainerFailed("reading its rows: timeout"))])
+    with pytest.raises(TrainStepStateError):
+        await rank_call("begin_train_step(1)", [answered(error=TrainStepStateError("step 0 is still open"))])
+    assert await rank_call("train_status", [answered(1), answered(2)]) == [1, 2]
+
+
 def test_shutdown_stops_the_actors(workers, loop):
     """Runs last: shuts the module's workers down (the fixture's own shutdown then finds them gone)."""
     import ray
@@ -346,7 +396,7 @@ def test_shutdown_stops_the_actors(workers, loop):
 
     run(loop, shutdown_cpu_workers(gens, group))
     with pytest.raises(ray.exceptions.RayActorError):
-        run(loop, gens[0].version())
+        run(loop, gens[0].actor.version.remote())
     with pytest.raises(ray.exceptions.RayActorError):
         run(loop, group.ranks[1].get_weights.remote())
 

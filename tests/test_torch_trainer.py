@@ -15,15 +15,12 @@ import torch.multiprocessing as mp
 
 from single_controller.algorithm.dp_split import balanced_partition
 from single_controller.algorithm.losses import grpo_loss
-from single_controller.backends.torch.model import TinyGPT, pad_right, token_logprobs
-from single_controller.backends.torch.trainer import (
-    TrainerCore,
-    TrainStepStateError,
-    load_snapshot,
-    pack_weights,
-)
+from single_controller.algorithm.logprobs import pad_right, token_logprobs
+from single_controller.backends.common.weights import load_snapshot, pack_weights
+from single_controller.backends.torch.model import TinyGPT
+from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.config.schema import ModelConfig, TrainConfig
-from single_controller.protocols import TrainerFailed
+from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.data.tasks import TOKENIZER
 from single_controller.types import LossConfig
 
@@ -152,7 +149,7 @@ def test_repeated_finish_and_late_abort_never_apply_or_undo_a_step():
     t.train_microbatch(make_rows(6, 1))
     first = t.finish_train_step(0)
     after = _state(t)
-    assert t.status() == {"next_step": 1, "open_step": None, "last_finished": 0}
+    assert t.steps.status() == {"next_step": 1, "open_step": None, "last_finished": 0}
     again = t.finish_train_step(0)  # the retry
     assert again == first
     _assert_bit_identical(_state(t), after)
@@ -206,7 +203,7 @@ def test_abort_after_a_finish_that_failed_midway(monkeypatch):
     with pytest.raises(RuntimeError, match="simulated"):
         t.finish_train_step(1)
     assert not all(torch.equal(a, b) for a, b in zip(_state(t)[0], before[0]))  # the weights did move
-    assert t.step_open
+    assert t.steps.is_open
     t.abort_train_step(1)
     _assert_bit_identical(_state(t), before)
 
@@ -229,7 +226,7 @@ def test_a_failed_microbatch_leaves_a_step_only_abort_can_close():
     t.train_microbatch(make_rows(4, 2))  # still accepted (it may already be queued), never applied
     with pytest.raises(TrainerFailed, match=r"failed on 1 rank\(s\) \(here: ValueError"):
         t.finish_train_step(0)
-    assert t.step_open and t.status()["last_finished"] is None
+    assert t.steps.is_open and t.steps.status()["last_finished"] is None
     with pytest.raises(TrainerFailed, match="partial"):
         t.finish_train_step(0)  # a retried finish too
     t.abort_train_step(0)

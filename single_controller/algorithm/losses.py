@@ -100,15 +100,9 @@ def grpo_loss(
             "is_weight": float((w * maskf).sum()),
             "is_truncated": float(((raw_w > w) & mask).sum()),
             "gen_gap": float(((old - gen).abs() * maskf).sum()),  # |log pi_old - log pi_gen|
+            **({} if kl is None else {"kl": float((kl * maskf).sum())}),
         }
-        if kl is not None:
-            stats["kl"] = float((kl * maskf).sum())
-    return LossOutput(
-        loss_sum=loss_sum,
-        num_tokens=int(tokens_per_row.sum()),
-        num_sequences=int((tokens_per_row > 0).sum()),
-        token_stats=stats,
-    )
+    return LossOutput(loss_sum, int(tokens_per_row.sum()), int((tokens_per_row > 0).sum()), stats)
 
 
 def mismatch_stats(

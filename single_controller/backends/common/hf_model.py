@@ -11,9 +11,9 @@ Contract:
   character-level tokenizer whose token i is `tasks.TOKENIZER`'s character i, offline (no hub).
 * `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
   torch or transformers (read by `config_loader` before any process starts).
-* `load_hf_policy(path)` returns the directory's model behind the `CausalPolicy` contract
-  (`backends.cpu.model.HFCausalLMPolicy`); `save_hf_policy` writes a policy back as a model directory
-  (weights + config via `save_pretrained`, tokenizer files copied from the source directory).
+* `save_hf_policy` writes a policy wrapping a transformers model (`.model`) back as a model
+  directory (weights + config via `save_pretrained`, tokenizer files copied from the source
+  directory). Loading one as a policy is each backend's own (`backends.torch.model.load_hf_policy`).
 """
 
 from __future__ import annotations
@@ -146,40 +146,71 @@ def init_model(
 
     `arch="llama"`: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU). `arch="gpt2"`: GPT2LMHeadModel (learned
     absolute positions, LayerNorm, GELU MLP), the architecture of the embedded TinyGPT."""
-    import torch
     import transformers
-
-    from single_controller.data.tasks import TOKENIZER
 
     if hidden_size % head_dim:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    heads = hidden_size // head_dim
+    sizes = dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        heads=hidden_size // head_dim,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_positions=max_positions,
+        init_std=init_std,
+    )
     if arch == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=TOKENIZER.vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=heads,
-            n_inner=intermediate_size or 4 * hidden_size,
-            n_positions=max_positions,
-            initializer_range=init_std,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            tie_word_embeddings=False,
-            bos_token_id=TOKENIZER.bos_id,
-            eos_token_id=TOKENIZER.eos_id,
-            pad_token_id=TOKENIZER.pad_id,
-            torch_dtype="float32",
-        )
-        model_cls = transformers.GPT2LMHeadModel
-        return _write(directory, config, model_cls, seed)
-    config = transformers.LlamaConfig(
+        return _write(directory, _gpt2_config(**sizes), transformers.GPT2LMHeadModel, seed)
+    config = _llama_config(**sizes, head_dim=head_dim, rope_theta=rope_theta)
+    return _write(directory, config, transformers.LlamaForCausalLM, seed)
+
+
+def _gpt2_config(
+    *, hidden_size: int, num_layers: int, heads: int, intermediate_size: int, max_positions: int, init_std: float
+) -> Any:
+    import transformers
+
+    from single_controller.data.tasks import TOKENIZER
+
+    return transformers.GPT2Config(
+        vocab_size=TOKENIZER.vocab_size,
+        n_embd=hidden_size,
+        n_layer=num_layers,
+        n_head=heads,
+        n_inner=intermediate_size,
+        n_positions=max_positions,
+        initializer_range=init_std,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=TOKENIZER.bos_id,
+        eos_token_id=TOKENIZER.eos_id,
+        pad_token_id=TOKENIZER.pad_id,
+        torch_dtype="float32",
+    )
+
+
+def _llama_config(
+    *,
+    hidden_size: int,
+    num_layers: int,
+    heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    init_std: float,
+    head_dim: int,
+    rope_theta: float,
+) -> Any:
+    import transformers
+
+    from single_controller.data.tasks import TOKENIZER
+
+    return transformers.LlamaConfig(
         vocab_size=TOKENIZER.vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
@@ -193,7 +224,6 @@ def init_model(
         eos_token_id=TOKENIZER.eos_id,
         torch_dtype="float32",
     )
-    return _write(directory, config, transformers.LlamaForCausalLM, seed)
 
 
 def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
@@ -229,17 +259,6 @@ def prepare_model_dir(model_cfg, seed: int) -> bool:
     )
     tmp.rename(target)
     return True
-
-
-def load_hf_policy(path: str | Path, dtype: Any = None):
-    """The model directory's causal LM as a `CausalPolicy` (float32 unless `dtype` is given)."""
-    import torch
-    import transformers
-
-    from single_controller.backends.torch.model import HFCausalLMPolicy
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
-    return HFCausalLMPolicy(model.eval())
 
 
 def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:

@@ -1,10 +1,18 @@
 """Trainer ranks on Ray, shared by every trainer backend: fan-out calls, placement, rendezvous.
 
 `await rank_call("finish_train_step(3)", [r.finish_train_step.remote(3) for r in ranks])` awaits
-every rank in rank order. A rank whose process is gone raises `TrainerRankDied` naming it (the run
-stops and resumes from its checkpoint); any other remote error becomes `TrainerFailed` naming the
-rank (the train pump asks where the trainer stands, then aborts and retries the step);
-`TrainStepStateError` (split API out of order) passes through unchanged.
+every rank in rank order. What a failure becomes decides whether the step is retried:
+* a rank whose process is gone: `TrainerRankDied` naming it (the run stops and resumes from its
+  checkpoint);
+* a failure a retry can fix (`RETRYABLE`): `TrainerFailed` naming the call and the rank (the train
+  pump asks where the trainer stands, then aborts and retries the step);
+* `TrainStepStateError` (split API out of order) and everything else, e.g. a `TypeError` in the
+  loss: raised as it is (Ray's error carries the rank's traceback), so a bug fails the run at once.
+Ranks say themselves which of their failures a retry can fix, by raising `TrainerFailed`
+(`RankStepCalls._read_rows`, `split_step.collective`).
+
+Shared by every trainer group: `train_status_of`, `load_state_of` and `stop_ranks` (fan-out, the
+ranks' agreement checked, shutdown with the placement released).
 
 Placement (`backend.trainer_placement`): `place_ranks` returns the `.options()` of each rank actor.
 `pack` adds nothing (Ray's default scheduling: the ranks share a node while it has room); `spread`
@@ -22,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 
+from single_controller.backends.common.actors import first_line, kill_all
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
+from single_controller.types import TrainStatus
 
 PLACEMENTS = ("pack", "spread")
 # A rank actor runs its split-API calls one at a time, in order. Read-ahead hints (`prefetch_keys`)
@@ -48,24 +58,60 @@ class TrainerPlacementError(RuntimeError):
     """The cluster cannot place the trainer ranks as `backend.trainer_placement` asks."""
 
 
+# What a retry of the step can fix. `TrainerFailed`: the rank said so (its rows could not be read,
+# a collective failed, the step's gradients are partial or not finite). `ActorUnavailableError`: Ray
+# cannot reach the rank for now (its process is alive; a network blip, a restarting node).
+# `ObjectLostError` (and its subclasses, e.g. a fetch that timed out) and `ObjectStoreFullError`: an
+# object a call passed or returned is gone or did not fit, for now. Every other error of a rank (a
+# `TypeError` in the loss, a `ValueError` of bad rows) is a bug a retry repeats: raised as it is.
+RETRYABLE: tuple[type[BaseException], ...] = (
+    TrainerFailed,
+    ray.exceptions.ActorUnavailableError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.ObjectStoreFullError,
+)
+
+
 async def rank_call(what: str, refs: list) -> list:
     results = []
     for rank, ref in enumerate(refs):
         try:
             results.append(await ref)
-        except (TrainStepStateError, TrainerFailed):
-            raise
         except ray.exceptions.ActorDiedError as e:
             raise TrainerRankDied(f"trainer rank {rank} died during {what}: {first_line(e)}") from e
-        except Exception as e:
-            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(e)}") from e
+        except RETRYABLE as e:
+            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}") from e
     return results
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def _cause(e: BaseException) -> BaseException:
+    """The rank's own error inside Ray's wrapper (whose message is the whole remote traceback)."""
+    return getattr(e, "cause", None) or e
+
+
+async def train_status_of(ranks: Sequence[Any]) -> TrainStatus:
+    """Where the ranks stand; they must agree."""
+    statuses = await rank_call("train_status", [r.train_status.remote() for r in ranks])
+    if any(s != statuses[0] for s in statuses[1:]):
+        raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
+    return TrainStatus(**statuses[0])
+
+
+async def load_state_of(ranks: Sequence[Any], directory: str) -> int:
+    """Every rank loads its state from `directory`; returns the next step they agree on."""
+    steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in ranks])
+    if len(set(steps)) != 1:
+        raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
+    return steps[0]
+
+
+async def stop_ranks(ranks: Sequence[Any], placement: RankPlacement | None) -> None:
+    """Stop the rank actors (`actors.kill_all`), then free their placement, if any."""
+    try:
+        await kill_all(ranks)
+    finally:
+        if placement is not None:
+            placement.release()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,21 +243,40 @@ def _describe(nodes: list[dict]) -> str:
 
 class RankStepCalls:
     """The split-API calls a trainer rank actor forwards to its core as they are (`self.core`; the
-    rank's `self.prefetcher`, None where the rank reads nothing, supplies the prefetch hit rate)."""
+    rank's `self.prefetcher`, None where the rank reads nothing, supplies the prefetch hit rate), and
+    the reading of a microbatch's rows."""
 
     _last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
 
     def _refuse_other_step(self, step: int, what: str) -> None:
         """Refuse a call for `step` unless it is the open step: a call that arrives after its step was
         aborted or finished (or before it began) never adds to another step's gradients."""
-        open_step = self.core.status()["open_step"]
+        open_step = self.core.steps.status()["open_step"]
         if open_step is None:
             raise TrainStepStateError(f"{what}(step {step}): no train step is open (call begin_train_step first)")
         if open_step != step:
             raise TrainStepStateError(f"{what}(step {step}): the open step is {open_step}")
 
+    def _read_rows(
+        self, step: int, read: Callable[[], tuple[Mapping[str, Any], int]]
+    ) -> tuple[Mapping[str, Any], int]:
+        """`read()` of this rank's rows for a microbatch of `step` (the rows, the bytes read). A
+        failure marks the step failed (its finish refuses; only an abort closes it); one a retry can
+        fix (the storage could not serve the rows, or could not be reached) is raised as
+        `TrainerFailed`."""
+        from replay.storage import StorageError
+
+        try:
+            return read()
+        except (StorageError, OSError) as e:
+            self.core.steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
+            raise TrainerFailed(f"train_microbatch(step {step}): reading its rows: {type(e).__name__}: {e}") from e
+        except BaseException as e:
+            self.core.steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
+            raise
+
     def finish_train_step(self, step: int) -> dict[str, float]:
-        fresh = self.core.step_open
+        fresh = self.core.steps.is_open
         metrics = self.core.finish_train_step(step)
         if fresh and self.prefetcher is not None:  # a retried finish reports the step's figures again
             self._last_extra = {"train/prefetch_hit_rate": self.prefetcher.take_hit_rate()}
@@ -221,4 +286,4 @@ class RankStepCalls:
         self.core.abort_train_step(step)
 
     def train_status(self) -> dict[str, int | None]:
-        return self.core.status()
+        return self.core.steps.status()

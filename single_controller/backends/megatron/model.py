@@ -311,70 +311,79 @@ def _names(spec: ModelSpec) -> _Names:
     return _GPT2 if spec.arch == "gpt2" else _LLAMA
 
 
+class _Shard:
+    """TP rank `tp_rank`'s part of a tensor split over `tp` ranks."""
+
+    def __init__(self, tp: int, tp_rank: int):
+        self.tp, self.tp_rank = tp, tp_rank
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.tp, dim=0)[self.tp_rank]
+
+    def cols(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.tp, dim=1)[self.tp_rank]
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
     """The Megatron tensors named `names` (this rank's state-dict keys) for TP rank `tp_rank`."""
     V = spec.padded_vocab(tp)
     N = _names(spec)
-    gpt2 = spec.arch == "gpt2"
-
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(tp, dim=0)[tp_rank]
-
-    def cols(t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(tp, dim=1)[tp_rank]
-
-    def layer(i: int, rest: str) -> torch.Tensor:
-        h = f"{N.layer_prefix}{i}."
-        same = dict(N.layer_same)
-        if rest in same:
-            return hf[h + same[rest]]
-        if gpt2:
-            H = spec.hidden_size
-            if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-                w = hf[h + "attn.c_attn." + rest.rsplit(".", 1)[1]]
-                w = w.t() if w.dim() == 2 else w  # Conv1D [H, 3H] -> [3H, H]
-                return rows(_pack_qkv(*w.split([H, H, H], dim=0), spec))
-            if rest == "self_attention.linear_proj.weight":
-                return cols(hf[h + "attn.c_proj.weight"].t())
-            if rest == "mlp.linear_fc1.weight":
-                return rows(hf[h + "mlp.c_fc.weight"].t())
-            if rest == "mlp.linear_fc1.bias":
-                return rows(hf[h + "mlp.c_fc.bias"])
-            if rest == "mlp.linear_fc2.weight":
-                return cols(hf[h + "mlp.c_proj.weight"].t())
-        else:
-            if rest == "self_attention.linear_qkv.weight":
-                a = h + "self_attn."
-                return rows(_pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec))
-            if rest == "self_attention.linear_proj.weight":
-                return cols(hf[h + "self_attn.o_proj.weight"])
-            if rest == "mlp.linear_fc1.weight":
-                return torch.cat([rows(hf[h + "mlp.gate_proj.weight"]), rows(hf[h + "mlp.up_proj.weight"])])
-            if rest == "mlp.linear_fc2.weight":
-                return cols(hf[h + "mlp.down_proj.weight"])
-        raise KeyError(f"no HF tensor for Megatron parameter decoder.layers.{i}.{rest}")
-
+    shard = _Shard(tp, tp_rank)
     out: dict[str, torch.Tensor] = {}
     for name in names:
         if name.endswith("._extra_state"):
             continue
         if name == "embedding.word_embeddings.weight":
-            t = rows(_pad_rows(hf[N.embed], V))
+            t = shard.rows(_pad_rows(hf[N.embed], V))
         elif name == "embedding.position_embeddings.weight" and N.positions:
             t = hf[N.positions]
         elif name == "output_layer.weight":
-            t = rows(_pad_rows(hf[N.embed if spec.tie_word_embeddings else "lm_head.weight"], V))
+            t = shard.rows(_pad_rows(hf[N.embed if spec.tie_word_embeddings else "lm_head.weight"], V))
         elif name == "decoder.final_layernorm.weight":
             t = hf[N.final_norm]
-        elif name == "decoder.final_layernorm.bias" and gpt2:
+        elif name == "decoder.final_layernorm.bias" and spec.arch == "gpt2":
             t = hf[N.final_norm[: -len("weight")] + "bias"]
         else:
             parts = name.split(".")
             if parts[:2] != ["decoder", "layers"]:
                 raise KeyError(f"no HF tensor for Megatron parameter {name}")
-            t = layer(int(parts[2]), ".".join(parts[3:]))
+            t = _layer_tensor(hf, spec, shard, int(parts[2]), ".".join(parts[3:]))
         out[name] = t.contiguous()
     return out
+
+
+def _layer_tensor(hf: Mapping[str, torch.Tensor], spec: ModelSpec, shard: _Shard, i: int, rest: str) -> torch.Tensor:
+    """This rank's shard of Megatron parameter `decoder.layers.{i}.{rest}`, from the HF tensors."""
+    N = _names(spec)
+    h = f"{N.layer_prefix}{i}."
+    same = dict(N.layer_same)
+    if rest in same:
+        return hf[h + same[rest]]
+    if spec.arch == "gpt2":
+        H = spec.hidden_size
+        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            w = hf[h + "attn.c_attn." + rest.rsplit(".", 1)[1]]
+            w = w.t() if w.dim() == 2 else w  # Conv1D [H, 3H] -> [3H, H]
+            return shard.rows(_pack_qkv(*w.split([H, H, H], dim=0), spec))
+        if rest == "self_attention.linear_proj.weight":
+            return shard.cols(hf[h + "attn.c_proj.weight"].t())
+        if rest == "mlp.linear_fc1.weight":
+            return shard.rows(hf[h + "mlp.c_fc.weight"].t())
+        if rest == "mlp.linear_fc1.bias":
+            return shard.rows(hf[h + "mlp.c_fc.bias"])
+        if rest == "mlp.linear_fc2.weight":
+            return shard.cols(hf[h + "mlp.c_proj.weight"].t())
+    else:
+        if rest == "self_attention.linear_qkv.weight":
+            a = h + "self_attn."
+            return shard.rows(_pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec))
+        if rest == "self_attention.linear_proj.weight":
+            return shard.cols(hf[h + "self_attn.o_proj.weight"])
+        if rest == "mlp.linear_fc1.weight":
+            return torch.cat([shard.rows(hf[h + "mlp.gate_proj.weight"]), shard.rows(hf[h + "mlp.up_proj.weight"])])
+        if rest == "mlp.linear_fc2.weight":
+            return shard.cols(hf[h + "mlp.down_proj.weight"])
+    raise KeyError(f"no HF tensor for Megatron parameter decoder.layers.{i}.{rest}")
 
 
 def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], spec: ModelSpec) -> dict[str, torch.Tensor]:

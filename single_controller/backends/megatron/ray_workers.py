@@ -9,7 +9,7 @@ controller-side `MegatronTrainerGroup` that satisfies `protocols.TrainerGroup`.
 * Rows: the controller sends keys; the group splits each chunk over DP ranks with
   `single_controller.algorithm.dp_split` (balanced by tokens, one microbatch per DP rank per chunk); inside a TP group
   only the TP leader reads from storage and broadcasts (`replay.fetch.fetch_and_broadcast`).
-* Weights leave as the torch backend's `WeightSnapshot` (flat numpy buckets + manifest) under
+* Weights leave as a `backends.common.weights.WeightSnapshot` (flat numpy buckets + manifest) under
   Hugging Face tensor names: every rank gathers its TP group's shards, rank 0 converts and
   `ray.put`s the buckets, so weight bytes never pass through the controller. Checkpoints are HF
   model directories (`save_checkpoint`).
@@ -30,7 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from single_controller.backends.torch.trainer import TrainStepStateError, WeightEntry, WeightManifest, WeightSnapshot
+from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
+from replay.storage import LazyRowStorage, column_nbytes
+from single_controller.algorithm.dp_split import split_chunk
+from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
@@ -38,19 +41,21 @@ from single_controller.backends.common.rank_calls import (
     RankPlacement,
     RankStepCalls,
     join_store,
+    load_state_of,
     node_address,
     node_info,
     place_ranks,
     rank_call,
     rendezvous,
+    stop_ranks,
+    train_status_of,
 )
+from single_controller.backends.common.split_step import collective
+from single_controller.backends.common.weights import WeightSnapshot, pack_weights
 from single_controller.backends.megatron.model import ModelSpec
 from single_controller.config.schema import TrainConfig
-from single_controller.protocols import TrainerFailed
+from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
-from single_controller.algorithm.dp_split import split_chunk
-from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
-from replay.storage import LazyRowStorage, column_nbytes
 
 HF_CONFIG = "config.json"
 
@@ -68,32 +73,6 @@ def read_hf_dir(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for f in files:
         tensors.update(load_file(str(f)))
     return cfg, tensors
-
-
-def pack_named(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 4 << 20, prefix: str = "") -> WeightSnapshot:
-    """The torch backend's snapshot format from named tensors (one dtype), names prefixed by `prefix`."""
-    items = list(tensors.items())
-    dtypes = {t.dtype for _, t in items}
-    if len(dtypes) != 1:
-        raise ValueError(f"tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per snapshot")
-    itemsize = items[0][1].element_size()
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
-    filled = 0
-    for name, t in items:
-        if groups[-1] and (filled + t.numel()) * itemsize > bucket_bytes:
-            groups.append([])
-            filled = 0
-        groups[-1].append((name, t))
-        filled += t.numel()
-    entries, buckets = [], []
-    for b, group in enumerate(groups):
-        offset = 0
-        for name, t in group:
-            entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
-            offset += t.numel()
-        buckets.append(torch.cat([t.detach().reshape(-1) for _, t in group]).numpy())
-    manifest = WeightManifest(version=version, dtype=str(buckets[0].dtype), entries=tuple(entries), bucket_numels=tuple(len(b) for b in buckets))
-    return WeightSnapshot(manifest, buckets)
 
 
 class _PrefetchedReader:
@@ -187,28 +166,36 @@ class MegatronRankActor(RankStepCalls):
         gradients into step `step` (refused unless it is the open one); returns the bytes this rank
         read from storage."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage or a collective
-        keys, fields = list(keys), list(fields)
+        rows: Mapping[str, Any] = {"prompt_ids": []}
         nbytes = 0
-        if not keys:
-            rows: Mapping[str, Any] = {"prompt_ids": []}
-        elif self.core.tp == 1:
-            rows = self.prefetcher.fetch(keys, fields)
-            nbytes = sum(column_nbytes(c) for c in rows.values())
-        else:
-            from megatron.core import parallel_state as mps
-
-            leader = self.core.tp_rank == 0
-            reader = _PrefetchedReader(self.prefetcher, self.storage) if leader else None
-            with self.core.on_device():  # NCCL broadcasts CUDA tensors
-                rows = fetch_and_broadcast(
-                    reader, keys, fields, mps.get_tensor_model_parallel_group(), mps.get_tensor_model_parallel_src_rank(),
-                    schema=self.storage.schema,
-                )
-            nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
         if keys:
-            rows = with_advantages(rows, advantages)  # every rank of a TP group got the same ones
+            rows, nbytes = self._read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
+
+    def _fetch(
+        self, step: int, keys: list[str], fields: list[str], advantages: Sequence[float] | None
+    ) -> tuple[Mapping[str, Any], int]:
+        """(rows with their advantages, bytes this rank read): read here (TP 1), or by the TP leader
+        and broadcast to its TP group."""
+        if self.core.tp == 1:
+            rows = self.prefetcher.fetch(keys, fields)
+            return with_advantages(rows, advantages), sum(column_nbytes(c) for c in rows.values())
+        from megatron.core import parallel_state as mps
+
+        leader = self.core.tp_rank == 0
+        reader = _PrefetchedReader(self.prefetcher, self.storage) if leader else None
+        with self.core.on_device(), collective(f"train_microbatch(step {step})"):  # NCCL broadcasts CUDA tensors
+            rows = fetch_and_broadcast(
+                reader,
+                keys,
+                fields,
+                mps.get_tensor_model_parallel_group(),
+                mps.get_tensor_model_parallel_src_rank(),
+                schema=self.storage.schema,
+            )
+        nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
+        return with_advantages(rows, advantages), nbytes  # every rank of a TP group got the same ones
 
     def train_microbatch_rows(self, rows: Mapping[str, Any]) -> int:
         """Accumulate gradients of rows given directly (tests; no storage)."""
@@ -228,7 +215,7 @@ class MegatronRankActor(RankStepCalls):
         hf = self.core.hf_state_dict()
         if self.rank != 0:
             return None
-        snap = pack_named(hf, version, prefix=prefix)
+        snap = pack_weights(hf, version, prefix=prefix)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str | None:
@@ -258,7 +245,7 @@ class MegatronRankActor(RankStepCalls):
         """Restore what `save_state` wrote with the same layout; returns the next step."""
         state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
         self.core.load_state_dict(state)
-        return self.core.next_step
+        return self.core.steps.next_step
 
     # --- checks (tests) ------------------------------------------------------------------------
 
@@ -277,8 +264,6 @@ class MegatronRankActor(RankStepCalls):
 
     def logprobs(self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """Token logprobs of responses under the current weights (no grad), [B, R]."""
-        from single_controller.backends.torch.model import token_logprobs
-
         rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
         with self.core.on_device(), torch.no_grad():
             logp, _ = token_logprobs(self.core.policy, rows["prompt_ids"], rows["response_ids"], temperature)
@@ -394,10 +379,7 @@ class MegatronTrainerGroup:
             self._step = None
 
     async def train_status(self) -> TrainStatus:
-        statuses = await rank_call("train_status", [r.train_status.remote() for r in self.ranks])
-        if any(s != statuses[0] for s in statuses[1:]):
-            raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
-        return TrainStatus(**statuses[0])
+        return await train_status_of(self.ranks)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         snaps = await rank_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
@@ -413,19 +395,10 @@ class MegatronTrainerGroup:
         await rank_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
 
     async def load_state(self, directory: str) -> int:
-        steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
-        if len(set(steps)) != 1:
-            raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
-        return steps[0]
+        return await load_state_of(self.ranks, directory)
 
     async def shutdown(self) -> None:
-        from single_controller.backends.torch.ray_workers import _kill_all
-
-        try:
-            await _kill_all(self.ranks)
-        finally:
-            if self.placement is not None:
-                self.placement.release()
+        await stop_ranks(self.ranks, self.placement)
 
 
 async def start_megatron_ranks(
@@ -470,12 +443,7 @@ async def start_megatron_ranks(
             for r in ranks
         ])
     except BaseException:
-        from single_controller.backends.torch.ray_workers import _kill_all
-
-        try:
-            await asyncio.shield(_kill_all(ranks))
-        finally:
-            where.release()
+        await asyncio.shield(stop_ranks(ranks, where))
         raise
     return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix, rank_nodes=rank_nodes, placement=where)
 

@@ -3,7 +3,8 @@
 The caller has joined a torch.distributed group and initialized `megatron.core.parallel_state`
 (TP x DP ranks); every rank of the group builds one `MegatronTrainerCore` and makes the same calls.
 
-Contract of a step (the torch trainer's, `backends.cpu.trainer.TrainerCore`, with the same loss math):
+Contract of a step (the torch trainer's, with the same loss math and bookkeeping:
+`backends.common.split_step.SplitStep`, `core.steps`):
   begin_train_step(step, loss)  refuses unless `step` == next_step and no step is open; zeroes
                                 Megatron DDP's gradient buffers and snapshots parameters + the
                                 optimizer's state (every tensor of the inner torch optimizers and
@@ -28,35 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from single_controller.algorithm.losses import LOSS_LEVELS, grpo_loss, mismatch_stats
-from single_controller.backends.torch.model import pad_right, token_logprobs
-from single_controller.backends.torch.trainer import STAT_KEYS, TrainStepStateError, step_metrics
+from single_controller.backends.common.split_step import SplitStep, StepSums, collective, rows_loss
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
-from single_controller.backends.megatron.model import ModelSpec, MegatronPolicy, build_gpt, hf_to_megatron, megatron_to_hf
+from single_controller.backends.megatron.model import MegatronPolicy, ModelSpec, build_gpt, hf_to_megatron, megatron_to_hf
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
-
-
-@dataclass
-class _OpenStep:
-    step: int
-    loss: LossConfig
-    snapshot: "_Snapshot"
-    tokens: int = 0
-    sequences: int = 0
-    microbatches: int = 0
-    loss_sum: float = 0.0
-    stats: dict[str, float] | None = None
-    bytes_read: int = 0
-    started: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -160,8 +144,6 @@ class MegatronTrainerCore:
         dtype: torch.dtype = torch.float32,
     ):
         from megatron.core import parallel_state as mps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.spec, self.cfg, self.temperature = spec, cfg, temperature
         self.emulate_cpu = emulate_cpu
@@ -175,28 +157,8 @@ class MegatronTrainerCore:
             raise ValueError("; ".join(problems))
         with self._mc():
             manual_seed(seed, emulate_cpu)
-            model = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
-            self._load_hf(model, hf_state)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False,  # gradients are reduced once, in finish
-                use_distributed_optimizer=distributed_optimizer,
-                check_for_nan_in_grad=False,
-            )
-            self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-            opt_config = OptimizerConfig(
-                optimizer="adam",
-                lr=cfg.lr,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.betas[0],
-                adam_beta2=cfg.betas[1],
-                adam_eps=1e-8,
-                params_dtype=dtype,
-                use_distributed_optimizer=distributed_optimizer,
-                clip_grad=cfg.grad_clip,
-            )
-            # config_overrides={}: weight decay on every parameter, like the torch trainer's AdamW.
-            self.optimizer = get_megatron_optimizer(opt_config, [self.model], config_overrides={})
+            self.model = self._build_ddp(hf_state, dtype, distributed_optimizer)
+            self.optimizer = self._build_optimizer(dtype, distributed_optimizer)
             self.reference = None
             if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
                 self.reference = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
@@ -205,11 +167,40 @@ class MegatronTrainerCore:
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
         self.device = self.params[0].device  # cpu under the emulation, the rank's GPU otherwise
         self.policy = MegatronPolicy(self.model, spec.vocab_size)
-        self._open: _OpenStep | None = None
-        self._last_finished: tuple[int, dict[str, float]] | None = None
-        self.next_step = 0
-        self.steps_done = 0
-        self.aborts = 0
+        self.reference_policy = None if self.reference is None else MegatronPolicy(self.reference, spec.vocab_size)
+        self.steps = SplitStep(has_reference=self.reference is not None)
+
+    def _build_ddp(self, hf_state: Mapping[str, torch.Tensor], dtype: torch.dtype, distributed_optimizer: bool) -> Any:
+        """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = build_gpt(self.spec, self.tp, dtype, cpu_init=self.emulate_cpu)
+        self._load_hf(model, hf_state)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,  # gradients are reduced once, in finish
+            use_distributed_optimizer=distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _build_optimizer(self, dtype: torch.dtype, distributed_optimizer: bool) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.cfg
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0],
+            adam_beta2=cfg.betas[1],
+            adam_eps=1e-8,
+            params_dtype=dtype,
+            use_distributed_optimizer=distributed_optimizer,
+            clip_grad=cfg.grad_clip,
+        )
+        # config_overrides={}: weight decay on every parameter, like the torch trainer's AdamW.
+        return get_megatron_optimizer(opt_config, [self.model], config_overrides={})
 
     def _mc(self):
         return cpu_emulation(self.emulate_cpu)
@@ -238,99 +229,47 @@ class MegatronTrainerCore:
 
     # --- the split API -------------------------------------------------------------------------
 
-    @property
-    def step_open(self) -> bool:
-        return self._open is not None
-
-    def status(self) -> dict[str, int | None]:
-        return {
-            "next_step": self.next_step,
-            "open_step": None if self._open is None else self._open.step,
-            "last_finished": None if self._last_finished is None else self._last_finished[0],
-        }
-
     def statistics(self) -> MegatronTrainerStatistics:
-        st = self._open
-        return MegatronTrainerStatistics(
-            rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, steps_done=self.steps_done,
-            aborts=self.aborts, open_step=None if st is None else st.step,
-            open_microbatches=0 if st is None else st.microbatches, open_tokens=0 if st is None else st.tokens,
-        )
+        return MegatronTrainerStatistics(rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, **self.steps.counts())
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        if self._open is not None:
-            raise TrainStepStateError(f"begin_train_step({step}): step {self._open.step} is still open")
-        if step != self.next_step:
-            raise TrainStepStateError(f"begin_train_step({step}): the trainer's next step is {self.next_step}")
-        if loss.level not in LOSS_LEVELS:
-            raise ValueError(f"loss level must be one of {LOSS_LEVELS}, got {loss.level!r}")
-        if loss.kl_coef > 0 and self.reference is None:
-            raise ValueError("loss.kl_coef > 0 but the trainer was built with train.kl_coef == 0 (no reference policy)")
+        self.steps.check_begin(step, loss)
         with self._mc():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             snapshot = _Snapshot.take(self.params, self.optimizer)
-        self._open = _OpenStep(step=step, loss=loss, snapshot=snapshot, stats=dict.fromkeys(STAT_KEYS, 0.0), started=time.perf_counter())
+        self.steps.open_step(step, loss, snapshot)
 
     def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0) -> int:
         """Accumulate the gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid tokens."""
-        st = self._require_open("train_microbatch")
-        st.bytes_read += bytes_read
-        st.microbatches += 1
-        if len(rows["prompt_ids"]) == 0:
+        st = self.steps.require_open("train_microbatch")
+        if not st.take_rows(rows, bytes_read):
             return 0
-        bad = [
-            i for i, (r, g, m) in enumerate(zip(rows["response_ids"], rows["gen_logprobs"], rows["response_mask"]))
-            if not r.shape[0] == g.shape[0] == m.shape[0]
-        ]
-        if bad:
-            raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
-        dtype = self.params[0].dtype
         rows = self._rows_to_device(rows)
         with self.on_device(), self.model.no_sync():
-            logp, valid = token_logprobs(self.policy, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            mask = pad_right(rows["response_mask"], False, torch.bool) & valid  # [B, R]
-            gen = pad_right(rows["gen_logprobs"], 0.0, dtype)  # [B, R]
-            ref = None
-            if st.loss.kl_coef > 0:
-                with torch.no_grad():
-                    ref_policy = MegatronPolicy(self.reference, self.spec.vocab_size)
-                    ref, _ = token_logprobs(ref_policy, rows["prompt_ids"], rows["response_ids"], self.temperature)
-            out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]), mask, st.loss, ref_logprobs=ref)
-            out.loss_sum.backward()
-            if rows.get("token_versions") is not None:
-                # the engine's mismatch: rows whose every token was sampled with the weights this step
-                # trains (as in backends/torch/trainer.py)
-                versions = pad_right(rows["token_versions"], -1, torch.long).to(mask.device)  # [B, R]
-                fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
-                for k, v in mismatch_stats(logp, gen, mask & fresh[:, None]).items():
-                    st.stats[k] += v
-        st.tokens += out.num_tokens
-        st.sequences += out.num_sequences
-        st.loss_sum += float(out.loss_sum.detach())
-        for k, v in out.token_stats.items():
-            st.stats[k] += v
+            out, mismatch = rows_loss(
+                self.policy, self.reference_policy, rows, st, temperature=self.temperature, dtype=self.params[0].dtype
+            )
+        st.add(out, mismatch)
         return out.num_tokens
 
     def finish_train_step(self, step: int) -> dict[str, float]:
         from megatron.core import parallel_state as mps
         from megatron.core.distributed import finalize_model_grads
 
-        if self._open is None and self._last_finished is not None and self._last_finished[0] == step:
-            return dict(self._last_finished[1])  # a retried finish: applied once already
-        st = self._require_open(f"finish_train_step({step})")
-        if st.step != step:
-            raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
+        retried = self.steps.retried_finish(step)
+        if retried is not None:
+            return retried  # applied once already
+        st = self.steps.finishing(step)
         with self.on_device():
             # Every rank of a TP group trained the same rows: sum over the DP group only.
-            sums = torch.tensor([st.tokens, st.sequences, st.loss_sum, *(st.stats[k] for k in STAT_KEYS)], dtype=torch.float64)
-            dist.all_reduce(sums, group=mps.get_data_parallel_group())
-            tokens, sequences, loss_sum = (float(x) for x in sums[:3])
-            stat_sums = dict(zip(STAT_KEYS, sums[3:].tolist()))
-            n = tokens if st.loss.level == "token" else sequences
-            if n <= 0:
-                raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
-            finalize_model_grads([self.model])  # DDP: sum (or reduce-scatter) the raw gradients once
+            sums = torch.tensor(st.sums(), dtype=torch.float64)
+            with collective(f"finish_train_step({step})"):
+                dist.all_reduce(sums, group=mps.get_data_parallel_group())
+            totals = StepSums.of(sums.tolist())
+            n = totals.normalizer(st)
+            with collective(f"finish_train_step({step})"):
+                finalize_model_grads([self.model])  # DDP: sum (or reduce-scatter) the raw gradients once
             self.model.scale_gradients(1.0 / n)
             self.optimizer.prepare_grads()
             max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
@@ -338,58 +277,50 @@ class MegatronTrainerCore:
             if not math.isfinite(grad_norm):
                 raise TrainerFailed(f"step {st.step}: gradient norm is {grad_norm}")
             self.optimizer.step_with_ready_grads()  # distributed optimizer: also all-gathers params
-        self._open = None
-        self.steps_done += 1
-        self.next_step = st.step + 1
-        metrics = step_metrics(st, n, loss_sum, tokens, sequences, stat_sums, grad_norm, lr=float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"]))
-        self._last_finished = (st.step, dict(metrics))
-        return metrics
+        lr = float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
+        return self.steps.finished(st, totals, grad_norm, lr=lr)
 
     def abort_train_step(self, step: int) -> None:
-        st = self._open
-        if st is None or st.step != step:
+        st = self.steps.aborting(step)
+        if st is None:
             return  # nothing of this step is open: an abort never undoes a finished step
         with self._mc():
-            st.snapshot.restore(self.params, self.optimizer)
+            st.saved.restore(self.params, self.optimizer)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        self._open = None
-        self.aborts += 1
+        self.steps.aborted()
 
     def layout(self) -> dict[str, Any]:
         """What a saved state must match to be loaded here (shards differ by layout)."""
-        return {"tp": self.tp, "dp": self.dp, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank,
-                "distributed_optimizer": type(self.optimizer).__name__, "spec": self.spec}
+        return {
+            "tp": self.tp,
+            "dp": self.dp,
+            "tp_rank": self.tp_rank,
+            "dp_rank": self.dp_rank,
+            "distributed_optimizer": type(self.optimizer).__name__,
+            "spec": self.spec,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resume state between steps: its parameter shard and optimizer state (the
         abort snapshot's contents), RNG, next step."""
-        if self._open is not None:
-            raise TrainStepStateError(f"state_dict while step {self._open.step} is open")
+        self.steps.require_closed("state_dict")
         return {
             "layout": self.layout(),
             "snapshot": _Snapshot.take(self.params, self.optimizer),
             "rng": torch.get_rng_state(),
-            "next_step": self.next_step,
-            "steps_done": self.steps_done,
+            "next_step": self.steps.next_step,
+            "steps_done": self.steps.steps_done,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self._open is not None:
-            raise TrainStepStateError("load_state_dict while a step is open")
+        self.steps.require_closed("load_state_dict")
         if state["layout"] != self.layout():
             raise ValueError(f"saved trainer state has layout {state['layout']}, this rank is {self.layout()}")
         with self._mc():
             state["snapshot"].restore(self.params, self.optimizer)
         torch.set_rng_state(state["rng"])
-        self.next_step = int(state["next_step"])
-        self.steps_done = int(state["steps_done"])
-        self._last_finished = None
-
-    def _require_open(self, what: str) -> _OpenStep:
-        if self._open is None:
-            raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")
-        return self._open
+        self.steps.loaded(state["next_step"], state["steps_done"])
 
     # --- weights -------------------------------------------------------------------------------
 
@@ -417,8 +348,7 @@ class MegatronTrainerCore:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model under Hugging Face names (every TP rank must call this)."""
-        if self._open is not None:
-            raise TrainStepStateError(f"weights requested while step {self._open.step} is open")
+        self.steps.require_closed("hf_state_dict (weights requested)")
         return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(self.megatron_state()), self.spec).items()}
 
     def hf_grads(self) -> dict[str, torch.Tensor]:

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
-from single_controller.backends.torch.model import state_module
+from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
+from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
-from single_controller.backends.torch.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.config.schema import ModelConfig
 from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
@@ -226,8 +226,6 @@ class GenerationActor:
         max_batch_groups: int = 16,
         policy: nn.Module | None = None,
     ):
-        from single_controller.backends.torch.model import TinyGPT
-
         torch.set_num_threads(torch_threads)
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")
@@ -236,8 +234,6 @@ class GenerationActor:
         # Weights arrive with the first update_weights (version 0 from the trainer); until then the
         # parameters are placeholders and generate() refuses to run.
         if policy is None and model_cfg.path is not None:  # the same architecture as the trainer's
-            from single_controller.backends.common.hf_model import load_hf_policy
-
             policy = load_hf_policy(model_cfg.path)
         if policy is None:
             policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)

@@ -5,7 +5,8 @@ Contract (`CausalPolicy`): a module with `vocab_size`, `max_seq_len` and
   * `new_cache(batch_size, max_len=None) -> cache` and `forward_cached(input_ids [B, t], cache) -> logits [B, t, V]`,
     which appends the t tokens to the cache (what sampling uses: one prefill, then one token at a time).
 Both paths compute the same function, so generation logprobs and trainer logprobs agree to float
-rounding. `token_logprobs` is the one place logprobs of given tokens are computed for training.
+rounding (`algorithm.logprobs.token_logprobs` computes logprobs of given tokens for training).
+`load_hf_policy(path)` wraps a Hugging Face model directory (`backends.common.hf_model`) as a policy.
 
 TinyGPT: pre-LayerNorm blocks, learned absolute positions, tied input/output embeddings (the head is
 `F.linear(x, tok_emb.weight)`, so the state dict has no duplicate tensor), GELU MLP (4x),
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -169,70 +170,6 @@ class HFCausalLMPolicy(nn.Module):
         return out.logits
 
 
-def pad_right(rows: Sequence[torch.Tensor], value: float | int | bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Stack 1-D tensors of any lengths (one dtype) into [B, max_len], padded on the right with
-    `value`, then cast to `dtype` if given."""
-    if not rows:
-        return torch.zeros(0, 0, dtype=dtype or torch.float32)
-    out = _pad_flat(torch.cat(list(rows)), [r.shape[0] for r in rows], value)
-    return out if dtype is None else out.to(dtype)
-
-
-def _pad_flat(flat: torch.Tensor, lengths: Sequence[int], value: float | int | bool) -> torch.Tensor:
-    """Rows laid end to end in `flat` (row b has `lengths[b]` elements) -> [B, max_len], padded on
-    the right with `value`: one masked write. A microbatch has hundreds of short rows, and anything
-    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each: this is ~4x faster
-    than padding row by row at 64 rows."""
-    n = torch.tensor(lengths, dtype=torch.long, device=flat.device)
-    width = int(n.max()) if len(lengths) else 0
-    out = torch.full((len(lengths), width), value, dtype=flat.dtype, device=flat.device)
-    out[torch.arange(width, device=flat.device)[None, :] < n[:, None]] = flat  # row-major: the rows in order
-    return out
-
-
-def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The policy's log-distribution at `temperature`; the only formula sampling and training use."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-
-
-def token_logprobs(
-    policy: nn.Module,
-    prompt_ids: Sequence[torch.Tensor],
-    response_ids: Sequence[torch.Tensor],
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of each response token given its prompt and the response tokens before it.
-
-    Returns (logprobs [B, R], valid [B, R]) with R the longest response; `valid` is False on padding.
-    The distribution is log_softmax(logits / temperature), exactly as `sampling.sample` reports it.
-    `policy` may be a DDP wrapper: it is only called, never inspected.
-    """
-    device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
-    n_prompt = [p.shape[0] for p in prompt_ids]
-    n_response = [r.shape[0] for r in response_ids]
-    if min(n_prompt, default=1) < 1:
-        raise ValueError("every row needs at least one prompt token")
-    lp = torch.tensor(n_prompt, device=device)  # [B]
-    lr = torch.tensor(n_response, device=device)  # [B]
-    # each row's prompt then its response, all rows end to end, padded in one write
-    ends = [t for pair in zip(prompt_ids, response_ids) for t in pair]
-    flat = torch.cat(ends).long() if ends else torch.zeros(0, dtype=torch.long)
-    input_ids = _pad_flat(flat, [a + b for a, b in zip(n_prompt, n_response)], 0).to(device)  # [B, L]
-    R = int(lr.max()) if len(lr) else 0
-    j = torch.arange(R, device=device)  # [R]
-    valid = j[None, :] < lr[:, None]  # [B, R]
-    # Response token j of row b sits at position lp[b] + j; the logits predicting it at lp[b] + j - 1.
-    pos = (lp[:, None] + j[None, :] - 1).clamp(max=input_ids.shape[1] - 1)  # [B, R]
-    targets = torch.gather(input_ids, 1, (pos + 1).clamp(max=input_ids.shape[1] - 1))  # [B, R]
-    logits = policy(input_ids)  # [B, L, V]
-    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-    logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
-    out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
-    return out.masked_fill(~valid, 0.0), valid
-
-
 # --- save / load ------------------------------------------------------------------------------
 
 WEIGHTS_FILE = "model.safetensors"
@@ -275,11 +212,17 @@ def state_module(policy: nn.Module) -> nn.Module:
     return policy.model if isinstance(policy, HFCausalLMPolicy) else policy
 
 
+def load_hf_policy(path: str | Path, dtype: torch.dtype | None = None) -> HFCausalLMPolicy:
+    """The model directory's causal LM as a `CausalPolicy` (float32 unless `dtype` is given)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
+    return HFCausalLMPolicy(model.eval())
+
+
 def build_policy(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
     """The initial policy: the Hugging Face model directory `cfg.path` if set, else a TinyGPT."""
     if cfg.path is not None:
-        from single_controller.backends.common.hf_model import load_hf_policy
-
         policy = load_hf_policy(cfg.path)
         if policy.vocab_size < vocab_size:
             raise ValueError(f"model {cfg.path} has vocab_size {policy.vocab_size} < the tokenizer's {vocab_size}")

@@ -11,14 +11,15 @@ adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
   and returns a `WeightsHandle` whose payload is a `WeightSnapshot` holding the bucket ObjectRefs
   (refs nested in a container are not resolved by Ray; generation workers await them), so weight
   bytes never pass through the controller.
-* `CpuGenerationClient` forwards to a `generation.GenerationActor` run as a Ray async actor.
+* Generation: `backends.common.actor_client.ActorGenerationClient` over a `generation.GenerationActor`
+  run as a Ray async actor.
 * `start_torch_generation` / `start_torch_trainer` start one role each (the starters named in
   `backends.registry`); `create_cpu_workers(cfg, storage_factory)` starts both and syncs version 0
   (rank 0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
 
 Adapters are coroutines that `await` object refs; nothing here calls `ray.get` on the event loop.
-Errors: a failing remote call surfaces as `TrainerFailed` / `GenerationFailed` chained to the remote
-error; `TrainStepStateError` (split API called out of order) passes through unchanged.
+Errors: see `backends.common.rank_calls` (which trainer failures become a retried `TrainerFailed`)
+and `backends.common.actor_client` (`GenerationFailed`, `GenerationWorkerDied`).
 """
 
 from __future__ import annotations
@@ -31,29 +32,25 @@ from typing import Any, Awaitable, Callable, Literal, NamedTuple, Sequence
 import ray
 
 from single_controller.algorithm.dp_split import split_chunk
+from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
+from single_controller.backends.common.actors import kill_all
+from single_controller.backends.common.behind_finish import BehindFinish
 from single_controller.backends.common.deferred import deferred_actor
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
     RANK_CONCURRENCY,
     RankPlacement,
-    first_line,
+    load_state_of,
     place_ranks,
     rank_call,
     rendezvous,
+    stop_ranks,
+    train_status_of,
 )
 from single_controller.config.schema import Config
-from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed, TrainStepStateError
-from single_controller.types import (
-    GenerationRequest,
-    GenerationResult,
-    LossConfig,
-    StepResult,
-    TrainChunk,
-    TrainStatus,
-    WeightsHandle,
-)
+from single_controller.protocols import TrainerFailed, TrainStepStateError
+from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 # The actor classes, as light stand-ins (`backends.deferred`): the controller starts their processes
 # before it imports torch or the model code; each process imports its own class. Method lists are
@@ -79,8 +76,6 @@ GenerationActor = deferred_actor(
         True,
     ),
 )
-
-CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write on the actor
 
 
 @dataclass(frozen=True)
@@ -132,9 +127,7 @@ class CpuTrainerGroup:
         # calls sent and not answered yet, oldest first: a begin, microbatches
         self._due: list[_Due] = []
         self._export: tuple[int, Any] | None = None  # (version, ref) of an export sent after a finish
-        self._finishing: int | None = None  # the step whose finish is in flight
-        self._finished_last: int | None = None  # the step of the last finish that succeeded
-        self._behind: list[_Due] = []  # the next step's begin and chunk, sent behind it
+        self._finish = BehindFinish()  # the finish in flight and the next step's calls sent behind it
         self._draining: set[asyncio.Future] = set()
 
     def _drop_export(self) -> None:
@@ -232,7 +225,7 @@ class CpuTrainerGroup:
         # What the caller asks for next, sent now: rank 0 runs it right after its finish. If the finish
         # fails the step stays open there and this export fails too; it is then discarded.
         export = self.ranks[0].export_weights.remote(step + 1)
-        self._finishing, self._behind = step, []
+        self._finish.start(step)
         try:
             await self._answers()
             metrics = await rank_call(f"finish_train_step({step})", refs)
@@ -240,13 +233,13 @@ class CpuTrainerGroup:
             # Also when cancelled (nothing here awaits). A next step sent behind this finish was begun
             # on the ranks only if the finish landed after all (after the caller's deadline): the
             # abort, queued behind it, undoes it.
-            nxt = step + 1
-            undo = [r.abort_train_step.remote(nxt) for r in self.ranks] if self._behind else []
-            for ref in [*refs, export, *(ref for due in self._behind for ref in due.refs), *undo]:
+            behind = self._finish.behind
+            undo = [r.abort_train_step.remote(step + 1) for r in self.ranks] if behind else []
+            for ref in [*refs, export, *(ref for due in behind for ref in due.refs), *undo]:
                 self._discard(ref)
             raise
         finally:
-            behind, self._finishing, self._behind = self._behind, None, []
+            behind = self._finish.end()
         self._finished(step, export)
         if behind:  # the next step is open, its first chunk sent; their answers are due
             self._due += behind
@@ -258,22 +251,23 @@ class CpuTrainerGroup:
         (`protocols.FinishAndBegin`): the ranks run them right after the finish and the export. If
         that finish succeeded already, this is a plain begin and microbatch. Returns whether they
         were sent."""
-        if chunk.step != step:
-            raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
         _check_lengths(chunk)  # before anything is sent
-        if self._finishing is None:
-            if self._step is not None or self._finished_last != step - 1:
-                return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
+
+        async def begin_now() -> None:
             await self.begin_train_step(step, loss)
             await self.train_microbatch(chunk)
-            return True
-        if self._finishing != step - 1 or self._behind:
-            raise TrainStepStateError(f"begin_behind_finish({step}) while finishing step {self._finishing}")
-        self._behind = [self._send_begin(step, loss), self._send_microbatch(chunk)]  # taken over by the finish when it succeeds
-        return True
+
+        return await self._finish.begin(
+            step,
+            chunk,
+            idle=self._step is None,
+            begin_now=begin_now,
+            send_behind=lambda: [self._send_begin(step, loss), self._send_microbatch(chunk)],
+        )
 
     def _finished(self, step: int, export: Any) -> None:
-        self._export, self._finished_last = (step + 1, export), step
+        self._export = (step + 1, export)
+        self._finish.succeeded(step)
         if self._step == step:
             self._step = None
             self._counts["steps_finished"] += 1
@@ -289,12 +283,8 @@ class CpuTrainerGroup:
             self._step = None
 
     async def train_status(self) -> TrainStatus:
-        refs = [r.train_status.remote() for r in self.ranks]
         await self._answers_quietly()  # the status says where the ranks stand after them
-        statuses = await rank_call("train_status", refs)
-        if any(s != statuses[0] for s in statuses[1:]):
-            raise TrainerFailed(f"trainer ranks disagree on where they stand: {statuses}")
-        return TrainStatus(**statuses[0])
+        return await train_status_of(self.ranks)
 
     async def export_weights(self, version: int) -> WeightsHandle:
         sent, self._export = self._export, None
@@ -318,131 +308,11 @@ class CpuTrainerGroup:
 
     async def load_state(self, directory: str) -> int:
         self._drop_export()  # sent before these weights were loaded
-        self._finished_last = None
-        steps = await rank_call(f"load_state({directory})", [r.load_state.remote(directory) for r in self.ranks])
-        if len(set(steps)) != 1:
-            raise TrainerFailed(f"trainer ranks loaded different steps from {directory}: {steps}")
-        return steps[0]
+        self._finish.finished_last = None
+        return await load_state_of(self.ranks, directory)
 
     async def shutdown(self) -> None:
-        try:
-            await _kill_all(self.ranks)
-        finally:
-            if self.placement is not None:
-                self.placement.release()
-
-
-class ActorGenerationClient:
-    """`GenerationWorker` over one generation actor run as a Ray async actor (any backend whose actor
-    has `generate_many`, `cancel`, `update_weights`, `connect`, `in_flight`, `resume`, `statistics`).
-
-    Requests issued in the same event-loop tick (the rollout pump dispatches a wave of groups at
-    once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
-    per group, which on a small machine is most of the generation worker's CPU otherwise. A
-    cancelled caller first waits for the actor's `cancel` (`_cancel_remote`): the caller's clean-up
-    (clearing the group's keys) then runs after the worker guaranteed it writes none of them. A dead
-    actor surfaces as `GenerationWorkerDied`; `restart(weights)` replaces it. The rollout pump
-    submits (`protocols.Submitting`: the same queue, a future per request and no task); `generate`
-    is submit, await and, when cancelled, withdraw."""
-
-    def __init__(self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None):
-        self.name = name
-        self.actor = actor_handle
-        self._spawn = spawn  # starts a replacement actor (restart after a death)
-        self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
-        self._deliveries: set[asyncio.Task] = set()
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        fut = self.submit(request)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            await self.withdraw(request, fut)
-            raise
-
-    def submit(self, request: GenerationRequest) -> asyncio.Future:
-        """`protocols.Submitting`: queued for this tick's `generate_many`; its result as a future."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if not self._queue:
-            loop.call_soon(self._flush)
-        self._queue.append((request, fut))
-        return fut
-
-    async def withdraw(self, request: GenerationRequest, future: asyncio.Future) -> None:
-        """After `future` was cancelled: returns once the actor writes none of the request's rows (a
-        request not sent yet never will be; a sent one is cancelled on the actor, which answers
-        once it is sure)."""
-        if not any(f is future for _, f in self._queue):  # sent already: the actor may be sampling it
-            await self._cancel_remote(request.group_id)
-
-    async def _cancel_remote(self, group_id: str) -> None:
-        try:
-            await within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, f"generation worker {self.name}: cancel({group_id})")
-        except ray.exceptions.RayActorError:
-            pass  # the actor is gone: it writes nothing any more
-
-    def _flush(self) -> None:
-        batch, self._queue = self._queue, []
-        live = [(r, f) for r, f in batch if not f.done()]
-        if not live:
-            return
-        ref = self.actor.generate_many.remote([r for r, _ in live])
-        task = asyncio.get_running_loop().create_task(self._deliver(ref, live))
-        self._deliveries.add(task)
-        task.add_done_callback(self._deliveries.discard)
-
-    async def _deliver(self, ref: Any, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
-        """Hand each result to its caller; every caller gets an answer, whatever happens."""
-        try:
-            results = await ref
-        except BaseException as e:
-            died = isinstance(e, ray.exceptions.RayActorError)
-            for req, fut in batch:
-                if not fut.done():
-                    if died:
-                        err = GenerationWorkerDied(f"generation worker {self.name} died during generate({req.group_id}): {first_line(e)}")
-                    else:
-                        err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {first_line(e)}")
-                    err.__cause__ = e
-                    fut.set_exception(err)
-            if not isinstance(e, Exception):
-                raise
-            return
-        for (_, fut), res in zip(batch, results):
-            if fut.done():
-                continue  # its caller was cancelled
-            if isinstance(res, BaseException):
-                fut.set_exception(res)
-            else:
-                fut.set_result(res)
-
-    async def update_weights(self, weights: WeightsHandle) -> None:
-        try:
-            await self.actor.update_weights.remote(weights)
-        except ray.exceptions.RayActorError as e:
-            raise GenerationWorkerDied(f"generation worker {self.name} died during update_weights(v{weights.version}): {first_line(e)}") from e
-
-    async def restart(self, weights: WeightsHandle | None) -> None:
-        """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""
-        if self._spawn is None or weights is None:
-            raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
-        ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
-        self.actor = self._spawn()
-        await self.actor.connect.remote()
-        await self.update_weights(weights)
-
-    async def in_flight(self) -> int:
-        return await self.actor.in_flight.remote()
-
-    async def resume(self) -> None:
-        await self.actor.resume.remote()
-
-    async def statistics(self):
-        return await self.actor.statistics.remote()
-
-    async def shutdown(self) -> None:
-        await _kill_all([self.actor])
+        await stop_ranks(self.ranks, self.placement)
 
 
 def _check_lengths(chunk: TrainChunk) -> None:
@@ -450,49 +320,9 @@ def _check_lengths(chunk: TrainChunk) -> None:
         raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
 
 
-class CpuGenerationClient(ActorGenerationClient):
-    """`GenerationWorker` over one `generation.GenerationActor` (the embedded torch sampler). The
-    actor holds a request until it has the weights of its `min_version` (`protocols.VersionGated`),
-    so a weight sync reopens admission as soon as it has sent the snapshot."""
-
-    honours_min_version = True
-
-    async def pause(self) -> int:
-        """Idle the engine after its current batch (requests queue); returns the queued count."""
-        return await self.actor.pause.remote()
-
-    async def version(self) -> int | None:
-        return await self.actor.version.remote()
-
-
-async def _kill_all(handles: Sequence[Any]) -> None:
-    """Close each actor (stop loops, leave the gloo group), let it exit after that, and wait for the
-    exit; ray.kill remains as a backstop. After this returns every call to these handles fails."""
-    closes = [h.close.remote() for h in handles]
-    first_error: Exception | None = None
-    for ref in closes:
-        try:
-            await ref
-        except ray.exceptions.RayActorError:
-            continue  # already dead: nothing left to close
-        except Exception as e:  # still stop every actor, then report the first failure
-            first_error = first_error or e
-    # Queued behind close(): the actor exits itself, so no call can slip in before its death.
-    exits = [h.__ray_terminate__.remote() for h in handles]
-    for ref in exits:
-        try:
-            await ref
-        except ray.exceptions.RayActorError:
-            continue  # the expected outcome: the actor is gone
-    for h in handles:
-        ray.kill(h)
-    if first_error is not None:
-        raise first_error
-
-
 async def start_torch_generation(
     cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any] | None = None, options: dict | None = None
-) -> list[CpuGenerationClient]:
+) -> list[ActorGenerationClient]:
     """Start `backend.num_generation_workers` generation actors and connect them to storage (the
     `registry` starter contract). `options` go to `.options()` (default num_cpus=0, since
     TransferQueue may hold every logical CPU)."""
@@ -512,18 +342,7 @@ async def start_torch_generation(
 
         return spawn
 
-    clients = []
-    for i in range(cfg.backend.num_generation_workers):
-        spawn = spawner(i)
-        clients.append(CpuGenerationClient(f"gen{i}", spawn(), spawn))
-    try:
-        if storage_ready is not None:
-            await storage_ready
-        await asyncio.gather(*(c.actor.connect.remote() for c in clients))
-    except BaseException:
-        await asyncio.shield(_kill_all([c.actor for c in clients]))
-        raise
-    return clients
+    return await start_generation_clients("gen", cfg.backend.num_generation_workers, spawner, storage_ready)
 
 
 async def start_torch_trainer(
@@ -569,7 +388,7 @@ async def create_cpu_workers(
     generation_options: dict | None = None,
     trainer_options: dict | None = None,
     dtype: str = "float32",
-) -> tuple[list[CpuGenerationClient], CpuTrainerGroup]:
+) -> tuple[list[ActorGenerationClient], CpuTrainerGroup]:
     """Both torch roles at once: every actor process is started before `storage_ready` is awaited,
     so their start-up overlaps the storage service's own; then version 0 (rank 0's init, or the
     configured model) is loaded into every generation worker."""
@@ -587,19 +406,18 @@ async def create_cpu_workers(
         handle = await group.export_weights(0)
         await asyncio.gather(*(c.update_weights(handle) for c in clients))
     except BaseException:
-        await asyncio.shield(_kill_all([c.actor for c in clients] + (list(group.ranks) if group else [])))
+        await asyncio.shield(kill_all([c.actor for c in clients] + (list(group.ranks) if group else [])))
         raise
     return clients, group
 
 
-async def shutdown_cpu_workers(clients: Sequence[CpuGenerationClient], group: CpuTrainerGroup) -> None:
-    await _kill_all([c.actor for c in clients] + list(group.ranks))
+async def shutdown_cpu_workers(clients: Sequence[ActorGenerationClient], group: CpuTrainerGroup) -> None:
+    await kill_all([c.actor for c in clients] + list(group.ranks))
 
 
 __all__ = [
     "TrainerRankActor",
     "CpuTrainerGroup",
-    "CpuGenerationClient",
     "create_cpu_workers",
     "start_torch_generation",
     "start_torch_trainer",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from single_controller.backends.torch.model import log_softmax_tempered
+from single_controller.algorithm.logprobs import log_softmax_tempered
 
 
 @dataclass(frozen=True)

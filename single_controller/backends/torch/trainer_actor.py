@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 import torch
@@ -18,7 +18,9 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.torch.model import build_policy, save_policy, state_module
-from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
+from single_controller.backends.common.weights import WeightSnapshot
+from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics
+from single_controller.protocols import TrainStepStateError
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
@@ -83,18 +85,18 @@ class TrainerRankActor(RankStepCalls):
         the open one); returns the bytes read. `advantages` (one per key) come with the call; None: the
         rows' `advantage` field is among `fields`."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage
+        rows: Mapping[str, Any] = {"prompt_ids": []}
+        nbytes = 0
         if keys:
-            try:
-                rows = self.prefetcher.fetch(list(keys), list(fields))
-                nbytes = sum(column_nbytes(c) for c in rows.values())
-                rows = with_advantages(rows, advantages)
-            except BaseException as e:
-                self.core.mark_failed(f"reading its rows: {type(e).__name__}: {e}")  # the step's finish refuses
-                raise
-        else:
-            rows, nbytes = {"prompt_ids": []}, 0
+            rows, nbytes = self._read_rows(step, lambda: self._fetch(keys, fields, advantages))
         self.core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
+
+    def _fetch(
+        self, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None
+    ) -> tuple[Mapping[str, Any], int]:
+        rows = self.prefetcher.fetch(list(keys), list(fields))
+        return with_advantages(rows, advantages), sum(column_nbytes(c) for c in rows.values())
 
     def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
@@ -105,7 +107,7 @@ class TrainerRankActor(RankStepCalls):
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str:
-        if self.core.step_open:
+        if self.core.steps.is_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
         return str(save_policy(self.core.policy, directory, self.cfg.model))
 
@@ -124,7 +126,7 @@ class TrainerRankActor(RankStepCalls):
         rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
         state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
         self.core.load_state_dict(state)
-        return self.core.next_step
+        return self.core.steps.next_step
 
     def get_weights(self) -> dict[str, Any]:
         return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}

@@ -2,8 +2,9 @@
 `collective_rpc` (in-process here, so arguments arrive by reference, not serialized).
 
 `sc_load_snapshot(manifest, buckets)` hands the worker's own `reload_weights` ONE iterator over
-every tensor of the snapshot, which materializes one bucket at a time (Ray ObjectRefs are fetched as
-the iterator reaches them), so no buffer of the whole model is ever built. `reload_weights` takes
+every tensor of the snapshot, one bucket at a time, so no buffer of the whole model is ever built.
+The buckets are numpy arrays: the actor awaits a trainer's ObjectRefs before it calls this (a
+`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way). `reload_weights` takes
 checkpoint-format names and re-runs the backend's weight processing (the CPU backend repacks linear
 weights; a plain `param.copy_` would bypass that).
 """
@@ -17,14 +18,6 @@ import numpy as np
 import torch
 
 
-def _materialize(bucket: Any) -> np.ndarray:
-    if isinstance(bucket, np.ndarray):
-        return bucket
-    import ray  # an ObjectRef from the trainer's publish: fetched here, off the event loop
-
-    return ray.get(bucket)
-
-
 def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every entry, bucket by bucket; each bucket is released before
     the next one is fetched."""
@@ -32,7 +25,7 @@ def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[st
     for e in manifest.entries:
         by_bucket.setdefault(e.bucket, []).append(e)
     for b in sorted(by_bucket):
-        flat = _materialize(buckets[b])
+        flat = np.asarray(buckets[b])
         if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != manifest.dtype:
             raise ValueError(f"bucket {b} is {flat.dtype}{list(flat.shape)}, manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]")
         with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from

@@ -15,8 +15,9 @@ thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, 
   with (`set_weight_version` at each update); rows carry them as `token_versions`, and a group's
   `version_start` / `version_end` are its oldest / newest token's.
 * `update_weights(handle)`: between two engine steps (in-flight requests stay in the engine with
-  their KV cache: vLLM's "pause keep"), the snapshot is streamed bucket by bucket into the worker's
-  own `reload_weights`, then the engine's version label is set. With the controller's `drain`
+  their KV cache: vLLM's "pause keep"), the snapshot's buckets (awaited from Ray's object store
+  while the engine steps on) are streamed bucket by bucket into the worker's own `reload_weights`,
+  then the engine's version label is set. With the controller's `drain`
   policy nothing is in flight at that point; with `keep`, groups span versions.
 * `cancel(group_id)`: aborts the request in the engine; a group cancelled before its rows were put
   is never written; one cancelled while its put is in flight has those rows cleared again before
@@ -39,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from replay.storage import LazyRowStorage
+from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.config.schema import Config
 from single_controller.protocols import GenerationFailed
@@ -413,8 +415,7 @@ class VllmGenerationActor:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
-        snap = weights.payload
-        m = snap.manifest
+        m = weights.payload.manifest
         if m.version != weights.version:
             raise ValueError(f"handle v{weights.version} carries a snapshot of v{m.version}")
         if self.version is not None and m.version < self.version:
@@ -425,10 +426,13 @@ class VllmGenerationActor:
                 f"weight snapshot v{m.version} does not fit {self.cfg.model.path}: missing "
                 f"{sorted(self._names - names)[:5]}, unexpected {sorted(names - self._names)[:5]}"
             )
+        # The buckets are fetched here, on the event loop (engine steps go on meanwhile), never by a
+        # blocking `ray.get` in the engine's thread.
+        snap = await resolve_snapshot(weights.payload)
         # Shielded: once the engine is being written, the load finishes even if our caller gives up.
         return await asyncio.shield(self._load(snap))
 
-    async def _load(self, snap: Any) -> int:
+    async def _load(self, snap: WeightSnapshot) -> int:
         async with self._engine_lock:  # between two steps: in-flight requests keep their place
             t0 = time.perf_counter()
             load = functools.partial(self.engine.collective_rpc, "sc_load_snapshot", args=(snap.manifest, list(snap.buckets)))

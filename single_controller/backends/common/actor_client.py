@@ -1,0 +1,177 @@
+"""Generation workers on Ray, controller side: the client every generation backend (torch, vLLM) uses
+and its start-up.
+
+* `ActorGenerationClient` is the `GenerationWorker` over one generation actor run as a Ray async
+  actor (any actor with `generate_many`, `cancel`, `update_weights`, `connect`, `in_flight`,
+  `pause`, `resume`, `statistics` and `close`).
+* `start_generation_clients(prefix, count, spawn_of, storage_ready)` starts the actors, waits for the
+  storage service and connects them to it; on failure nothing is left running.
+Actors are stopped with `actors.kill_all`.
+
+Adapters are coroutines that `await` object refs; nothing here calls `ray.get`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Awaitable, Callable
+
+import ray
+
+from single_controller.backends.common.actors import first_line, kill_all
+from single_controller.deadlines import within
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+
+CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write (or engine step) on the actor
+
+
+class ActorGenerationClient:
+    """`GenerationWorker` over one generation actor.
+
+    Requests issued in the same event-loop tick (the rollout pump dispatches a wave of groups at
+    once) are coalesced into one `generate_many` call: one Ray round trip per wave instead of one
+    per group, which on a small machine is most of the generation worker's CPU otherwise. A
+    cancelled caller first waits for the actor's `cancel` (`_cancel_remote`): the caller's clean-up
+    (clearing the group's keys) then runs after the worker guaranteed it writes none of them.
+    `shielded_cancel`: that wait cannot be cut short by a second cancellation, and a worker that
+    does not answer it (dead, or stuck past `CANCEL_ACK_S`) lets the cancellation go on (vLLM);
+    otherwise only a dead actor does. A dead actor surfaces as `GenerationWorkerDied`;
+    `restart(weights)` replaces it. The actor holds a request until it has the weights of its
+    `min_version` (`protocols.VersionGated`), so a weight sync reopens admission as soon as it has
+    sent the snapshot."""
+
+    honours_min_version = True
+
+    def __init__(
+        self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None, *, shielded_cancel: bool = False
+    ):
+        self.name = name
+        self.actor = actor_handle
+        self._spawn = spawn  # starts a replacement actor (restart after a death)
+        self._shielded_cancel = shielded_cancel
+        self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._deliveries: set[asyncio.Task] = set()
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self._queue:
+            loop.call_soon(self._flush)
+        self._queue.append((request, fut))  # sent with this tick's `generate_many`
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # A request not sent yet never will be; a sent one is cancelled on the actor first.
+            if not any(f is fut for _, f in self._queue):
+                await self._cancel_remote(request.group_id)
+            raise
+
+    async def _cancel_remote(self, group_id: str) -> None:
+        what = f"generation worker {self.name}: cancel({group_id})"
+        ack = within(self.actor.cancel.remote(group_id), CANCEL_ACK_S, what)
+        if self._shielded_cancel:
+            # Not cancellable itself: the caller clears the group's keys only after this.
+            with contextlib.suppress(Exception):  # a dead or stuck worker writes nothing more
+                await asyncio.shield(ack)
+            return
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the actor is gone: it writes nothing any more
+            await ack
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, []
+        live = [(r, f) for r, f in batch if not f.done()]
+        if not live:
+            return
+        ref = self.actor.generate_many.remote([r for r, _ in live])
+        task = asyncio.get_running_loop().create_task(self._deliver(ref, live))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, ref: Any, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
+        """Hand each result to its caller; every caller gets an answer, whatever happens."""
+        try:
+            results = await ref
+        except BaseException as e:
+            for req, fut in batch:
+                if not fut.done():
+                    fut.set_exception(self._failure(req, e))
+            if not isinstance(e, Exception):
+                raise
+            return
+        for (_, fut), res in zip(batch, results):
+            if fut.done():
+                continue  # its caller was cancelled
+            if isinstance(res, BaseException):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
+
+    def _failure(self, req: GenerationRequest, e: BaseException) -> GenerationFailed:
+        if isinstance(e, ray.exceptions.RayActorError):
+            err: GenerationFailed = GenerationWorkerDied(
+                f"generation worker {self.name} died during generate({req.group_id}): {first_line(e)}"
+            )
+        else:
+            err = GenerationFailed(f"{self.name}: generate({req.group_id}) failed: {first_line(e)}")
+        err.__cause__ = e
+        return err
+
+    async def update_weights(self, weights: WeightsHandle) -> None:
+        try:
+            await self.actor.update_weights.remote(weights)
+        except ray.exceptions.RayActorError as e:
+            raise GenerationWorkerDied(
+                f"generation worker {self.name} died during update_weights(v{weights.version}): {first_line(e)}"
+            ) from e
+
+    async def restart(self, weights: WeightsHandle | None) -> None:
+        """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""
+        if self._spawn is None or weights is None:
+            raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
+        ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
+        self.actor = self._spawn()
+        await self.actor.connect.remote()
+        await self.update_weights(weights)
+
+    async def in_flight(self) -> int:
+        return await self.actor.in_flight.remote()
+
+    async def pause(self, *after_steps: int) -> int:
+        """Idle the engine (vLLM: after `after_steps` more engine steps); returns the requests in flight."""
+        return await self.actor.pause.remote(*after_steps)
+
+    async def resume(self) -> None:
+        await self.actor.resume.remote()
+
+    async def statistics(self) -> Any:
+        return await self.actor.statistics.remote()
+
+    async def shutdown(self) -> None:
+        await kill_all([self.actor])
+
+
+async def start_generation_clients(
+    prefix: str,
+    count: int,
+    spawn_of: Callable[[int], Callable[[], Any]],
+    storage_ready: Awaitable[Any] | None,
+    *,
+    shielded_cancel: bool = False,
+) -> list[ActorGenerationClient]:
+    """`count` clients named `{prefix}{i}`, each over the actor `spawn_of(i)()` starts (the same
+    spawner restarts a dead one); their processes start before `storage_ready` is awaited, then
+    every actor connects to storage. On failure every actor is stopped."""
+    clients = []
+    for i in range(count):
+        spawn = spawn_of(i)
+        clients.append(ActorGenerationClient(f"{prefix}{i}", spawn(), spawn, shielded_cancel=shielded_cancel))
+    try:
+        if storage_ready is not None:
+            await storage_ready
+        await asyncio.gather(*(c.actor.connect.remote() for c in clients))
+    except BaseException:
+        await asyncio.shield(kill_all([c.actor for c in clients]))
+        raise
+    return clients

@@ -1,0 +1,42 @@
+"""Worker actors on Ray, controller side: what every backend does the same way with its actors.
+
+* `kill_all(handles)` stops actors for good: each closes (loops stopped, process groups left), then
+  exits by itself (queued behind its close), and `ray.kill` is the backstop.
+* `first_line(error)` is the one line of a (possibly multi-line, Ray-wrapped) error that messages quote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import ray
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+async def kill_all(handles: Sequence[Any]) -> None:
+    """Close each actor (stop loops, leave the gloo group), let it exit after that, and wait for the
+    exit; ray.kill remains as a backstop. After this returns every call to these handles fails."""
+    closes = [h.close.remote() for h in handles]
+    first_error: Exception | None = None
+    for ref in closes:
+        try:
+            await ref
+        except ray.exceptions.RayActorError:
+            continue  # already dead: nothing left to close
+        except Exception as e:  # still stop every actor, then report the first failure
+            first_error = first_error or e
+    # Queued behind close(): the actor exits itself, so no call can slip in before its death.
+    exits = [h.__ray_terminate__.remote() for h in handles]
+    for ref in exits:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the expected outcome: the actor is gone
+            await ref
+    for h in handles:
+        ray.kill(h)
+    if first_error is not None:
+        raise first_error

@@ -1,0 +1,272 @@
+"""The split train API's bookkeeping, shared by every trainer backend (torch, Megatron) by composition.
+
+A trainer rank holds one `SplitStep` (`core.steps`) and makes the engine-specific moves between its
+calls (zeroing gradient buffers, snapshotting and restoring parameters and optimizer state,
+collectives, the optimizer step):
+
+  begin_train_step(step, loss)  `steps.check_begin` refuses unless no step is open, `step` is
+                                `next_step` and the loss can be computed; `steps.open_step` opens it
+                                with what an abort restores.
+  train_microbatch(rows)        `steps.require_open`; `OpenStep.take_rows` counts the microbatch and
+                                checks the rows; `rows_loss` runs forward, the GRPO loss and backward;
+                                `OpenStep.add` sums the counts and statistics.
+  finish_train_step(step)       `steps.retried_finish` answers a finish of the step finished last with
+                                its recorded metrics (no second optimizer step); `steps.finishing`
+                                returns the open step; the engine all-reduces `OpenStep.sums()`
+                                (`StepSums.of` reads them back; `collective` makes a failed
+                                collective a `TrainerFailed`) and steps; `steps.finished` closes the
+                                step and records its metrics (`step_metrics`).
+  abort_train_step(step)        `steps.aborting(step)` returns the open step if it is `step` (else
+                                None: an abort never undoes a finish); `steps.aborted` closes it.
+  status()                      `steps.status()`: {"next_step", "open_step", "last_finished"}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from single_controller.algorithm.logprobs import pad_right, token_logprobs
+from single_controller.algorithm.losses import LOSS_LEVELS, LossOutput, grpo_loss, mismatch_stats
+from single_controller.protocols import TrainerFailed, TrainStepStateError
+from single_controller.types import LossConfig
+
+# Statistics summed over a step's valid tokens (loss statistics, then the engines' mismatch), in the
+# order they travel in the finish's all-reduce.
+STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
+
+
+@dataclass
+class OpenStep:
+    step: int
+    loss: LossConfig
+    saved: Any  # what an abort restores: the engine's snapshot of parameters and optimizer state
+    started: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    sequences: int = 0
+    microbatches: int = 0
+    loss_sum: float = 0.0
+    stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
+    bytes_read: int = 0
+    failed: str | None = None  # why a microbatch of this step failed: the step can then only be aborted
+
+    def take_rows(self, rows: Mapping[str, Any], bytes_read: int) -> bool:
+        """Count a microbatch of `rows` (columns of TRAIN_FIELDS); False when it has no row to train."""
+        self.bytes_read += bytes_read
+        self.microbatches += 1
+        if len(rows["prompt_ids"]) == 0:
+            return False
+        bad = [
+            i
+            for i, (r, g, m) in enumerate(zip(rows["response_ids"], rows["gen_logprobs"], rows["response_mask"]))
+            if not r.shape[0] == g.shape[0] == m.shape[0]
+        ]
+        if bad:
+            raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
+        return True
+
+    def add(self, out: LossOutput, mismatch: Mapping[str, float]) -> None:
+        self.tokens += out.num_tokens
+        self.sequences += out.num_sequences
+        self.loss_sum += float(out.loss_sum.detach())
+        for k, v in {**out.token_stats, **mismatch}.items():
+            self.stats[k] += v
+
+    def sums(self) -> list[float]:
+        """What the finish all-reduces: [tokens, sequences, loss sum, *STAT_KEYS]."""
+        return [self.tokens, self.sequences, self.loss_sum, *(self.stats[k] for k in STAT_KEYS)]
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """A step's sums over every rank (`OpenStep.sums()`, all-reduced)."""
+
+    tokens: float
+    sequences: float
+    loss_sum: float
+    stats: dict[str, float]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> StepSums:
+        tokens, sequences, loss_sum = (float(x) for x in values[:3])
+        return cls(tokens, sequences, loss_sum, dict(zip(STAT_KEYS, (float(x) for x in values[3:]))))
+
+    def normalizer(self, st: OpenStep) -> float:
+        """N, what the raw gradient sums are divided by: global valid tokens (token-level loss) or
+        sequences; raises when there is none."""
+        n = self.tokens if st.loss.level == "token" else self.sequences
+        if n <= 0:
+            raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
+        return n
+
+
+class SplitStep:
+    """Where one trainer rank stands in the split API (see the module docstring). `has_reference`:
+    the rank keeps a frozen reference policy, so a loss with a KL penalty can be computed."""
+
+    def __init__(self, *, has_reference: bool) -> None:
+        self.has_reference = has_reference
+        self.open: OpenStep | None = None
+        self.last_finished: tuple[int, dict[str, float]] | None = None
+        self.next_step = 0  # the step begin accepts: optimizer steps applied (set by a checkpoint load)
+        self.steps_done = 0
+        self.aborts = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.open is not None
+
+    def status(self) -> dict[str, int | None]:
+        return {
+            "next_step": self.next_step,
+            "open_step": None if self.open is None else self.open.step,
+            "last_finished": None if self.last_finished is None else self.last_finished[0],
+        }
+
+    def counts(self) -> dict[str, int | None]:
+        """The fields a rank's `statistics()` record shares with every trainer backend."""
+        st = self.open
+        return {
+            "steps_done": self.steps_done,
+            "aborts": self.aborts,
+            "open_step": None if st is None else st.step,
+            "open_microbatches": 0 if st is None else st.microbatches,  # local, in the open step
+            "open_tokens": 0 if st is None else st.tokens,  # local valid tokens in the open step
+        }
+
+    def require_open(self, what: str) -> OpenStep:
+        if self.open is None:
+            raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")
+        return self.open
+
+    def require_closed(self, what: str) -> None:
+        if self.open is not None:
+            raise TrainStepStateError(f"{what} while step {self.open.step} is open")
+
+    def check_begin(self, step: int, loss: LossConfig) -> None:
+        if self.open is not None:
+            raise TrainStepStateError(f"begin_train_step({step}): step {self.open.step} is still open")
+        if step != self.next_step:
+            raise TrainStepStateError(f"begin_train_step({step}): the trainer's next step is {self.next_step}")
+        if loss.level not in LOSS_LEVELS:
+            raise ValueError(f"loss level must be one of {LOSS_LEVELS}, got {loss.level!r}")
+        if loss.kl_coef > 0 and not self.has_reference:
+            raise ValueError("loss.kl_coef > 0 but the trainer was built with train.kl_coef == 0 (no reference policy)")
+
+    def open_step(self, step: int, loss: LossConfig, saved: Any) -> OpenStep:
+        self.open = OpenStep(step=step, loss=loss, saved=saved)
+        return self.open
+
+    def mark_failed(self, reason: str) -> None:
+        """A microbatch of the open step failed: its gradients are partial, so only an abort closes it."""
+        if self.open is not None and self.open.failed is None:
+            self.open.failed = reason
+
+    def retried_finish(self, step: int) -> dict[str, float] | None:
+        """The recorded metrics when `step` is the step finished last and none is open, else None."""
+        if self.open is None and self.last_finished is not None and self.last_finished[0] == step:
+            return dict(self.last_finished[1])
+        return None
+
+    def finishing(self, step: int) -> OpenStep:
+        st = self.require_open(f"finish_train_step({step})")
+        if st.step != step:
+            raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
+        return st
+
+    def finished(self, st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> dict[str, float]:
+        """Close `st` after its optimizer step; returns (and records) its metrics."""
+        metrics = step_metrics(st, sums, grad_norm, lr=lr)
+        self.open = None
+        self.steps_done += 1
+        self.next_step = st.step + 1
+        self.last_finished = (st.step, dict(metrics))
+        return metrics
+
+    def aborting(self, step: int) -> OpenStep | None:
+        """The open step if it is `step` (the engine then restores `saved` and calls `aborted`)."""
+        st = self.open
+        return st if st is not None and st.step == step else None
+
+    def aborted(self) -> None:
+        self.open = None
+        self.aborts += 1
+
+    def loaded(self, next_step: int, steps_done: int) -> None:
+        """A checkpoint was loaded (between steps)."""
+        self.next_step, self.steps_done, self.last_finished = int(next_step), int(steps_done), None
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Around a collective of the ranks (an all-reduce, a broadcast): its failure (a peer gone or
+    too slow, a broken connection) is one a retry of the step can fix, raised as `TrainerFailed`.
+    torch.distributed raises these as `RuntimeError` (`DistError` and gloo's own errors)."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TrainerFailed(f"{what}: a collective of the trainer ranks failed: {e}") from e
+
+
+def rows_loss(
+    policy: Callable[[torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor], torch.Tensor] | None,
+    rows: Mapping[str, Any],
+    st: OpenStep,
+    *,
+    temperature: float,
+    dtype: torch.dtype,
+) -> tuple[LossOutput, dict[str, float]]:
+    """Forward, the raw GRPO loss sum and its backward for one microbatch of `st`; returns the loss
+    output and the engine-mismatch sums (empty without `token_versions`)."""
+    logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature)
+    dev = valid.device
+    mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
+    gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
+    ref = None
+    if st.loss.kl_coef > 0:
+        with torch.no_grad():
+            ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature)
+    out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
+    out.loss_sum.backward()
+    mismatch: dict[str, float] = {}
+    if rows.get("token_versions") is not None:
+        # Rows whose every token was sampled with the weights this step trains (version == step;
+        # then the prompt's and earlier tokens' KV cache came from them too, which a row resumed
+        # across a `keep` sync lacks): their logprob gap is the engine's mismatch, free of staleness.
+        versions = pad_right(rows["token_versions"], -1, torch.long).to(dev)  # [B, R]
+        fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
+        mismatch = mismatch_stats(logp, gen, mask & fresh[:, None])
+    return out, mismatch
+
+
+def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> dict[str, float]:
+    """A finished step's metrics from its all-reduced sums, the same for every trainer backend."""
+    n = sums.normalizer(st)
+    tokens, stats = max(sums.tokens, 1), sums.stats
+    metrics = {
+        "train/loss": sums.loss_sum / n,
+        "train/grad_norm": grad_norm,
+        "train/tokens": sums.tokens,
+        "train/sequences": sums.sequences,
+        "train/microbatches": float(st.microbatches),
+        "train/clip_frac": stats["clipped"] / tokens,
+        "train/is_weight_mean": stats["is_weight"] / tokens,
+        "train/is_truncated_frac": stats["is_truncated"] / tokens,
+        "train/gen_logprob_gap": stats["gen_gap"] / tokens,
+        "train/lr": lr,
+        "train/step_s": time.perf_counter() - st.started,
+        "train/bytes_read": float(st.bytes_read),
+    }
+    if st.loss.kl_coef > 0:
+        metrics["train/kl"] = stats["kl"] / tokens
+    mm_tokens = stats["mm_tokens"]
+    metrics["train/mismatch_tokens"] = mm_tokens
+    if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights
+        metrics["train/mismatch_abs_logprob"] = stats["mm_abs"] / mm_tokens
+        metrics["train/mismatch_kl"] = stats["mm_kl"] / mm_tokens
+    return metrics

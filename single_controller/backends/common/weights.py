@@ -1,0 +1,139 @@
+"""Weight snapshots: how weights travel from a trainer backend to a generation backend.
+
+A `WeightSnapshot` is the tensors packed into flat numpy buckets of at most `bucket_bytes` (a tensor
+larger than that gets its own bucket) plus a `WeightManifest` of names, shapes and offsets tagged
+with the policy version. Names are the checkpoint's (Hugging Face names for an HF model), so any
+trainer backend can feed any generation backend.
+
+* `pack_weights(tensors, version)`: the one packer (a module's parameters, or named tensors).
+* `resolve_snapshot(snapshot)`: await the buckets a Ray trainer `ray.put` (ObjectRefs).
+* `load_snapshot(module, snapshot)`: copy a resolved snapshot into a module's parameters, after
+  checking the whole manifest against the module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    name: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int  # in elements, within the bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    version: int
+    dtype: str  # numpy dtype name of every bucket, e.g. "float32"
+    entries: tuple[WeightEntry, ...]
+    bucket_numels: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.bucket_numels) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """`buckets[i]` is a 1-D numpy array, or (Ray) an ObjectRef of one, resolved by `resolve_snapshot`."""
+
+    manifest: WeightManifest
+    buckets: Sequence[Any]
+
+
+def _named(tensors: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return list(tensors.named_parameters() if isinstance(tensors, nn.Module) else tensors.items())
+
+
+def _group(
+    named: Iterable[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors, grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    filled = 0
+    for name, t in named:
+        if groups[-1] and (filled + t.numel()) * itemsize > bucket_bytes:
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, t))
+        filled += t.numel()
+    return groups
+
+
+def pack_weights(
+    tensors: nn.Module | Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 4 << 20, prefix: str = ""
+) -> WeightSnapshot:
+    """Copy a module's parameters (or named tensors, all of one dtype) into flat buckets; every name
+    is prefixed with `prefix`."""
+    named = _named(tensors)
+    dtypes = {t.dtype for _, t in named}
+    if len(dtypes) != 1:
+        raise ValueError(f"tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per snapshot")
+    entries, buckets = [], []
+    with torch.no_grad():
+        for b, group in enumerate(_group(named, named[0][1].element_size(), bucket_bytes)):
+            offset = 0
+            for name, t in group:
+                entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
+                offset += t.numel()
+            buckets.append(torch.cat([t.detach().reshape(-1) for _, t in group]).cpu().numpy())
+    manifest = WeightManifest(
+        version=version,
+        dtype=str(buckets[0].dtype),
+        entries=tuple(entries),
+        bucket_numels=tuple(len(b) for b in buckets),
+    )
+    return WeightSnapshot(manifest, buckets)
+
+
+async def resolve_snapshot(snapshot: WeightSnapshot) -> WeightSnapshot:
+    """Await bucket ObjectRefs (Ray), leaving in-process numpy buckets as they are."""
+    buckets = [await b if inspect.isawaitable(b) else b for b in snapshot.buckets]
+    return WeightSnapshot(snapshot.manifest, buckets)
+
+
+def _problems(params: Mapping[str, torch.Tensor], snapshot: WeightSnapshot) -> list[str]:
+    """Everything about `snapshot` that does not fit parameters `params` (empty: it fits)."""
+    m = snapshot.manifest
+    problems = []
+    if set(params) != {e.name for e in m.entries}:
+        missing = sorted(set(params) - {e.name for e in m.entries})
+        extra = sorted({e.name for e in m.entries} - set(params))
+        problems.append(f"parameter names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+    if len(snapshot.buckets) != len(m.bucket_numels):
+        problems.append(f"{len(snapshot.buckets)} buckets for a manifest of {len(m.bucket_numels)}")
+    else:
+        for i, (b, n) in enumerate(zip(snapshot.buckets, m.bucket_numels)):
+            if b.ndim != 1 or len(b) != n or str(b.dtype) != m.dtype:
+                problems.append(f"bucket {i} is {b.dtype}{list(b.shape)}, manifest says {m.dtype}[{n}]")
+    for e in m.entries:
+        p = params.get(e.name)
+        if p is not None and tuple(p.shape) != e.shape:
+            problems.append(f"{e.name}: shape {tuple(p.shape)} != snapshot {e.shape}")
+    return problems
+
+
+def load_snapshot(module: nn.Module, snapshot: WeightSnapshot) -> None:
+    """Copy a snapshot into `module`'s parameters; validates names, shapes and sizes first."""
+    m = snapshot.manifest
+    params = dict(module.named_parameters())
+    problems = _problems(params, snapshot)
+    if problems:
+        raise ValueError(f"weight snapshot v{m.version} does not fit the model: " + "; ".join(problems))
+    with torch.no_grad(), warnings.catch_warnings():
+        # Buckets read from Ray's object store are read-only; they are only copied from here.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for e in m.entries:
+            src = torch.from_numpy(np.asarray(snapshot.buckets[e.bucket][e.offset : e.offset + e.numel]))
+            params[e.name].copy_(src.view(e.shape))
