@@ -30,6 +30,7 @@ import torch
 
 from replay.fetch import with_advantages
 from replay.storage import RowStorage
+from single_controller.backends.common.behind_finish import BehindFinish
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.types import (
     GenerationRequest,
@@ -445,9 +446,7 @@ class SimTrainerGroup:
         self._due: list[asyncio.Task] = []  # calls sent behind a finish, their answers not taken yet
         self._failed: str | None = None  # why a microbatch of the open step failed
         self.begun_behind_finish: list[int] = []  # steps begun behind a finish that succeeded
-        self._finishing: int | None = None  # the step whose finish is in flight
-        self._finished_last: int | None = None  # the step of the last finish call, if it succeeded
-        self._behind: list[asyncio.Task] = []  # the next step's begin and chunk, sent behind it
+        self._finish = BehindFinish()  # the finish in flight and the next step's calls sent behind it
         self.meter: SimMeter | None = None  # set by `meter_sim_workers`
 
     def _send(self, coro) -> asyncio.Task:
@@ -488,18 +487,17 @@ class SimTrainerGroup:
                 return
 
     async def begin_behind_finish(self, step: int, loss: LossConfig, chunk: TrainChunk) -> bool:
-        if chunk.step != step:
-            raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
-        if self._finishing is None:
-            if self._finished_last != step - 1:
-                return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
+        async def begin_now() -> None:
             await self.begin_train_step(step, loss)
             await self.train_microbatch(chunk)
-            return True
-        if self._finishing != step - 1 or self._behind:
-            raise RuntimeError(f"begin_behind_finish({step}) while finishing step {self._finishing}")
-        self._behind = [self._send(self._begin(step)), self._send(self._microbatch(chunk))]
-        return True
+
+        return await self._finish.begin(
+            step,
+            chunk,
+            idle=self._open is None,
+            begin_now=begin_now,
+            send_behind=lambda: [self._send(self._begin(step)), self._send(self._microbatch(chunk))],
+        )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         await self._call(self._begin(step))
@@ -543,28 +541,28 @@ class SimTrainerGroup:
         self._open.extend(chunk.row_keys)
 
     async def finish_train_step(self, step: int) -> StepResult:
-        finish = self._send(self._finish(step))
-        self._finishing, self._behind = step, []
+        finish = self._send(self._finish_step(step))
+        self._finish.start(step)
         try:
             await self._answers()
             result = await asyncio.shield(finish)
         except BaseException:
             # A next step sent behind: begun only if the finish landed after all; the abort undoes it.
-            self._finished_last = None
-            undo = [self._send(self._abort(step + 1))] if self._behind else []
-            for task in [finish, *self._behind, *undo]:
+            self._finish.finished_last = None
+            undo = [self._send(self._abort(step + 1))] if self._finish.behind else []
+            for task in [finish, *self._finish.behind, *undo]:
                 task.add_done_callback(_drop_outcome)
             raise
         finally:
-            behind, self._finishing, self._behind = self._behind, None, []
-        self._finished_last = step
+            behind = self._finish.end()
+        self._finish.succeeded(step)
         if behind:
             self._due = behind
             if self.keep_logs:
                 self.begun_behind_finish.append(step + 1)
         return result
 
-    async def _finish(self, step: int) -> StepResult:
+    async def _finish_step(self, step: int) -> StepResult:
         if self._open is None and self._last is not None and self._last.step == step:
             return self._last  # a retried finish: the step was applied once already
         if self._open is None or self._step != step:
