@@ -37,6 +37,7 @@ from replay.storage import LazyRowStorage
 from single_controller.backends.torch.model import state_module
 from single_controller.backends.torch.sampling import sample
 from single_controller.backends.torch.trainer import WeightSnapshot, load_snapshot, resolve_snapshot
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import ModelConfig
 from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
@@ -228,6 +229,7 @@ class GenerationActor:
     ):
         from single_controller.backends.torch.model import TinyGPT
 
+        redirect_output(name)
         torch.set_num_threads(torch_threads)
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")

@@ -20,6 +20,7 @@ from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.torch.model import build_policy, save_policy, state_module
 from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics, TrainStepStateError, WeightSnapshot
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
 from single_controller.types import LossConfig
@@ -32,6 +33,7 @@ class TrainerRankActor(RankStepCalls):
     one at a time in the actor's process)."""
 
     def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
+        redirect_output(f"trainer{rank}")
         torch.set_num_threads(cfg.backend.torch_threads)
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.dtype = _DTYPES[dtype]
