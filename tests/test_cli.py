@@ -196,7 +196,7 @@ def test_python_dash_m_single_controller():
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
-    from single_controller.backends.torch import reference
+    from single_controller.bench import reference
     from single_controller.backends.common.hf_model import main_init_model
 
     with pytest.raises(SystemExit) as info:
