@@ -27,6 +27,7 @@ Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 1
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -54,6 +55,9 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     from single_controller.config.loader import check_environment
 
     check_environment(cfg)
+    # Libraries' progress bars (Hugging Face's "Writing model shards", "Loading weights") are not
+    # sc-grpo's lines: off here and in the Ray processes started from here (read at their import).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.backend.generation != "sim":
         from single_controller.runtime.ray_session import check_ray_address
 

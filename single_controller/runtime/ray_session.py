@@ -453,7 +453,8 @@ def _shutdown(ray: Any, tracker: _Tracker) -> None:
     if not stragglers:
         return
     names = ", ".join(sorted({_name(p) for p in stragglers.values()}))
-    log.warning("%d Ray process(es) outlived ray.shutdown(); terminating: %s", len(stragglers), names)
+    # routine for a vLLM engine (its engine core exits after its actor): said with -v, not as a warning
+    log.info("%d Ray process(es) outlived ray.shutdown(); terminating: %s", len(stragglers), names)
     for sig, wait in ((signal.SIGTERM, _TERM_S), (signal.SIGKILL, _TERM_S)):
         for p in stragglers.values():
             with contextlib.suppress(psutil.Error):
