@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Mapping, TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from single_controller.config.schema import Config
 from single_controller.runtime.records import EVAL_VERSION_KEY, STEP_KEY
 
-__all__ = ["ConsoleReporter", "format_step_line", "format_eval_line", "say"]
+__all__ = ["ConsoleReporter", "format_eval_line", "format_step_line", "say"]
 
 
 def say(message: str, *, err: bool = False) -> None:
     """`sc-grpo: <message>` on stdout (stderr with `err`), flushed at once."""
     print(f"sc-grpo: {message}", file=sys.stderr if err else sys.stdout, flush=True)
-
 
 
 # (metric key, label, format) in the order they appear on a step line
@@ -102,8 +102,14 @@ class ConsoleReporter:
         is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.bar_enabled = progress_bar and is_tty
         self._reported = 0
-        self._bar = tqdm(total=max_steps, file=self.stream, disable=not self.bar_enabled,
-                         unit="step", dynamic_ncols=True, leave=False)
+        self._bar = tqdm(
+            total=max_steps,
+            file=self.stream,
+            disable=not self.bar_enabled,
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+        )
 
     def step(self, record: Mapping[str, Any]) -> str:
         """Print the step's line (above the bar) and advance the bar; returns the line."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from single_controller.backends.common.worker_logs import FILE_FORMAT, PACKAGE_LOGGERS
 
@@ -29,7 +29,7 @@ class _StderrHandler(logging.StreamHandler):
         super().__init__(sys.stderr)
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201 - the StreamHandler attribute, read at each record
+    def stream(self) -> object:  # the StreamHandler attribute, read at each record
         return sys.stderr
 
     @stream.setter

@@ -8,8 +8,9 @@ whose keys never occur says so instead of staying blank.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from single_controller.runtime.records import STEP_KEY, WALL_KEY, is_eval_record
 

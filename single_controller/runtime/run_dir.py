@@ -22,14 +22,15 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, TextIO
 
 from single_controller.config.schema import Config
 from single_controller.runtime.records import EVAL_VERSION_KEY, WALL_KEY, is_eval_record, jsonable, read_metrics
 
-__all__ = ["RunDirectory", "RUN_ID_FILE", "LOGS_DIR"]
+__all__ = ["LOGS_DIR", "RUN_ID_FILE", "RunDirectory"]
 
 log = logging.getLogger(__name__)
 
