@@ -290,7 +290,8 @@ def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monk
         assert describe(gone(procs)) == []  # the straggler too, though it ignored SIGTERM
         assert describe(workers_of(raylets)) == []
         assert unrelated.poll() is None
-        assert "outlived ray.shutdown(); terminating: python" in caplog.text  # an INFO record of the ray_session logger (sc-grpo run -v)
+        # an INFO record of the ray_session logger (shown by sc-grpo run -v)
+        assert "outlived ray.shutdown(); terminating: python" in caplog.text
     finally:
         unrelated.kill()
         unrelated.wait()

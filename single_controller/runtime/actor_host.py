@@ -169,6 +169,13 @@ class ControllerHost:
             self._metrics_server = serve_from_config(cfg.metrics, self.controller.statistics)
             self.metrics_port = self._metrics_server.port
             self.metrics_url = self._metrics_server.url
+        b = cfg.backend
+        gens = f"{b.num_generation_workers} {b.generation} generation worker(s)"
+        ranks = f"{b.num_trainer_ranks} {b.trainer} trainer rank(s)"
+        resumed = f", resumed from step {saved['step']}" if saved else ""
+        times = ", ".join(f"{k} {v:.1f}s" for k, v in self.setup_times.items()) or "no timed parts"
+        storage = f"{cfg.storage.kind} storage (partition {self.partition})"
+        log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
     async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:

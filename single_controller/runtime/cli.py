@@ -237,7 +237,9 @@ def _add_config(sub: Any) -> None:
         "  sc-grpo config --reference > reference.md",
     )
     _with_config(p)
-    p.add_argument("--reference", action="store_true", help="print the markdown reference of every config field instead")
+    p.add_argument(
+        "--reference", action="store_true", help="print the markdown reference of every config field instead"
+    )
     p.set_defaults(func=_cmd_config, subparser=p)
 
 
@@ -248,7 +250,8 @@ def _add_bench(sub: Any) -> None:
         "bench",
         usage="sc-grpo bench [-h] NAME [ARGS ...]",
         help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
-        description=f"Run a benchmark; the arguments after NAME are passed to it unchanged.\n\nbenchmarks:\n{bench_lines}",
+        description="Run a benchmark; the arguments after NAME are passed to it unchanged.\n\n"
+        f"benchmarks:\n{bench_lines}",
         epilog="example:\n  sc-grpo bench overlap --help",
     )
     p.add_argument("name", metavar="NAME", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")

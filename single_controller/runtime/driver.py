@@ -27,6 +27,7 @@ Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 1
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,8 @@ from single_controller.errors import error_text
 from single_controller.runtime.console import ConsoleReporter, say
 from single_controller.runtime.records import is_eval_record
 from single_controller.runtime.run_dir import RunDirectory
+
+log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -193,7 +196,8 @@ async def _drive(
     finally:
         await _write_records(cfg, run_dir, call, drive.summary, t_start, drive.t_ready)
         if drive.summary["failure"] is None and cfg.run.plot:
-            run_dir.start_plot()  # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
+            # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
+            run_dir.start_plot()
         await drive.close()
     return drive.exit_code()
 
@@ -252,6 +256,7 @@ class _Drive:
             finished = False
             while not finished:
                 records, finished = await self.call("next_records", cursor, RECORDS_LINGER_S)
+                log.debug("%d record(s) from %d%s", len(records), cursor, ", the run has finished" if finished else "")
                 cursor += len(records)
                 for rec in records:
                     self._record(rec, t_run, reporter)
@@ -279,8 +284,10 @@ class _Drive:
     async def close(self) -> None:
         from single_controller.deadlines import within
 
+        t0 = time.perf_counter()
         try:
             await within(self.call("close"), 60, "controller close")
+            log.info("controller closed in %.1fs", time.perf_counter() - t0)
         except Exception as e:
             say(f"close failed: {e}", err=True)
 

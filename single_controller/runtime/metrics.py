@@ -431,6 +431,8 @@ def serve_from_config(cfg: MetricsConfig, stats_fn: StatsFn, *, loop: asyncio.Ab
             continue
         if cfg.port and server.port != cfg.port:
             log.warning("metrics.port %d is taken; serving metrics on %s", cfg.port, server.url)
+        else:
+            log.info("serving metrics on %s", server.url)
         return server
     raise AssertionError("unreachable: port 0 either binds or raises")
 

@@ -335,10 +335,10 @@ def ray_session(
     `min_cpus`: logical CPUs the run needs (TQ storage units + workers + controller); a local Ray gets
     `cfg.num_cpus` or max(min_cpus, os.cpu_count()). `env_vars` go to every worker (`runtime_env`),
     e.g. `worker_env(cfg.backend.torch_threads)`. A run passes `log_to_driver=False`: its workers'
-    output goes to files in its run directory (`backends.common.worker_logs`), not to the console. `setup_hook` ("module.function") runs in every
-    worker process before its actor class loads (Ray's `worker_process_setup_hook`); by default
-    TransferQueue is imported there without torch._dynamo, and with the cyclic collector paused until
-    it is in (`replay.transferqueue.runtime.worker_process_setup`).
+    output goes to files in its run directory (`backends.common.worker_logs`), not to the console.
+    `setup_hook` ("module.function") runs in every worker process before its actor class loads (Ray's
+    `worker_process_setup_hook`); by default TransferQueue is imported there without torch._dynamo,
+    and with the cyclic collector paused until it is in (`replay.transferqueue.runtime.worker_process_setup`).
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
     `cfg.ray_observability`, does it keep Ray's own task events, metrics and event-loop statistics
