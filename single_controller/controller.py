@@ -1,7 +1,7 @@
 """The single controller: setup, the pumps in one TaskGroup (eval too when `eval.enabled`), teardown.
 
 `Controller` is constructible in-process (tests, the simulated backend, benchmarks) and is also
-what the CPU-only Ray actor `ControllerActor` (see `single_controller.runtime.driver`) runs. It never
+what `ControllerHost` (`single_controller.runtime.actor_host`) runs in a CPU-only Ray actor. It never
 touches bulk tensors: it moves keys, lengths, rewards and advantages; workers read and write rows.
 
 A failing pump cancels its siblings and `run()` raises `RunFailed` naming the pump and its cause.

@@ -25,7 +25,7 @@ def test_every_import_of_the_package_is_a_declared_dependency():
 
 
 def test_an_undeclared_import_fails_the_check(tmp_path):
-    """The check can fail: with tqdm (imported by run_output) left out of the dependencies, deptry
+    """The check can fail: with tqdm (imported by runtime/console.py) left out of the dependencies, deptry
     names the import (DEP001 where tqdm is not installed, DEP003 where something else brought it)."""
     lines = (ROOT / "pyproject.toml").read_text().splitlines(keepends=True)
     without = [line for line in lines if not line.strip().startswith('"tqdm"')]
@@ -34,7 +34,7 @@ def test_an_undeclared_import_fails_the_check(tmp_path):
     result = deptry("--config", str(tmp_path / "pyproject.toml"))
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
-    assert "single_controller/runtime/run_dir.py" in out and "'tqdm' imported but" in out, out
+    assert "single_controller/runtime/console.py" in out and "'tqdm' imported but" in out, out
 
 
 # The extras' packages (pyproject.toml's optional dependencies beyond the defaults), as imported.

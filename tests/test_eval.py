@@ -527,7 +527,9 @@ async def test_prometheus_exports_the_last_eval_point():
 async def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
     import io
 
-    from single_controller.runtime.run_dir import ConsoleReporter, RunDirectory, is_eval_record
+    from single_controller.runtime.console import ConsoleReporter
+    from single_controller.runtime.records import is_eval_record
+    from single_controller.runtime.run_dir import RunDirectory
 
     ctl, *_ = await run_eval_sim(eval_cfg(steps=6, every=3))
     records = sorted([*ctl.history, *ctl.eval_history], key=lambda r: r["time/wall_s"])

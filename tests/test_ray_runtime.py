@@ -6,6 +6,7 @@ holds a real Ray session and gets Ctrl-C the way a terminal sends it (to the who
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -86,7 +87,7 @@ POLICY_SCRIPT = textwrap.dedent(
     import asyncio, sys, time
     from single_controller.runtime.ray_session import RaySession, _Interrupts, _Tracker
     mode, grace = sys.argv[1], float(sys.argv[2])
-    policy = _Interrupts(grace, [])
+    policy = _Interrupts(grace, None)
     policy.install(2, 15)  # SIGINT, SIGTERM
     session = RaySession(None, None, False, None, policy, _Tracker(owned=False))
 
@@ -258,13 +259,14 @@ STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 
 
 @pytest.mark.ray
-def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monkeypatch, capfd):
+def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monkeypatch, caplog):
     import ray
 
     from single_controller.runtime import ray_session as ray_runtime
 
     monkeypatch.setattr(ray_runtime, "_WAIT_EXIT_S", 1.0)
     monkeypatch.setattr(ray_runtime, "_TERM_S", 1.0)
+    caplog.set_level(logging.INFO, logger=ray_runtime.__name__)
     # a Ray-looking straggler that outlives ray.shutdown() and ignores SIGTERM, and a child of the
     # driver that has nothing to do with Ray (not the session's to kill)
     fake = tmp_path / "ray" / "fake_worker.py"
@@ -288,7 +290,8 @@ def test_an_exception_inside_still_cleans_up_and_kills_stragglers(tmp_path, monk
         assert describe(gone(procs)) == []  # the straggler too, though it ignored SIGTERM
         assert describe(workers_of(raylets)) == []
         assert unrelated.poll() is None
-        assert "outlived ray.shutdown(); terminating: python" in capfd.readouterr().err
+        # an INFO record of the ray_session logger (shown by sc-grpo run -v)
+        assert "outlived ray.shutdown(); terminating: python" in caplog.text
     finally:
         unrelated.kill()
         unrelated.wait()

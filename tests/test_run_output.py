@@ -13,14 +13,10 @@ import pytest
 import torch
 
 from single_controller.config.loader import load_config
-from single_controller.runtime.run_dir import (
-    ConsoleReporter,
-    RunDirectory,
-    format_step_line,
-    plot_metrics,
-    pump_wait_keys,
-    read_metrics,
-)
+from single_controller.runtime.console import ConsoleReporter, format_step_line
+from single_controller.runtime.plots import plot_metrics, pump_wait_keys
+from single_controller.runtime.records import read_metrics
+from single_controller.runtime.run_dir import RunDirectory
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NOW = datetime(2026, 3, 4, 5, 6, 7)
@@ -223,9 +219,9 @@ def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
         pass
 
     remote_tb = 'Traceback (most recent call last):\n  File "service.py", line 1, in setup\nTQRuntimeError: boom'
-    err = ray.exceptions.RayTaskError("ControllerService.setup", remote_tb, TQRuntimeError("a TransferQueue controller already runs"))
+    err = ray.exceptions.RayTaskError("ControllerHost.setup", remote_tb, TQRuntimeError("a TransferQueue controller already runs"))
     assert "File " in str(err) and "File " in str(err.as_instanceof_cause())  # what the driver used to print
-    assert error_text(err) == "TQRuntimeError: a TransferQueue controller already runs (in ControllerService.setup)"
+    assert error_text(err) == "TQRuntimeError: a TransferQueue controller already runs (in ControllerHost.setup)"
     assert error_text(err.as_instanceof_cause()).startswith("TQRuntimeError: a TransferQueue controller already runs")
     assert "\n" not in error_text(err.as_instanceof_cause())
     assert error_text(ValueError("plain")) == "ValueError: plain"
@@ -242,32 +238,32 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
     import time
 
     from single_controller.config.schema import Config
-    from single_controller.runtime.actor_host import ControllerService
+    from single_controller.runtime.actor_host import ControllerHost
 
-    service = ControllerService(Config())
+    host = ControllerHost(Config())
 
     async def steps(first: int, n: int, finish: bool = False) -> None:
         for i in range(first, first + n):
             await asyncio.sleep(0.02)
-            service._on_step({"step": i})
+            host._on_step({"step": i})
         if finish:
-            service._finished.set()
-            service._changed.set()
+            host._finished.set()
+            host._changed.set()
 
     feeding = asyncio.ensure_future(steps(0, 5))
-    records, finished = await service.next_records(0, 1.0)
+    records, finished = await host.next_records(0, 1.0)
     await feeding
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4] and not finished
-    records, _ = await service.next_records(0)  # no linger: what there is, at once
+    records, _ = await host.next_records(0)  # no linger: what there is, at once
     assert len(records) == 5
     feeding = asyncio.ensure_future(steps(5, 2, finish=True))
     t0 = time.perf_counter()
-    records, finished = await service.next_records(5, 30.0)
+    records, finished = await host.next_records(5, 30.0)
     assert time.perf_counter() - t0 < 5.0, "lingered past the run's end"
     assert [r["step"] for r in records] == [5, 6]
-    assert service._records_base == 5 and len(service.records) == 2, "acknowledged records kept"
+    assert host._records_base == 5 and len(host.records) == 2, "acknowledged records kept"
     await feeding
     t0 = time.perf_counter()
-    assert await service.next_records(7, 30.0) == ([], True)
+    assert await host.next_records(7, 30.0) == ([], True)
     assert time.perf_counter() - t0 < 5.0
 

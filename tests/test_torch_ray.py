@@ -418,8 +418,8 @@ def test_actor_stand_ins_match_their_classes_and_the_controller_starts_workers_b
     probe = (
         "import sys\n"
         "from single_controller.config.schema import Config\n"
-        "from single_controller.runtime.actor_host import ControllerService\n"
-        "ControllerService(Config())\n"
+        "from single_controller.runtime.actor_host import ControllerHost\n"
+        "ControllerHost(Config())\n"
         "import single_controller.backends.registry, single_controller.backends.torch.ray_workers, replay.transferqueue.runtime\n"
         "print(sorted(m for m in ('torch', 'transfer_queue') if m in sys.modules))\n"
     )

@@ -66,46 +66,20 @@ def run_reference(
 ) -> ReferenceResult:
     torch.set_num_threads(1)
     setup_started = time.perf_counter()
-    policy = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=seed)
-    trainer = TrainerCore(policy, dataclasses.replace(TrainConfig(), lr=lr))
-    storage = InMemoryRowStorage()
-    gen = GenerationCore(policy, storage, positional_match_reward, seed=seed, version=0)
-    prompts = load_task(task)(num_prompts, num_digits, seed)
-    rng = random.Random(seed)
-    order: list = []
-    loss_cfg = LossConfig(level="token")
-    sampling = SamplingParams(n=group_size, max_new_tokens=num_digits)
+    loop = _ReferenceLoop(seed, task, num_digits, prompts_per_step, group_size, lr, num_prompts)
     recent: deque[float] = deque(maxlen=window)
     gen_s = train_s = 0.0
     step = 0
     started = time.perf_counter()
     while step < max_steps and time.perf_counter() - started < max_seconds:
         # Exits: the moving average reached the target, max_steps, or max_seconds.
-        if len(order) < prompts_per_step:
-            order.extend(rng.sample(prompts, len(prompts)))  # a fresh epoch
-        batch, order = order[:prompts_per_step], order[prompts_per_step:]
-        requests = [
-            GenerationRequest(f"s{step}_q{i}", p, sampling, row_keys(f"s{step}_q{i}", group_size)) for i, p in enumerate(batch)
-        ]
-        t0 = time.perf_counter()
-        results = gen.generate(requests)
-        t1 = time.perf_counter()
-        rewards = torch.tensor([r.rewards for r in results])  # [P, G]
-        keys = [k for r in requests for k in r.row_keys]
-        storage.put_rows_sync(keys, {"advantage": group_advantages(rewards).reshape(-1).float()})
-        rows = storage.get_rows_sync(keys, TRAIN_FIELDS)
-        trainer.begin_train_step(step, loss_cfg)
-        trainer.train_microbatch(rows)
-        metrics = trainer.finish_train_step(step)
-        storage.clear_rows_sync(keys)
+        rewards, loss, step_gen_s, step_train_s = loop.step(step)
         step += 1
-        gen.version = step  # generation shares the trained module: its weights are now this version
-        t2 = time.perf_counter()
-        gen_s, train_s = gen_s + (t1 - t0), train_s + (t2 - t1)
+        gen_s, train_s = gen_s + step_gen_s, train_s + step_train_s
         recent.append(float((rewards >= 1.0).float().mean()))
         avg = sum(recent) / len(recent)
         if log is not None and (step % 20 == 0 or avg >= target):
-            log(f"seed {seed} step {step}: reward {rewards.mean():.3f} exact(avg{window}) {avg:.3f} loss {metrics['train/loss']:.4f}")
+            log(f"seed {seed} step {step}: reward {rewards.mean():.3f} exact(avg{window}) {avg:.3f} loss {loss:.4f}")
         if len(recent) == window and avg >= target:
             break
     return ReferenceResult(
@@ -118,6 +92,47 @@ def run_reference(
         gen_ms=1000 * gen_s / max(step, 1),
         train_ms=1000 * train_s / max(step, 1),
     )
+
+
+class _ReferenceLoop:
+    """One process's model, trainer, storage and prompt order; `step(i)` runs step i of the loop."""
+
+    def __init__(
+        self, seed: int, task: str, num_digits: int, prompts_per_step: int, group_size: int, lr: float, num_prompts: int
+    ):
+        policy = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=seed)
+        self.trainer = TrainerCore(policy, dataclasses.replace(TrainConfig(), lr=lr))
+        self.storage = InMemoryRowStorage()
+        self.gen = GenerationCore(policy, self.storage, positional_match_reward, seed=seed, version=0)
+        self.prompts = load_task(task)(num_prompts, num_digits, seed)
+        self.rng = random.Random(seed)
+        self.order: list = []
+        self.prompts_per_step, self.group_size = prompts_per_step, group_size
+        self.loss_cfg = LossConfig(level="token")
+        self.sampling = SamplingParams(n=group_size, max_new_tokens=num_digits)
+
+    def step(self, step: int) -> tuple[torch.Tensor, float, float, float]:
+        """Sample, score, train on one batch: (rewards [P, G], loss, generation s, training s)."""
+        if len(self.order) < self.prompts_per_step:
+            self.order.extend(self.rng.sample(self.prompts, len(self.prompts)))  # a fresh epoch
+        batch, self.order = self.order[: self.prompts_per_step], self.order[self.prompts_per_step :]
+        requests = [
+            GenerationRequest(f"s{step}_q{i}", p, self.sampling, row_keys(f"s{step}_q{i}", self.group_size))
+            for i, p in enumerate(batch)
+        ]
+        t0 = time.perf_counter()
+        results = self.gen.generate(requests)
+        t1 = time.perf_counter()
+        rewards = torch.tensor([r.rewards for r in results])  # [P, G]
+        keys = [k for r in requests for k in r.row_keys]
+        self.storage.put_rows_sync(keys, {"advantage": group_advantages(rewards).reshape(-1).float()})
+        rows = self.storage.get_rows_sync(keys, TRAIN_FIELDS)
+        self.trainer.begin_train_step(step, self.loss_cfg)
+        self.trainer.train_microbatch(rows)
+        metrics = self.trainer.finish_train_step(step)
+        self.storage.clear_rows_sync(keys)
+        self.gen.version = step + 1  # generation shares the trained module: its weights are now this version
+        return rewards, metrics["train/loss"], t1 - t0, time.perf_counter() - t1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -141,19 +141,19 @@ eval-on / eval-off (target >= 0.9). `--backend sim` runs the orchestration alone
 
 
 async def _eval_bench_run(cfg: Config, runner) -> dict:
-    """One run through a ControllerService (a Ray actor for the torch backend, in-process for sim)."""
+    """One run through a ControllerHost (a Ray actor for the torch backend, in-process for sim)."""
     from single_controller.deadlines import within
 
-    svc, dispose = runner(cfg)
+    host, dispose = runner(cfg)
     try:
-        await within(svc("setup"), cfg.timeouts.setup_s, "bench: controller setup")
+        await within(host("setup"), cfg.timeouts.setup_s, "bench: controller setup")
         t0 = time.perf_counter()
-        summary = await svc("run")
+        summary = await host("run")
         wall = time.perf_counter() - t0
-        records, _ = await svc("next_records", 0)
+        records, _ = await host("next_records", 0)
     finally:
         try:
-            await within(svc("close"), 60, "bench: controller close")
+            await within(host("close"), 60, "bench: controller close")
         finally:
             dispose()
     steps = [r for r in records if "step" in r]
@@ -194,10 +194,25 @@ def main_eval(argv: list[str] | None = None) -> int:
     on = load_config(args.config, common + ["eval.enabled=true", f"eval.every_steps={args.every}"])
     print(EVAL_BENCH_DOC.strip().splitlines()[0])
     print(f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)")
+    results = _eval_pairs(off, on, args.repeats)
+    steps_off = sum(r["steps"] for r, _ in results)
+    steps_on = sum(r["steps"] for _, r in results)
+    tp_off = steps_off / sum(r["train_s"] for r, _ in results)
+    tp_on = steps_on / sum(r["train_s"] for _, r in results)
+    ratio = tp_on / tp_off
+    print(f"eval off: {tp_off:.3f} steps/s; eval on (every {args.every}): {tp_on:.3f} steps/s")
+    print(f"throughput ratio eval-on / eval-off: {ratio:.3f} (target >= 0.9)")
+    return 0
+
+
+def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]]:
+    """`repeats` (eval off, eval on) pairs of runs, each through a ControllerHost: in-process for
+    sim, a Ray actor for the torch backend."""
+    from single_controller.runtime.actor_host import ControllerHost
 
     async def pairs(runner) -> list[tuple[dict, dict]]:
         out = []
-        for i in range(args.repeats):
+        for i in range(repeats):
             r_off = await _eval_bench_run(off, runner)
             print(f"  pair {i}: eval off {r_off['steps_per_s']:.3f} steps/s ({r_off['train_s']:.1f} s)", flush=True)
             r_on = await _eval_bench_run(on, runner)
@@ -210,34 +225,23 @@ def main_eval(argv: list[str] | None = None) -> int:
         return out
 
     if on.backend.generation == "sim":
-        from single_controller.runtime.actor_host import ControllerService
 
         def local(cfg):
-            svc = ControllerService(cfg)
-            return (lambda method, *a: getattr(svc, method)(*a)), (lambda: None)
+            host = ControllerHost(cfg)
+            return (lambda method, *a: getattr(host, method)(*a)), (lambda: None)
 
-        results = _run_on_loop(pairs(local))
-    else:
-        import ray
+        return _run_on_loop(pairs(local))
+    import ray
 
-        from single_controller.runtime.ray_session import ray_session, worker_env
-        from single_controller.runtime.actor_host import ControllerService
+    from single_controller.runtime.ray_session import ray_session, worker_env
 
-        def actor(cfg):
-            handle = ray.remote(num_cpus=0, num_gpus=0)(ControllerService).options(max_concurrency=64).remote(cfg)
-            return (lambda method, *a: getattr(handle, method).remote(*a)), (lambda: ray.kill(handle))
+    def actor(cfg):
+        handle = ray.remote(num_cpus=0, num_gpus=0)(ControllerHost).options(max_concurrency=64).remote(cfg)
+        return (lambda method, *a: getattr(handle, method).remote(*a)), (lambda: ray.kill(handle))
 
-        min_cpus = 1 + on.storage.num_storage_units + 1
-        with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(on.backend.torch_threads)) as session:
-            results = session.run(pairs(actor))
-    steps_off = sum(r["steps"] for r, _ in results)
-    steps_on = sum(r["steps"] for _, r in results)
-    tp_off = steps_off / sum(r["train_s"] for r, _ in results)
-    tp_on = steps_on / sum(r["train_s"] for _, r in results)
-    ratio = tp_on / tp_off
-    print(f"eval off: {tp_off:.3f} steps/s; eval on (every {args.every}): {tp_on:.3f} steps/s")
-    print(f"throughput ratio eval-on / eval-off: {ratio:.3f} (target >= 0.9)")
-    return 0
+    min_cpus = 1 + on.storage.num_storage_units + 1
+    with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(on.backend.torch_threads)) as session:
+        return session.run(pairs(actor))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,7 +562,7 @@ def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], f
 
 def _last_step_wall_s(output_dir: Path) -> float | None:
     """`time/wall_s` of the last step record of the one run under `output_dir` (None: no record)."""
-    from single_controller.runtime.run_dir import is_eval_record, read_metrics
+    from single_controller.runtime.records import is_eval_record, read_metrics
 
     logs = sorted(output_dir.glob("*/metrics.jsonl"))
     if len(logs) != 1:

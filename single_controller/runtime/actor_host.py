@@ -1,11 +1,13 @@
 """The controller's host: builds storage, workers and the dataloader from a config, runs the
-Controller, serves its Prometheus metrics, and streams one record per step to whoever drives it.
+`Controller`, serves its Prometheus metrics, and streams one record per step to whoever drives it.
 
-`ControllerService` is a plain class with async methods. `launch` runs it as a CPU-only Ray actor
-(`ray.remote(num_cpus=0, num_gpus=0)`) for Ray backends, or in-process for the `sim` backend and
-tests. Workers are built per role (`backend.generation`, `backend.trainer`) through
-`backends.registry`; the controller itself never sees which. Its own lifecycle: `setup()` -> `run()` (while the driver calls `next_records`) ->
-`close()` (always, also after a failure).
+`ControllerHost` is a plain class with async methods. The driver (`runtime.driver`) runs it as a
+CPU-only Ray actor (`ray.remote(num_cpus=0, num_gpus=0)`) for Ray backends, or in-process for the
+`sim` backend and tests. Workers are built per role (`backend.generation`, `backend.trainer`)
+through `backends.registry`; the controller itself never sees which. Its own lifecycle: `setup()`
+-> `run()` (while the driver calls `next_records`) -> `close()` (always, also after a failure).
+As a Ray actor of a run, its output goes to `<run dir>/logs/controller.log`
+(`backends.common.worker_logs`); in-process it stays the driver's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import random
 import time
@@ -24,6 +27,8 @@ from typing import Any, Iterator
 from single_controller.config.schema import Config
 from single_controller.deadlines import within
 from single_controller.types import Prompt
+
+log = logging.getLogger(__name__)
 
 # Heavy modules (torch, TransferQueue, the backends) are imported inside methods, which run in the
 # controller's own process: the driver that only starts the actor stays light and starts fast.
@@ -93,7 +98,7 @@ def run_id_of(run_dir: str | None) -> str:
     return f"run-{uuid.uuid4().hex[:8]}"
 
 
-class ControllerService:
+class ControllerHost:
     """`run_id` names this run's TransferQueue partition (`<storage.partition>-<run id>`): runs
     sharing one TQ never touch each other's keys (default: the run directory's, else a fresh one)."""
 
@@ -104,8 +109,10 @@ class ControllerService:
         resume: bool = False,
         run_id: str | None = None,
     ):
+        from single_controller.backends.common.worker_logs import redirect_output
         from single_controller.config.schema import check_capacity
 
+        redirect_output("controller")
         check_capacity(cfg)
         self.cfg = cfg
         self.run_dir = run_dir  # checkpoints go to <run_dir>/checkpoints (None: no checkpoints)
@@ -162,6 +169,13 @@ class ControllerService:
             self._metrics_server = serve_from_config(cfg.metrics, self.controller.statistics)
             self.metrics_port = self._metrics_server.port
             self.metrics_url = self._metrics_server.url
+        b = cfg.backend
+        gens = f"{b.num_generation_workers} {b.generation} generation worker(s)"
+        ranks = f"{b.num_trainer_ranks} {b.trainer} trainer rank(s)"
+        resumed = f", resumed from step {saved['step']}" if saved else ""
+        times = ", ".join(f"{k} {v:.1f}s" for k, v in self.setup_times.items()) or "no timed parts"
+        storage = f"{cfg.storage.kind} storage (partition {self.partition})"
+        log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
     async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
@@ -289,7 +303,7 @@ class ControllerService:
         try:
             out["controller_node"] = node_info()["node_id"]
             out["ray_namespace"] = ray.get_runtime_context().namespace
-        except Exception:  # Ray is not initialized here (tests driving the service in-process)
+        except Exception:  # Ray is not initialized here (tests driving the host in-process)
             pass
         trainer = self._workers[1] if self._workers is not None else None
         out["trainer_nodes"] = [n["node_id"] for n in getattr(trainer, "rank_nodes", [])]
@@ -347,7 +361,7 @@ class ControllerService:
                 try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
                     await storage.drop_partition_if_empty()
                 except Exception as e:
-                    print(f"sc-grpo: could not drop the empty partition {self.partition!r}: {e}", flush=True)
+                    log.warning("could not drop the empty partition %r: %s", self.partition, e)
         finally:
             if stopping_metrics is not None:
                 await stopping_metrics

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -177,30 +177,57 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_run, _add_config, _add_bench, _add_status, _add_storage, _add_init_model):
+        add(sub)
+    return parser
 
-    def with_config(p: argparse.ArgumentParser, required: bool = True) -> None:
-        p.add_argument("config", metavar="CONFIG", nargs=None if required else "?",
-                       help="YAML config file, e.g. configs/embedded.yaml")
-        p.add_argument("overrides", metavar="KEY=VALUE", nargs="*",
-                       help="override a field, e.g. train.lr=3e-4 (applied in order, after the file)")
 
-    p = sub.add_parser(
+def _with_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", nargs="?", help="YAML config file, e.g. configs/embedded.yaml")
+    p.add_argument(
+        "overrides",
+        metavar="KEY=VALUE",
+        nargs="*",
+        help="override a field, e.g. train.lr=3e-4 (applied in order, after the file)",
+    )
+
+
+def _subparser(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    return sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def _add_run(sub: Any) -> None:
+    p = _subparser(
+        sub,
         "run",
         help="train with a config",
         description="Validate the config, then run asynchronous GRPO: the run directory "
         "(<run.output_dir>/<run.name>-<timestamp>) gets the resolved config.yaml, metrics.jsonl, "
-        "checkpoints/, prompt_ledger.json, summary.json and curves.png. Ctrl-C or SIGTERM stops the run "
-        "on its last finished step and checkpoints it; a second one forces the exit.",
+        "checkpoints/, prompt_ledger.json, summary.json, curves.png and logs/ (the output of every "
+        "worker process). Ctrl-C or SIGTERM stops the run on its last finished step and checkpoints "
+        "it; a second one forces the exit.",
         epilog="examples:\n  sc-grpo run configs/embedded.yaml train.lr=3e-4 run.max_steps=100\n"
         "  sc-grpo run --resume runs/embedded-20261123-120000 run.max_steps=300",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    with_config(p, required=False)
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue this run directory from its newest checkpoint (its config.yaml, plus overrides)")
+    _with_config(p)
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue this run directory from its newest checkpoint (its config.yaml, plus overrides)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="show the components' log records too: -v INFO, -vv DEBUG (default: warnings and errors)",
+    )
     p.set_defaults(func=_cmd_run, subparser=p)
 
-    p = sub.add_parser(
+
+def _add_config(sub: Any) -> None:
+    p = _subparser(
+        sub,
         "config",
         help="validate a config and print it resolved",
         description="Load CONFIG with the overrides, report every problem at once (exit 2), or print "
@@ -208,40 +235,47 @@ def build_parser() -> argparse.ArgumentParser:
         "packages, a usable model.path), which `sc-grpo run` would refuse, is listed on stderr.",
         epilog="examples:\n  sc-grpo config configs/embedded.yaml rollout.group_size=8\n"
         "  sc-grpo config --reference > reference.md",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    with_config(p, required=False)
-    p.add_argument("--reference", action="store_true",
-                   help="print the markdown reference of every config field instead")
+    _with_config(p)
+    p.add_argument(
+        "--reference", action="store_true", help="print the markdown reference of every config field instead"
+    )
     p.set_defaults(func=_cmd_config, subparser=p)
 
+
+def _add_bench(sub: Any) -> None:
     bench_lines = "\n".join(f"  {name:<10} {desc}" for name, (_, desc) in BENCHMARKS.items())
-    p = sub.add_parser(
+    p = _subparser(
+        sub,
         "bench",
         usage="sc-grpo bench [-h] NAME [ARGS ...]",
         help="run a benchmark (" + ", ".join(BENCHMARKS) + ")",
         description="Run a benchmark; the arguments after NAME are passed to it unchanged.\n\n"
         f"benchmarks:\n{bench_lines}",
         epilog="example:\n  sc-grpo bench overlap --help",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("name", metavar="NAME", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     p.set_defaults(func=_cmd_bench, subparser=p)
 
-    p = sub.add_parser(
+
+def _add_status(sub: Any) -> None:
+    p = _subparser(
+        sub,
         "status",
         help="show the state of a running controller",
         description="Read a running controller's metrics endpoint and summarize its state.",
         epilog="examples:\n  sc-grpo status --url http://127.0.0.1:9464\n  sc-grpo status --url 10.0.0.1:9464 --watch 2",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own; host:port is enough)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="HTTP timeout of one fetch (default 3)")
     p.set_defaults(func=_cmd_status)
 
-    p = sub.add_parser(
+
+def _add_storage(sub: Any) -> None:
+    p = _subparser(
+        sub,
         "storage",
         help="serve a TransferQueue on a Ray cluster that outlives runs, or list its partitions",
         description="serve: start a TransferQueue on the Ray cluster at --address and keep it until "
@@ -249,12 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         "own partition. list: print its partitions and keys.",
         epilog="examples:\n  sc-grpo storage serve --address 10.0.0.1:6379\n"
         "  sc-grpo storage list --address 10.0.0.1:6379 --keys",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve|list and their options (--help)")
     p.set_defaults(func=_cmd_storage)
 
-    p = sub.add_parser(
+
+def _add_init_model(sub: Any) -> None:
+    p = _subparser(
+        sub,
         "init-model",
         help="write a tiny random-init Hugging Face model with the tasks' tokenizer",
         description="Write a random-init LlamaForCausalLM, or GPT2LMHeadModel with --arch gpt2 (untied "
@@ -263,17 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--head-dim, --max-positions, --seed, --arch, --rope-theta (`sc-grpo init-model DIR --help`).",
         epilog="examples:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0\n"
         "  sc-grpo init-model models/tiny-gpt2 --arch gpt2",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dir", metavar="DIR", help="the model directory to write")
     p.add_argument("args", metavar="OPTIONS", nargs=argparse.REMAINDER, help="--hidden-size N etc.")
     p.set_defaults(func=_cmd_init_model)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from single_controller.checkpoint import CheckpointError
     from single_controller.config.loader import ConfigError
+    from single_controller.runtime.logs import console_logging
     from single_controller.runtime.ray_session import RayUnreachable
 
     parser = build_parser()
@@ -284,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return args.func(args)
+        with console_logging(getattr(args, "verbose", 0)):
+            return args.func(args)
     except ConfigError as e:
         print(f"sc-grpo {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,7 +8,12 @@ Ctrl-C. sim backends: the same controller in-process.
 
 Every exit writes its records: `metrics.jsonl` (streamed), `summary.json` (with the stop reason),
 `prompt_ledger.json`, and on failure `error.log` (the full traceback) beside one short paragraph on
-the console: which pump, what happened, where the checkpoint is, how to resume.
+the console: which pump, what happened, where the checkpoint is, how to resume, where the worker
+logs are.
+
+The console carries sc-grpo's own lines only (`runtime.console`): start-up, one line per step, the
+summary, errors. The Ray processes of a run (the controller host, the workers) write their output
+to `<run dir>/logs/<name>.log` (`backends.common.worker_logs`), none of it to this console.
 
 SIGTERM / SIGINT: the first one asks the controller to stop on the last finished step (the step in
 progress is aborted) and to checkpoint it; the run then exits normally with code 130. A second one,
@@ -22,14 +27,23 @@ Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 1
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from single_controller.config.schema import Config
+from single_controller.errors import error_text
+from single_controller.runtime.console import ConsoleReporter, say
+from single_controller.runtime.records import is_eval_record
+from single_controller.runtime.run_dir import RunDirectory
+
+log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -42,9 +56,11 @@ RECORDS_LINGER_S = 0.25
 def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
     from single_controller.config.loader import check_environment
-    from single_controller.runtime.run_dir import RunDirectory
 
     check_environment(cfg)
+    # Libraries' progress bars (Hugging Face's "Writing model shards", "Loading weights") are not
+    # sc-grpo's lines: off here and in the Ray processes started from here (read at their import).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if cfg.backend.generation != "sim":
         from single_controller.runtime.ray_session import check_ray_address
 
@@ -53,18 +69,9 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         from single_controller.backends.common.hf_model import prepare_model_dir
 
         if prepare_model_dir(cfg.model, cfg.seed):
-            print(f"sc-grpo: wrote a random-init model to {cfg.model.path}", flush=True)
+            say(f"wrote a random-init model to {cfg.model.path}")
     t_start = time.perf_counter()
-    if resume_dir is not None:
-        from single_controller.checkpoint import latest_checkpoint, read_controller_state
-
-        step = _check_resumable(cfg, resume_dir)  # before anything starts
-        recovered = read_controller_state(latest_checkpoint(resume_dir)).get("records", [])
-        run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step, recovered=recovered)
-        print(f"sc-grpo: resuming {run_dir.path} from the checkpoint of step {step}", flush=True)
-    else:
-        run_dir = RunDirectory.create(cfg)
-        print(f"sc-grpo: run directory {run_dir.path}", flush=True)
+    run_dir = _open_run_dir(cfg, resume_dir)
     try:
         if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
             from single_controller.runtime.ray_session import new_event_loop
@@ -74,11 +81,26 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         else:
             code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
     except KeyboardInterrupt:
-        print("sc-grpo: interrupted; everything was shut down", file=sys.stderr, flush=True)
+        say("interrupted; everything was shut down", err=True)
         code = EXIT_INTERRUPTED
     finally:
         run_dir.close()
     return code
+
+
+def _open_run_dir(cfg: Config, resume_dir: str | None) -> RunDirectory:
+    """A new run directory, or `resume_dir` reopened at its newest checkpoint (checked first)."""
+    if resume_dir is None:
+        run_dir = RunDirectory.create(cfg)
+        say(f"run directory {run_dir.path}")
+        return run_dir
+    from single_controller.checkpoint import latest_checkpoint, read_controller_state
+
+    step = _check_resumable(cfg, resume_dir)  # before anything starts
+    recovered = read_controller_state(latest_checkpoint(resume_dir)).get("records", [])
+    run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step, recovered=recovered)
+    say(f"resuming {run_dir.path} from the checkpoint of step {step}")
+    return run_dir
 
 
 def _check_resumable(cfg: Config, resume_dir: str) -> int:
@@ -90,27 +112,29 @@ def _check_resumable(cfg: Config, resume_dir: str) -> int:
     return int(saved["step"])
 
 
-def _run_on_ray(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
+def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
+    from single_controller.backends.common.worker_logs import LOG_DIR_ENV
     from single_controller.runtime.ray_session import ray_session, worker_env
 
-    b = cfg.backend
     # Logical CPUs: TQ takes 1 + storage units; workers and the controller ask for none, so this
     # never oversubscribes the real cores (one torch thread per worker process does that job).
     min_cpus = 1 + cfg.storage.num_storage_units + 1
     # One Ray namespace per run: runs sharing a cluster never collide on actor names.
     namespace = f"sc-grpo-{run_dir.run_id}"
-    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=worker_env(b.torch_threads), namespace=namespace) as session:
-        print(f"sc-grpo: ray {time.perf_counter() - t_start:.1f}s", flush=True)
+    # Every Ray process of the run writes its output to its own file under logs/, not to this console.
+    env = {**worker_env(cfg.backend.torch_threads), LOG_DIR_ENV: str(run_dir.logs_path.resolve())}
+    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=env, namespace=namespace, log_to_driver=False) as session:
+        say(f"ray {time.perf_counter() - t_start:.1f}s; worker logs in {run_dir.logs_path}")
         # TransferQueue is started by the controller actor, beside the workers' own start-up.
         return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
 
 
-async def _drive_actor(cfg: Config, run_dir, t_start: float, resume: bool, session) -> int:
+async def _drive_actor(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool, session: Any) -> int:
     import ray
 
-    from single_controller.runtime.actor_host import ControllerService
+    from single_controller.runtime.actor_host import ControllerHost
 
-    actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerService)
+    actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerHost)
     actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64, **_on_this_node()).remote(
         cfg, str(run_dir.path.resolve()), resume, run_dir.run_id
     )
@@ -137,13 +161,13 @@ def _on_this_node() -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
 
 
-async def _drive_local(cfg: Config, run_dir, t_start: float, resume: bool) -> int:
-    from single_controller.runtime.actor_host import ControllerService
+async def _drive_local(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
+    from single_controller.runtime.actor_host import ControllerHost
 
-    service = ControllerService(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id)
+    host = ControllerHost(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id)
 
     async def call(method: str, *args: Any) -> Any:
-        return await getattr(service, method)(*args)
+        return await getattr(host, method)(*args)
 
     def on_interrupt(stop: Callable[[str], None]) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -157,93 +181,137 @@ async def _drive_local(cfg: Config, run_dir, t_start: float, resume: bool) -> in
 
 async def _drive(
     cfg: Config,
-    run_dir,
+    run_dir: RunDirectory,
     t_start: float,
     call: Callable[..., Awaitable[Any]],
     on_interrupt: Callable[[Callable[[str], None]], None],
 ) -> int:
     """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
-    from single_controller.deadlines import within
-    from single_controller.runtime.run_dir import ConsoleReporter, is_eval_record
-
-    reporter = ConsoleReporter(cfg)
-    interrupted: list[str] = []
-    summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
-    t_ready = None
-    stop_requests: set[asyncio.Task] = set()
-
-    def stop(name: str) -> None:  # on the loop's thread
-        interrupted.append(name)
-        print(f"sc-grpo: {name}: stopping on the last finished step and checkpointing it", file=sys.stderr, flush=True)
-        task = asyncio.ensure_future(call("request_stop", f"interrupted ({name})"))
-        stop_requests.add(task)
-        task.add_done_callback(stop_requests.discard)
-
-    on_interrupt(stop)
+    drive = _Drive(cfg, run_dir, t_start, call)
+    on_interrupt(drive.stop)
     try:
-        info = await within(call("setup"), cfg.timeouts.setup_s, "controller setup (storage, workers, metrics)")
-        t_ready = time.perf_counter()
+        await drive.run()
+    except Exception as e:
+        drive.failed(e)
+    finally:
+        await _write_records(cfg, run_dir, call, drive.summary, t_start, drive.t_ready)
+        if drive.summary["failure"] is None and cfg.run.plot:
+            # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
+            run_dir.start_plot()
+        await drive.close()
+    return drive.exit_code()
+
+
+class _Drive:
+    """One drive of a `ControllerHost` through `call(method, *args)`: its summary as it stands, the
+    interrupts received, and the console lines of each stage."""
+
+    def __init__(self, cfg: Config, run_dir: RunDirectory, t_start: float, call: Callable[..., Awaitable[Any]]):
+        self.cfg, self.run_dir, self.t_start, self.call = cfg, run_dir, t_start, call
+        self.summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
+        self.t_ready: float | None = None
+        self.interrupted: list[str] = []
+        self._stop_requests: set[asyncio.Task] = set()
+
+    def stop(self, name: str) -> None:
+        """An interrupt (on the loop's thread): the run stops on its last finished step."""
+        self.interrupted.append(name)
+        say(f"{name}: stopping on the last finished step and checkpointing it", err=True)
+        task = asyncio.ensure_future(self.call("request_stop", f"interrupted ({name})"))
+        self._stop_requests.add(task)
+        task.add_done_callback(self._stop_requests.discard)
+
+    async def run(self) -> None:
+        await self._setup()
+        self.summary = await self._train()
+        if self.summary["failure"] is None:
+            # the final policy, loadable as model.checkpoint
+            self.summary["policy"] = await self.call("save_checkpoint", str(self.run_dir.path / "checkpoint"))
+            startup_s = self.t_ready - self.t_start
+            say(
+                f"{self.summary['steps']} steps in {self.summary['wall_s']:.1f}s of training "
+                f"(+{startup_s:.1f}s startup): {self.summary['stop_reason']}"
+            )
+
+    async def _setup(self) -> None:
+        from single_controller.deadlines import within
+
+        what = "controller setup (storage, workers, metrics)"
+        info = await within(self.call("setup"), self.cfg.timeouts.setup_s, what)
+        self.t_ready = time.perf_counter()
         if info.get("metrics_url"):
-            print(f"sc-grpo: metrics on {info['metrics_url']}", flush=True)
+            say(f"metrics on {info['metrics_url']}")
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
-        print(f"sc-grpo: started in {t_ready - t_start:.1f}s{f' ({parts})' if parts else ''}; training", flush=True)
-        if interrupted:  # a signal during start-up
-            await call("request_stop", f"interrupted ({interrupted[0]})")
-        run = asyncio.ensure_future(call("run"))
-        t_run = time.perf_counter() - t_start
+        say(f"started in {self.t_ready - self.t_start:.1f}s{f' ({parts})' if parts else ''}; training")
+        if self.interrupted:  # a signal during start-up
+            await self.call("request_stop", f"interrupted ({self.interrupted[0]})")
+
+    async def _train(self) -> dict[str, Any]:
+        """The run, its records streamed to metrics.jsonl and the console as they come; its summary."""
+        run = asyncio.ensure_future(self.call("run"))
+        t_run = time.perf_counter() - self.t_start
+        reporter = ConsoleReporter(self.cfg)
         cursor = 0
         try:
-            while True:
-                records, finished = await call("next_records", cursor, RECORDS_LINGER_S)
+            finished = False
+            while not finished:
+                records, finished = await self.call("next_records", cursor, RECORDS_LINGER_S)
+                log.debug("%d record(s) from %d%s", len(records), cursor, ", the run has finished" if finished else "")
                 cursor += len(records)
                 for rec in records:
-                    # the controller's clock starts as the run starts; records arrive in batches
-                    since = t_run + rec["time/wall_s"] if "time/wall_s" in rec else time.perf_counter() - t_start
-                    rec = {**rec, "time/since_launch_s": since}
-                    if run_dir.wall_offset_s and "time/wall_s" in rec:
-                        rec["time/wall_s"] += run_dir.wall_offset_s  # a resumed run continues the clock
-                    run_dir.append_metrics(rec)
-                    (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
-                if finished:
-                    break
-            summary = await run
+                    self._record(rec, t_run, reporter)
+            return await run
         except BaseException:
             run.cancel()
             raise
         finally:
             reporter.close()
-        if summary["failure"] is None:
-            summary["policy"] = await call("save_checkpoint", str(run_dir.path / "checkpoint"))  # loadable as model.checkpoint
-            print(
-                f"sc-grpo: {summary['steps']} steps in {summary['wall_s']:.1f}s of training "
-                f"(+{t_ready - t_start:.1f}s startup): {summary['stop_reason']}",
-                flush=True,
-            )
-    except Exception as e:
-        from single_controller.errors import error_text
 
+    def _record(self, rec: dict[str, Any], t_run: float, reporter: ConsoleReporter) -> None:
+        # the controller's clock starts as the run starts; records arrive in batches
+        since = t_run + rec["time/wall_s"] if "time/wall_s" in rec else time.perf_counter() - self.t_start
+        rec = {**rec, "time/since_launch_s": since}
+        if self.run_dir.wall_offset_s and "time/wall_s" in rec:
+            rec["time/wall_s"] += self.run_dir.wall_offset_s  # a resumed run continues the clock
+        self.run_dir.append_metrics(rec)
+        (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
+
+    def failed(self, e: Exception) -> None:
         error = error_text(e)
-        summary = {**summary, "stop_reason": f"failed: {error.split(': ', 1)[-1]}", "failure": {"pump": None, "error": error, "traceback": _format_tb(e)}}
-    finally:
-        await _write_records(cfg, run_dir, call, summary, t_start, t_ready)
-        if summary["failure"] is None and cfg.run.plot:
-            run_dir.start_plot()  # rendered while the controller closes and Ray shuts down; run_dir.close() waits for it
+        failure = {"pump": None, "error": error, "traceback": "".join(traceback.format_exception(e))}
+        self.summary = {**self.summary, "stop_reason": f"failed: {error.split(': ', 1)[-1]}", "failure": failure}
+
+    async def close(self) -> None:
+        from single_controller.deadlines import within
+
+        t0 = time.perf_counter()
         try:
-            await within(call("close"), 60, "controller close")
+            await within(self.call("close"), 60, "controller close")
+            log.info("controller closed in %.1fs", time.perf_counter() - t0)
         except Exception as e:
-            print(f"sc-grpo: close failed: {e}", file=sys.stderr, flush=True)
-    if summary["failure"] is not None:
-        _print_failure(run_dir, summary)
-        return EXIT_FAILED
-    if interrupted:
-        ck = summary.get("checkpoint")
-        where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""
-        print(f"sc-grpo: interrupted by {interrupted[0]}{where}; resume with: sc-grpo run --resume {run_dir.path}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    return EXIT_OK
+            say(f"close failed: {e}", err=True)
+
+    def exit_code(self) -> int:
+        if self.summary["failure"] is not None:
+            _print_failure(self.run_dir, self.summary)
+            return EXIT_FAILED
+        if self.interrupted:
+            ck = self.summary.get("checkpoint")
+            where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""
+            resume = f"sc-grpo run --resume {self.run_dir.path}"
+            say(f"interrupted by {self.interrupted[0]}{where}; resume with: {resume}", err=True)
+            return EXIT_INTERRUPTED
+        return EXIT_OK
 
 
-async def _write_records(cfg: Config, run_dir, call, summary: dict, t_start: float, t_ready: float | None) -> None:
+async def _write_records(
+    cfg: Config,
+    run_dir: RunDirectory,
+    call: Callable[..., Awaitable[Any]],
+    summary: dict,
+    t_start: float,
+    t_ready: float | None,
+) -> None:
     """summary.json, prompt_ledger.json and (on failure) error.log, whatever happened."""
     from single_controller.deadlines import within
 
@@ -266,13 +334,7 @@ async def _write_records(cfg: Config, run_dir, call, summary: dict, t_start: flo
     run_dir.write_json("summary.json", record)
 
 
-def _format_tb(e: BaseException) -> str:
-    import traceback
-
-    return "".join(traceback.format_exception(e))
-
-
-def _print_failure(run_dir, summary: dict) -> None:
+def _print_failure(run_dir: RunDirectory, summary: dict) -> None:
     f = summary["failure"]
     where = f" in the {f['pump']} pump" if f.get("pump") else ""
     ck = summary.get("checkpoint")
@@ -283,4 +345,6 @@ def _print_failure(run_dir, summary: dict) -> None:
     else:
         lines.append("  no checkpoint was written; the run cannot be resumed")
     lines.append(f"  full traceback:  {Path(run_dir.path) / 'error.log'}")
+    if run_dir.logs_path.is_dir():
+        lines.append(f"  worker logs:     {run_dir.logs_path}")
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,10 +39,12 @@ from typing import Any, Callable, Coroutine, Iterator, Mapping, TypeVar
 import psutil
 
 from single_controller.config.schema import RayConfig
+from single_controller.runtime.console import say
 
 __all__ = ["RaySession", "ray_session", "worker_env", "prepare_environment", "new_event_loop", "DEFAULT_GRACE_S"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 WORKER_SETUP_HOOK = "replay.transferqueue.shims.install_shims"
 DEFAULT_GRACE_S = 25.0  # first interrupt -> forced exit after this long; keeps Ctrl-C under 30 s
@@ -112,10 +113,6 @@ def worker_env(torch_threads: int) -> dict[str, str]:
         "NUMEXPR_NUM_THREADS": n,
         "VECLIB_MAXIMUM_THREADS": n,
     }
-
-
-def _say(message: str) -> None:
-    print(f"sc-grpo: {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,14 +213,14 @@ def _alive(p: psutil.Process) -> bool:
 class _Interrupts:
     """SIGINT/SIGTERM policy: first -> clean stop, second (or grace expired) -> forced exit."""
 
-    def __init__(self, grace_s: float, tracker_ref: list[_Tracker]):
+    def __init__(self, grace_s: float, tracker: _Tracker | None):
         self.grace_s = grace_s
         self.count = 0
         self.cleaning = False  # in the session's own shutdown: do not interrupt it, only force
         self.main_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.graceful: Callable[[str], None] | None = None  # first interrupt: ask the run to stop itself
-        self._tracker_ref = tracker_ref
+        self._tracker = tracker  # the processes a forced exit kills (None: borrowed, kill nothing)
         self._saved: dict[int, Any] = {}
         self._watchdog: threading.Timer | None = None
         self.enabled = threading.current_thread() is threading.main_thread()
@@ -253,7 +250,7 @@ class _Interrupts:
         self._watchdog.daemon = True
         self._watchdog.start()
         if self.cleaning:
-            _say(f"{name}: already shutting down Ray (interrupt again to force)")
+            say(f"{name}: already shutting down Ray (interrupt again to force)", err=True)
             return
         task, loop = self.main_task, self.loop
         if self.graceful is not None and loop is not None and task is not None and not task.done():
@@ -261,7 +258,7 @@ class _Interrupts:
             # above still forces an exit if that takes longer than the grace period.
             loop.call_soon_threadsafe(self.graceful, name)
             return
-        _say(f"{name}: stopping the run cleanly (interrupt again to force)")
+        say(f"{name}: stopping the run cleanly (interrupt again to force)", err=True)
         if task is not None and loop is not None and not task.done():
             # Like asyncio.Runner: we run in the loop's thread between two bytecodes, so cancel the
             # main task directly and wake the selector so the loop sees it.
@@ -271,9 +268,9 @@ class _Interrupts:
         raise KeyboardInterrupt
 
     def force(self, why: str) -> None:
-        tracker = self._tracker_ref[0] if self._tracker_ref else None
+        tracker = self._tracker
         killed = tracker.kill_all(signal.SIGKILL) if tracker is not None and tracker.owned else []
-        _say(f"forced exit: {why}; killed {len(killed)} Ray process(es)")
+        say(f"forced exit: {why}; killed {len(killed)} Ray process(es)", err=True)
         os._exit(_EXIT_INTERRUPTED)
 
 
@@ -337,10 +334,11 @@ def ray_session(
 
     `min_cpus`: logical CPUs the run needs (TQ storage units + workers + controller); a local Ray gets
     `cfg.num_cpus` or max(min_cpus, os.cpu_count()). `env_vars` go to every worker (`runtime_env`),
-    e.g. `worker_env(cfg.backend.torch_threads)`. `setup_hook` ("module.function") runs in every
-    worker process before its actor class loads (Ray's `worker_process_setup_hook`); by default
-    TransferQueue is imported there without torch._dynamo, and with the cyclic collector paused until
-    it is in (`replay.transferqueue.shims.install_shims`).
+    e.g. `worker_env(cfg.backend.torch_threads)`. A run passes `log_to_driver=False`: its workers'
+    output goes to files in its run directory (`backends.common.worker_logs`), not to the console.
+    `setup_hook` ("module.function") runs in every worker process before its actor class loads (Ray's
+    `worker_process_setup_hook`); by default TransferQueue is imported there without torch._dynamo,
+    and with the cyclic collector paused until it is in (`replay.transferqueue.shims.install_shims`).
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
     `cfg.ray_observability`, does it keep Ray's own task events, metrics and event-loop statistics
@@ -350,23 +348,58 @@ def ray_session(
     prepare_environment(local=cfg.address is None)
     import ray
 
-    if not ray.is_initialized():
-        check_ray_address(cfg.address)
-    tracker_ref: list[_Tracker] = []
-    interrupts = _Interrupts(grace_s, tracker_ref)
     if ray.is_initialized():  # someone else owns it (e.g. a test fixture): borrow, never shut down
-        interrupts.install(signal.SIGINT)
-        tracker = _Tracker(owned=False)
-        try:
-            yield RaySession(None, None, False, None, interrupts, tracker)
-        finally:
-            interrupts.restore()
+        with _borrowed(grace_s) as session:
+            yield session
         return
 
+    check_ray_address(cfg.address)
     owned = cfg.address is None
     tracker = _Tracker(owned=owned)
-    tracker_ref.append(tracker)
-    num_cpus = (cfg.num_cpus or max(min_cpus, os.cpu_count() or 1)) if owned else None
+    interrupts = _Interrupts(grace_s, tracker)
+    kwargs = _init_args(cfg, min_cpus, log_to_driver, env_vars, namespace, setup_hook)
+    interrupts.install(signal.SIGINT, signal.SIGTERM)
+    try:
+        try:
+            log.info("starting Ray: %s", kwargs if owned else f"attaching to {cfg.address}")
+            context = ray.init(**kwargs)
+        finally:
+            tracker.record()  # even a half-started cluster is cleaned up below
+        # ray.init installs its own SIGTERM handler (exit without cancelling the run): put ours back
+        interrupts.install(signal.SIGTERM)
+        if owned:
+            tracker.session_dir = _session_dir(ray)
+            log.info("Ray session directory %s", tracker.session_dir)
+        address = getattr(context, "address_info", {}).get("gcs_address") or cfg.address
+        yield RaySession(address, kwargs.get("num_cpus"), owned, tracker.session_dir, interrupts, tracker)
+    finally:
+        interrupts.cleaning = True
+        try:
+            _shutdown(ray, tracker)
+        finally:
+            interrupts.restore()
+
+
+@contextlib.contextmanager
+def _borrowed(grace_s: float) -> Iterator[RaySession]:
+    """A session over a Ray this process did not start: interrupts handled, nothing shut down."""
+    interrupts = _Interrupts(grace_s, None)
+    interrupts.install(signal.SIGINT)
+    try:
+        yield RaySession(None, None, False, None, interrupts, _Tracker(owned=False))
+    finally:
+        interrupts.restore()
+
+
+def _init_args(
+    cfg: RayConfig,
+    min_cpus: int,
+    log_to_driver: bool,
+    env_vars: Mapping[str, str] | None,
+    namespace: str | None,
+    setup_hook: str | None,
+) -> dict[str, Any]:
+    """`ray.init`'s arguments for `ray_session` (see its docstring)."""
     kwargs: dict[str, Any] = dict(log_to_driver=log_to_driver, logging_level=logging.WARNING)
     if namespace is not None:
         kwargs["namespace"] = namespace
@@ -377,35 +410,23 @@ def ray_session(
         runtime_env["worker_process_setup_hook"] = setup_hook
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
-    if owned:
-        system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-        if not cfg.ray_observability:
-            system.update(enable_metrics_collection=False, task_events_report_interval_ms=0, event_stats=False)
-        kwargs.update(num_cpus=num_cpus, include_dashboard=False, _system_config=system)
-    else:
+    if cfg.address is not None:
         kwargs["address"] = cfg.address
+        return kwargs
+    system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    if not cfg.ray_observability:
+        system.update(enable_metrics_collection=False, task_events_report_interval_ms=0, event_stats=False)
+    num_cpus = cfg.num_cpus or max(min_cpus, os.cpu_count() or 1)
+    kwargs.update(num_cpus=num_cpus, include_dashboard=False, _system_config=system)
+    return kwargs
 
-    interrupts.install(signal.SIGINT, signal.SIGTERM)
+
+def _session_dir(ray: Any) -> str | None:
+    """The local session's directory (where Ray keeps its own logs), if Ray says."""
     try:
-        try:
-            context = ray.init(**kwargs)
-        finally:
-            tracker.record()  # even a half-started cluster is cleaned up below
-        # ray.init installs its own SIGTERM handler (exit without cancelling the run): put ours back
-        interrupts.install(signal.SIGTERM)
-        session_dir = None
-        if owned:
-            with contextlib.suppress(Exception):
-                session_dir = ray._private.worker._global_node.get_session_dir_path()
-        tracker.session_dir = session_dir
-        address = getattr(context, "address_info", {}).get("gcs_address") or cfg.address
-        yield RaySession(address, num_cpus, owned, session_dir, interrupts, tracker)
-    finally:
-        interrupts.cleaning = True
-        try:
-            _shutdown(ray, tracker)
-        finally:
-            interrupts.restore()
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:  # a private API: its absence costs only the orphan search by open log files
+        return None
 
 
 def _shutdown(ray: Any, tracker: _Tracker) -> None:
@@ -416,7 +437,7 @@ def _shutdown(ray: Any, tracker: _Tracker) -> None:
     try:
         ray.shutdown()
     except Exception as e:  # keep going: the processes must go regardless
-        _say(f"ray.shutdown() failed ({type(e).__name__}: {e}); killing its processes")
+        log.warning("ray.shutdown() failed (%s: %s); killing its processes", type(e).__name__, e)
     if not tracker.owned:
         return
     deadline = time.monotonic() + _WAIT_EXIT_S
@@ -432,7 +453,8 @@ def _shutdown(ray: Any, tracker: _Tracker) -> None:
     if not stragglers:
         return
     names = ", ".join(sorted({_name(p) for p in stragglers.values()}))
-    _say(f"{len(stragglers)} Ray process(es) outlived ray.shutdown(); terminating: {names}")
+    # routine for a vLLM engine (its engine core exits after its actor): said with -v, not as a warning
+    log.info("%d Ray process(es) outlived ray.shutdown(); terminating: %s", len(stragglers), names)
     for sig, wait in ((signal.SIGTERM, _TERM_S), (signal.SIGKILL, _TERM_S)):
         for p in stragglers.values():
             with contextlib.suppress(psutil.Error):
@@ -441,7 +463,7 @@ def _shutdown(ray: Any, tracker: _Tracker) -> None:
         stragglers = {p.pid: p for p in alive if _alive(p)}
         if not stragglers:
             return
-    _say(f"could not kill: {', '.join(f'{_name(p)} (pid {p.pid})' for p in stragglers.values())}")
+    log.warning("could not kill: %s", ", ".join(f"{_name(p)} (pid {p.pid})" for p in stragglers.values()))
 
 
 def _name(p: psutil.Process) -> str:

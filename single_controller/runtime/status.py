@@ -64,103 +64,142 @@ def fetch(url: str, timeout_s: float) -> dict[str, list[Sample]]:
 # ---------------------------------------------------------------------------------------------
 def render(m: dict[str, list[Sample]], url: str) -> str:
     """The summary, as lines of text (pure: tested with canned samples)."""
+    scrape = _Scrape(m)
+    lines = [_phase_line(scrape, url), *_progress_lines(scrape), *_buffer_lines(scrape), *_pump_lines(scrape)]
+    lines += _staleness_and_sync_lines(scrape)
+    lines += _eval_lines(scrape)
+    lines.append(_faults_line(scrape))
+    return "\n".join(lines)
 
-    def one(name: str, default: float = 0.0) -> float:
-        s = m.get(name)
+
+class _Scrape:
+    """One scrape's samples, read by name: `one(name)` for a single value, `by(name, label)` per label value."""
+
+    def __init__(self, m: dict[str, list[Sample]]):
+        self.m = m
+
+    def one(self, name: str, default: float = 0.0) -> float:
+        s = self.m.get(name)
         return s[0].value if s else default
 
-    def by(name: str, label: str) -> dict[str, float]:
-        return {s.labels.get(label, ""): s.value for s in m.get(name, [])}
+    def by(self, name: str, label: str) -> dict[str, float]:
+        return {s.labels.get(label, ""): s.value for s in self.m.get(name, [])}
 
-    finished = one("sc_grpo_run_finished") >= 1
-    phase = "finished" if finished else "stopping" if one("sc_grpo_stopping") >= 1 else "running"
-    if not finished and one("sc_grpo_admission_open", 1.0) < 1:
+    @property
+    def finished(self) -> bool:
+        return self.one("sc_grpo_run_finished") >= 1
+
+
+def _phase_line(sc: _Scrape, url: str) -> str:
+    phase = "finished" if sc.finished else "stopping" if sc.one("sc_grpo_stopping") >= 1 else "running"
+    if not sc.finished and sc.one("sc_grpo_admission_open", 1.0) < 1:
         phase += " (weight sync: admission closed)"
-    lines = [f"sc-grpo  {url}  {phase}"]
+    return f"sc-grpo  {url}  {phase}"
 
-    lines.append(
+
+def _progress_lines(sc: _Scrape) -> list[str]:
+    one = sc.one
+    last_step = _secs(one("sc_grpo_step_last_duration_seconds")) if one("sc_grpo_steps_total") else "-"
+    return [
         f"versions  policy v{one('sc_grpo_policy_version'):.0f}  trainer v{one('sc_grpo_trainer_version'):.0f}"
-        f"   steps {one('sc_grpo_steps_total'):.0f}   last step "
-        + (_secs(one("sc_grpo_step_last_duration_seconds")) if one("sc_grpo_steps_total") else "-")
-    )
-    lines.append(
-        f"reward    mean {one('sc_grpo_last_step_reward_mean'):.3f}   success {100 * one('sc_grpo_last_step_success_rate'):.1f}%"
-        f"   tokens generated {one('sc_grpo_tokens_generated_total'):.0f}  trained {one('sc_grpo_tokens_trained_total'):.0f}"
-    )
+        f"   steps {one('sc_grpo_steps_total'):.0f}   last step " + last_step,
+        f"reward    mean {one('sc_grpo_last_step_reward_mean'):.3f}"
+        f"   success {100 * one('sc_grpo_last_step_success_rate'):.1f}%"
+        f"   tokens generated {one('sc_grpo_tokens_generated_total'):.0f}"
+        f"  trained {one('sc_grpo_tokens_trained_total'):.0f}",
+    ]
 
-    states = by("sc_grpo_buffer_groups", "state")
-    resident, capacity = one("sc_grpo_buffer_resident_groups"), one("sc_grpo_buffer_capacity_groups")
-    lines.append(f"buffer    [{_bar(states, capacity)}] {resident:.0f}/{capacity:.0f}  " + "  ".join(
-        f"{s} {states.get(s, 0):.0f}" for s in BUFFER_STATES
-    ))
-    lines.append("          " + "  ".join(f"{c}={s}" for s, c in STATE_CHARS.items()) + "  .=free")
-    in_flight = sorted(((int(v), n) for v, n in by("sc_grpo_in_flight_groups", "version").items() if n > 0))
+
+def _buffer_lines(sc: _Scrape) -> list[str]:
+    states = sc.by("sc_grpo_buffer_groups", "state")
+    resident, capacity = sc.one("sc_grpo_buffer_resident_groups"), sc.one("sc_grpo_buffer_capacity_groups")
+    counts = "  ".join(f"{s} {states.get(s, 0):.0f}" for s in BUFFER_STATES)
+    in_flight = sorted(((int(v), n) for v, n in sc.by("sc_grpo_in_flight_groups", "version").items() if n > 0))
     flight = "  ".join(f"v{v}: {n:.0f}" for v, n in in_flight) or "none"
-    lines.append(f"in flight {flight}   oldest ready group {_secs(one('sc_grpo_oldest_ready_group_age_seconds'))}")
+    oldest = _secs(sc.one("sc_grpo_oldest_ready_group_age_seconds"))
+    return [
+        f"buffer    [{_bar(states, capacity)}] {resident:.0f}/{capacity:.0f}  " + counts,
+        "          " + "  ".join(f"{c}={s}" for s, c in STATE_CHARS.items()) + "  .=free",
+        f"in flight {flight}   oldest ready group {oldest}",
+    ]
 
+
+def _pump_lines(sc: _Scrape) -> list[str]:
+    m = sc.m
     current = {(s.labels["pump"], s.labels["on"]): s.value for s in m.get("sc_grpo_pump_current_wait_seconds", [])}
     waiting_on = {s.labels["pump"]: s.labels["on"] for s in m.get("sc_grpo_pump_waiting", []) if s.value >= 1}
-    done = by("sc_grpo_pump_finished", "pump")
-    errors = by("sc_grpo_pump_errors_total", "pump")
+    done = sc.by("sc_grpo_pump_finished", "pump")
+    errors = sc.by("sc_grpo_pump_errors_total", "pump")
     pumps = [p for p in PUMP_ORDER if p in done] + sorted(set(done) - set(PUMP_ORDER))
+    lines = []
     for i, pump in enumerate(pumps):
         if done.get(pump, 0) >= 1:
             doing = "finished"
         elif pump in waiting_on:
             on = waiting_on[pump]
             doing = f"waiting on {on} for {_secs(current.get((pump, on), 0.0))}"
-        elif finished:
+        elif sc.finished:
             doing = "idle (run finished)"
-        elif pump == "eval" and one("sc_grpo_eval_in_progress") < 1:
+        elif pump == "eval" and sc.one("sc_grpo_eval_in_progress") < 1:
             doing = "idle (next round not due)"
         else:
             doing = "busy"
         err = f"  ({errors[pump]:.0f} errors)" if errors.get(pump, 0) > 0 else ""
         lines.append(f"{'pumps' if i == 0 else '':<10}{pump:<12} {doing}{err}")
-    lines.append(
-        f"idle      trainer {100 * one('sc_grpo_trainer_idle_ratio'):.0f}%   generation {100 * one('sc_grpo_generation_idle_ratio'):.0f}%"
-    )
+    trainer_idle, generation_idle = sc.one("sc_grpo_trainer_idle_ratio"), sc.one("sc_grpo_generation_idle_ratio")
+    lines.append(f"idle      trainer {100 * trainer_idle:.0f}%   generation {100 * generation_idle:.0f}%")
+    return lines
 
-    lines.append(
-        f"staleness {_staleness(m.get('sc_grpo_trained_staleness_versions_bucket', []))}"
+
+def _staleness_and_sync_lines(sc: _Scrape) -> list[str]:
+    one = sc.one
+    staleness = (
+        f"staleness {_staleness(sc.m.get('sc_grpo_trained_staleness_versions_bucket', []))}"
         f"   max {one('sc_grpo_trained_staleness_max_versions'):.0f} (bound {one('sc_grpo_max_staleness_versions'):.0f},"
         f" lookahead {one('sc_grpo_max_lookahead_versions'):.0f})"
     )
     syncs = one("sc_grpo_weight_sync_duration_seconds_count")
-    avg = one("sc_grpo_weight_sync_duration_seconds_sum") / syncs if syncs else 0.0
-    lines.append(
+    if not syncs:
+        return [staleness, "sync      no weight sync yet"]
+    avg = one("sc_grpo_weight_sync_duration_seconds_sum") / syncs
+    sync = (
         f"sync      {syncs:.0f} syncs   last {_secs(one('sc_grpo_weight_sync_last_duration_seconds'))}"
         f" (drain {_secs(one('sc_grpo_weight_sync_last_drain_seconds'))})   mean {_secs(avg)}"
-        if syncs
-        else "sync      no weight sync yet"
     )
+    return [staleness, sync]
 
-    if "sc_grpo_eval_rounds_total" in m:
-        k = next(iter(by("sc_grpo_eval_pass_at_k", "k")), None)
-        last = (
-            f"v{one('sc_grpo_eval_policy_version'):.0f} accuracy {100 * one('sc_grpo_eval_accuracy'):.1f}%"
-            f"  pass@{k} {100 * one('sc_grpo_eval_pass_at_k'):.1f}%  reward {one('sc_grpo_eval_reward_mean'):.3f}"
-            f"  ({_secs(one('sc_grpo_eval_last_duration_seconds'))})"
-            if k is not None
-            else "no point yet"
-        )
-        extra = f"   {one('sc_grpo_eval_reissued_requests_total'):.0f} re-issued" if one("sc_grpo_eval_reissued_requests_total") else ""
-        extra += f"   {one('sc_grpo_eval_failed_rounds_total'):.0f} rounds failed" if one("sc_grpo_eval_failed_rounds_total") else ""
-        lines.append(f"eval      {last}   {one('sc_grpo_eval_rounds_total'):.0f} points{extra}")
 
+def _eval_lines(sc: _Scrape) -> list[str]:
+    if "sc_grpo_eval_rounds_total" not in sc.m:
+        return []
+    one = sc.one
+    k = next(iter(sc.by("sc_grpo_eval_pass_at_k", "k")), None)
+    last = (
+        f"v{one('sc_grpo_eval_policy_version'):.0f} accuracy {100 * one('sc_grpo_eval_accuracy'):.1f}%"
+        f"  pass@{k} {100 * one('sc_grpo_eval_pass_at_k'):.1f}%  reward {one('sc_grpo_eval_reward_mean'):.3f}"
+        f"  ({_secs(one('sc_grpo_eval_last_duration_seconds'))})"
+        if k is not None
+        else "no point yet"
+    )
+    reissued, failed = one("sc_grpo_eval_reissued_requests_total"), one("sc_grpo_eval_failed_rounds_total")
+    extra = f"   {reissued:.0f} re-issued" if reissued else ""
+    extra += f"   {failed:.0f} rounds failed" if failed else ""
+    return [f"eval      {last}   {one('sc_grpo_eval_rounds_total'):.0f} points{extra}"]
+
+
+def _faults_line(sc: _Scrape) -> str:
     faults = [
-        _reasons("dropped", by("sc_grpo_groups_dropped_total", "reason")),
-        _reasons("evicted", by("sc_grpo_groups_evicted_total", "reason")),
+        _reasons("dropped", sc.by("sc_grpo_groups_dropped_total", "reason")),
+        _reasons("evicted", sc.by("sc_grpo_groups_evicted_total", "reason")),
     ]
     counts = {
-        "retries": one("sc_grpo_prompt_retries_total"),
-        "step retries": one("sc_grpo_train_step_retries_total"),
-        "step aborts": one("sc_grpo_train_step_aborts_total"),
-        "stale aborts": one("sc_grpo_stale_in_flight_aborts_total"),
+        "retries": sc.one("sc_grpo_prompt_retries_total"),
+        "step retries": sc.one("sc_grpo_train_step_retries_total"),
+        "step aborts": sc.one("sc_grpo_train_step_aborts_total"),
+        "stale aborts": sc.one("sc_grpo_stale_in_flight_aborts_total"),
     }
     faults += [f"{k} {v:.0f}" for k, v in counts.items() if v > 0]
-    lines.append("faults    " + ("   ".join(f for f in faults if f) or "none"))
-    return "\n".join(lines)
+    return "faults    " + ("   ".join(f for f in faults if f) or "none")
 
 
 def _secs(s: float) -> str:

@@ -53,6 +53,7 @@ from single_controller.backends.common.rank_calls import (
 from single_controller.backends.common.split_step import collective
 from single_controller.backends.common.weights import WeightSnapshot, pack_weights
 from single_controller.backends.megatron.model import ModelSpec
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
@@ -94,6 +95,7 @@ class MegatronRankActor(RankStepCalls):
     and run one at a time in the actor's process."""
 
     def __init__(self, rank: int, world_size: int, storage_factory: Callable[[], Any] | None = None, torch_threads: int = 1):
+        redirect_output(f"megatron{rank}")
         torch.set_num_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
         self.storage = LazyRowStorage(storage_factory) if storage_factory is not None else None

@@ -37,6 +37,7 @@ from replay.storage import LazyRowStorage
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import ModelConfig
 from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
@@ -226,6 +227,7 @@ class GenerationActor:
         max_batch_groups: int = 16,
         policy: nn.Module | None = None,
     ):
+        redirect_output(name)
         torch.set_num_threads(torch_threads)
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")

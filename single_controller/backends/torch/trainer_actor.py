@@ -22,6 +22,7 @@ from single_controller.backends.common.weights import WeightSnapshot
 from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics
 from single_controller.protocols import TrainStepStateError
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
 from single_controller.types import LossConfig
@@ -34,6 +35,7 @@ class TrainerRankActor(RankStepCalls):
     one at a time in the actor's process)."""
 
     def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
+        redirect_output(f"trainer{rank}")
         torch.set_num_threads(cfg.backend.torch_threads)
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.dtype = _DTYPES[dtype]

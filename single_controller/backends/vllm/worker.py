@@ -42,6 +42,7 @@ import torch
 from replay.storage import LazyRowStorage
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.vllm.engine_env import apply_engine_env
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import Config
 from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, load_callable
@@ -112,6 +113,7 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
 
 class VllmGenerationActor:
     def __init__(self, name: str, cfg: Config, storage_factory: Callable[[], Any], *, seed: int = 0):
+        redirect_output(name)
         apply_engine_env(cfg.vllm.device, cfg.vllm.kv_cache_gib)  # before vllm is imported
         torch.set_num_threads(cfg.backend.torch_threads)
         from vllm import EngineArgs
