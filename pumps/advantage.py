@@ -18,7 +18,8 @@ Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in a
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from replay.ledger import GroupRecord, GroupState
 from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
@@ -42,7 +43,9 @@ async def advantage_pump(state: RunState, logprob_passes: Sequence[LogprobPass] 
         while True:
             # Exits: the rollout pump is done and no committed group remains.
             await state.wait_until(
-                lambda: state.ledger.count(GroupState.COMMITTED) > 0 or state.stop.rollout_done, PUMP, "committed groups"
+                lambda: state.ledger.count(GroupState.COMMITTED) > 0 or state.stop.rollout_done,
+                PUMP,
+                "committed groups",
             )
             batch = state.ledger.in_state(GroupState.COMMITTED)
             if not batch:
@@ -81,4 +84,3 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
             state.ledger.mark_ready(rec.group_id, advs, now)
     clk.busy_s += state.clock() - t0
     state.notify()
-

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from single_controller.config.schema import eval_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
@@ -103,8 +103,16 @@ class EvalTracker:
 
     def statistics(self) -> EvalStatistics:
         return EvalStatistics(
-            self.rounds, self.failed, self.requests, self.reissued, self.request_failures,
-            self.evaluating_version is not None, self.evaluating_version, self.num_samples, self.last, self.last_failure,
+            self.rounds,
+            self.failed,
+            self.requests,
+            self.reissued,
+            self.request_failures,
+            self.evaluating_version is not None,
+            self.evaluating_version,
+            self.num_samples,
+            self.last,
+            self.last_failure,
         )
 
 
@@ -127,7 +135,9 @@ async def eval_pump(
             # or the run was interrupted.
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
-            await state.changed.wait_until(lambda: state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step)
+            await state.changed.wait_until(
+                lambda: state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step
+            )
             if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.policy):
                 break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
@@ -273,7 +283,11 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     worker = routable[route % len(routable)]
     t0 = state.clock()
     try:
-        result = await within(worker.generate(req), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: eval generate({req.group_id})")
+        result = await within(
+            worker.generate(req),
+            state.cfg.timeouts.generate_s,
+            f"generation worker {worker.name}: eval generate({req.group_id})",
+        )
     except GenerationWorkerDied as e:
         state.worker_down(worker, str(e))
         return e
@@ -282,7 +296,9 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     finally:
         state.pumps[PUMP].busy_s += state.clock() - t0  # worker-seconds, summed over concurrent requests (as rollout's)
     if result.group_id != req.group_id:
-        raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}")
+        raise RuntimeError(
+            f"generation worker {worker.name} answered {result.group_id} for eval request {req.group_id}"
+        )
     if len(result.rewards) != req.sampling.n:
         raise RuntimeError(
             f"generation worker {worker.name} returned {len(result.rewards)} rewards for n={req.sampling.n} "

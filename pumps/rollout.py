@@ -84,7 +84,9 @@ def _dispatch_slice(
     (ties: the first in routing order), and tell the other pumps once."""
     led, version = state.ledger, state.versions.dispatch
     routable = state.routable()
-    budget = min(DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident())
+    budget = min(
+        DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident()
+    )
     for _ in range(budget):
         target = led.next_target_step()
         if target is None or not state.sampler.may_admit(target, version) or not state.has_prompt():
@@ -104,7 +106,8 @@ def _needs_restart(state: RunState) -> list[GenerationWorker]:
     if not state.health.down:  # the common case, checked on every state change
         return []
     return [
-        w for w in state.workers.generators
+        w
+        for w in state.workers.generators
         if w.name in state.health.down and w.name not in state.health.restarting and w.name not in state.health.given_up
     ]
 
@@ -117,13 +120,19 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
         if not isinstance(worker, Restartable):
             raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
         if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
-            raise GenerationFailed(f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts")
+            raise GenerationFailed(
+                f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts"
+            )
         state.health.restarts_of[worker.name] += 1
         applied = state.versions.latest_weights
         await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
         while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
             applied = state.versions.latest_weights
-            await within(worker.update_weights(applied), cfg.timeouts.weight_sync_s, f"generation worker {worker.name}: update_weights(v{applied.version}) after restart")
+            await within(
+                worker.update_weights(applied),
+                cfg.timeouts.weight_sync_s,
+                f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
+            )
     except Exception as e:
         if not [w for w in state.routable() if w is not worker] and not state.health.restarting - {worker.name}:
             raise NoGenerationWorkers(
@@ -164,7 +173,11 @@ def _finished(state: RunState) -> bool:
 
 
 async def _rollout(
-    state: RunState, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams, load: collections.Counter[str]
+    state: RunState,
+    worker: GenerationWorker,
+    rec: GroupRecord,
+    sampling: SamplingParams,
+    load: collections.Counter[str],
 ) -> None:
     """One group in flight: the worker's answer committed, or the attempt discarded."""
     request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
@@ -201,7 +214,9 @@ async def _generate(
     t0 = state.clock()
     try:
         result = await within(
-            worker.generate(request), state.cfg.timeouts.generate_s, f"generation worker {worker.name}: generate({rec.group_id})"
+            worker.generate(request),
+            state.cfg.timeouts.generate_s,
+            f"generation worker {worker.name}: generate({rec.group_id})",
         )
     except asyncio.CancelledError:
         if task.cancelling() == 0:

@@ -25,8 +25,8 @@ released only once its rows are gone, and never leaks.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from replay.ledger import GroupRecord, GroupState
 from replay.storage import TRAIN_ROW_FIELDS
@@ -100,7 +100,11 @@ async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGro
     if ahead is not None and ahead.sent:
         # The run stops with the next step begun behind the last finish: undo it. Its groups stay
         # selected and untrained, as an interrupted step's do; teardown settles them.
-        await _timed(state, state.workers.trainer.abort_train_step(ahead.step), f"trainer.abort_train_step({ahead.step}) (the run stops)")
+        await _timed(
+            state,
+            state.workers.trainer.abort_train_step(ahead.step),
+            f"trainer.abort_train_step({ahead.step}) (the run stops)",
+        )
 
 
 async def _after_step(state: RunState, weights: Channel[WeightsHandle], on_step, report: StepReport) -> None:
@@ -151,7 +155,11 @@ async def _train_step(
         try:
             if not await _fill(state, cur):
                 if cur.is_open:
-                    await _timed(state, state.workers.trainer.abort_train_step(step), f"trainer.abort_train_step({step}) (interrupt)")
+                    await _timed(
+                        state,
+                        state.workers.trainer.abort_train_step(step),
+                        f"trainer.abort_train_step({step}) (interrupt)",
+                    )
                 return None, None
             result = await _finish(state, cur)
         except TrainerFailed as e:
@@ -159,7 +167,9 @@ async def _train_step(
     _finish_groups(state, step, cur.groups, clears)
     state.versions.trainer = step + 1
     state.notify()
-    return StepReport(step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock()), cur.ahead
+    return StepReport(
+        step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock()
+    ), cur.ahead
 
 
 async def _fill(state: RunState, cur: _Step) -> bool:
@@ -190,7 +200,11 @@ async def _send_next(state: RunState, cur: _Step) -> None:
     if not cur.is_open:
         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
         cur.is_open = True
-    await _timed(state, trainer.train_microbatch(cur.chunks[cur.sent]), f"trainer.train_microbatch(step {step}, chunk {cur.sent})")
+    await _timed(
+        state,
+        trainer.train_microbatch(cur.chunks[cur.sent]),
+        f"trainer.train_microbatch(step {step}, chunk {cur.sent})",
+    )
     cur.sent += 1
 
 
@@ -203,7 +217,9 @@ async def _recover(state: RunState, cur: _Step, error: TrainerFailed) -> StepRes
     status = await _where_trainer_stands(state, step, error)
     if status.last_finished == step and status.open_step is None:
         # (A next step begun behind that finish was aborted: `FinishAndBegin`; its chunk goes again.)
-        result = await _timed(state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)")
+        result = await _timed(
+            state, trainer.finish_train_step(step), f"trainer.finish_train_step({step}) (recorded result)"
+        )
         state.counters.late_finishes += 1
         return result
     await _timed(state, trainer.abort_train_step(step), f"trainer.abort_train_step({step})")
@@ -279,7 +295,9 @@ async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
     return state.sampler.select_from(ready, step, state.cfg.train.groups_per_step)
 
 
-def _select(state: RunState, step: int, index: int, picked: list[GroupRecord]) -> tuple[list[GroupRecord], TrainChunk, float]:
+def _select(
+    state: RunState, step: int, index: int, picked: list[GroupRecord]
+) -> tuple[list[GroupRecord], TrainChunk, float]:
     """Select `picked` for `step` as its chunk `index`: the groups, the chunk, and when."""
     now = state.clock()
     groups = state.ledger.select([g.group_id for g in picked], step, now)
@@ -300,7 +318,9 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
     tries = state.cfg.train.max_step_retries + 1
     for attempt in range(1, tries + 1):
         try:
-            return await _timed(state, state.workers.trainer.train_status(), f"trainer.train_status (step {step}, after: {error})")
+            return await _timed(
+                state, state.workers.trainer.train_status(), f"trainer.train_status (step {step}, after: {error})"
+            )
         except TrainerDeadline as e:
             if attempt == tries:
                 raise TrainStepFailed(
@@ -341,10 +361,12 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
             return picked
         waited_from = state.clock()
         await state.wait_until(  # re-checked on every state change: O(keys), not O(groups)
-            lambda: state.sampler.selectable(ready, step) >= want
-            or state.sampler.any_evictable(ready, step)
-            or _no_more_can_arrive(state)
-            or state.stop.abandon_open_step,
+            lambda: (
+                state.sampler.selectable(ready, step) >= want
+                or state.sampler.any_evictable(ready, step)
+                or _no_more_can_arrive(state)
+                or state.stop.abandon_open_step
+            ),
             PUMP,
             "ready groups",
         )
@@ -353,7 +375,9 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
 def _no_more_can_arrive(state: RunState) -> bool:
     """No group that is not ready now can become ready: nothing in flight or awaiting advantages,
     and no prompt left to dispatch (the dataloader is dry, or the run is stopping)."""
-    source_dry = state.stop.requested or state.stop.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
+    source_dry = (
+        state.stop.requested or state.stop.rollout_done or (state.dataloader_exhausted and not state.pending_prompts)
+    )
     return source_dry and state.ledger.count(GroupState.RESERVED) == 0 and state.ledger.count(GroupState.COMMITTED) == 0
 
 
@@ -389,7 +413,9 @@ async def prefetch_pump(state: RunState) -> None:
     while True:
         # Exits: the train pump has finished. Looks again only when a group became READY or the
         # trainer moved on (not on every state change: a look selects over the READY groups).
-        await state.changed.wait_until(lambda: state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen)
+        await state.changed.wait_until(
+            lambda: state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen
+        )
         if state.stop.train_done:
             return
         if state.versions.trainer != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
@@ -402,7 +428,9 @@ async def prefetch_pump(state: RunState) -> None:
         hinted.update(g.group_id for g in groups)
         chunk = _chunk(state, step, -1, groups)
         try:
-            await within(state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})")
+            await within(
+                state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})"
+            )
         except (TrainerFailed, TrainerRankDied, DeadlineExceeded):
             return  # hints are best effort: the train pump meets the same trainer and reports it
 
@@ -410,7 +438,9 @@ async def prefetch_pump(state: RunState) -> None:
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
     if state.versions.trainer + 1 >= state.cfg.run.max_steps:
         return []
-    nxt = state.sampler.select_from(state.ledger.ready_index(), state.versions.trainer + 1, state.cfg.train.groups_per_step)
+    nxt = state.sampler.select_from(
+        state.ledger.ready_index(), state.versions.trainer + 1, state.cfg.train.groups_per_step
+    )
     return [g for g in nxt if g.group_id not in hinted]
 
 

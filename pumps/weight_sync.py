@@ -20,7 +20,7 @@ every worker has applied it.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from replay.ledger import GroupRecord
 from single_controller.channels import Channel
@@ -91,7 +91,11 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
 
 async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
     try:
-        await within(worker.update_weights(handle), state.cfg.timeouts.weight_sync_s, f"generation worker {worker.name}: update_weights(v{handle.version})")
+        await within(
+            worker.update_weights(handle),
+            state.cfg.timeouts.weight_sync_s,
+            f"generation worker {worker.name}: update_weights(v{handle.version})",
+        )
     except GenerationWorkerDied as e:
         state.worker_down(worker, str(e))  # restarted by the rollout pump, with the newest weights
 
@@ -99,7 +103,9 @@ async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
     if not state.sampler.aborts_in_flight:  # the default: no in-flight group is ever looked at
         return
-    _abort_in_flight(state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trainer))
+    _abort_in_flight(
+        state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trainer)
+    )
 
 
 def _abort_in_flight(state: RunState, reason: str, which: Callable[[GroupRecord], bool]) -> None:

@@ -17,7 +17,8 @@ fields as a 1-D tensor [B], rows in the order of `keys`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -77,7 +78,11 @@ def fetch_and_broadcast(
             got = fetch_rows(storage, keys, fields)
         except Exception as e:  # incl. a storage deadline: siblings must not wait in the broadcast
             error = e
-    header = _header(got, jagged, n, failed=error is not None) if is_src else torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
+    header = (
+        _header(got, jagged, n, failed=error is not None)
+        if is_src
+        else torch.zeros(1 + len(jagged) * n, dtype=torch.int64)
+    )
     dist.broadcast(header, src=src_rank, group=group)
     if header[0].item() != 0:
         _raise_source_error(error, n, group, src_rank)
@@ -112,7 +117,9 @@ def _raise_source_error(error: Exception | None, n: int, group: Any, src_rank: i
     raise StorageReadError(f"rank {src_rank} could not read the {n} rows to broadcast: {message[0]}")
 
 
-def _pack(got: Mapping[str, Column], fields: Sequence[str], schema: Mapping[str, FieldSpec], nbytes: Mapping[str, int]) -> torch.Tensor:
+def _pack(
+    got: Mapping[str, Column], fields: Sequence[str], schema: Mapping[str, FieldSpec], nbytes: Mapping[str, int]
+) -> torch.Tensor:
     """Every field's bytes in one buffer, in `fields` order."""
     payload = torch.empty(sum(nbytes.values()), dtype=torch.uint8)
     offset = 0

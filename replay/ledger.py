@@ -27,8 +27,9 @@ import enum
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from replay.storage import row_keys
 from single_controller.types import GenerationResult, Prompt
@@ -182,7 +183,9 @@ class GroupLedger:
         return self._groups.values()
 
     # -- transitions ---------------------------------------------------------------------------
-    def reserve(self, prompt: Prompt, *, attempt: int, target_step: int, policy_version: int, now: float) -> GroupRecord:
+    def reserve(
+        self, prompt: Prompt, *, attempt: int, target_step: int, policy_version: int, now: float
+    ) -> GroupRecord:
         if not self.has_capacity():
             raise CapacityError(f"all {self.capacity} group slots are resident")
         if not 0 <= target_step < self.max_steps:
@@ -190,7 +193,9 @@ class GroupLedger:
         group_id = f"{prompt.prompt_id}-a{attempt}"
         if group_id in self._groups:
             raise LedgerError(f"group {group_id} reserved twice")
-        rec = GroupRecord(group_id, prompt, attempt, self._seq, target_step, policy_version, now, row_keys(group_id, self.group_size))
+        rec = GroupRecord(
+            group_id, prompt, attempt, self._seq, target_step, policy_version, now, row_keys(group_id, self.group_size)
+        )
         self._seq += 1
         self._groups[group_id] = self._active[group_id] = self._by_state[GroupState.RESERVED][group_id] = rec
         self._live_by_step[target_step] += 1
@@ -411,7 +416,9 @@ class PromptLedger:
             raise ValueError(f"unknown fate {fate!r}")
         rec = self._prompts.get(prompt_id)
         if rec is None:
-            where = "settled before (its record is in the history file) or never taken" if self._history else "never taken"
+            where = (
+                "settled before (its record is in the history file) or never taken" if self._history else "never taken"
+            )
             raise LedgerError(f"prompt {prompt_id} settled {fate}, but it was {where}")
         if rec.fate is not None:
             raise LedgerError(
@@ -499,7 +506,7 @@ class PromptLedger:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], history: str | os.PathLike | None = None) -> "PromptLedger":
+    def from_dict(cls, data: dict[str, Any], history: str | os.PathLike | None = None) -> PromptLedger:
         """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
         needs that file: it is cut back to the checkpoint's length (what was settled after the
         checkpoint is forgotten, as the checkpoint's cut requires)."""

@@ -13,8 +13,9 @@ simulated backend. `replay.transferqueue.storage.TQRowStorage` is the TransferQu
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -37,7 +38,9 @@ ROLLOUT_FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("response_ids", torch.int64, jagged=True, bulk=True),
     FieldSpec("gen_logprobs", torch.float32, jagged=True, bulk=True),  # per response token
     FieldSpec("response_mask", torch.bool, jagged=True, bulk=True),  # per response token, True = trained
-    FieldSpec("token_versions", torch.int64, jagged=True, bulk=True),  # per response token: policy version that sampled it
+    FieldSpec(
+        "token_versions", torch.int64, jagged=True, bulk=True
+    ),  # per response token: policy version that sampled it
     FieldSpec("reward", torch.float32, jagged=False),
     FieldSpec("advantage", torch.float32, jagged=False),
 )

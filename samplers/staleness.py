@@ -21,8 +21,8 @@ number of groups (the keys span at most the lookahead and staleness windows).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from replay.ledger import GroupRecord, ReadyKey
 from single_controller.algorithm import staleness as rules
@@ -69,10 +69,14 @@ class StalenessSampler:
 
     # The two rules (`algorithm.staleness`), on a group's (target step, version).
     def _eligible_key(self, target_step: int, version: int, train_step: int) -> bool:
-        return rules.eligible(target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order)
+        return rules.eligible(
+            target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order
+        )
 
     def _evictable_key(self, target_step: int, version: int, train_step: int) -> bool:
-        return rules.evictable(target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order)
+        return rules.evictable(
+            target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order
+        )
 
     def select(self, ready: Sequence[GroupRecord], train_step: int, max_groups: int) -> list[GroupRecord]:
         """Ready groups step `train_step` may train now, best first, at most `max_groups`."""
@@ -95,7 +99,9 @@ class StalenessSampler:
     def any_evictable(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int) -> bool:
         return any(self._evictable_key(t, v, train_step) for t, v in index)
 
-    def select_from(self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int, max_groups: int) -> list[GroupRecord]:
+    def select_from(
+        self, index: Mapping[ReadyKey, Mapping[str, GroupRecord]], train_step: int, max_groups: int
+    ) -> list[GroupRecord]:
         """`select` over the eligible keys only."""
         eligible = [g for (t, v), b in index.items() if self._eligible_key(t, v, train_step) for g in b.values()]
         return self.select(eligible, train_step, max_groups)
@@ -115,7 +121,11 @@ class StalenessSampler:
         if not self.aborts_in_flight:
             return False
         return rules.must_abort_in_flight(
-            group.target_step, group.version_reserved, train_step, max_staleness=self.max_staleness, in_order=self.in_order
+            group.target_step,
+            group.version_reserved,
+            train_step,
+            max_staleness=self.max_staleness,
+            in_order=self.in_order,
         )
 
     # -- bookkeeping for statistics ------------------------------------------------------------

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -106,7 +107,7 @@ class Channel(Generic[T]):
         self._changed.notify()
         return item
 
-    def __aiter__(self) -> "Channel[T]":
+    def __aiter__(self) -> Channel[T]:
         return self
 
     async def __anext__(self) -> T:

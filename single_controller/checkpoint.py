@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from single_controller.config.schema import Config
 

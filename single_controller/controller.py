@@ -21,8 +21,8 @@ import asyncio
 import collections
 import gc
 import statistics as pystats
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 from pumps.advantage import advantage_pump
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
@@ -124,7 +124,11 @@ class Controller:
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
         # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
-        prompts = PromptLedger.from_dict(resume["prompts"], prompt_history) if resume is not None else PromptLedger(prompt_history)
+        prompts = (
+            PromptLedger.from_dict(resume["prompts"], prompt_history)
+            if resume is not None
+            else PromptLedger(prompt_history)
+        )
         self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_id = stop_token_id
         self.on_step = on_step
@@ -165,7 +169,9 @@ class Controller:
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
             v = st.versions.trainer
-            st.versions.latest_weights = await within(st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})")
+            st.versions.latest_weights = await within(
+                st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})"
+            )
         # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
         # the cyclic collector for the run: each full collection would walk it again (~60 ms
         # each on this machine). Given back at the end, so nothing is kept alive for good.
@@ -179,7 +185,13 @@ class Controller:
                 tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
                 if self.eval_tracker is not None:
                     tasks["eval"] = pumps.create_task(
-                        eval_pump(st, self.eval_prompts, self.eval_tracker, self._record_eval, stop_token_id=self.stop_token_id)
+                        eval_pump(
+                            st,
+                            self.eval_prompts,
+                            self.eval_tracker,
+                            self._record_eval,
+                            stop_token_id=self.stop_token_id,
+                        )
                     )
         except BaseException as e:
             gc.unfreeze()
@@ -192,7 +204,13 @@ class Controller:
         gc.unfreeze()
         await self._final_checkpoint(failed=False)
         await self._teardown(failed=False)
-        return RunSummary(st.versions.trainer, st.stop.reason or "finished", st.clock() - self._t0, list(self.history), self.last_checkpoint)
+        return RunSummary(
+            st.versions.trainer,
+            st.stop.reason or "finished",
+            st.clock() - self._t0,
+            list(self.history),
+            self.last_checkpoint,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
@@ -231,7 +249,10 @@ class Controller:
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
         self._success.extend(saved["success_window"])
         c = saved["counters"]
-        st.counters.zero_variance_groups, st.counters.tokens_generated = c["zero_variance_groups"], c["tokens_generated"]
+        st.counters.zero_variance_groups, st.counters.tokens_generated = (
+            c["zero_variance_groups"],
+            c["tokens_generated"],
+        )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         self._tokens_trained = c["tokens_trained"]
 
@@ -240,10 +261,18 @@ class Controller:
         trainer's weights (version = the cut) before the first rollout."""
         st, cfg = self.state, self.cfg
         v = st.versions.trainer
-        handle = await within(st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)")
+        handle = await within(
+            st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)"
+        )
         async with asyncio.TaskGroup() as fanout:
             for w in st.workers.generators:
-                fanout.create_task(within(w.update_weights(handle), cfg.timeouts.weight_sync_s, f"generation worker {w.name}: update_weights(v{v}) (resume)"))
+                fanout.create_task(
+                    within(
+                        w.update_weights(handle),
+                        cfg.timeouts.weight_sync_s,
+                        f"generation worker {w.name}: update_weights(v{v}) (resume)",
+                    )
+                )
         st.versions.latest_weights = handle
 
     def _checkpoint_due(self, version: int) -> bool:
@@ -270,7 +299,12 @@ class Controller:
         step = st.versions.trainer
         staged = await within(
             stage_checkpoint(
-                self.run_dir, step, self.checkpoint_state(), st.workers.trainer.save_state, keep=self.cfg.checkpoint.keep, clock=st.clock
+                self.run_dir,
+                step,
+                self.checkpoint_state(),
+                st.workers.trainer.save_state,
+                keep=self.cfg.checkpoint.keep,
+                clock=st.clock,
             ),
             self.cfg.timeouts.train_call_s,
             f"checkpoint of step {step}",
@@ -285,7 +319,9 @@ class Controller:
         if task is None:
             return None
         try:
-            info = await within(asyncio.shield(task), self.cfg.timeouts.train_call_s, "checkpoint commit (fsync, rename, latest)")
+            info = await within(
+                asyncio.shield(task), self.cfg.timeouts.train_call_s, "checkpoint commit (fsync, rename, latest)"
+            )
         finally:
             if task.done():
                 self._committing = None
@@ -312,7 +348,11 @@ class Controller:
         try:
             if st.ledger.count(GroupState.SELECTED):
                 step = st.versions.trainer
-                await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (final checkpoint)")
+                await within(
+                    st.workers.trainer.abort_train_step(step),
+                    self.cfg.timeouts.train_call_s,
+                    f"trainer.abort_train_step({step}) (final checkpoint)",
+                )
             await self.checkpoint()
         except Exception as e:
             if not failed:
@@ -371,7 +411,11 @@ class Controller:
         if self.on_step is not None:
             self.on_step(rec)
         target = cfg.run.stop_at_success_rate
-        if target is not None and len(self._success) == self._success.maxlen and sum(self._success) / len(self._success) >= target:
+        if (
+            target is not None
+            and len(self._success) == self._success.maxlen
+            and sum(self._success) / len(self._success) >= target
+        ):
             st.request_stop(f"success rate >= {target} over {len(self._success)} steps")
 
     def _record_eval(self, point: EvalPoint) -> None:
@@ -395,7 +439,11 @@ class Controller:
         if failed and st.ledger.count(GroupState.SELECTED):
             try:  # the step is open on the trainer: leave its state as it was before begin
                 step = st.versions.trainer  # the open step is always the next one
-                await within(st.workers.trainer.abort_train_step(step), self.cfg.timeouts.train_call_s, f"trainer.abort_train_step({step}) (teardown)")
+                await within(
+                    st.workers.trainer.abort_train_step(step),
+                    self.cfg.timeouts.train_call_s,
+                    f"trainer.abort_train_step({step}) (teardown)",
+                )
             except Exception as e:  # the run already failed; keep its cause, note this one
                 st.teardown_errors.append(f"abort_train_step: {e}")
         active = list(st.ledger.active_records())

@@ -19,8 +19,9 @@ import asyncio
 import collections
 import random
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 from replay.ledger import GroupLedger, GroupRecord, GroupState, PromptLedger
 from replay.storage import RowStorage, StorageError, StorageWriteError
@@ -175,7 +176,9 @@ class Counters:
     worker_deaths: int = 0  # RunState.worker_down
     worker_restarts: int = 0  # rollout
     zero_variance_groups: int = 0  # advantage
-    zero_variance_drops: collections.Counter[int] = field(default_factory=collections.Counter)  # advantage: step -> dropped
+    zero_variance_drops: collections.Counter[int] = field(
+        default_factory=collections.Counter
+    )  # advantage: step -> dropped
     zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
@@ -344,7 +347,9 @@ class RunState:
     def in_flight(self) -> int:
         return self.ledger.count(GroupState.RESERVED)
 
-    def abort_rollouts(self, reason: str, which: Callable[[GroupRecord], bool] = lambda rec: True, *, relabel: bool = False) -> int:
+    def abort_rollouts(
+        self, reason: str, which: Callable[[GroupRecord], bool] = lambda rec: True, *, relabel: bool = False
+    ) -> int:
         """Abort the rollouts in flight that `which(rec)` selects and that no abort marked yet: each is
         marked with `reason` and, while its worker call is under way, its task is cancelled; the
         rollout pump discards it, not as an error (a group not started yet sees the mark and never

@@ -6,8 +6,9 @@ appear in these records: they live in the row storage under the keys named here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ class TrainChunk:
         if not self.advantages:
             return None
         if len(self.advantages) != len(self.row_keys):
-            raise ValueError(f"chunk {self.chunk_index}: {len(self.advantages)} advantages for {len(self.row_keys)} keys")
+            raise ValueError(
+                f"chunk {self.chunk_index}: {len(self.advantages)} advantages for {len(self.row_keys)} keys"
+            )
         if keys == self.row_keys:  # one rank: all of them, in order
             return list(self.advantages)
         by_key = dict(zip(self.row_keys, self.advantages))

@@ -19,14 +19,37 @@ def hf_config(arch: str = "llama", **over):
     if arch == "gpt2":
         from transformers import GPT2Config
 
-        kw = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_inner=96, n_positions=64, layer_norm_epsilon=1e-5,
-                  tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+        kw = dict(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            n_inner=96,
+            n_positions=64,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
         kw.update(over)
         return GPT2Config(**kw)
     from transformers import LlamaConfig
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=96, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64, rms_norm_eps=1e-6)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+    )
     kw.update(over)
     return LlamaConfig(**kw)
 
@@ -96,8 +119,12 @@ def ray_init():
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO}/tests", "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO}/tests", "OMP_NUM_THREADS": "1"}},
+    )
 
 
 def filled_storage(n: int, seed: int):

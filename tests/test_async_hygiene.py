@@ -38,7 +38,9 @@ def test_no_blocking_calls_in_async_code():
 
 def _is_yield(call: ast.Call) -> bool:
     """`asyncio.sleep(0)`: a turn of the loop for whatever is ready, not a wait for time to pass."""
-    return len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0
+    return (
+        len(call.args) == 1 and not call.keywords and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0
+    )
 
 
 def _is_backoff(call: ast.Call) -> bool:
@@ -52,7 +54,11 @@ def _sleep_polls(fn: ast.AsyncFunctionDef) -> list[int]:
     lines = []
     for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.While, ast.For))):
         for node in ast.walk(loop):
-            if isinstance(node, ast.Await) and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "asyncio.sleep":
+            if (
+                isinstance(node, ast.Await)
+                and isinstance(node.value, ast.Call)
+                and _dotted(node.value.func) == "asyncio.sleep"
+            ):
                 if not _is_yield(node.value) and not _is_backoff(node.value):
                     lines.append(node.lineno)
     return lines
@@ -80,7 +86,13 @@ def test_the_checker_sees_a_violation():
     assert {"asyncio.sleep", "ray.get"} <= calls
 
 
-CONTROL_PLANE = ("pumps", "samplers", "single_controller/controller.py", "single_controller/state.py", "single_controller/runtime/actor_host.py")
+CONTROL_PLANE = (
+    "pumps",
+    "samplers",
+    "single_controller/controller.py",
+    "single_controller/state.py",
+    "single_controller/runtime/actor_host.py",
+)
 
 
 def test_control_plane_never_reads_rows():
@@ -90,7 +102,11 @@ def test_control_plane_never_reads_rows():
         root = ROOT / entry
         for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("get_rows"):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr.startswith("get_rows")
+                ):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "row reads in the control plane:\n" + "\n".join(bad)
 

@@ -18,8 +18,31 @@ EMBEDDED = str(Path(__file__).resolve().parents[1] / "configs/embedded.yaml")
 
 
 def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memory_run(capsys):
-    assert main_scale(["--groups", "2,4", "--workers", "1,2", "--workers-at", "2", "--groups-at", "4",
-                       "--group-size", "2", "--steps", "4", "--t", "0.02", "--long-steps", "20", "--long-groups", "1"]) == 0
+    assert (
+        main_scale(
+            [
+                "--groups",
+                "2,4",
+                "--workers",
+                "1,2",
+                "--workers-at",
+                "2",
+                "--groups-at",
+                "4",
+                "--group-size",
+                "2",
+                "--steps",
+                "4",
+                "--t",
+                "0.02",
+                "--long-steps",
+                "20",
+                "--long-groups",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s+\d+\s+\d", line)]
     points = [(int(r[0]), int(r[1])) for r in rows if len(r) == 14]
@@ -30,18 +53,49 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
         assert 0 < float(r[9]) < 50  # wake-ups per group: the run slept between its events (T = 0.02 s)
         assert int(r[12]) >= 1  # the latency run's samples: the train pump waited for its chunks
     assert "serial generation workers" in out  # the default: one completion per group
-    assert main_scale(["--groups", "4", "--workers", "2", "--workers-at", "2", "--groups-at", "4", "--group-size", "2",
-                       "--steps", "4", "--t", "0.02", "--long-steps", "0", "--batch", "4"]) == 0
+    assert (
+        main_scale(
+            [
+                "--groups",
+                "4",
+                "--workers",
+                "2",
+                "--workers-at",
+                "2",
+                "--groups-at",
+                "4",
+                "--group-size",
+                "2",
+                "--steps",
+                "4",
+                "--t",
+                "0.02",
+                "--long-steps",
+                "0",
+                "--batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     batched = capsys.readouterr().out
     assert "generation workers batch up to 4 groups" in batched and re.search(r"^\s+4\s+2\s+\d", batched, re.M)
-    assert re.search(r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)", out)
-    assert re.search(r"worst: overlap [\d.]+ .*ctl/group [\d.]+ us at \d+ x \d+ .*select p99 [\d.]+ ms at \d+ x \d+", out)
+    assert re.search(
+        r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)",
+        out,
+    )
+    assert re.search(
+        r"worst: overlap [\d.]+ .*ctl/group [\d.]+ us at \d+ x \d+ .*select p99 [\d.]+ ms at \d+ x \d+", out
+    )
     # the target's point: the largest groups per step, at --workers-at workers (not the 4 x 1 run)
     p99_at_4x2 = float(rows[1][11].removesuffix("ms"))
     assert (int(rows[1][0]), int(rows[1][1])) == (4, 2)
     assert f"select p99 at 4 groups per step: {p99_at_4x2:.3f} ms (target < 1 ms at 1024)" in out
     assert "long run: 20 steps of 1 groups" in out
-    assert re.search(r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms", out)
+    assert re.search(
+        r"this machine: one wake-up of an idle event loop costs \d+ us of CPU after 2 ms asleep, \d+ us after 100 ms",
+        out,
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux scheduling classes")
@@ -56,8 +110,30 @@ def test_keep_cpu_awake_pins_the_bench_beside_an_idle_class_busy_loop_and_undoes
         assert os.sched_getaffinity(spinner) == {cpu}  # on the benchmark's CPU, before anything is measured
     assert os.sched_getaffinity(0) == cpus
     assert not psutil.pid_exists(spinner)  # stopped with the benchmark
-    assert main_scale(["--groups", "2", "--workers", "1", "--workers-at", "1", "--groups-at", "2", "--group-size", "2",
-                       "--steps", "3", "--t", "0.02", "--long-steps", "0", "--keep-cpu-awake"]) == 0
+    assert (
+        main_scale(
+            [
+                "--groups",
+                "2",
+                "--workers",
+                "1",
+                "--workers-at",
+                "1",
+                "--groups-at",
+                "2",
+                "--group-size",
+                "2",
+                "--steps",
+                "3",
+                "--t",
+                "0.02",
+                "--long-steps",
+                "0",
+                "--keep-cpu-awake",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert re.search(r"CPU \d+ kept awake by an idle-class busy loop", out) and re.search(r"^\s+2\s+1\s+\d", out, re.M)
     assert os.sched_getaffinity(0) == cpus
@@ -75,9 +151,18 @@ async def test_metered_sim_workers_train_exactly_what_unmetered_ones_do_and_coun
 
     async def run(meter, batch=1):  # lookahead 0: what each step trains does not depend on timing
         storage = InMemoryRowStorage()
-        gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001, meter=meter,
-                                    faults=Faults(gen_fail={("p000003", 0)}), gen_max_batch=batch)  # a failure crosses the meter too
-        summary = await asyncio.wait_for(Controller(scale_config(4, 4, 2, 0, 4), sim_prompts(), storage, Workers(gens, trainer)).run(), 30)
+        gens, trainer = sim_workers(
+            storage,
+            num_generators=2,
+            gen_group_s=0.002,
+            train_group_s=0.001,
+            meter=meter,
+            faults=Faults(gen_fail={("p000003", 0)}),
+            gen_max_batch=batch,
+        )  # a failure crosses the meter too
+        summary = await asyncio.wait_for(
+            Controller(scale_config(4, 4, 2, 0, 4), sim_prompts(), storage, Workers(gens, trainer)).run(), 30
+        )
         return summary.steps, trainer.trained, [g.generated for g in gens]
 
     meter = SimMeter()
@@ -163,7 +248,9 @@ def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_wall
         if step_walls is not None:
             out = Path(next(a for a in cmd if a.startswith("run.output_dir=")).split("=", 1)[1])
             (out / "embedded-1").mkdir()
-            lines = [{"step": i, "time/wall_s": w} for i, w in enumerate(step_walls)] + [{"eval/policy_version": 3, "time/wall_s": 99.0}]
+            lines = [{"step": i, "time/wall_s": w} for i, w in enumerate(step_walls)] + [
+                {"eval/policy_version": 3, "time/wall_s": 99.0}
+            ]
             (out / "embedded-1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return subprocess.CompletedProcess(cmd, 0, stdout=stdout, stderr="")
 
@@ -177,12 +264,31 @@ def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_wall
 
 
 def test_bench_embedded_takes_overrides_after_seeds_and_gives_them_to_the_reference_loop_too(monkeypatch, capsys):
-    runs, refs = _fake_embedded(monkeypatch, "sc-grpo: 50 steps in 4.0s of training (+7.0s startup): success rate >= 0.8 over 3 steps\n")
-    argv = ["--config", EMBEDDED, "--seeds", "0", "1", "train.lr=3e-4", "run.stop_at_success_rate=0.8", "run.success_window=3"]
+    runs, refs = _fake_embedded(
+        monkeypatch, "sc-grpo: 50 steps in 4.0s of training (+7.0s startup): success rate >= 0.8 over 3 steps\n"
+    )
+    argv = [
+        "--config",
+        EMBEDDED,
+        "--seeds",
+        "0",
+        "1",
+        "train.lr=3e-4",
+        "run.stop_at_success_rate=0.8",
+        "run.success_window=3",
+    ]
     assert bench.main_embedded(argv) == 0
-    assert [c[c.index("run") + 2:c.index("run") + 3] for c in runs] == [["seed=0"], ["seed=1"]]
+    assert [c[c.index("run") + 2 : c.index("run") + 3] for c in runs] == [["seed=0"], ["seed=1"]]
     assert all(c[-3:] == ["train.lr=3e-4", "run.stop_at_success_rate=0.8", "run.success_window=3"] for c in runs)
-    assert refs == [(s, dict(task="reverse_digits", num_digits=3, prompts_per_step=16, group_size=16, lr=3e-4, target=0.8, window=3)) for s in (0, 1)]
+    assert refs == [
+        (
+            s,
+            dict(
+                task="reverse_digits", num_digits=3, prompts_per_step=16, group_size=16, lr=3e-4, target=0.8, window=3
+            ),
+        )
+        for s in (0, 1)
+    ]
     out = capsys.readouterr().out
     assert out.count("ratio 0.50") == 2 and "training / reference 0.50" in out
 
@@ -190,7 +296,11 @@ def test_bench_embedded_takes_overrides_after_seeds_and_gives_them_to_the_refere
 def test_bench_embedded_times_the_run_to_the_end_of_the_step_that_reached_the_target(monkeypatch, capsys):
     """The reference loop's clock stops at the end of the step that reached the target; the run's
     "s of training" also holds its final checkpoint and teardown. The ratio uses the step's end."""
-    _fake_embedded(monkeypatch, "sc-grpo: 3 steps in 4.0s of training (+7.0s startup): success rate >= 0.9 over 5 steps\n", step_walls=[1.0, 2.5, 3.6])
+    _fake_embedded(
+        monkeypatch,
+        "sc-grpo: 3 steps in 4.0s of training (+7.0s startup): success rate >= 0.9 over 5 steps\n",
+        step_walls=[1.0, 2.5, 3.6],
+    )
     assert bench.main_embedded(["--config", EMBEDDED, "--seeds", "0"]) == 0
     out = capsys.readouterr().out
     assert "training 3.60 s" in out and "with the final checkpoint and teardown 4.00 s" in out

@@ -1,8 +1,8 @@
 """Acceptance 5: the single-process reference GRPO loop learns reverse_digits from random init."""
 
-from single_controller.bench.reference import group_advantages, main, run_reference
-
 import torch
+
+from single_controller.bench.reference import group_advantages, main, run_reference
 
 
 def test_group_advantages():

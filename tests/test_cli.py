@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.runtime import cli
-from single_controller.config.schema import Config
 from single_controller.config.loader import load_config
+from single_controller.config.schema import Config
+from single_controller.runtime import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = str(ROOT / "configs/embedded.yaml")
@@ -101,8 +101,11 @@ def test_run_hands_the_validated_config_to_the_launcher(monkeypatch):
 
 
 def test_run_with_an_invalid_config_never_launches(monkeypatch, capsys):
-    fake_module(monkeypatch, "single_controller.runtime.driver",
-                run_from_config=lambda cfg: pytest.fail("launched an invalid config"))
+    fake_module(
+        monkeypatch,
+        "single_controller.runtime.driver",
+        run_from_config=lambda cfg: pytest.fail("launched an invalid config"),
+    )
     assert cli.main(["run", EMBEDDED, "rollout.group_size=1"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
 
@@ -184,20 +187,30 @@ def test_status_through_the_cli_reaches_the_real_tool(capsys):
 
 
 def test_python_dash_m_single_controller():
-    ok = subprocess.run([sys.executable, "-m", "single_controller", "config", EMBEDDED],
-                        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "single_controller", "config", EMBEDDED],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "name: embedded" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "single_controller", "config", EMBEDDED, "train.lrr=1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "single_controller", "config", EMBEDDED, "train.lrr=1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert bad.returncode == 2
     assert "did you mean 'train.lr'?" in bad.stderr
     assert "Traceback" not in bad.stderr
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
-    from single_controller.bench import reference
     from single_controller.backends.common.hf_model import main_init_model
+    from single_controller.bench import reference
 
     with pytest.raises(SystemExit) as info:
         reference.main(["--task", "sort_digits", "--seeds", "0"])
@@ -212,4 +225,7 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys):
     assert cli.main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "usage: sc-grpo bench [-h] NAME [ARGS ...]" in err
-    assert "give a benchmark NAME: overlap, reference, storage, scale, embedded, eval" in err and "ARGS" not in err.splitlines()[-1]
+    assert (
+        "give a benchmark NAME: overlap, reference, storage, scale, embedded, eval" in err
+        and "ARGS" not in err.splitlines()[-1]
+    )

@@ -50,7 +50,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     # multi-node (=1, Linux's default), every node on the loopback (--node-ip-address)
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", TQ_NUM_THREADS="1")
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", TQ_NUM_THREADS="1"
+    )
     # a loaded 2-core machine starts a node's agents slower than Ray's defaults wait for
     env.update(RAY_agent_register_timeout_ms="120000", RAY_raylet_start_wait_time_s="120")
     return env
@@ -109,22 +111,39 @@ class Cluster:
 
     def _ports(self) -> list[str]:
         return [
-            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            "--min-worker-port=0", "--max-worker-port=0",  # workers bind any free port
-            f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            "--min-worker-port=0",
+            "--max-worker-port=0",  # workers bind any free port
+            f"--metrics-export-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
         ]
 
     def start(self) -> None:
         ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats"]
         head = ray + [
-            "--head", f"--port={self.gcs_port}", "--include-dashboard=false", f"--dashboard-port={free_port()}",
-            f"--ray-client-server-port={free_port()}", f"--temp-dir={self.temp_dir}",
-            "--node-ip-address=127.0.0.1", "--num-cpus=3", '--resources={"node_a": 1}', *self._ports(),
+            "--head",
+            f"--port={self.gcs_port}",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=3",
+            '--resources={"node_a": 1}',
+            *self._ports(),
         ]
         self.nodes.append(Lines(head, cwd=self.tmp, env=self.env))
         self.nodes[0].wait_for("Ray runtime started", START_S)
-        second = ray + [f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=3", '--resources={"node_b": 1}', *self._ports()]
+        second = ray + [
+            f"--address={self.address}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=3",
+            '--resources={"node_b": 1}',
+            *self._ports(),
+        ]
         self.nodes.append(Lines(second, cwd=self.tmp, env=self.env))
         self.nodes[1].wait_for("Ray runtime started", START_S)
 
@@ -173,7 +192,10 @@ def _python(code: str, env: dict[str, str], timeout: float = 120) -> str:
 def _storage_list(address: str, env: dict[str, str]) -> dict[str, list[str]]:
     out = subprocess.run(
         [sys.executable, "-m", "single_controller", "storage", "list", f"--address={address}", "--json"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -195,10 +217,22 @@ print("ok")
 
 def _run_cmd(tmp: Path, name: str, address: str, *overrides: str) -> list[str]:
     return [
-        sys.executable, "-m", "single_controller", "run", str(ROOT / "configs/embedded.yaml"),
-        f"ray.address={address}", "storage.attach=true", f"run.output_dir={tmp}", f"run.name={name}",
-        "run.progress_bar=false", "run.plot=false", "run.stop_at_success_rate=null", "checkpoint.every_steps=0",
-        "metrics.port=19464", "timeouts.setup_s=300", *overrides,
+        sys.executable,
+        "-m",
+        "single_controller",
+        "run",
+        str(ROOT / "configs/embedded.yaml"),
+        f"ray.address={address}",
+        "storage.attach=true",
+        f"run.output_dir={tmp}",
+        f"run.name={name}",
+        "run.progress_bar=false",
+        "run.plot=false",
+        "run.stop_at_success_rate=null",
+        "checkpoint.every_steps=0",
+        "metrics.port=19464",
+        "timeouts.setup_s=300",
+        *overrides,
     ]
 
 
@@ -253,7 +287,8 @@ def tq_server(cluster, tmp_path_factory):
     """`sc-grpo storage serve` on the cluster, with foreign sentinel keys put before any run."""
     server = Lines(
         [sys.executable, "-m", "single_controller", "storage", "serve", f"--address={cluster.address}"],
-        cwd=tmp_path_factory.mktemp("tq"), env=cluster.env,
+        cwd=tmp_path_factory.mktemp("tq"),
+        env=cluster.env,
     )
     try:
         server.wait_for("sc-grpo storage: ready", START_S)
@@ -271,9 +306,25 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
     t0 = time.monotonic()
     env = cluster.env
     steps = 6
-    common = (f"run.max_steps={steps}", "train.groups_per_step=4", "train.min_groups_per_chunk=2", "rollout.group_size=8")
+    common = (
+        f"run.max_steps={steps}",
+        "train.groups_per_step=4",
+        "train.min_groups_per_chunk=2",
+        "rollout.group_size=8",
+    )
     runs = [
-        Lines(_run_cmd(tmp_path, "a", cluster.address, *common, "backend.num_trainer_ranks=2", "backend.trainer_placement=spread"), cwd=tmp_path, env=env),
+        Lines(
+            _run_cmd(
+                tmp_path,
+                "a",
+                cluster.address,
+                *common,
+                "backend.num_trainer_ranks=2",
+                "backend.trainer_placement=spread",
+            ),
+            cwd=tmp_path,
+            env=env,
+        ),
         Lines(_run_cmd(tmp_path, "b", cluster.address, *common), cwd=tmp_path, env=env),
     ]
     try:
@@ -317,8 +368,19 @@ def test_two_runs_share_a_two_node_cluster_and_a_tq_that_outlives_them(cluster, 
 
 def test_spread_refuses_more_ranks_than_nodes(cluster, tq_server, tmp_path):
     run = subprocess.run(
-        _run_cmd(tmp_path, "c", cluster.address, "run.max_steps=2", "backend.num_trainer_ranks=3", "backend.trainer_placement=spread"),
-        cwd=tmp_path, env=cluster.env, capture_output=True, text=True, timeout=300,
+        _run_cmd(
+            tmp_path,
+            "c",
+            cluster.address,
+            "run.max_steps=2",
+            "backend.num_trainer_ranks=3",
+            "backend.trainer_placement=spread",
+        ),
+        cwd=tmp_path,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "trainer_placement=spread" in run.stderr and "2 alive node(s)" in run.stderr, run.stderr[-3000:]

@@ -71,11 +71,7 @@ def test_shipped_yaml_holds_only_differences_from_the_defaults(path: Path):
 
     data = yaml.safe_load(path.read_text()) or {}
     defaults = Config()
-    same = [
-        key
-        for key, value in _leaves(data)
-        if value == fields.get(defaults, key)
-    ]
+    same = [key for key, value in _leaves(data) if value == fields.get(defaults, key)]
     assert same == [], f"{path.name} restates defaults: {same}"
 
 
@@ -172,8 +168,9 @@ def test_impossible_capacity_explains_the_deadlock(tmp_path):
 
 
 def test_capacity_exactly_the_requirement_is_fine():
-    cfg = load_config(None, ["buffer.capacity_groups=48", "sampler.max_lookahead_versions=2",
-                             "sampler.max_staleness_versions=2"])
+    cfg = load_config(
+        None, ["buffer.capacity_groups=48", "sampler.max_lookahead_versions=2", "sampler.max_staleness_versions=2"]
+    )
     assert resolved_capacity(cfg) == 48 == required_capacity(cfg)
 
 
@@ -185,8 +182,14 @@ def test_several_problems_are_all_listed_in_one_error(tmp_path):
     err = problems_of(path, ["metrics.port=70000", "nonsense"])
     text = flat(err)
     assert len(err.problems) == 6, text
-    for needle in ("train.lrr", "train.lr: expected float", "buffer.capacity_groups",
-                   "rollout.on_failure", "metrics.port", "'nonsense' is not of the form key=value"):
+    for needle in (
+        "train.lrr",
+        "train.lr: expected float",
+        "buffer.capacity_groups",
+        "rollout.on_failure",
+        "metrics.port",
+        "'nonsense' is not of the form key=value",
+    ):
         assert needle in text
     lines = str(err).splitlines()
     assert lines[0].endswith("6 problems")
@@ -248,7 +251,10 @@ def test_each_check_rejects_its_violation(overrides, paths):
         ["model.max_seq_len=8"],
         ["metrics.port=0"],
         ["metrics.port=65535"],
-        ["task.name=single_controller.data.tasks:reverse_digits", "model.max_seq_len=4"],  # the digit rule is for digit tasks only
+        [
+            "task.name=single_controller.data.tasks:reverse_digits",
+            "model.max_seq_len=4",
+        ],  # the digit rule is for digit tasks only
         ["run.stop_at_success_rate=1.0"],
     ],
 )
@@ -304,8 +310,17 @@ def test_interpolations_resolve_and_bad_ones_are_reported():
 
 def test_overrides_apply_after_the_file_in_order(tmp_path):
     path = write(tmp_path, "train:\n  lr: 0.01\nrun:\n  max_steps: 9\n")
-    cfg = load_config(path, ["train.lr=3e-4", "run.max_steps=7", "run.max_steps=8",
-                             "train.betas=[0.5, 0.6]", "ray.num_cpus=3", "run.name=x"])
+    cfg = load_config(
+        path,
+        [
+            "train.lr=3e-4",
+            "run.max_steps=7",
+            "run.max_steps=8",
+            "train.betas=[0.5, 0.6]",
+            "ray.num_cpus=3",
+            "run.name=x",
+        ],
+    )
     assert cfg.train.lr == 3e-4
     assert cfg.run.max_steps == 8
     assert cfg.train.betas == (0.5, 0.6)  # a tuple, like the default
@@ -377,9 +392,7 @@ def test_readme_config_reference_is_in_sync():
 
 def test_write_readme_rewrites_only_the_marked_section(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(
-        "# T\nintro\n<!-- config-reference:start -->\nold stuff\n<!-- config-reference:end -->\ntail\n"
-    )
+    readme.write_text("# T\nintro\n<!-- config-reference:start -->\nold stuff\n<!-- config-reference:end -->\ntail\n")
     assert reference.main(["--write-readme", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# T\nintro\n<!-- config-reference:start -->\n")
@@ -416,7 +429,9 @@ def test_a_backend_whose_package_is_missing_names_its_extra(monkeypatch):
     from single_controller.backends import registry
 
     monkeypatch.setitem(
-        registry.TRAINER_BACKENDS, "megatron", registry.BackendEntry("sc_grpo_absent.ray_workers:start", ("sc_grpo_absent_pkg",), "megatron")
+        registry.TRAINER_BACKENDS,
+        "megatron",
+        registry.BackendEntry("sc_grpo_absent.ray_workers:start", ("sc_grpo_absent_pkg",), "megatron"),
     )
     cfg = load_config(None, ["backend.trainer=megatron"])  # loading never needs the package
     (problem,) = environment.environment_problems(cfg)

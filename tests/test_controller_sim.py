@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage, StorageError
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
+from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.config.schema import (
     BufferConfig,
     Config,
@@ -22,13 +23,14 @@ from single_controller.config.schema import (
     TimeoutConfig,
     TrainConfig,
 )
-from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.state import CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S, PumpClock, Workers, clear_backoff_s
 
 
-def make_cfg(*, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capacity=None, in_flight=64, **sections) -> Config:
+def make_cfg(
+    *, steps=6, P=4, G=2, L=1, S=None, chunk=2, order="in_order", capacity=None, in_flight=64, **sections
+) -> Config:
     cfg = Config(
         run=RunConfig(max_steps=steps, progress_bar=False, plot=False),
         rollout=RolloutConfig(group_size=G, max_in_flight_groups=in_flight),
@@ -54,9 +56,13 @@ class HangingClearStorage(InMemoryRowStorage):
         await super().clear_rows(keys)
 
 
-async def run_sim(cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None):
+async def run_sim(
+    cfg, faults=None, *, prompts=None, gen_s=0.0, train_s=0.0, num_generators=2, timeout=30.0, hang_clear=None
+):
     storage = InMemoryRowStorage() if hang_clear is None else HangingClearStorage(hang_clear)
-    gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
+    gens, trainer = sim_workers(
+        storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults
+    )
     ctl = Controller(cfg, prompts if prompts is not None else sim_prompts(), storage, Workers(gens, trainer))
     storage.ctl = ctl
 
@@ -96,7 +102,9 @@ def test_a_pumps_total_wait_counts_the_wait_under_way():
 
 
 async def test_step_records_split_each_pumps_waits_over_the_steps_and_count_routable_workers():
-    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, P=2), gen_s=0.002, train_s=0.002, num_generators=3)
+    ctl, trainer, storage, summary, err = await run_sim(
+        make_cfg(steps=4, P=2), gen_s=0.002, train_s=0.002, num_generators=3
+    )
     assert err is None and len(summary.history) == 4
     end = ctl.state.clock()
     for name, clk in ctl.state.pumps.items():
@@ -222,7 +230,9 @@ async def test_a_chunk_sent_behind_a_finish_that_fails_is_retried_and_trains_wha
 
 async def test_trainer_failing_past_retries_fails_the_run_with_its_cause():
     fails = {(1, 0, a) for a in range(3)}
-    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, L=1, train={"max_step_retries": 2}), Faults(train_fail=fails))
+    ctl, trainer, storage, summary, err = await run_sim(
+        make_cfg(steps=4, L=1, train={"max_step_retries": 2}), Faults(train_fail=fails)
+    )
     assert isinstance(err, RunFailed) and err.pump == "train"
     assert "train step 1 failed 3 times" in str(err) and "injected trainer failure" in str(err)
     assert trainer.aborts == 3
@@ -232,7 +242,9 @@ async def test_trainer_failing_past_retries_fails_the_run_with_its_cause():
 
 
 async def test_generation_failure_is_retried():
-    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=3, L=0, chunk=4), Faults(gen_fail={("p000003", 0)}))
+    ctl, trainer, storage, summary, err = await run_sim(
+        make_cfg(steps=3, L=0, chunk=4), Faults(gen_fail={("p000003", 0)})
+    )
     assert err is None
     rec = ctl.state.prompts["p000003"]
     assert rec.attempts == ["p000003-a0", "p000003-a1"] and rec.fate == "trained" and rec.step == 0
@@ -261,7 +273,9 @@ async def test_stalled_generation_hits_its_deadline_and_is_retried():
 
 
 async def test_deadline_error_names_what_was_awaited():
-    with pytest.raises(DeadlineExceeded, match=r"timed out after 0.01s waiting for generation worker g0: generate\(p1-a0\)"):
+    with pytest.raises(
+        DeadlineExceeded, match=r"timed out after 0.01s waiting for generation worker g0: generate\(p1-a0\)"
+    ):
         await within(asyncio.Event().wait(), 0.01, "generation worker g0: generate(p1-a0)")
 
 
@@ -462,9 +476,11 @@ async def test_a_dispatch_slice_stops_at_the_in_flight_limit_and_at_capacity(in_
     ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
     seen: list[tuple[int, int]] = []  # (groups in flight, resident groups) at each request a worker gets
     for g in gens:
+
         def counted(request, inner=g.generate):
             seen.append((ctl.state.in_flight(), ctl.state.ledger.resident()))
             return inner(request)
+
         g.generate = counted
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 4
@@ -490,11 +506,21 @@ async def test_a_dispatch_slice_stops_at_the_in_flight_limit_and_at_capacity(in_
     train_fail=st.sets(st.tuples(st.integers(0, 5), st.integers(0, 2), st.just(0)), max_size=2),
     delays=st.lists(st.integers(0, 3), min_size=30, max_size=30),
 )
-async def test_no_deadlock_and_invariants_under_arbitrary_configs(L, extra, P, G, chunk, spare, order, in_flight, drain, drop_zero, gen_fail, train_fail, delays):
+async def test_no_deadlock_and_invariants_under_arbitrary_configs(
+    L, extra, P, G, chunk, spare, order, in_flight, drain, drop_zero, gen_fail, train_fail, delays
+):
     S = L + extra
     cfg = make_cfg(
-        steps=6, P=P, G=G, L=L, S=S, chunk=min(chunk, P), order=order, in_flight=in_flight,
-        capacity=(L + 1) * P + spare, sync={"drain_policy": "drain" if drain else "keep"},
+        steps=6,
+        P=P,
+        G=G,
+        L=L,
+        S=S,
+        chunk=min(chunk, P),
+        order=order,
+        in_flight=in_flight,
+        capacity=(L + 1) * P + spare,
+        sync={"drain_policy": "drain" if drain else "keep"},
         advantage={"drop_zero_variance": drop_zero},
     )
     faults = Faults(
@@ -591,7 +617,9 @@ async def test_a_storage_error_in_a_clear_is_retried_after_a_pause():
 
 
 async def test_a_bug_in_a_storage_clear_stops_the_run_at_once_instead_of_being_retried():
-    ctl, trainer, storage, summary, err = await _run_with_failing_clear(TypeError("clear_rows() got an unexpected keyword"))
+    ctl, trainer, storage, summary, err = await _run_with_failing_clear(
+        TypeError("clear_rows() got an unexpected keyword")
+    )
     assert err is not None and isinstance(err.__cause__, TypeError), err
     assert ctl.state.counters.storage_retries == 0
 
@@ -607,7 +635,9 @@ async def test_drop_zero_variance_on_a_solved_task_is_capped_not_a_livelock():
     # Every group scores 1.0 for every sample: all zero-variance. Without a cap the step would be
     # refilled forever and no step would ever finish.
     faults = Faults(rewards=lambda prompt_id, attempt, G: (1.0,) * G)
-    cfg = make_cfg(steps=3, P=2, G=2, L=1, advantage={"drop_zero_variance": True, "max_zero_variance_drops_per_step": 3})
+    cfg = make_cfg(
+        steps=3, P=2, G=2, L=1, advantage={"drop_zero_variance": True, "max_zero_variance_drops_per_step": 3}
+    )
     ctl, trainer, storage, summary, err = await run_sim(cfg, faults, timeout=10)
     assert err is None, err
     assert summary.steps == 3
@@ -626,7 +656,9 @@ async def _run_with_dir(cfg, run_dir, *, resume=None, skip=0, history=False):
     prompts = itertools.islice(sim_prompts(), skip, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     hist = str(run_dir / "prompt_history.jsonl") if history else None
-    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(run_dir), resume=resume, prompt_history=hist)
+    ctl = Controller(
+        cfg, prompts, storage, Workers(gens, trainer), run_dir=str(run_dir), resume=resume, prompt_history=hist
+    )
 
     async def go():
         if resume is not None:
@@ -658,7 +690,9 @@ async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(t
     saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
     assert saved["step"] == 4 and saved["rolled_back"], "groups in flight at the cut are rolled back"
     check_compatible(saved, full_cfg, tmp_path / "b")  # max_steps may change on resume
-    ctl_b2, trainer_b2, storage_b2, s2 = await _run_with_dir(full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"], history=history)
+    ctl_b2, trainer_b2, storage_b2, s2 = await _run_with_dir(
+        full_cfg, tmp_path / "b", resume=saved, skip=saved["dataloader"]["taken"], history=history
+    )
     assert s2.steps == 9 and trainer_b2.optimizer_steps == 9
     # exactly once over the whole run: the resumed ledger holds steps 0..8, each prompt trained once
     assert _per_step(ctl_b2) == _per_step(ctl_a)
@@ -718,8 +752,11 @@ async def test_a_periodic_checkpoint_commits_in_the_background_while_training_go
             deadline = time.monotonic() + 10
             while len(trainer.trained) < 4 and time.monotonic() < deadline:
                 time.sleep(0.005)
-            seen.update(trained=len(trainer.trained), latest=(tmp_path / "checkpoints" / "latest").exists(),
-                        thread=threading.current_thread() is not threading.main_thread())
+            seen.update(
+                trained=len(trainer.trained),
+                latest=(tmp_path / "checkpoints" / "latest").exists(),
+                thread=threading.current_thread() is not threading.main_thread(),
+            )
         real(path)
 
     monkeypatch.setattr(ckpt, "_fsync_tree", slow_fsync)
@@ -765,7 +802,9 @@ async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt
     assert gens[0].calls_while_dead <= cfg.rollout.max_in_flight_groups
     # With max_retries=0 any charged failure would drop a prompt: none was dropped or lost.
     fates = Counter(r.fate for r in ctl.state.prompts.records())
-    assert fates["dropped"] == 0 or all(r.reason == "run_ended" for r in ctl.state.prompts.records() if r.fate == "dropped")
+    assert fates["dropped"] == 0 or all(
+        r.reason == "run_ended" for r in ctl.state.prompts.records() if r.fate == "dropped"
+    )
     died = [r for r in ctl.state.prompts.records() if r.uncharged]
     assert died and all(r.fate == "trained" for r in died if r.reason != "run_ended")
     await assert_clean_end(ctl, trainer, storage)
@@ -787,7 +826,10 @@ async def test_the_ledger_forgets_finished_steps():
     ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=120, P=2, G=2, L=1, chunk=1))
     assert err is None and summary.steps == 120
     led = ctl.state.ledger
-    assert len(led._live_by_step) <= 3 and len(led._open_by_step) <= 3, (dict(led._live_by_step), dict(led._open_by_step))
+    assert len(led._live_by_step) <= 3 and len(led._open_by_step) <= 3, (
+        dict(led._live_by_step),
+        dict(led._open_by_step),
+    )
 
 
 # -- a cancelled request writes nothing more before its rows are cleared -------------------------
@@ -884,6 +926,8 @@ async def test_requests_still_in_flight_when_the_run_fails_are_withdrawn():
 
 async def test_a_worker_that_cancels_a_request_itself_stops_the_run_naming_it():
     events: list = []
-    ctl, gens, trainer, storage = _withdrawing(make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0")
+    ctl, gens, trainer, storage = _withdrawing(
+        make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id == "p000001-a0"
+    )
     with pytest.raises(RunFailed, match=r"cancelled the request of p000001-a0 itself"):
         await asyncio.wait_for(ctl.run(), 30)

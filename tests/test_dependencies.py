@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def deptry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deptry", ".", "--no-ansi", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "deptry", ".", "--no-ansi", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_every_import_of_the_package_is_a_declared_dependency():
@@ -66,10 +67,15 @@ def test_every_module_imports_without_the_extras():
     """deptry knows no extra from another; this does: an extra's package is imported only where it
     is used (inside the backend that needs it), so every module of the default install imports, and
     a config that needs a missing extra is refused naming it (config_loader.environment_problems)."""
-    result = subprocess.run([sys.executable, "-c", IMPORT_ALL_WITHOUT_EXTRAS], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL_WITHOUT_EXTRAS], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.splitlines()[-1])
     assert out["failed"] == [], "modules importing an extra's package at import time:\n" + "\n".join(out["failed"])
-    assert {"single_controller.backends.vllm.worker", "single_controller.backends.megatron.trainer",
-            "single_controller.backends.common.hf_model", "single_controller.runtime.cli"} <= set(out["imported"])
+    assert {
+        "single_controller.backends.vllm.worker",
+        "single_controller.backends.megatron.trainer",
+        "single_controller.backends.common.hf_model",
+        "single_controller.runtime.cli",
+    } <= set(out["imported"])

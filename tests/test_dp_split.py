@@ -112,7 +112,9 @@ def test_rank_advantages_follow_the_keys_asked_for():
 
 
 def test_split_chunk_and_errors():
-    chunk = TrainChunk(step=1, chunk_index=0, row_keys=("a", "b", "c", "d"), seq_lengths=(8, 8, 8, 8), fields=("reward",))
+    chunk = TrainChunk(
+        step=1, chunk_index=0, row_keys=("a", "b", "c", "d"), seq_lengths=(8, 8, 8, 8), fields=("reward",)
+    )
     split = split_chunk(chunk, 2)
     assert [split.rank_tokens(r) for r in range(2)] == [16, 16]
     with pytest.raises(ValueError, match="3 keys but 2 seq_lengths"):

@@ -35,14 +35,22 @@ def _cmd(tmp_path: Path, *overrides: str, resume: Path | None = None) -> list[st
     if resume is not None:
         return [*base, "--resume", str(resume), *overrides]
     return [
-        *base, str(ROOT / "configs/embedded.yaml"), f"run.output_dir={tmp_path}", "run.progress_bar=false",
-        "metrics.port=0", "run.stop_at_success_rate=null", "run.plot=false", *overrides,
+        *base,
+        str(ROOT / "configs/embedded.yaml"),
+        f"run.output_dir={tmp_path}",
+        "run.progress_bar=false",
+        "metrics.port=0",
+        "run.stop_at_success_rate=null",
+        "run.plot=false",
+        *overrides,
     ]
 
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
     # A session of its own: "the whole run" is this process group.
-    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 400) -> list[str]:
@@ -162,7 +170,15 @@ def test_kill_9_of_the_whole_run_then_resume_loses_and_repeats_nothing(tmp_path)
         ckpt = (run_dir / "checkpoints" / "latest").read_text().strip()
         steps = int(ckpt.split("_")[1])
         # killed once step `target` was reported: at least target + 1 steps were done
-        report.append({"crash": i, "steps_done": target + 1, "resumes_from": steps, "lost_steps": target + 1 - steps, "wall_s": time.monotonic() - t0})
+        report.append(
+            {
+                "crash": i,
+                "steps_done": target + 1,
+                "resumes_from": steps,
+                "lost_steps": target + 1 - steps,
+                "wall_s": time.monotonic() - t0,
+            }
+        )
     final = steps + 6
     t0 = time.monotonic()
     out = _run_to_end(_cmd(tmp_path, f"run.max_steps={final}", resume=run_dir), tmp_path)
@@ -188,7 +204,9 @@ def _generation_actor_pids(session: int) -> list[int]:
 
 
 def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
-    proc = _start(_cmd(tmp_path, "run.max_steps=14", "backend.num_generation_workers=2", "rollout.max_retries=0"), tmp_path)
+    proc = _start(
+        _cmd(tmp_path, "run.max_steps=14", "backend.num_generation_workers=2", "rollout.max_retries=0"), tmp_path
+    )
     try:
         _wait_for_step(proc, 5)
         victims = _generation_actor_pids(proc.pid)
@@ -237,7 +255,9 @@ def test_kill_9_of_a_trainer_rank_stops_with_a_named_error_and_a_resumable_check
     assert "Traceback" not in out
     (run_dir,) = list(tmp_path.glob("embedded-*"))
     # one paragraph: which pump, what happened (naming the rank), where the checkpoint is, how to resume
-    assert re.search(r"run failed in the train pump after \d+ steps: TrainerRankDied: trainer rank 0 died", out), out[-2000:]
+    assert re.search(r"run failed in the train pump after \d+ steps: TrainerRankDied: trainer rank 0 died", out), out[
+        -2000:
+    ]
     assert "last checkpoint:" in out and f"sc-grpo run --resume {run_dir}" in out
     assert "Traceback" in (run_dir / "error.log").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())

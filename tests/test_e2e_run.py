@@ -7,7 +7,6 @@ exactly one fate, and no Ray process outlives the run — also when it is interr
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -27,7 +26,12 @@ def _ray_pids() -> set[int]:
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if (p.info["name"] or "").startswith("ray::") or "raylet" in cmd or "gcs_server" in cmd or cmd.startswith("ray::"):
+            if (
+                (p.info["name"] or "").startswith("ray::")
+                or "raylet" in cmd
+                or "gcs_server" in cmd
+                or cmd.startswith("ray::")
+            ):
                 out.add(p.info["pid"])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -46,8 +50,15 @@ def _wait_gone(pids: set[int], timeout: float) -> set[int]:
 
 def _cmd(tmp_path: Path, *overrides: str) -> list[str]:
     return [
-        sys.executable, "-m", "single_controller", "run", str(ROOT / "configs/embedded.yaml"),
-        f"run.output_dir={tmp_path}", "run.progress_bar=false", "metrics.port=0", *overrides,
+        sys.executable,
+        "-m",
+        "single_controller",
+        "run",
+        str(ROOT / "configs/embedded.yaml"),
+        f"run.output_dir={tmp_path}",
+        "run.progress_bar=false",
+        "metrics.port=0",
+        *overrides,
     ]
 
 
@@ -55,7 +66,10 @@ def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path):
     before = _ray_pids()
     proc = subprocess.run(
         _cmd(tmp_path, "run.max_steps=60", "run.stop_at_success_rate=null"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=400,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -67,7 +81,13 @@ def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path):
     # random policy: ~1/13 per position; 60 steps of GRPO at lr 1e-3 measured ~0.2 here
     assert last > first + 0.05, (first, last)
     assert max(r["train/staleness_max"] for r in records) <= 1
-    for name in ("config.yaml", "summary.json", "prompt_ledger.json", "checkpoint/model.safetensors", "checkpoint/config.json"):
+    for name in (
+        "config.yaml",
+        "summary.json",
+        "prompt_ledger.json",
+        "checkpoint/model.safetensors",
+        "checkpoint/config.json",
+    ):
         assert (run_dir / name).exists(), name
     ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
     assert all(p["fate"] in ("trained", "dropped", "evicted") for p in ledger)
@@ -90,7 +110,10 @@ def test_ctrl_c_exits_within_30s_and_leaves_no_ray_processes(tmp_path):
     before = _ray_pids()
     proc = subprocess.Popen(
         _cmd(tmp_path, "run.max_steps=100000", "run.stop_at_success_rate=null"),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300

@@ -17,11 +17,9 @@ from hypothesis import strategies as st
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
 from single_controller.backends.sim import Faults, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
-from single_controller.config.schema import Config, EvalConfig, RunConfig
 from single_controller.config.loader import ConfigError, load_config
+from single_controller.config.schema import Config, EvalConfig, RunConfig
 from single_controller.controller import Controller, RunFailed
-from single_controller.runtime.actor_host import make_dataloader
-from single_controller.state import Workers
 from single_controller.data.tasks import (
     EVAL_DATASETS,
     TASKS,
@@ -29,6 +27,8 @@ from single_controller.data.tasks import (
     is_held_out,
     load_eval_prompts,
 )
+from single_controller.runtime.actor_host import make_dataloader
+from single_controller.state import Workers
 from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams, WeightsHandle
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -49,7 +49,9 @@ def test_held_out_split_is_disjoint_from_every_training_pool(task, num_digits):
     assert held_out and all(is_held_out(_digits(p)) for p in held_out)
     assert len({p.token_ids for p in held_out}) == len(held_out)  # distinct prompts
     if num_digits <= 2:  # small spaces are enumerated: every held-out string is there
-        assert {_digits(p) for p in held_out} == {s for s in (str(i).zfill(num_digits) for i in range(10**num_digits)) if is_held_out(s)}
+        assert {_digits(p) for p in held_out} == {
+            s for s in (str(i).zfill(num_digits) for i in range(10**num_digits)) if is_held_out(s)
+        }
     for seed in range(3):
         train = TASKS[task](500, num_digits, seed)
         assert not {p.token_ids for p in train} & {p.token_ids for p in held_out}
@@ -67,7 +69,9 @@ def test_training_dataloader_never_yields_an_eval_prompt(monkeypatch):
     # A custom eval set overlapping the training pool is taken out of training.
     overlap = TASKS["reverse_digits"](20, 3, 0)
     monkeypatch.setitem(sys.modules, "_sc_eval_custom", types.SimpleNamespace(overlap=lambda n, d, s: overlap[:n]))
-    cfg = load_config(None, ["eval.enabled=true", "eval.dataset=_sc_eval_custom:overlap", "eval.num_prompts=5", "task.num_prompts=20"])
+    cfg = load_config(
+        None, ["eval.enabled=true", "eval.dataset=_sc_eval_custom:overlap", "eval.num_prompts=5", "task.num_prompts=20"]
+    )
     excluded = {p.token_ids for p in overlap[:5]}
     taken = [p for p, _ in zip(make_dataloader(cfg), range(60))]
     assert taken and not any(p.token_ids in excluded for p in taken)
@@ -80,7 +84,13 @@ def test_eval_metrics_by_hand():
     ]
     m = eval_metrics(res, success_reward=1.0)
     # accuracy 1/4 completions; reward (1 + .5 + 0 + .25) / 4; pass@2: prompt a solved, b not
-    assert m == {"eval/accuracy": 0.25, "eval/reward_mean": 0.4375, "eval/pass@2": 0.5, "eval/tokens": 11.0, "eval/prompts": 2.0}
+    assert m == {
+        "eval/accuracy": 0.25,
+        "eval/reward_mean": 0.4375,
+        "eval/pass@2": 0.5,
+        "eval/tokens": 11.0,
+        "eval/prompts": 2.0,
+    }
 
 
 # -- the eval pump on the simulated backend ----------------------------------------------------
@@ -116,9 +126,22 @@ def hold(ctl, gens, prompt_id: str, until) -> None:
         g.generate = held
 
 
-async def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_generators=2, prompts=EVAL_PROMPTS, timeout=30.0, held=None, on_step=None):
+async def run_eval_sim(
+    cfg,
+    faults=None,
+    *,
+    gen_s=0.001,
+    train_s=0.001,
+    num_generators=2,
+    prompts=EVAL_PROMPTS,
+    timeout=30.0,
+    held=None,
+    on_step=None,
+):
     storage = KeySpyStorage()
-    gens, trainer = sim_workers(storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults)
+    gens, trainer = sim_workers(
+        storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults
+    )
     ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=prompts)
     if held is not None:
         hold(ctl, gens, *held)
@@ -142,7 +165,10 @@ async def run_eval_sim(cfg, faults=None, *, gen_s=0.001, train_s=0.001, num_gene
 
 def expected_point(version: int, prompts=EVAL_PROMPTS, success=1.0) -> dict:
     """What a point for `version` must report: every reward computed from that version alone."""
-    res = [GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, version, 1), (3,), 5, version, version) for p in prompts]
+    res = [
+        GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, version, 1), (3,), 5, version, version)
+        for p in prompts
+    ]
     return eval_metrics(res, success)
 
 
@@ -187,7 +213,9 @@ async def test_weight_update_during_eval_reissues_and_reports_one_version():
     # the round's start, so each round sees a newer version and must re-issue the rest.
     slow = EVAL_PROMPTS[3].prompt_id
     cfg = eval_cfg(steps=30, every=10)
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(
+        cfg, held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done)
+    )
     assert err is None and summary.steps == 30
     first = ctl.eval_history[0]
     assert first["eval/policy_version"] > 0 and first["eval/reissued"] >= len(EVAL_PROMPTS) - 1
@@ -211,7 +239,9 @@ async def test_without_reissue_a_point_mixes_versions(monkeypatch):
 
     monkeypatch.setattr(ev, "_round", lax_round)
     slow = EVAL_PROMPTS[3].prompt_id
-    ctl, *_ = await run_eval_sim(eval_cfg(steps=30, every=10), held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done))
+    ctl, *_ = await run_eval_sim(
+        eval_cfg(steps=30, every=10), held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done)
+    )
     with pytest.raises(AssertionError, match="mixes versions"):
         assert_points_served_by_their_version(ctl)
 
@@ -269,7 +299,9 @@ async def test_run_end_during_eval_reports_the_final_version_and_ends():
     # The first round's held request outlives training: the round follows the versions to the
     # final one, which is then the end-of-run point; nothing hangs waiting for more updates.
     slow = EVAL_PROMPTS[0].prompt_id
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(eval_cfg(steps=5, every=100), held=(slow, lambda st: st.stop.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(
+        eval_cfg(steps=5, every=100), held=(slow, lambda st: st.stop.train_done)
+    )
     assert err is None and summary.steps == 5
     assert [r["eval/policy_version"] for r in ctl.eval_history] == [5]
     assert ctl.eval_history[0]["eval/trainer_version"] == 5
@@ -279,7 +311,9 @@ async def test_run_end_during_eval_reports_the_final_version_and_ends():
 
 async def test_early_stop_during_eval_still_evaluates_the_final_version():
     cfg = eval_cfg(steps=50, every=100, run={"stop_at_success_rate": 0.0, "success_window": 2})
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.stop.train_done))
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(
+        cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: st.stop.train_done)
+    )
     assert err is None and summary.steps == 2
     assert ctl.eval_history[-1]["eval/policy_version"] == 2
     await assert_eval_left_nothing(ctl, gens, trainer, storage)
@@ -293,7 +327,9 @@ async def test_interrupt_during_eval_stops_without_a_last_round():
             ctl.state.request_stop("interrupted", abandon_open_step=True)
 
     cfg = eval_cfg(steps=20, every=2)
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: False), on_step=interrupt)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(
+        cfg, held=(EVAL_PROMPTS[0].prompt_id, lambda st: False), on_step=interrupt
+    )
     assert err is None and 3 <= summary.steps < 20
     assert ctl.eval_history == [] and ctl.eval_tracker.statistics().failed == 0
     assert ctl.eval_tracker.statistics().requests == len(EVAL_PROMPTS)  # one round, never re-issued
@@ -310,7 +346,9 @@ async def test_run_failure_during_eval_cancels_it_and_leaves_nothing():
     assert ctl.eval_history == []
     await assert_clean_end(ctl, trainer, storage)
     assert [await g.in_flight() for g in gens] == [0] * len(gens)
-    assert storage.put_keys <= {k for g in gens for gid in g.generated for k in row_keys(gid, ctl.cfg.rollout.group_size)}
+    assert storage.put_keys <= {
+        k for g in gens for gid in g.generated for k in row_keys(gid, ctl.cfg.rollout.group_size)
+    }
 
 
 async def test_eval_off_adds_no_pump():
@@ -335,7 +373,9 @@ async def test_sim_worker_queue_eval_lane_first_fifo_within_skipping_cancelled_c
 
     def req(i, ev=False):
         if ev:
-            return GenerationRequest(f"eval0-h{i}-a0", Prompt(f"h{i}", (1, 2)), SamplingParams(2, temperature=0.0), eval=True)
+            return GenerationRequest(
+                f"eval0-h{i}-a0", Prompt(f"h{i}", (1, 2)), SamplingParams(2, temperature=0.0), eval=True
+            )
         return GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2))
 
     async def go(r):
@@ -382,7 +422,9 @@ async def test_sim_batching_worker_serves_a_ticks_requests_together_at_one_versi
     assert sorted(done) == ["p0-a0", "p2-a0", "p3-a0", "p4-a0"]
     (v0, e0), (v2, e2), (v3, e3), (v4, e4) = (done[k] for k in sorted(done))
     assert (v0, v2, v3, v4) == (0, 0, 1, 1)  # one version per batch; the update landed between them
-    assert abs(e2 - e0) < 0.004 and abs(e4 - e3) < 0.004  # each batch's results come back together (serially: 0.01 apart)
+    assert (
+        abs(e2 - e0) < 0.004 and abs(e4 - e3) < 0.004
+    )  # each batch's results come back together (serially: 0.01 apart)
     assert e0 - t0 >= 0.03 - 0.002 and e3 - e0 >= 0.02 - 0.002  # each batch takes its requests' summed time
     assert await w.in_flight() == 0
     with pytest.raises(ValueError, match="max_batch"):
@@ -423,7 +465,9 @@ def _cpu_core(storage, version=0):
 
     torch.set_num_threads(1)
     model = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=3)
-    return GenerationCore(model, storage, "single_controller.data.tasks:positional_match_reward", seed=0, version=version), model
+    return GenerationCore(
+        model, storage, "single_controller.data.tasks:positional_match_reward", seed=0, version=version
+    ), model
 
 
 async def test_cpu_core_scores_eval_requests_greedily_and_stores_only_rollout_rows():
@@ -458,7 +502,13 @@ async def test_cpu_actor_takes_the_eval_lane_first():
     from test_torch_generation import GatedCore, request
 
     storage = InMemoryRowStorage()
-    actor = GenerationActor("gen-eval", ModelConfig(), lambda: storage, "single_controller.data.tasks:positional_match_reward", max_batch_groups=4)
+    actor = GenerationActor(
+        "gen-eval",
+        ModelConfig(),
+        lambda: storage,
+        "single_controller.data.tasks:positional_match_reward",
+        max_batch_groups=4,
+    )
     _, model = _cpu_core(storage)
     snap = pack_weights(model, 0)
     await actor.update_weights(WeightsHandle(0, snap, snap.manifest.num_bytes))
@@ -467,7 +517,10 @@ async def test_cpu_actor_takes_the_eval_lane_first():
     await asyncio.to_thread(gate.started.wait, 10)
     queued = [asyncio.create_task(actor.generate(request(i))) for i in range(1, 7)]
     greedy = SamplingParams(1, temperature=0.0)
-    evals = [asyncio.create_task(actor.generate(GenerationRequest(f"eval0-{p.prompt_id}-a0", p, greedy, eval=True))) for p in EVAL_PROMPTS[:2]]
+    evals = [
+        asyncio.create_task(actor.generate(GenerationRequest(f"eval0-{p.prompt_id}-a0", p, greedy, eval=True)))
+        for p in EVAL_PROMPTS[:2]
+    ]
     for _ in range(5):
         await asyncio.sleep(0)
     assert await actor.in_flight() == 9
@@ -516,7 +569,10 @@ async def test_prometheus_exports_the_last_eval_point():
     samples = {s.name: s for fam in families(ctl.statistics()) for s in fam.samples}
     last = ctl.eval_history[-1]
     assert samples["sc_grpo_eval_accuracy"].value == last["eval/accuracy"]
-    assert samples["sc_grpo_eval_pass_at_k"].labels == {"k": "1"} and samples["sc_grpo_eval_pass_at_k"].value == last["eval/pass@1"]
+    assert (
+        samples["sc_grpo_eval_pass_at_k"].labels == {"k": "1"}
+        and samples["sc_grpo_eval_pass_at_k"].value == last["eval/pass@1"]
+    )
     assert samples["sc_grpo_eval_policy_version"].value == 4
     assert samples["sc_grpo_eval_rounds_total"].value == len(ctl.eval_history)
     assert samples["sc_grpo_eval_in_progress"].value == 0
@@ -558,8 +614,14 @@ def test_embedded_run_with_eval_reports_accuracy_rising_from_zero(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     cmd = [
-        sys.executable, "-m", "single_controller", "run", str(root / "configs/embedded_eval.yaml"),
-        f"run.output_dir={tmp_path}", "run.progress_bar=false", "metrics.port=0",
+        sys.executable,
+        "-m",
+        "single_controller",
+        "run",
+        str(root / "configs/embedded_eval.yaml"),
+        f"run.output_dir={tmp_path}",
+        "run.progress_bar=false",
+        "metrics.port=0",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -615,22 +677,39 @@ async def test_status_shows_the_last_eval_point():
     eval_delay=st.dictionaries(st.integers(0, 7), st.integers(1, 30), max_size=3),
     gen_fail=st.sets(st.integers(0, 20), max_size=3),
 )
-async def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(L, every, samples, num_generators, eval_fail, eval_delay, gen_fail):
+async def test_no_hang_and_every_point_consistent_under_arbitrary_eval_faults(
+    L, every, samples, num_generators, eval_fail, eval_delay, gen_fail
+):
     cfg = make_cfg(
-        steps=6, L=L, eval={"enabled": True, "every_steps": every, "num_prompts": 8, "num_samples": samples,
-                            "temperature": 1.0, "max_retries": 2},
+        steps=6,
+        L=L,
+        eval={
+            "enabled": True,
+            "every_steps": every,
+            "num_prompts": 8,
+            "num_samples": samples,
+            "temperature": 1.0,
+            "max_retries": 2,
+        },
     )
     ids = [p.prompt_id for p in EVAL_PROMPTS]
     faults = Faults(
         gen_fail={(ids[i], a) for i, a in eval_fail} | {(f"p{i:06d}", 0) for i in gen_fail},
         gen_delay={(ids[i], 0): ms * 0.001 for i, ms in eval_delay.items()},
     )
-    ctl, gens, trainer, storage, summary, err = await run_eval_sim(cfg, faults, num_generators=num_generators, timeout=20)
+    ctl, gens, trainer, storage, summary, err = await run_eval_sim(
+        cfg, faults, num_generators=num_generators, timeout=20
+    )
     assert err is None and summary.steps == 6
-    assert ctl.eval_history and ctl.eval_history[-1]["eval/policy_version"] == 6  # at most 2 failures each: never abandoned
+    assert (
+        ctl.eval_history and ctl.eval_history[-1]["eval/policy_version"] == 6
+    )  # at most 2 failures each: never abandoned
     for rec in ctl.eval_history:
         v = rec["eval/policy_version"]
-        res = [GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, v, samples), (3,) * samples, 5, v, v) for p in EVAL_PROMPTS]
+        res = [
+            GenerationResult(p.prompt_id, sim_eval_rewards(p.prompt_id, v, samples), (3,) * samples, 5, v, v)
+            for p in EVAL_PROMPTS
+        ]
         assert {k: rec[k] for k in eval_metrics(res, 1.0)} == eval_metrics(res, 1.0)
     await assert_eval_left_nothing(ctl, gens, trainer, storage)
 

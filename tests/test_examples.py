@@ -27,14 +27,27 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 NAMES = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
 # quick runs: a few steps, no plot, no progress bar, any free metrics port
-QUICK = ["run.max_steps=3", "run.stop_at_success_rate=null", "run.progress_bar=false", "run.plot=false", "metrics.port=0"]
+QUICK = [
+    "run.max_steps=3",
+    "run.stop_at_success_rate=null",
+    "run.progress_bar=false",
+    "run.plot=false",
+    "metrics.port=0",
+]
 
 
 def sc_grpo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The `sc-grpo` console script (what users type), run from the repository root."""
     exe = shutil.which("sc-grpo") or str(Path(sys.executable).with_name("sc-grpo"))
-    return subprocess.run([exe, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [exe, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> None:
@@ -102,7 +115,10 @@ def test_custom_dataset_example_trains_the_files_prompts(tmp_path):
     (run_dir,) = tmp_path.glob("custom_dataset-*")
     assert len(metrics(run_dir)) == 3
     ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
-    in_file = {json.loads(line)["id"]: json.loads(line) for line in (EXAMPLES / "custom_dataset/prompts.jsonl").read_text().splitlines()}
+    in_file = {
+        json.loads(line)["id"]: json.loads(line)
+        for line in (EXAMPLES / "custom_dataset/prompts.jsonl").read_text().splitlines()
+    }
     trained = [p for p in ledger if p["fate"] == "trained"]
     assert len(trained) == 3 * 16  # 3 steps of train.groups_per_step prompts
     for p in trained:
@@ -137,6 +153,10 @@ def _two_gpus() -> bool:
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and the gpu extra (vllm, megatron-core)")
 def test_gpu_example_runs(tmp_path):
     model = tmp_path / "model"
-    ok(sc_grpo("run", "examples/gpu/config.yaml", f"model.path={model}", f"run.output_dir={tmp_path}", *QUICK, timeout=600))
+    ok(
+        sc_grpo(
+            "run", "examples/gpu/config.yaml", f"model.path={model}", f"run.output_dir={tmp_path}", *QUICK, timeout=600
+        )
+    )
     (run_dir,) = tmp_path.glob("gpu-*")
     assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]

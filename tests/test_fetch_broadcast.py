@@ -143,7 +143,9 @@ def test_fetch_and_broadcast_two_gloo_ranks(tmp_path):
         assert all(torch.equal(g, w) for g, w in zip(got["response_mask"], cols["response_mask"]))
     # the reader re-raises its own error; its sibling gets it by name
     assert "missing keys ['zz_g0']" in outs[1]["error"]
-    assert outs[0]["error"].startswith("rank 1 could not read the 6 rows") and "missing keys ['zz_g0']" in outs[0]["error"]
+    assert (
+        outs[0]["error"].startswith("rank 1 could not read the 6 rows") and "missing keys ['zz_g0']" in outs[0]["error"]
+    )
     assert outs[0]["empty"] == outs[1]["empty"] == [0, 0]
 
 

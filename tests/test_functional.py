@@ -69,11 +69,18 @@ def _run(script: str, device: str, work: Path) -> None:
     }
     proc = subprocess.run(
         ["bash", str(ROOT / "tests/functional" / f"{script}.sh")],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
     )
     out = proc.stdout
     fail = [line for line in out.splitlines() if line.startswith("FAIL [")]
-    assert proc.returncode == 0, f"{script} ({device}) exited {proc.returncode}: {fail[0] if fail else ''}\n{out[-6000:]}"
+    assert proc.returncode == 0, (
+        f"{script} ({device}) exited {proc.returncode}: {fail[0] if fail else ''}\n{out[-6000:]}"
+    )
     assert f"PASS [{script}]" in out, out[-3000:]
 
 

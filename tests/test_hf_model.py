@@ -13,15 +13,15 @@ import safetensors  # noqa: E402
 import torch  # noqa: E402
 
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
+from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
-from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.torch.model import build_policy, load_hf_policy, save_policy, state_module  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
-from single_controller.runtime.cli import main as cli_main  # noqa: E402
-from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.config.loader import ConfigError, check_environment, load_config  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.runtime.cli import main as cli_main  # noqa: E402
 from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402
 
 
@@ -40,7 +40,11 @@ def test_init_model_writes_a_tiny_llama_with_the_tasks_tokenizer(model_dir):
     text = "^" + "0123456789" + ">+-=:?$_"
     assert tok(text)["input_ids"] == TOKENIZER.encode(text)  # no BOS added, one token per character
     assert tok.decode(TOKENIZER.encode("^321>")) == "^321>"
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (TOKENIZER.bos_id, TOKENIZER.eos_id, TOKENIZER.pad_id)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        TOKENIZER.bos_id,
+        TOKENIZER.eos_id,
+        TOKENIZER.pad_id,
+    )
 
 
 def test_init_model_command(tmp_path):
@@ -119,11 +123,14 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     snap = trainer.publish_weights(1)
     storage = InMemoryRowStorage()
-    gen = GenerationCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0).requires_grad_(False), storage, cfg.task.reward_fn)
+    gen = GenerationCore(
+        build_policy(cfg.model, TOKENIZER.vocab_size, seed=0).requires_grad_(False), storage, cfg.task.reward_fn
+    )
     gen.load_weights(snap)
     prompts = reverse_digits(4, 3, seed=0)
     reqs = [
-        GenerationRequest(f"g{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"g{i}", 4)) for i, p in enumerate(prompts)
+        GenerationRequest(f"g{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"g{i}", 4))
+        for i, p in enumerate(prompts)
     ]
     results = gen.generate(reqs)
     assert all(r.version_start == r.version_end == 1 for r in results)

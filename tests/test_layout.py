@@ -84,7 +84,7 @@ def test_no_import_cycle_between_modules():
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 dfs(n)
         stack.pop()
@@ -131,7 +131,9 @@ def test_the_algorithm_is_pure():
                 names = [node.module]
             for n in names:
                 root = n.split(".")[0]
-                if root in forbidden or (root in PACKAGES and not n.startswith(("single_controller.algorithm", "single_controller.types"))):
+                if root in forbidden or (
+                    root in PACKAGES and not n.startswith(("single_controller.algorithm", "single_controller.types"))
+                ):
                     bad.append(f"{m} imports {n}")
     assert not bad, "\n".join(bad)
 

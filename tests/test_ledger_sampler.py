@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
 from replay.ledger import TERMINAL, CapacityError, GroupLedger, GroupState, LedgerError, PromptLedger, _record_dict
 from samplers.staleness import StalenessSampler
+from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
 from single_controller.config.schema import SamplerConfig
 from single_controller.types import GenerationResult, Prompt
 
@@ -65,7 +65,9 @@ def test_capacity_counts_resident_rows_until_release():
 
 def test_refill_targets_the_step_a_dropped_group_was_meant_for():
     led = GroupLedger(capacity=10, group_size=2, groups_per_step=2, max_steps=3)
-    gs = [led.reserve(prompt(i), attempt=0, target_step=led.next_target_step(), policy_version=0, now=0) for i in range(4)]
+    gs = [
+        led.reserve(prompt(i), attempt=0, target_step=led.next_target_step(), policy_version=0, now=0) for i in range(4)
+    ]
     assert [g.target_step for g in gs] == [0, 0, 1, 1]
     assert led.next_target_step() == 2
     led.drop(gs[1].group_id, "generation_failed")
@@ -137,7 +139,11 @@ def test_marking_a_step_trained_at_once_is_marking_its_groups_one_by_one():
     assert [g.state for g in many.all_records()] == [g.state for g in one.all_records()]
     assert many.statistics() == one.statistics() and many.next_target_step() == one.next_target_step() == 2
     # the per-step counts that decide refills and retire finished steps agree too
-    assert (many._open_by_step, many._live_by_step, many._min_short_step) == (one._open_by_step, one._live_by_step, one._min_short_step)
+    assert (many._open_by_step, many._live_by_step, many._min_short_step) == (
+        one._open_by_step,
+        one._live_by_step,
+        one._min_short_step,
+    )
     for g in groups[:2]:
         many.release(g.group_id)
         one.release(g.group_id)
@@ -210,7 +216,12 @@ def _ready_group(led, i, target, version):
 @pytest.mark.parametrize("order", ["in_order", "fifo", "freshest"])
 def test_select_orders(order):
     led = GroupLedger(capacity=10, group_size=2, groups_per_step=3, max_steps=10)
-    gs = [_ready_group(led, 0, 2, 0), _ready_group(led, 1, 2, 2), _ready_group(led, 2, 3, 1), _ready_group(led, 3, 2, 1)]
+    gs = [
+        _ready_group(led, 0, 2, 0),
+        _ready_group(led, 1, 2, 2),
+        _ready_group(led, 2, 3, 1),
+        _ready_group(led, 3, 2, 1),
+    ]
     s = StalenessSampler(SamplerConfig(order=order, max_lookahead_versions=1, max_staleness_versions=1))
     picked = [g.prompt.prompt_id for g in s.select(led.in_state(GroupState.READY), 2, 10)]
     # staleness at step 2: p0 -> 2 (excluded everywhere), p1 -> 0, p2 -> 1, p3 -> 1
@@ -231,9 +242,13 @@ class LedgerMachine(RuleBasedStateMachine):
     )
     def setup(self, L, extra, P, order, spare):
         self.S = L + extra
-        self.sampler = StalenessSampler(SamplerConfig(max_lookahead_versions=L, max_staleness_versions=self.S, order=order))
+        self.sampler = StalenessSampler(
+            SamplerConfig(max_lookahead_versions=L, max_staleness_versions=self.S, order=order)
+        )
         self.P = P
-        self.ledger = GroupLedger(capacity=self.sampler.required_capacity(P) + spare, group_size=2, groups_per_step=P, max_steps=8)
+        self.ledger = GroupLedger(
+            capacity=self.sampler.required_capacity(P) + spare, group_size=2, groups_per_step=P, max_steps=8
+        )
         self.policy = 0  # generation weights version
         self.step = 0  # trainer version: the step being assembled
         self.n = 0
@@ -273,7 +288,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.ledger.count(GroupState.RESERVED) + self.ledger.count(GroupState.COMMITTED) > 0)
     @rule(data=st.data())
     def fail(self, data):
-        g = data.draw(st.sampled_from(self.ledger.in_state(GroupState.RESERVED) + self.ledger.in_state(GroupState.COMMITTED)))
+        g = data.draw(
+            st.sampled_from(self.ledger.in_state(GroupState.RESERVED) + self.ledger.in_state(GroupState.COMMITTED))
+        )
         self.ledger.drop(g.group_id, "generation_failed")
         self.ledger.release(g.group_id)
 
@@ -357,7 +374,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 TestLedgerMachine = LedgerMachine.TestCase
-TestLedgerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestLedgerMachine.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # -- the prompt ledger with a history file (settled records leave memory) -------------------------
@@ -457,7 +476,9 @@ class _FullDisk:
     fate=st.sampled_from(["trained", "dropped", "evicted"]),
     reason=st.one_of(st.none(), st.text(max_size=8)),
 )
-def test_a_prompt_history_line_is_exactly_what_json_dumps_writes(tmp_path_factory, prompt_id, tokens, answer, attempts, fate, reason):
+def test_a_prompt_history_line_is_exactly_what_json_dumps_writes(
+    tmp_path_factory, prompt_id, tokens, answer, attempts, fate, reason
+):
     """The history line is written without the generic JSON encoder (it was the largest single cost
     of settling a prompt): byte for byte what json.dumps of the record writes, for any text."""
     hist = tmp_path_factory.mktemp("h") / "prompt_history.jsonl"

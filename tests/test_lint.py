@@ -18,9 +18,7 @@ LINTED = ["single_controller", "pumps", "samplers", "replay", "tests", "examples
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_ruff_check_is_clean():

@@ -74,8 +74,12 @@ def test_old_logprobs_make_the_clip_bind_in_decoupled_mode():
     # -> -1.2 with zero gradient. Single token (mask), A = 1.
     logp = _logp([[L(0.5)]])
     out = grpo_loss(
-        logp, T64([[L(0.4)]]), torch.tensor([1.0]), torch.tensor([[True]]),
-        LossConfig(is_truncation=2.0, clip_eps=0.2), old_logprobs=T64([[L(0.4)]]),
+        logp,
+        T64([[L(0.4)]]),
+        torch.tensor([1.0]),
+        torch.tensor([[True]]),
+        LossConfig(is_truncation=2.0, clip_eps=0.2),
+        old_logprobs=T64([[L(0.4)]]),
     )
     assert out.loss_sum.item() == pytest.approx(-1.2, rel=1e-12)
     out.loss_sum.backward()

@@ -23,15 +23,28 @@ CPU_CFG = str(ROOT / "configs/megatron_cpu.yaml")
 def _model_dir(tmp_path: Path, heads: int, kv_heads: int | None = None) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": kv_heads or heads,
-        "hidden_size": 32 * heads, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 16,
-    }))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads or heads,
+                "hidden_size": 32 * heads,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "vocab_size": 16,
+            }
+        )
+    )
     return d
 
 
 def _megatron_problems(cfg):
-    return [p for p in environment_problems(cfg) if any(k.startswith("megatron.") or k == "backend.num_trainer_ranks" for k in p.paths)]
+    return [
+        p
+        for p in environment_problems(cfg)
+        if any(k.startswith("megatron.") or k == "backend.num_trainer_ranks" for k in p.paths)
+    ]
 
 
 def test_the_shipped_cpu_config_is_ready_on_this_machine():
@@ -52,7 +65,10 @@ def test_tp_times_dp_must_be_the_rank_count():
 
 def test_tp_must_divide_the_heads_of_the_model_directory(tmp_path):
     d = _model_dir(tmp_path, heads=6, kv_heads=3)
-    cfg = load_config(CPU_CFG, [f"model.path={d}", "model.create=false", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1"])
+    cfg = load_config(
+        CPU_CFG,
+        [f"model.path={d}", "model.create=false", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1"],
+    )
     problems = [p for p in environment_problems(cfg) if "megatron.tensor_parallel_size" in p.paths]
     assert len(problems) == 1
     assert "does not divide the model's 3 key/value heads" in problems[0].message
@@ -60,7 +76,15 @@ def test_tp_must_divide_the_heads_of_the_model_directory(tmp_path):
 
 def test_tp_must_divide_the_heads_of_the_model_create_writes():
     with pytest.raises(ConfigError) as e:
-        load_config(CPU_CFG, ["model.n_heads=1", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1", "model.path=/nonexistent/m"])
+        load_config(
+            CPU_CFG,
+            [
+                "model.n_heads=1",
+                "megatron.tensor_parallel_size=2",
+                "megatron.data_parallel_size=1",
+                "model.path=/nonexistent/m",
+            ],
+        )
     assert any("does not divide the 1 attention heads" in p.message for p in e.value.problems)
 
 
@@ -83,7 +107,9 @@ def test_missing_megatron_extra_names_the_extra(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a)
+    )
     cfg = load_config(CPU_CFG, [])
     problems = [p for p in environment_problems(cfg) if p.paths == ("backend.trainer",)]
     assert len(problems) == 1
@@ -99,8 +125,20 @@ def test_megatron_needs_a_model_directory():
 def test_sc_grpo_run_reports_a_bad_layout_before_starting_anything(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "single_controller", "run", CPU_CFG, "megatron.data_parallel_size=3", f"run.output_dir={tmp_path}"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "single_controller",
+            "run",
+            CPU_CFG,
+            "megatron.data_parallel_size=3",
+            f"run.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
     )
     assert out.returncode != 0
     assert "must equal backend.num_trainer_ranks = 2" in " ".join((out.stderr + out.stdout).split())  # (wrapped)
@@ -111,16 +149,29 @@ def test_sc_grpo_run_reports_a_bad_layout_before_starting_anything(tmp_path):
 def _gpt2_model_dir(tmp_path: Path, heads: int, **over) -> Path:
     d = tmp_path / "gpt2"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "n_head": heads, "n_embd": 32 * heads, "n_inner": None, "n_layer": 1, "n_positions": 32,
-        "vocab_size": 16, **over,
-    }))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_head": heads,
+                "n_embd": 32 * heads,
+                "n_inner": None,
+                "n_layer": 1,
+                "n_positions": 32,
+                "vocab_size": 16,
+                **over,
+            }
+        )
+    )
     return d
 
 
 def test_tp_must_divide_the_heads_of_a_gpt2_model_directory(tmp_path):
     d = _gpt2_model_dir(tmp_path, heads=3)
-    cfg = load_config(CPU_CFG, [f"model.path={d}", "model.create=false", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1"])
+    cfg = load_config(
+        CPU_CFG,
+        [f"model.path={d}", "model.create=false", "megatron.tensor_parallel_size=2", "megatron.data_parallel_size=1"],
+    )
     problems = [p for p in environment_problems(cfg) if "megatron.tensor_parallel_size" in p.paths]
     assert len(problems) == 1
     assert "does not divide the model's 3 attention heads" in problems[0].message
@@ -138,10 +189,23 @@ def test_an_unsupported_architecture_is_refused_naming_it(tmp_path):
 def test_gpt2_spec_reads_the_hf_fields_and_refuses_what_it_does_not_build():
     from single_controller.backends.megatron.model import ModelSpec, UnsupportedModel
 
-    base = {"model_type": "gpt2", "n_head": 2, "n_embd": 64, "n_inner": None, "n_layer": 2, "n_positions": 32, "vocab_size": 19}
+    base = {
+        "model_type": "gpt2",
+        "n_head": 2,
+        "n_embd": 64,
+        "n_inner": None,
+        "n_layer": 2,
+        "n_positions": 32,
+        "vocab_size": 19,
+    }
     spec = ModelSpec.from_hf_config(base)
     # HF GPT-2 defaults: n_inner null = 4 * n_embd, gelu_new, eps 1e-5, tied embeddings
-    assert (spec.intermediate_size, spec.activation, spec.norm_eps, spec.tie_word_embeddings) == (256, "gelu_tanh", 1e-5, True)
+    assert (spec.intermediate_size, spec.activation, spec.norm_eps, spec.tie_word_embeddings) == (
+        256,
+        "gelu_tanh",
+        1e-5,
+        True,
+    )
     assert (spec.head_dim, spec.num_kv_heads, spec.max_position_embeddings, spec.rope_theta) == (32, 2, 32, None)
     assert ModelSpec.from_hf_config({**base, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-6}).norm_eps == 1e-6
     with pytest.raises(UnsupportedModel, match="activation_function is 'relu'.*scale_attn_by_inverse_layer_idx"):

@@ -60,7 +60,13 @@ def test_never_active_where_cuda_is_available(monkeypatch):
 
 
 def test_everything_is_restored_on_exit():
-    before = (torch.Tensor.cuda, torch.Tensor.type, torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream)
+    before = (
+        torch.Tensor.cuda,
+        torch.Tensor.type,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.Stream,
+    )
     with emu.cpu_emulation():
         with emu.cpu_emulation():  # re-entrant
             assert torch.zeros(2, device="cuda").device.type == "cpu"
@@ -69,7 +75,13 @@ def test_everything_is_restored_on_exit():
             assert torch.ones(1).to(torch.cuda.current_device()).device.type == "cpu"
             assert torch.ones(1).to(torch.float64).dtype == torch.float64  # dtypes are not devices
         assert torch.zeros(2, device="cuda:0").device.type == "cpu"
-    assert (torch.Tensor.cuda, torch.Tensor.type, torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.Stream) == before
+    assert (
+        torch.Tensor.cuda,
+        torch.Tensor.type,
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.Stream,
+    ) == before
     assert torch.ones(1).type() == "torch.FloatTensor"
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(2, device="cuda")
@@ -81,9 +93,8 @@ def test_everything_is_restored_on_exit():
 @pytest.fixture(scope="module")
 def world():
     import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-
     from free_ports import free_port
+    from megatron.core import parallel_state as mps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -107,7 +118,9 @@ def _core(hf_state, **kw):
     from single_controller.backends.megatron.trainer import MegatronTrainerCore
     from single_controller.config.schema import TrainConfig
 
-    return MegatronTrainerCore(hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw)
+    return MegatronTrainerCore(
+        hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw
+    )
 
 
 def test_ddp_buffers_need_the_emulation(world, hf_state):
@@ -156,7 +169,12 @@ def test_pipeline_schedule_runs_under_the_emulation(world, hf_state):
 
     with emu.cpu_emulation():
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids, ids]), model=[core.model],
-            num_microbatches=2, seq_length=8, micro_batch_size=2, forward_only=False,
+            forward_step_func=forward_step,
+            data_iterator=iter([ids, ids]),
+            model=[core.model],
+            num_microbatches=2,
+            seq_length=8,
+            micro_batch_size=2,
+            forward_only=False,
         )
     assert len(losses) == 2

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
     from free_ports import free_port
+
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.config.schema import TrainConfig
     from single_controller.types import LossConfig
@@ -54,10 +55,24 @@ def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
 
 def test_gpu_config_runs(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "single_controller", "run", str(ROOT / "configs/megatron_gpu.yaml"),
-         "run.max_steps=3", "run.stop_at_success_rate=null", f"run.output_dir={tmp_path}", f"model.path={tmp_path}/model",
-         "run.progress_bar=false", "run.plot=false"],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "single_controller",
+            "run",
+            str(ROOT / "configs/megatron_gpu.yaml"),
+            "run.max_steps=3",
+            "run.stop_at_success_rate=null",
+            f"run.output_dir={tmp_path}",
+            f"model.path={tmp_path}/model",
+            "run.progress_bar=false",
+            "run.plot=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "3 steps" in out.stdout + out.stderr

@@ -29,10 +29,26 @@ def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):
 
     model_dir = hf_model.init_model(tmp_path / "tiny-gpt2", arch="gpt2", seed=0)  # as the config's model.create
     proc = subprocess.Popen(
-        [sys.executable, "-m", "single_controller", "run", str(ROOT / "configs/megatron_cpu.yaml"), f"run.output_dir={tmp_path}",
-         "run.progress_bar=false", "run.plot=false", "metrics.port=0", f"model.path={model_dir}", "model.create=false",
-         "run.max_steps=4", "run.stop_at_success_rate=null"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "-m",
+            "single_controller",
+            "run",
+            str(ROOT / "configs/megatron_cpu.yaml"),
+            f"run.output_dir={tmp_path}",
+            "run.progress_bar=false",
+            "run.plot=false",
+            "metrics.port=0",
+            f"model.path={model_dir}",
+            "model.create=false",
+            "run.max_steps=4",
+            "run.stop_at_success_rate=null",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     tree, out = ProcessTree.follow(proc)
     assert proc.returncode == 0, out[-4000:]

@@ -27,23 +27,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from single_controller.types import TrainStatus
-import torch
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra: pip install -e '.[megatron]'")
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_fixtures import filled_storage, load_hf, make_hf_dir, make_rows, rel_err, take, ray_init, VOCAB  # noqa: E402
+from megatron_fixtures import VOCAB, filled_storage, load_hf, make_hf_dir, make_rows, ray_init, rel_err, take  # noqa: E402
 
 from single_controller.algorithm.dp_split import balanced_partition  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common.weights import load_snapshot, resolve_snapshot  # noqa: E402
 from single_controller.backends.torch.model import HFCausalLMPolicy  # noqa: E402
-from single_controller.protocols import TrainStepStateError  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
-from single_controller.protocols import TrainerGroup  # noqa: E402
+from single_controller.protocols import (
+    TrainerGroup,  # noqa: E402
+    TrainStepStateError,  # noqa: E402
+)
 from single_controller.types import LossConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.megatron]
@@ -84,8 +86,8 @@ def rows(arch_rows):
 def single(hf_dir):
     """This process as a 1-rank world (TP=1, DP=1): the full-batch reference."""
     import torch.distributed as dist
-
     from free_ports import free_port
+
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
 
     torch.set_num_threads(1)
@@ -100,8 +102,8 @@ def single(hf_dir):
 def pair():
     """Two rank actors in one gloo world; tests `build` them with the layout they need."""
     import ray
-
     from free_ports import free_port
+
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
 
     ray_init()
@@ -118,10 +120,18 @@ def pair():
 def build(ranks, hf_dir, tp, distributed_optimizer=False):
     import ray
 
-    return ray.get([
-        r.build.remote(str(hf_dir), TRAIN, tensor_parallel_size=tp, distributed_optimizer=distributed_optimizer, emulate_cpu=True)
-        for r in ranks
-    ])
+    return ray.get(
+        [
+            r.build.remote(
+                str(hf_dir),
+                TRAIN,
+                tensor_parallel_size=tp,
+                distributed_optimizer=distributed_optimizer,
+                emulate_cpu=True,
+            )
+            for r in ranks
+        ]
+    )
 
 
 def run_step(ranks, layouts, rows, chunking, loss, step=0):
@@ -145,7 +155,12 @@ def run_step(ranks, layouts, rows, chunking, loss, step=0):
         start += size
         lengths = [len(rows["prompt_ids"][i]) + len(rows["response_ids"][i]) for i in idx]
         parts = balanced_partition(lengths, dp)
-        wait([call(r, "train_microbatch_rows", take(rows, [idx[j] for j in parts[lay["dp_rank"]]])) for r, lay in zip(ranks, layouts)])
+        wait(
+            [
+                call(r, "train_microbatch_rows", take(rows, [idx[j] for j in parts[lay["dp_rank"]]]))
+                for r, lay in zip(ranks, layouts)
+            ]
+        )
     assert start == N_ROWS
     return wait([call(r, "finish_train_step", step) for r in ranks])
 
@@ -261,9 +276,22 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
 
 @pytest.mark.parametrize(
     "arch,tp,level",
-    [("llama", 1, "token"), ("llama", 2, "token"), ("llama", 1, "sequence"), ("llama", 2, "sequence"),
-     ("gpt2", 1, "token"), ("gpt2", 2, "sequence")],
-    ids=["llama-dp2-token", "llama-tp2-token", "llama-dp2-sequence", "llama-tp2-sequence", "gpt2-dp2-token", "gpt2-tp2-sequence"],
+    [
+        ("llama", 1, "token"),
+        ("llama", 2, "token"),
+        ("llama", 1, "sequence"),
+        ("llama", 2, "sequence"),
+        ("gpt2", 1, "token"),
+        ("gpt2", 2, "sequence"),
+    ],
+    ids=[
+        "llama-dp2-token",
+        "llama-tp2-token",
+        "llama-dp2-sequence",
+        "llama-tp2-sequence",
+        "gpt2-dp2-token",
+        "gpt2-tp2-sequence",
+    ],
 )
 def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows, arch, tp, level):
     import ray
@@ -284,8 +312,10 @@ def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows,
         assert max(errs.values()) <= GRAD_RTOL, (chunking, sorted(errs.items(), key=lambda kv: -kv[1])[:3])
         for params in ray.get([r.hf_weights.remote() for r in pair]):
             worst = check_params(params, ref_params, ref_grads)
-        print(f"{arch} tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
-              f"param diff max {worst[0]:.1e} (well-conditioned {worst[1]:.1e})")
+        print(
+            f"{arch} tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
+            f"param diff max {worst[0]:.1e} (well-conditioned {worst[1]:.1e})"
+        )
 
 
 def test_kl_option_matches_full_batch(pair, single, hf_dir, rows):
@@ -417,7 +447,6 @@ async def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_
 
 
 async def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
-    import ray
 
     from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
 
@@ -431,7 +460,9 @@ async def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
     await group.begin_train_step(0, LossConfig())
     with pytest.raises(TrainStepStateError):
         await group.begin_train_step(0, LossConfig())  # already open
-    await asyncio.gather(*(r.train_microbatch_rows.remote(take(rows, range(6 * i, 6 * i + 6))) for i, r in enumerate(pair)))
+    await asyncio.gather(
+        *(r.train_microbatch_rows.remote(take(rows, range(6 * i, 6 * i + 6))) for i, r in enumerate(pair))
+    )
     first = await group.finish_train_step(0)
     weights = await asyncio.gather(*(r.hf_weights.remote() for r in pair))
     again = await group.finish_train_step(0)  # a retried finish: the recorded result, no second step

@@ -40,8 +40,8 @@ from megatron_fixtures import take  # noqa: E402
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.common.weights import pack_weights  # noqa: E402
-from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.data.tasks import reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
@@ -51,12 +51,15 @@ ROUNDS = 3
 
 def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path):
     from free_ports import free_port
+
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.backends.vllm.worker import VllmGenerationActor
 
     torch.set_num_threads(1)
     # std 0.2: logits far from uniform, so a stale or misplaced weight shows in the logprobs
-    model_dir = hf_model.init_model(tmp_path / "tiny-gpt2", arch="gpt2", hidden_size=64, head_dim=32, init_std=0.2, seed=0)
+    model_dir = hf_model.init_model(
+        tmp_path / "tiny-gpt2", arch="gpt2", hidden_size=64, head_dim=32, init_std=0.2, seed=0
+    )
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", "model.arch=gpt2"])
     storage = InMemoryRowStorage()
 
@@ -71,7 +74,14 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
     try:
         rank.build(str(model_dir), TrainConfig(lr=0.01), tensor_parallel_size=1, emulate_cpu=True)
         actor = VllmGenerationActor("vllm-megatron", cfg, lambda: storage, seed=0)
-        assert run(actor.update_weights(WeightsHandle(0, pack_weights(rank.core.hf_state_dict(), 0, bucket_bytes=16 << 10)))) == 0
+        assert (
+            run(
+                actor.update_weights(
+                    WeightsHandle(0, pack_weights(rank.core.hf_state_dict(), 0, bucket_bytes=16 << 10))
+                )
+            )
+            == 0
+        )
         for v in range(ROUNDS):
             reqs = [
                 GenerationRequest(f"r{v}-{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"r{v}-{i}", 4))
@@ -96,7 +106,9 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
             rank.finish_train_step(v)
             storage.clear_rows_sync(keys)
             moved = float((rank.logprobs(rows["prompt_ids"], rows["response_ids"]) - gen).abs().max())
-            assert moved > 100 * LOGPROB_TOL, f"step {v} hardly moved the weights ({moved}): the check would prove nothing"
+            assert moved > 100 * LOGPROB_TOL, (
+                f"step {v} hardly moved the weights ({moved}): the check would prove nothing"
+            )
             snap = pack_weights(rank.core.hf_state_dict(), v + 1, bucket_bytes=16 << 10)
             assert len(snap.buckets) > 1  # streamed into the engine bucket by bucket
             assert run(actor.update_weights(WeightsHandle(v + 1, snap))) == v + 1

@@ -26,10 +26,10 @@ import yaml
 from replay.ledger import LedgerStatistics, PromptLedgerStatistics
 from replay.storage import InMemoryRowStorage, StorageStatistics
 from samplers.staleness import SamplerStatistics
-from single_controller.runtime import status
 from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_workers
 from single_controller.config.schema import Config, MetricsConfig, RolloutConfig, RunConfig, SamplerConfig, TrainConfig
 from single_controller.controller import Controller, ControllerStatistics
+from single_controller.runtime import status
 from single_controller.runtime.metrics import families, parse_metrics, serve_from_config, start_metrics_server
 from single_controller.state import PumpStatistics, SyncRecord, Workers
 
@@ -95,7 +95,9 @@ def stall_rule() -> tuple[str, float]:
     """The ScGrpoPumpStalled expression and its threshold, checked to have the shape evaluated below."""
     rules = {r["alert"]: r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]}
     expr = rules["ScGrpoPumpStalled"]["expr"].strip()
-    m = re.fullmatch(r"sc_grpo_pump_current_wait_seconds > (\d+(?:\.\d+)?) and ignoring\(pump, on\) sc_grpo_run_finished == 0", expr)
+    m = re.fullmatch(
+        r"sc_grpo_pump_current_wait_seconds > (\d+(?:\.\d+)?) and ignoring\(pump, on\) sc_grpo_run_finished == 0", expr
+    )
     assert m, f"ScGrpoPumpStalled changed shape; update stall_alert_firing(): {expr}"
     return expr, float(m.group(1))
 
@@ -106,7 +108,9 @@ def stall_alert_firing(samples: dict) -> set[tuple[str, str]]:
     _, threshold = stall_rule()
     if value(samples, "sc_grpo_run_finished") != 0:
         return set()
-    return {(s.labels["pump"], s.labels["on"]) for s in samples["sc_grpo_pump_current_wait_seconds"] if s.value > threshold}
+    return {
+        (s.labels["pump"], s.labels["on"]) for s in samples["sc_grpo_pump_current_wait_seconds"] if s.value > threshold
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +118,9 @@ def stall_alert_firing(samples: dict) -> set[tuple[str, str]]:
 def handmade_statistics() -> ControllerStatistics:
     pumps = {
         # waiting on "ready groups" for 7 s now; 3 s of earlier "ready groups" waits + the 7 s in progress
-        "train": PumpStatistics("train", "ready groups", 7.0, {"ready groups": 10.0, "weight sync": 2.0}, 36.0, 5, 1, False),
+        "train": PumpStatistics(
+            "train", "ready groups", 7.0, {"ready groups": 10.0, "weight sync": 2.0}, 36.0, 5, 1, False
+        ),
         "rollout": PumpStatistics("rollout", None, 0.0, {"admission": 4.0}, 12.0, 40, 2, False),
     }
     return ControllerStatistics(
@@ -135,9 +141,18 @@ def handmade_statistics() -> ControllerStatistics:
             in_flight_by_version={4: 1, 5: 2},
             oldest_ready_t=488.5,
         ),
-        prompts=PromptLedgerStatistics(taken=50, settled=45, trained=44, dropped_by_reason={"generation_failed": 1}, evicted_by_reason={}, retries=3),
+        prompts=PromptLedgerStatistics(
+            taken=50,
+            settled=45,
+            trained=44,
+            dropped_by_reason={"generation_failed": 1},
+            evicted_by_reason={},
+            retries=3,
+        ),
         sampler=SamplerStatistics(1, 1, {0: 3, 1: 2, 3: 1, 9: 1}, 7, 0, 2),
-        storage=StorageStatistics(puts=10, gets=4, clears=3, rows_put=40, rows_read=16, bytes_put=1000, bytes_read=800, resident_rows=-1),
+        storage=StorageStatistics(
+            puts=10, gets=4, clears=3, rows_put=40, rows_read=16, bytes_put=1000, bytes_read=800, resident_rows=-1
+        ),
         sync=SyncRecord(count=5, total_s=2.5, last_s=0.75, last_drain_s=0.25, last_bytes=4096, aborted_in_flight=2),
         zero_variance_groups=3,
         aborted_steps=1,
@@ -164,7 +179,12 @@ def test_families_of_a_handmade_record():
     # Staleness {0: 3, 1: 2, 3: 1, 9: 1}: cumulative le=0: 3, le=1: 5, le=2: 5, le=4: 6, le=8: 6, +Inf: 7;
     # sum = 0*3 + 1*2 + 3*1 + 9*1 = 14; max = 9 > bound 1.
     assert values(m, "sc_grpo_trained_staleness_versions_bucket") == {
-        (("le", "0.0"),): 3, (("le", "1.0"),): 5, (("le", "2.0"),): 5, (("le", "4.0"),): 6, (("le", "8.0"),): 6, (("le", "+Inf"),): 7,
+        (("le", "0.0"),): 3,
+        (("le", "1.0"),): 5,
+        (("le", "2.0"),): 5,
+        (("le", "4.0"),): 6,
+        (("le", "8.0"),): 6,
+        (("le", "+Inf"),): 7,
     }
     assert value(m, "sc_grpo_trained_staleness_versions_count") == 7
     assert value(m, "sc_grpo_trained_staleness_versions_sum") == 14
@@ -187,7 +207,11 @@ def test_families_of_a_handmade_record():
     assert value(m, "sc_grpo_admission_open") == 0
     # Buffer: every state present, oldest ready group 500 - 488.5 = 11.5 s old.
     assert values(m, "sc_grpo_buffer_groups") == {
-        (("state", "reserved"),): 3, (("state", "committed"),): 1, (("state", "ready"),): 4, (("state", "selected"),): 2, (("state", "clearing"),): 1,
+        (("state", "reserved"),): 3,
+        (("state", "committed"),): 1,
+        (("state", "ready"),): 4,
+        (("state", "selected"),): 2,
+        (("state", "clearing"),): 1,
     }
     assert value(m, "sc_grpo_oldest_ready_group_age_seconds") == 11.5
     assert values(m, "sc_grpo_in_flight_groups") == {(("version", "4"),): 1, (("version", "5"),): 2}
@@ -341,7 +365,10 @@ async def test_sim_run_scraped_over_http():
             assert server.httpd.socket.getsockname() == ("127.0.0.1", port)
             run = asyncio.create_task(ctl.run())
             st = ctl.state
-            await settle(lambda: st.ledger.resident() == CAPACITY and st.pumps["rollout"].waiting_on == "admission", "buffer reserved")
+            await settle(
+                lambda: st.ledger.resident() == CAPACITY and st.pumps["rollout"].waiting_on == "admission",
+                "buffer reserved",
+            )
             before = await scrape(server.url)
             gate.set()
             summary = await asyncio.wait_for(run, 30)
@@ -363,12 +390,19 @@ async def test_sim_run_scraped_over_http():
     # After the run: counts that follow from the run shape.
     assert summary.steps == STEPS
     assert value(m, "sc_grpo_run_finished") == 1
-    assert value(m, "sc_grpo_steps_total") == value(m, "sc_grpo_trainer_version") == value(m, "sc_grpo_policy_version") == STEPS
+    assert (
+        value(m, "sc_grpo_steps_total")
+        == value(m, "sc_grpo_trainer_version")
+        == value(m, "sc_grpo_policy_version")
+        == STEPS
+    )
     trained_groups = STEPS * P
     assert value(m, "sc_grpo_groups_trained_total") == value(m, "sc_grpo_prompts_trained_total") == trained_groups
     assert value(m, "sc_grpo_trained_staleness_versions_count") == trained_groups
     assert value(m, "sc_grpo_trained_staleness_versions_bucket", le="+Inf") == trained_groups
-    assert value(m, "sc_grpo_trained_staleness_versions_bucket", le="1.0") == trained_groups  # nothing staler than L = 1
+    assert (
+        value(m, "sc_grpo_trained_staleness_versions_bucket", le="1.0") == trained_groups
+    )  # nothing staler than L = 1
     assert value(m, "sc_grpo_trained_staleness_max_versions") <= value(m, "sc_grpo_max_staleness_versions") == L
     assert value(m, "sc_grpo_tokens_generated_total") == trained_groups * G * NEW_TOKENS
     assert value(m, "sc_grpo_tokens_trained_total") == trained_groups * G * (PROMPT_LEN + NEW_TOKENS)
@@ -397,7 +431,12 @@ async def test_generation_stall_grows_the_train_pumps_wait_and_fires_the_stall_c
         run = asyncio.create_task(ctl.run())
         try:
             st = ctl.state
-            await settle(lambda: st.pumps["train"].waiting_on == "ready groups" and st.pumps["rollout"].waiting_on == "admission", "stalled")
+            await settle(
+                lambda: (
+                    st.pumps["train"].waiting_on == "ready groups" and st.pumps["rollout"].waiting_on == "admission"
+                ),
+                "stalled",
+            )
             at_start = await scrape(server.url)
             clock.t += 400.0  # the stall lasts 400 s
             stalled = await scrape(server.url)
@@ -457,8 +496,13 @@ async def test_stalled_trainer_fills_the_buffer_to_capacity():
         try:
             st = ctl.state
             await settle(
-                lambda: trainer.blocked and st.ledger.resident() == CAPACITY and st.in_flight() == 0
-                and st.pumps["advantage"].waiting_on == "committed groups" and st.pumps["rollout"].waiting_on == "admission",
+                lambda: (
+                    trainer.blocked
+                    and st.ledger.resident() == CAPACITY
+                    and st.in_flight() == 0
+                    and st.pumps["advantage"].waiting_on == "committed groups"
+                    and st.pumps["rollout"].waiting_on == "admission"
+                ),
                 "buffer full behind a blocked trainer",
             )
             first = await scrape(server.url)

@@ -35,10 +35,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -136,7 +136,10 @@ def with_bool(expr: str) -> str:
 
 
 def test_with_bool_rewrites_only_comparisons():
-    assert with_bool('a{x!="y",z=~"w"} > 300 and ignoring(p) b == 0') == 'a{x!="y",z=~"w"} > bool 300 and ignoring(p) b == bool 0'
+    assert (
+        with_bool('a{x!="y",z=~"w"} > 300 and ignoring(p) b == 0')
+        == 'a{x!="y",z=~"w"} > bool 300 and ignoring(p) b == bool 0'
+    )
     assert with_bool("changes(v[5m]) >= bool 1") == "changes(v[5m]) >= bool 1"
 
 
@@ -150,7 +153,7 @@ class SimRun:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name="sim-run", daemon=True)
 
-    def __enter__(self) -> "SimRun":
+    def __enter__(self) -> SimRun:
         self.thread.start()
         assert self.started.wait(30), "the simulated run did not start"
         if self.error is not None:
@@ -216,7 +219,11 @@ class Prometheus:
         self.port = free_port()
         self.log = tmp / "prometheus.log"
         config = {
-            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s", "scrape_timeout": f"{SCRAPE_S}s"},
+            "global": {
+                "scrape_interval": f"{SCRAPE_S}s",
+                "evaluation_interval": f"{SCRAPE_S}s",
+                "scrape_timeout": f"{SCRAPE_S}s",
+            },
             "rule_files": [str(ALERTS)],
             "scrape_configs": [{"job_name": "sc-grpo", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
         }
@@ -230,7 +237,7 @@ class Prometheus:
         ]
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -273,7 +280,9 @@ class Prometheus:
         return self.api("query", query=expr)["result"]
 
     def query_range(self, expr: str, start: float, end: float) -> list[dict]:
-        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{SCRAPE_S}s")["result"]
+        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{SCRAPE_S}s")[
+            "result"
+        ]
 
     @staticmethod
     def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -293,13 +302,21 @@ def test_dashboard_and_alerts_evaluate_in_prometheus(tmp_path):
     targets = dashboard_targets()
     rules = alert_rules()
     assert len(targets) >= 30 and len(rules) >= 5
-    stall_expr, n = re.subn(r"sc_grpo_pump_current_wait_seconds > 300\b", f"sc_grpo_pump_current_wait_seconds > {STALL_S}", rules["ScGrpoPumpStalled"])
+    stall_expr, n = re.subn(
+        r"sc_grpo_pump_current_wait_seconds > 300\b",
+        f"sc_grpo_pump_current_wait_seconds > {STALL_S}",
+        rules["ScGrpoPumpStalled"],
+    )
     assert n == 1, rules["ScGrpoPumpStalled"]
 
     with SimRun() as sim, Prometheus(tmp_path, sim.port) as prom:
         t0 = time.time()
         # Enough scrapes for every rate() window, and some steps trained.
-        prom.wait_for(lambda: any(float(s["value"][1]) >= 8 for s in prom.query("count_over_time(sc_grpo_trainer_version[1m])")), 30, "8 scrapes")
+        prom.wait_for(
+            lambda: any(float(s["value"][1]) >= 8 for s in prom.query("count_over_time(sc_grpo_trainer_version[1m])")),
+            30,
+            "8 scrapes",
+        )
         assert [s["value"][1] for s in prom.query('up{job="sc-grpo"}')] == ["1"]
         assert float(prom.query("sc_grpo_trainer_version")[0]["value"][1]) > 0, "the run trained nothing"
         t1 = time.time()
@@ -321,12 +338,20 @@ def test_dashboard_and_alerts_evaluate_in_prometheus(tmp_path):
         for name, expr in rules.items():
             assert prom.query(with_bool(expr)), f"{name}: no series for {with_bool(expr)}"
         prom.wait_for(
-            lambda: {r["name"]: r["health"] for g in prom.api("rules")["groups"] for r in g["rules"]}.keys() >= rules.keys()
-            and all(r.get("lastEvaluation", "").startswith("20") for g in prom.api("rules")["groups"] for r in g["rules"]),
+            lambda: (
+                {r["name"]: r["health"] for g in prom.api("rules")["groups"] for r in g["rules"]}.keys() >= rules.keys()
+                and all(
+                    r.get("lastEvaluation", "").startswith("20")
+                    for g in prom.api("rules")["groups"]
+                    for r in g["rules"]
+                )
+            ),
             15,
             "every rule evaluated",
         )
-        health = {r["name"]: (r["health"], r.get("lastError", "")) for g in prom.api("rules")["groups"] for r in g["rules"]}
+        health = {
+            r["name"]: (r["health"], r.get("lastError", "")) for g in prom.api("rules")["groups"] for r in g["rules"]
+        }
         assert all(h == "ok" for h, _ in health.values()), health
         firing = [a for a in prom.api("alerts")["alerts"] if a["state"] == "firing"]
         assert not firing, f"alerts firing in a healthy run: {firing}"

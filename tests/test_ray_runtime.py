@@ -201,8 +201,7 @@ def test_start_and_stop_leaves_no_ray_process():
     import ray
 
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with ray_session(RayConfig(), min_cpus=2, log_to_driver=False,
-                     env_vars=worker_env(1)) as session:
+    with ray_session(RayConfig(), min_cpus=2, log_to_driver=False, env_vars=worker_env(1)) as session:
         assert ray.is_initialized() and session.owned
         assert ray.cluster_resources()["CPU"] == max(2, os.cpu_count())
 
@@ -255,7 +254,9 @@ def test_a_local_ray_records_its_own_task_events_and_metrics_only_when_asked(mon
         assert system["event_stats"] is False
 
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+)
 
 
 @pytest.mark.ray

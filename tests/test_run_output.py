@@ -84,13 +84,15 @@ def test_metrics_are_one_flushed_json_object_per_line(tmp_path):
 
 def test_metrics_values_are_made_json_safe(tmp_path):
     with RunDirectory(cfg_in(tmp_path), now=NOW) as run:
-        run.append_metrics({
-            "step": np.int64(4),
-            "train/loss": torch.tensor(0.25),
-            "train/grad_norm": float("nan"),
-            "rollout/reward_mean": np.float32(0.5),
-            "note": Path("x"),
-        })
+        run.append_metrics(
+            {
+                "step": np.int64(4),
+                "train/loss": torch.tensor(0.25),
+                "train/grad_norm": float("nan"),
+                "rollout/reward_mean": np.float32(0.5),
+                "note": Path("x"),
+            }
+        )
         (record,) = read_metrics(run.metrics_path)
     assert record["step"] == 4 and record["train/loss"] == 0.25 and record["rollout/reward_mean"] == 0.5
     assert record["train/grad_norm"] is None  # strict JSON has no NaN
@@ -140,9 +142,7 @@ def test_pump_wait_keys_are_whatever_exists():
 def test_step_line_has_every_known_field_in_order():
     record = synthetic(11)[10]
     line = format_step_line(record, max_steps=400)
-    assert line == (
-        "step  10/400 | reward 0.900 | success 1.000 | staleness 0.50 | step_time 1.50s | tokens/s 1,010"
-    )
+    assert line == ("step  10/400 | reward 0.900 | success 1.000 | staleness 0.50 | step_time 1.50s | tokens/s 1,010")
 
 
 def test_step_line_omits_missing_fields():
@@ -202,7 +202,9 @@ def test_reopen_fills_step_records_the_killed_driver_never_wrote_from_the_checkp
     from single_controller.config.schema import Config
     from single_controller.runtime.run_dir import RunDirectory
 
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/wall_s": float(s)}) + "\n" for s in range(7)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time/wall_s": float(s)}) + "\n" for s in range(7))
+    )
     recovered = [{"step": s, "time/wall_s": float(s)} for s in range(4, 10)]
     rd = RunDirectory.reopen(tmp_path, Config(), from_step=8, recovered=recovered)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -219,15 +221,24 @@ def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
         pass
 
     remote_tb = 'Traceback (most recent call last):\n  File "service.py", line 1, in setup\nTQRuntimeError: boom'
-    err = ray.exceptions.RayTaskError("ControllerHost.setup", remote_tb, TQRuntimeError("a TransferQueue controller already runs"))
+    err = ray.exceptions.RayTaskError(
+        "ControllerHost.setup", remote_tb, TQRuntimeError("a TransferQueue controller already runs")
+    )
     assert "File " in str(err) and "File " in str(err.as_instanceof_cause())  # what the driver used to print
     assert error_text(err) == "TQRuntimeError: a TransferQueue controller already runs (in ControllerHost.setup)"
     assert error_text(err.as_instanceof_cause()).startswith("TQRuntimeError: a TransferQueue controller already runs")
     assert "\n" not in error_text(err.as_instanceof_cause())
     assert error_text(ValueError("plain")) == "ValueError: plain"
     # an actor whose __init__ raised: said by the remote error's last line
-    init = ray.exceptions.RayTaskError("GenerationActor.__init__", 'Traceback (most recent call last):\n  File "g.py", line 4\nSyntaxError: invalid syntax', SyntaxError("invalid syntax"))
-    assert error_text(ray.exceptions.ActorDiedError(init)) == "ActorDiedError: an actor's __init__ failed: SyntaxError: invalid syntax"
+    init = ray.exceptions.RayTaskError(
+        "GenerationActor.__init__",
+        'Traceback (most recent call last):\n  File "g.py", line 4\nSyntaxError: invalid syntax',
+        SyntaxError("invalid syntax"),
+    )
+    assert (
+        error_text(ray.exceptions.ActorDiedError(init))
+        == "ActorDiedError: an actor's __init__ failed: SyntaxError: invalid syntax"
+    )
 
 
 async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end_at_once():
@@ -266,4 +277,3 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
     t0 = time.perf_counter()
     assert await host.next_records(7, 30.0) == ([], True)
     assert time.perf_counter() - t0 < 5.0
-

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys
-from single_controller.backends.torch.generation import GenerationActor, GenerationCore
 from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.weights import pack_weights
+from single_controller.backends.torch.generation import GenerationActor, GenerationCore
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import ModelConfig
-from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits
+from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
 torch.set_num_threads(1)
@@ -50,8 +50,9 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
         rows = storage.get_rows_sync(req.row_keys, GENERATION_FIELDS)
         assert [len(r) for r in rows["response_ids"]] == list(res.response_lengths)
         assert rows["reward"].tolist() == pytest.approx(list(res.rewards))
-        for k, ids, lp, mask, prompt_ids in zip(req.row_keys, rows["response_ids"], rows["gen_logprobs"],
-                                                 rows["response_mask"], rows["prompt_ids"]):
+        for k, ids, lp, mask, prompt_ids in zip(
+            req.row_keys, rows["response_ids"], rows["gen_logprobs"], rows["response_mask"], rows["prompt_ids"]
+        ):
             assert prompt_ids.tolist() == list(req.prompt.token_ids)
             assert mask.all() and len(mask) == len(ids) == len(lp) <= req.sampling.max_new_tokens
             stop = req.sampling.stop_token_id
@@ -60,7 +61,9 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
             text = TOKENIZER.decode(ids[:-1] if stop is not None and ids[-1] == stop else ids)
             assert storage.tags(k) == {}  # provenance is in the row itself: its key and token_versions
             assert (rows["token_versions"][req.row_keys.index(k)] == 3).all()
-            assert positional_match_reward(req.prompt, text) == pytest.approx(rows["reward"][req.row_keys.index(k)].item())
+            assert positional_match_reward(req.prompt, text) == pytest.approx(
+                rows["reward"][req.row_keys.index(k)].item()
+            )
         # the stored logprobs are what the trainer computes for these tokens
         tlp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"], req.sampling.temperature)
         assert (tlp[valid] - torch.cat(rows["gen_logprobs"])).abs().max() < 1e-5
@@ -94,7 +97,9 @@ class GatedCore:
 
 
 def make_actor(storage, max_batch_groups=4, reward=REWARD) -> GenerationActor:
-    return GenerationActor("gen-test", ModelConfig(), lambda: storage, reward, seed=0, max_batch_groups=max_batch_groups)
+    return GenerationActor(
+        "gen-test", ModelConfig(), lambda: storage, reward, seed=0, max_batch_groups=max_batch_groups
+    )
 
 
 def handle(version: int, seed: int) -> WeightsHandle:

@@ -10,9 +10,9 @@ from single_controller.backends.torch.model import (
     HFCausalLMPolicy,
     TinyGPT,
     build_tinygpt,
-    state_module,
     load_tinygpt,
     save_tinygpt,
+    state_module,
 )
 from single_controller.backends.torch.sampling import sample
 from single_controller.config.schema import ModelConfig
@@ -57,8 +57,15 @@ def test_generation_logprobs_equal_trainer_logprobs(temperature, top_p, stop):
     trainer computes (full forward, no cache) within 1e-5 (float32 rounding of two matmul orders)."""
     m = TinyGPT(ModelConfig(init_std=0.2), V, seed=1)  # a wide init: peaked, far-from-uniform distributions
     prompts = _prompts(32).repeat(4, 1)  # [128, 5]
-    out = sample(m, prompts, max_new_tokens=6, temperature=temperature, top_p=top_p, stop_token_id=stop,
-                 generator=torch.Generator().manual_seed(0))
+    out = sample(
+        m,
+        prompts,
+        max_new_tokens=6,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_id=stop,
+        generator=torch.Generator().manual_seed(0),
+    )
     rows = [out.row(i) for i in range(len(prompts))]
     trainer_lp, valid = token_logprobs(m, list(prompts), [ids for ids, _ in rows], temperature)
     assert torch.equal(valid, out.mask)
@@ -113,8 +120,14 @@ def test_hf_causal_lm_adapter():
     """An HF causal LM behind the same contract: cache == full forward, and the same logprob identity."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     policy = HFCausalLMPolicy(transformers.LlamaForCausalLM(cfg)).eval()
@@ -127,8 +140,8 @@ def test_hf_causal_lm_adapter():
 
     # The same worker contract end to end: generate + store, train one step, sync the weights.
     from replay.storage import TRAIN_FIELDS, InMemoryRowStorage, row_keys
-    from single_controller.backends.torch.generation import GenerationCore
     from single_controller.backends.common.weights import load_snapshot, pack_weights
+    from single_controller.backends.torch.generation import GenerationCore
     from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.config.schema import TrainConfig
     from single_controller.types import GenerationRequest, LossConfig, SamplingParams
@@ -162,7 +175,11 @@ def test_pad_right_equals_padding_row_by_row():
         for dtype, value in [(torch.float32, 0.0), (torch.long, -1), (torch.bool, False), (torch.float64, 1.5)]:
             rows = [(torch.rand(n, generator=g) * 10).to(dtype) for n in lengths]
             width = max(lengths, default=0)
-            want = torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=dtype)]) for r in rows]) if rows else None
+            want = (
+                torch.stack([torch.cat([r, torch.full((width - len(r),), value, dtype=dtype)]) for r in rows])
+                if rows
+                else None
+            )
             if rows and dtype is not torch.bool:
                 assert torch.equal(want, pad_sequence(rows, batch_first=True, padding_value=value))
             for cast in (None, torch.float64, torch.long):
@@ -170,4 +187,8 @@ def test_pad_right_equals_padding_row_by_row():
                 if not rows:
                     assert got.shape == (0, 0) and got.dtype == (cast or torch.float32)
                     continue
-                assert got.dtype == (cast or dtype) and torch.equal(got, want if cast is None else want.to(cast)), (lengths, dtype, cast)
+                assert got.dtype == (cast or dtype) and torch.equal(got, want if cast is None else want.to(cast)), (
+                    lengths,
+                    dtype,
+                    cast,
+                )

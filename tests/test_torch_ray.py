@@ -24,8 +24,8 @@ from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E40
 from single_controller.backends.torch.model import TinyGPT, load_tinygpt  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import BackendConfig, Config  # noqa: E402
-from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
@@ -47,8 +47,12 @@ def cluster():
     from replay.transferqueue.runtime import start_tq, stop_tq
 
     # Workers import the repo's packages (the repo is not pip-installed in tests).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}},
+    )
     try:
         start_tq(num_storage_units=1)
         yield
@@ -76,7 +80,6 @@ def run(loop, coro, timeout=60):
 
 async def gather(*aws):
     return await asyncio.gather(*aws)
-
 
 
 async def rank_weights(group, rank: int) -> dict:
@@ -132,7 +135,9 @@ def test_generate_train_sync_abort(workers, loop):
             if ci % 2 == 0:  # advantages read from storage with the rows
                 chunk = TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS)
             else:  # carried by the chunk, as the train pump sends them: each rank gets its keys' share
-                chunk = TrainChunk(step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_ROW_FIELDS, tuple(flat_adv[a:b]))
+                chunk = TrainChunk(
+                    step, ci, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_ROW_FIELDS, tuple(flat_adv[a:b])
+                )
             await group.train_microbatch(chunk)
         return await group.finish_train_step(step)
 
@@ -165,7 +170,9 @@ def test_generate_train_sync_abort(workers, loop):
     for g in gens:
         assert run(loop, g.actor.version.remote()) == 1
         assert_same_weights(run(loop, g.actor.get_weights.remote()), after)
-    assert run(loop, gens[0].generate(GenerationRequest("v1", prompts[0], sampling, row_keys("v1", 4)))).version_start == 1
+    assert (
+        run(loop, gens[0].generate(GenerationRequest("v1", prompts[0], sampling, row_keys("v1", 4)))).version_start == 1
+    )
 
     # Abort after a microbatch leaves both ranks exactly where they were; out-of-order calls raise.
     async def begin_and_abort():
@@ -203,7 +210,9 @@ def test_generate_train_sync_abort(workers, loop):
         await group.train_microbatch(TrainChunk(1, 0, missing, (8,) + tuple(lengths[:7]), TRAIN_FIELDS))
         finish = asyncio.ensure_future(group.finish_train_step(1))
         await asyncio.sleep(0)  # the finish is sent
-        assert await group.begin_behind_finish(2, LossConfig(), TrainChunk(2, 0, tuple(keys[8:16]), tuple(lengths[8:16]), TRAIN_FIELDS))
+        assert await group.begin_behind_finish(
+            2, LossConfig(), TrainChunk(2, 0, tuple(keys[8:16]), tuple(lengths[8:16]), TRAIN_FIELDS)
+        )
         with pytest.raises(TrainerFailed, match=r"train_microbatch\(step=1, chunk=0\) failed"):
             await finish
         assert (await group.train_status()).open_step == 1
@@ -226,7 +235,10 @@ def test_generate_train_sync_abort(workers, loop):
         assert group.statistics().open_step == 2 and (await group.train_status()).open_step == 2
         return first, await group.finish_train_step(2)
 
-    halves = [TrainChunk(s, 0, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS) for s, (a, b) in ((1, (0, 16)), (2, (16, 32)))]
+    halves = [
+        TrainChunk(s, 0, tuple(keys[a:b]), tuple(lengths[a:b]), TRAIN_FIELDS)
+        for s, (a, b) in ((1, (0, 16)), (2, (16, 32)))
+    ]
     r1, r2 = run(loop, two_steps_back_to_back(halves))
     assert (r1.step, r2.step) == (1, 2) and r1.metrics["train/sequences"] == r2.metrics["train/sequences"] == 16
     for rows_slice, step in (((0, 16), 1), ((16, 32), 2)):
@@ -236,7 +248,9 @@ def test_generate_train_sync_abort(workers, loop):
     got = run(loop, rank_weights(group, 0))
     for name, p in ref.policy.named_parameters():
         want = p.detach().numpy()
-        assert np.linalg.norm(got[name] - want) <= 1e-3 * np.linalg.norm(want) + 1e-7, name  # float32, 2 ranks vs 1, Adam
+        assert np.linalg.norm(got[name] - want) <= 1e-3 * np.linalg.norm(want) + 1e-7, (
+            name
+        )  # float32, 2 ranks vs 1, Adam
     assert run(loop, group.export_weights(3)).version == 3
     run(loop, storage.clear_rows(keys + list(row_keys("v1", 4))))
 
@@ -261,7 +275,9 @@ def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(w
     gen = gens[-1]
     handle = run(loop, group.export_weights(7))
     ray.kill(gen.actor)
-    req = GenerationRequest("dead0", reverse_digits(1, 3, seed=5)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("dead0", 4))
+    req = GenerationRequest(
+        "dead0", reverse_digits(1, 3, seed=5)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("dead0", 4)
+    )
     with pytest.raises(GenerationWorkerDied, match=gen.name):
         run(loop, gen.generate(req))
     with pytest.raises(GenerationWorkerDied):
@@ -342,7 +358,9 @@ def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, 
     on every call that reports it, with the rank's traceback: never the `TrainerFailed` the train pump
     aborts and retries (`rank_calls.RETRYABLE`). The step stays open until it is aborted."""
     storage, gens, group = workers
-    req = GenerationRequest("bug0", reverse_digits(1, 3, seed=7)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("bug0", 4))
+    req = GenerationRequest(
+        "bug0", reverse_digits(1, 3, seed=7)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("bug0", 4)
+    )
     run(loop, gens[0].generate(req))
     keys = list(req.row_keys)
     rows = run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS)))
@@ -351,7 +369,9 @@ def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, 
 
     async def step_with_a_bug_in_the_loss():
         await group.begin_train_step(step, LossConfig(clip_eps="0.2"))
-        await group.train_microbatch(TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5)))
+        await group.train_microbatch(
+            TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5))
+        )
         await group.finish_train_step(step)
 
     with pytest.raises(TypeError, match="unsupported operand") as info:
@@ -381,7 +401,9 @@ async def test_rank_call_retries_only_what_a_retry_can_fix():
         await rank_call("train_microbatch(step=0, chunk=0)", [answered(1), answered(error=TypeError("bad operand"))])
     assert not isinstance(info.value, TrainerFailed)
     with pytest.raises(TrainerFailed, match=r"finish_train_step\(0\) failed on rank 1: reading its rows"):
-        await rank_call("finish_train_step(0)", [answered(1), answered(error=TrainerFailed("reading its rows: timeout"))])
+        await rank_call(
+            "finish_train_step(0)", [answered(1), answered(error=TrainerFailed("reading its rows: timeout"))]
+        )
     with pytest.raises(TrainStepStateError):
         await rank_call("begin_train_step(1)", [answered(error=TrainStepStateError("step 0 is still open"))])
     assert await rank_call("train_status", [answered(1), answered(2)]) == [1, 2]
@@ -407,12 +429,14 @@ def test_actor_stand_ins_match_their_classes_and_the_controller_starts_workers_b
     import subprocess
     import sys
 
-    from single_controller.backends.torch.ray_workers import GenerationActor, TrainerRankActor
     from single_controller.backends.common.deferred import check_deferred, deferred_actor
+    from single_controller.backends.torch.ray_workers import GenerationActor, TrainerRankActor
 
     check_deferred(TrainerRankActor)
     check_deferred(GenerationActor)
-    stale = deferred_actor("single_controller.backends.torch.trainer_actor:TrainerRankActor", {"setup": False, "gone": True})
+    stale = deferred_actor(
+        "single_controller.backends.torch.trainer_actor:TrainerRankActor", {"setup": False, "gone": True}
+    )
     with pytest.raises(AssertionError, match=r"missing \[.*'begin_train_step'.*\], extra \['gone'\]"):
         check_deferred(stale)
     probe = (

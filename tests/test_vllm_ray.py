@@ -58,7 +58,9 @@ def run(loop, coro, timeout=180):
 def model_dir(tmp_path_factory):
     from single_controller.backends.common import hf_model
 
-    return hf_model.init_model(tmp_path_factory.mktemp("vllm_ray") / "tiny", arch="gpt2", seed=0)  # as configs/vllm_cpu.yaml
+    return hf_model.init_model(
+        tmp_path_factory.mktemp("vllm_ray") / "tiny", arch="gpt2", seed=0
+    )  # as configs/vllm_cpu.yaml
 
 
 @pytest.mark.tq
@@ -72,13 +74,17 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
     from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
     from single_controller.config.loader import load_config
-    from single_controller.deadlines import DeadlineExceeded, within
     from single_controller.data.tasks import TOKENIZER, reverse_digits
+    from single_controller.deadlines import DeadlineExceeded, within
     from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}"])
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+    )
     try:
         start_tq(num_storage_units=1)
         partition = f"vllm-{uuid.uuid4().hex[:8]}"
@@ -89,7 +95,9 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
             trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), cfg.train)
             run(loop, client.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
             prompts = reverse_digits(2, 3, seed=0)
-            expired = GenerationRequest("expired", prompts[0], SamplingParams(n=4, max_new_tokens=3), row_keys("expired", 4))
+            expired = GenerationRequest(
+                "expired", prompts[0], SamplingParams(n=4, max_new_tokens=3), row_keys("expired", 4)
+            )
             run(loop, client.pause())  # the engine holds every request: the deadline surely expires first
             with pytest.raises(DeadlineExceeded):
                 run(loop, within(client.generate(expired), 0.5, "generate(expired)"))
@@ -115,12 +123,27 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
 
 def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "single_controller", "run", str(ROOT / config), f"run.output_dir={tmp_path}",
-        "run.progress_bar=false", "run.plot=false", "metrics.port=0", f"model.path={model_dir}", "model.create=false",
+        sys.executable,
+        "-m",
+        "single_controller",
+        "run",
+        str(ROOT / config),
+        f"run.output_dir={tmp_path}",
+        "run.progress_bar=false",
+        "run.plot=false",
+        "metrics.port=0",
+        f"model.path={model_dir}",
+        "model.create=false",
         *overrides,
     ]
-    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.mark.slow

@@ -28,14 +28,14 @@ import torch  # noqa: E402
 from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from samplers.staleness import StalenessSampler  # noqa: E402
-from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
+from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
-from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
-from single_controller.protocols import GenerationFailed  # noqa: E402
+from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.protocols import GenerationFailed  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 # float32 on both sides, the same weights: measured max |diff| ~1e-6 (vLLM's CPU kernels vs torch).
@@ -94,10 +94,14 @@ def env(tmp_path_factory, loop):
     run(loop, actor.close())
 
 
-def _requests(prefix: str, n_groups: int, G: int = 4, max_new_tokens: int = 3, seed: int = 0) -> list[GenerationRequest]:
+def _requests(
+    prefix: str, n_groups: int, G: int = 4, max_new_tokens: int = 3, seed: int = 0
+) -> list[GenerationRequest]:
     prompts = reverse_digits(n_groups, 3, seed=seed)
     return [
-        GenerationRequest(f"{prefix}{i}", p, SamplingParams(n=G, max_new_tokens=max_new_tokens), row_keys(f"{prefix}{i}", G))
+        GenerationRequest(
+            f"{prefix}{i}", p, SamplingParams(n=G, max_new_tokens=max_new_tokens), row_keys(f"{prefix}{i}", G)
+        )
         for i, p in enumerate(prompts)
     ]
 
@@ -190,7 +194,9 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
     storage.clear_rows_sync(list(req.row_keys))
 
     sampler = StalenessSampler(SamplerConfig(max_lookahead_versions=1, max_staleness_versions=1, order="fifo"))
-    rec = GroupRecord(req.group_id, req.prompt, 0, 0, v, v, 0.0, version_start=res.version_start, version_end=res.version_end)
+    rec = GroupRecord(
+        req.group_id, req.prompt, 0, 0, v, v, 0.0, version_start=res.version_start, version_end=res.version_end
+    )
     assert sampler.select([rec], train_step=v + 1, max_groups=1) == [rec]
     # at step v + 2 its newest tokens would be 1 version old, but its oldest are 2: rejected, evicted
     assert sampler.select([rec], train_step=v + 2, max_groups=1) == []
@@ -287,4 +293,6 @@ def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhi
     _push(loop, actor, trainer, state)
     (got,) = run(loop, held)
     assert (got.version_start, got.version_end) == (v + 1, v + 1)
-    assert len(storage.keys_of(held_req.group_id)) == held_req.sampling.n and storage.keys_of(dropped_req.group_id) == []
+    assert (
+        len(storage.keys_of(held_req.group_id)) == held_req.sampling.n and storage.keys_of(dropped_req.group_id) == []
+    )

@@ -94,11 +94,14 @@ class TransferQueueHost:
         sampler = tq_sampler_class(final)
         if sampler is None:
             raise ValueError(f"unknown TransferQueue sampler {final.controller.sampler!r}")
-        self._controller = plain_class(TransferQueueController)(sampler=sampler(), polling_mode=final.controller.polling_mode)
+        self._controller = plain_class(TransferQueueController)(
+            sampler=sampler(), polling_mode=final.controller.polling_mode
+        )
         unit_conf = dict(final.backend.SimpleStorage)
         unit_cls = plain_class(SimpleStorageUnit)
         self._units = {
-            STORAGE_UNIT_NAME.format(i): unit_cls(config=unit_conf) for i in range(int(unit_conf["num_data_storage_units"]))
+            STORAGE_UNIT_NAME.format(i): unit_cls(config=unit_conf)
+            for i in range(int(unit_conf["num_data_storage_units"]))
         }
         final.controller.zmq_info = self._controller.get_zmq_server_info()
         final.backend.SimpleStorage.zmq_info = {name: u.get_zmq_server_info() for name, u in self._units.items()}

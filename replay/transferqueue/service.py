@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 NAMESPACE = "sc-grpo-storage"
 

@@ -34,7 +34,8 @@ import asyncio
 import logging
 import threading
 import warnings
-from typing import Any, Awaitable, Callable, Mapping, NoReturn, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -63,7 +64,9 @@ from replay.storage import (  # noqa: E402
 )
 from single_controller.deadlines import DeadlineExceeded, within  # noqa: E402
 
-warnings.filterwarnings("ignore", message=r"The PyTorch API of nested tensors is in prototype stage", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message=r"The PyTorch API of nested tensors is in prototype stage", category=UserWarning
+)
 
 
 class _DropFxTracingNotice(logging.Filter):
@@ -159,14 +162,18 @@ def _packed_buffer(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return torch.cat(rows).numpy() if rows else np.zeros(0, np.uint8), np.cumsum(lengths) - lengths
 
 
-def unpack_rows(specs: Sequence[FieldSpec], wanted: Sequence[str], value: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+def unpack_rows(
+    specs: Sequence[FieldSpec], wanted: Sequence[str], value: torch.Tensor
+) -> dict[str, list[torch.Tensor]]:
     """The packed field as TQ returned it -> the `wanted` fields' columns (one 1-D tensor per row,
     views of one buffer per field). A field missing from any row is left out whole (validate_read
     then names it), never returned short."""
     return _unpack_at(specs, wanted, *_packed_buffer(value))
 
 
-def _unpack_at(specs: Sequence[FieldSpec], wanted: Sequence[str], buf: np.ndarray, row_start: np.ndarray) -> dict[str, list[torch.Tensor]]:
+def _unpack_at(
+    specs: Sequence[FieldSpec], wanted: Sequence[str], buf: np.ndarray, row_start: np.ndarray
+) -> dict[str, list[torch.Tensor]]:
     """`unpack_rows` of the packed rows that begin at `row_start` in `buf` (in that order)."""
     F = len(specs)
     head = 8 * F
@@ -404,7 +411,7 @@ class TQRowStorage:
         attach_timeout_s: float = 60.0,
         track_resident: bool = True,
         group_rows: bool = False,
-    ) -> "TQRowStorage":
+    ) -> TQRowStorage:
         """For any process on the Ray cluster (e.g. inside a Ray actor's `__init__`): connect this
         process's TQ client to the running controller (never starts one), then open `partition`.
         Blocking; never call `tq.close()` / `stop_tq()` expecting to stop TQ from such a process."""
@@ -511,7 +518,9 @@ class TQRowStorage:
         what = self._what("get", num_rows)
         try:
             return await within(
-                tq.async_kv_batch_get(keys=tq_keys, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
+                tq.async_kv_batch_get(
+                    keys=tq_keys, partition_id=self.partition, select_fields=stored_fields(self.schema, fields)
+                ),
                 self.timeout_s,
                 what,
             )
@@ -556,7 +565,9 @@ class TQRowStorage:
             if sizes is None and any(i >= lengths[slot[gid]] for gid, i in parsed):
                 await self._raise_short_group_read(keys, fields, None)
             base = np.cumsum([0] + lengths[:-1])
-            flat = torch.frombuffer(bytearray(b"".join(raw)), dtype=dtype) if sum(lengths) else torch.empty(0, dtype=dtype)
+            flat = (
+                torch.frombuffer(bytearray(b"".join(raw)), dtype=dtype) if sum(lengths) else torch.empty(0, dtype=dtype)
+            )
             out[name] = flat[torch.as_tensor([int(base[slot[gid]]) + i for gid, i in parsed], dtype=torch.long)]
         validate_read(self.schema, keys, fields, out, len(keys))  # dtypes and per-field row counts
         return out
@@ -577,7 +588,9 @@ class TQRowStorage:
         if self.group_rows:  # clears whole groups (keys not of the <group>_g<i> form cannot be resident)
             tq_keys = list(dict.fromkeys(p[0] for p in map(split_row_key, keys) if p is not None))
         if tq_keys:  # TQ: clearing unknown keys is a no-op
-            await self._call(tq.async_kv_clear(keys=tq_keys, partition_id=self.partition), self._what("clear", len(keys)))
+            await self._call(
+                tq.async_kv_clear(keys=tq_keys, partition_id=self.partition), self._what("clear", len(keys))
+            )
         with self._lock:
             self._counts["clears"] += 1
             if self.group_rows and self._resident_groups is not None:
@@ -669,7 +682,9 @@ class TQRowStorage:
         for key in keys[:_MAX_PROBED_KEYS]:
             try:
                 await self._call(
-                    tq.async_kv_batch_get(keys=[key], partition_id=self.partition, select_fields=stored_fields(self.schema, fields)),
+                    tq.async_kv_batch_get(
+                        keys=[key], partition_id=self.partition, select_fields=stored_fields(self.schema, fields)
+                    ),
                     self._what("probe get", 1),
                 )
             except StorageError:

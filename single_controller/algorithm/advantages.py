@@ -9,7 +9,7 @@ learning signal (`is_zero_variance`): the advantage pump counts it and may drop 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool, eps: float) -> tuple[float, ...]:

@@ -22,8 +22,8 @@ Algorithm (`balanced_partition`, used for ranks and then for each rank's microba
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from single_controller.types import TrainChunk
 
@@ -88,9 +88,7 @@ def balanced_partition(lengths: Sequence[int], num_bins: int) -> list[list[int]]
     return [sorted(b) for b in chosen]
 
 
-def dp_split(
-    keys: Sequence[str], seq_lengths: Sequence[int], num_ranks: int, num_microbatches: int = 1
-) -> DPSplit:
+def dp_split(keys: Sequence[str], seq_lengths: Sequence[int], num_ranks: int, num_microbatches: int = 1) -> DPSplit:
     """Assign rows to `num_ranks` ranks x `num_microbatches` microbatches, balanced by tokens."""
     if len(keys) != len(seq_lengths):
         raise ValueError(f"{len(keys)} keys but {len(seq_lengths)} seq_lengths")

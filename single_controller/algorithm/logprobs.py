@@ -12,7 +12,7 @@ Pure torch: no engine, no Ray, no asyncio.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from single_controller.config.schema import Config
 

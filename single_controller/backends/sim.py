@@ -23,8 +23,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -184,8 +184,15 @@ class SimGenerationWorker:
     its end, on one timer."""
 
     def __init__(
-        self, name: str, storage: RowStorage, *, group_s: float = 0.0, faults: Faults | None = None,
-        writes_rows: bool = True, keep_logs: bool = True, max_batch: int = 1,
+        self,
+        name: str,
+        storage: RowStorage,
+        *,
+        group_s: float = 0.0,
+        faults: Faults | None = None,
+        writes_rows: bool = True,
+        keep_logs: bool = True,
+        max_batch: int = 1,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -277,7 +284,14 @@ class SimGenerationWorker:
                 rewards = sim_eval_rewards(request.prompt.prompt_id, version, request.sampling.n)
                 self.evaluated.append((request.group_id, version))
                 T = request.sampling.max_new_tokens
-                return GenerationResult(request.group_id, rewards, (T,) * request.sampling.n, len(request.prompt.token_ids), version, version)
+                return GenerationResult(
+                    request.group_id,
+                    rewards,
+                    (T,) * request.sampling.n,
+                    len(request.prompt.token_ids),
+                    version,
+                    version,
+                )
             result = await self._store(request, attempt, version)
             self.generated.append(request.group_id)
             if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
@@ -356,7 +370,12 @@ class SimGenerationWorker:
         rows = self._rows(G, T)  # the storage copies what it keeps, so the same tensors serve every group
         prompt = torch.tensor(request.prompt.token_ids, dtype=torch.int64)
         versions = [torch.full((T,), version, dtype=torch.int64)] * G
-        columns = {**rows, "prompt_ids": [prompt] * G, "token_versions": versions, "reward": torch.tensor(rewards, dtype=torch.float32)}
+        columns = {
+            **rows,
+            "prompt_ids": [prompt] * G,
+            "token_versions": versions,
+            "reward": torch.tensor(rewards, dtype=torch.float32),
+        }
         tags = [{"group_id": request.group_id, "version_start": version, "version_end": version}] * G
         await self.storage.put_rows(request.row_keys, columns, tags)
         return result
@@ -480,7 +499,7 @@ class SimTrainerGroup:
             try:
                 await asyncio.shield(task)
             except Exception:
-                for later in due[i + 1:]:
+                for later in due[i + 1 :]:
                     later.add_done_callback(_drop_outcome)
                 if not quiet:
                     raise
@@ -530,9 +549,13 @@ class SimTrainerGroup:
     async def _accumulate(self, chunk: TrainChunk) -> None:
         if self.fetch_rows:
             rows = await self.storage.get_rows(chunk.row_keys, chunk.fields)
-            self.bytes_read += sum(t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col]))
+            self.bytes_read += sum(
+                t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col])
+            )
             if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
-                raise RuntimeError(f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)")
+                raise RuntimeError(
+                    f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)"
+                )
         if self.group_s:
             n_groups = max(1, sum(k.endswith("_g0") for k in chunk.row_keys))  # a chunk holds whole groups
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
@@ -568,7 +591,9 @@ class SimTrainerGroup:
         if self._open is None or self._step != step:
             raise RuntimeError(f"finish_train_step({step}) but the open step is {self._step}")
         if self._failed is not None:
-            raise TrainerFailed(f"finish_train_step({step}): a microbatch of the step failed ({self._failed}); abort it")
+            raise TrainerFailed(
+                f"finish_train_step({step}): a microbatch of the step failed ({self._failed}); abort it"
+            )
         if self.finish_s:
             await asyncio.sleep(self.finish_s)
         keys = self._open
@@ -579,7 +604,9 @@ class SimTrainerGroup:
         self._open = self._step = None
         self.version += 1
         self.optimizer_steps += 1
-        self._last = StepResult(step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)})
+        self._last = StepResult(
+            step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)}
+        )
         return self._last
 
     async def abort_train_step(self, step: int) -> None:
@@ -640,10 +667,20 @@ def sim_workers(
     `gen_max_batch > 1` makes the generation workers batching engines (`SimGenerationWorker`)."""
     faults = faults or Faults()
     gens = [
-        SimGenerationWorker(f"sim-gen-{i}", storage, group_s=gen_group_s, faults=faults, writes_rows=workers_write_rows, keep_logs=keep_logs, max_batch=gen_max_batch)
+        SimGenerationWorker(
+            f"sim-gen-{i}",
+            storage,
+            group_s=gen_group_s,
+            faults=faults,
+            writes_rows=workers_write_rows,
+            keep_logs=keep_logs,
+            max_batch=gen_max_batch,
+        )
         for i in range(num_generators)
     ]
-    trainer = SimTrainerGroup(storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs)
+    trainer = SimTrainerGroup(
+        storage, group_s=train_group_s, faults=faults, fetch_rows=trainer_reads_rows, keep_logs=keep_logs
+    )
     if meter is not None:
         meter_sim_workers(gens, trainer, meter)
     return gens, trainer
@@ -651,8 +688,15 @@ def sim_workers(
 
 GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart")
 TRAINER_CALLS = (
-    "begin_train_step", "train_microbatch", "finish_train_step", "abort_train_step", "train_status",
-    "export_weights", "save_state", "load_state", "begin_behind_finish",
+    "begin_train_step",
+    "train_microbatch",
+    "finish_train_step",
+    "abort_train_step",
+    "train_status",
+    "export_weights",
+    "save_state",
+    "load_state",
+    "begin_behind_finish",
 )
 
 

@@ -89,9 +89,14 @@ async def _run_once(cfg: Config, t_gen: float, t_train: float) -> tuple[float, f
 
 
 def main_overlap(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sc-grpo bench overlap", description="How much of the physically possible overlap the controller achieves: async "
-                                 "against sync throughput on simulated workers in this process.")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per mode (at least 2: throughput is measured between step ends)")
+    ap = argparse.ArgumentParser(
+        prog="sc-grpo bench overlap",
+        description="How much of the physically possible overlap the controller achieves: async "
+        "against sync throughput on simulated workers in this process.",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=40, help="RL steps per mode (at least 2: throughput is measured between step ends)"
+    )
     ap.add_argument("--groups", type=int, default=16, help="prompt groups per step")
     ap.add_argument("--t-gen", type=float, default=0.08, help="generation seconds per step")
     ap.add_argument("--t-train", type=float, default=0.08, help="training seconds per step")
@@ -99,7 +104,9 @@ def main_overlap(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookahead", type=int, default=1, help="max_lookahead_versions L of the async mode")
     args = ap.parse_args(argv)
     if args.steps < 2:
-        ap.error("--steps must be at least 2 (steady-state throughput is measured between the first and the last step's end)")
+        ap.error(
+            "--steps must be at least 2 (steady-state throughput is measured between the first and the last step's end)"
+        )
     if args.groups < 1 or args.t_gen <= 0 or args.t_train <= 0:
         ap.error("--groups must be >= 1 and --t-gen / --t-train > 0")
 
@@ -115,11 +122,15 @@ def main_overlap(argv: list[str] | None = None) -> int:
         f"{args.steps} steps (simulated workers in this process; the fake trainer does not read rows)"
     )
     print(f"sync  (L=0, one chunk/step): {sync_tp:.2f} steps/s steady state, wall {sync_wall:.2f} s")
-    print(f"async (L={args.lookahead}, chunks of >= {args.chunk}): {async_tp:.2f} steps/s steady state, wall {async_wall:.2f} s")
+    print(
+        f"async (L={args.lookahead}, chunks of >= {args.chunk}): {async_tp:.2f} steps/s steady state, wall {async_wall:.2f} s"
+    )
     print(f"async/sync throughput ratio: {ratio:.3f}")
     print(f"physical limit (T_gen + T_train) / max(T_gen, T_train): {limit:.3f}")
     print(f"ratio / limit: {ratio / limit:.3f} (target >= 0.95)")
-    print(f"commit->select latency (train pump waiting): p50 {p50 * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms (target p99 < 1 ms)")
+    print(
+        f"commit->select latency (train pump waiting): p50 {p50 * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms (target p99 < 1 ms)"
+    )
     return 0
 
 
@@ -180,12 +191,21 @@ def main_eval(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="RL steps per run (early stop off)")
     ap.add_argument("--every", type=int, default=10, help="eval.every_steps of the eval-on runs")
     ap.add_argument("--repeats", type=int, default=1, help="off/on pairs, alternating (the ratio of the summed times)")
-    ap.add_argument("--backend", choices=["torch", "sim"], default=None, help="both roles on this backend (default: the config's)")
+    ap.add_argument(
+        "--backend", choices=["torch", "sim"], default=None, help="both roles on this backend (default: the config's)"
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for both runs")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or args.every < 1:
         ap.error("--repeats, --steps and --every must each be at least 1")
-    common = [f"run.max_steps={args.steps}", "run.stop_at_success_rate=null", "run.progress_bar=false", "run.plot=false", "metrics.enabled=false", *args.overrides]
+    common = [
+        f"run.max_steps={args.steps}",
+        "run.stop_at_success_rate=null",
+        "run.progress_bar=false",
+        "run.plot=false",
+        "metrics.enabled=false",
+        *args.overrides,
+    ]
     if args.backend == "sim":
         common += ["backend.generation=sim", "backend.trainer=sim", "storage.kind=memory"]
     elif args.backend == "torch":
@@ -193,7 +213,9 @@ def main_eval(argv: list[str] | None = None) -> int:
     off = load_config(args.config, common + ["eval.enabled=false"])
     on = load_config(args.config, common + ["eval.enabled=true", f"eval.every_steps={args.every}"])
     print(EVAL_BENCH_DOC.strip().splitlines()[0])
-    print(f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)")
+    print(
+        f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)"
+    )
     results = _eval_pairs(off, on, args.repeats)
     steps_off = sum(r["steps"] for r, _ in results)
     steps_on = sum(r["steps"] for _, r in results)
@@ -385,12 +407,26 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
     storage, meter = InMemoryRowStorage(), SimMeter()
     P = cfg.train.groups_per_step
     gens, trainer = sim_workers(
-        storage, num_generators=workers, gen_group_s=workers * t_gen / P, train_group_s=t_train / P,
-        trainer_reads_rows=False, workers_write_rows=False, keep_logs=False, faults=Faults(rewards=_cheap_rewards), meter=meter,
+        storage,
+        num_generators=workers,
+        gen_group_s=workers * t_gen / P,
+        train_group_s=t_train / P,
+        trainer_reads_rows=False,
+        workers_write_rows=False,
+        keep_logs=False,
+        faults=Faults(rewards=_cheap_rewards),
+        meter=meter,
         gen_max_batch=batch,
     )
     with tempfile.TemporaryDirectory() as tmp:  # settled prompts stream to disk, as in a real run
-        ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), on_step=on_step, prompt_history=os.path.join(tmp, "prompt_history.jsonl"))
+        ctl = Controller(
+            cfg,
+            sim_prompts(),
+            storage,
+            Workers(gens, trainer),
+            on_step=on_step,
+            prompt_history=os.path.join(tmp, "prompt_history.jsonl"),
+        )
         sleeps0 = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
         cpu0, t0 = time.process_time(), time.perf_counter()
         summary = await ctl.run()
@@ -413,8 +449,12 @@ async def _scale_run(cfg: Config, workers: int, t_gen: float, t_train: float, on
 
 
 def main_scale(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sc-grpo bench scale", description=SCALE_BENCH_DOC.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SCALE_BENCH_DOC)
+    ap = argparse.ArgumentParser(
+        prog="sc-grpo bench scale",
+        description=SCALE_BENCH_DOC.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SCALE_BENCH_DOC,
+    )
     ap.add_argument("--groups", default="16,64,256,1024", help="prompt groups per step, swept at --workers-at")
     ap.add_argument("--workers", default="1,8,64", help="simulated generation workers, swept at --groups-at")
     ap.add_argument("--workers-at", type=int, default=8, help="workers while sweeping groups")
@@ -423,11 +463,19 @@ def main_scale(argv: list[str] | None = None) -> int:
     ap.add_argument("--t", type=float, default=0.5, help="generation = training seconds per step")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
     ap.add_argument("--chunk", type=int, default=4, help="min groups per chunk in async mode")
-    ap.add_argument("--batch", type=int, default=1, help="groups per batch of a simulated generation worker (1: serial engines; 16: as the shipped clients batch)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="groups per batch of a simulated generation worker (1: serial engines; 16: as the shipped clients batch)",
+    )
     ap.add_argument("--long-steps", type=int, default=10_000, help="steps of the memory run (0: skip it)")
     ap.add_argument("--long-groups", type=int, default=2, help="groups per step of the memory run")
-    ap.add_argument("--keep-cpu-awake", action="store_true",
-                    help="diagnostic (Linux): run on one CPU kept from going idle by an idle-class busy loop (see below)")
+    ap.add_argument(
+        "--keep-cpu-awake",
+        action="store_true",
+        help="diagnostic (Linux): run on one CPU kept from going idle by an idle-class busy loop (see below)",
+    )
     args = ap.parse_args(argv)
     if args.keep_cpu_awake:
         with cpu_kept_awake() as cpu:
@@ -438,23 +486,39 @@ def main_scale(argv: list[str] | None = None) -> int:
 def _scale_sweep(args: argparse.Namespace, awake: str) -> int:
     groups = [int(x) for x in args.groups.split(",") if x]
     workers = [int(x) for x in args.workers.split(",") if x]
-    points = [(P, args.workers_at) for P in groups] + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]]
+    points = [(P, args.workers_at) for P in groups] + [
+        (args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]
+    ]
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
     engines = f"generation workers batch up to {args.batch} groups" if args.batch > 1 else "serial generation workers"
-    print(f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
-          f"{engines}, event loop {_loop_name()}" + (f", {awake}" if awake else ""))
+    print(
+        f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
+        f"{engines}, event loop {_loop_name()}" + (f", {awake}" if awake else "")
+    )
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
-    print(f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
-          f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)")
-    print(f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'wakes':>6} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}")
+    print(
+        f"this machine: one wake-up of an idle event loop costs {short * 1e6:.0f} us of CPU after 2 ms asleep, "
+        f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)"
+    )
+    print(
+        f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'wakes':>6} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}"
+    )
     worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
     at = {"cpu": "", "p99": ""}  # the point of each worst figure
     p99_largest = (0, float("nan"))  # (P, select p99) at the largest groups per step swept: the target's point
     per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
     for P, W in points:
-        sync = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t, batch=args.batch))
-        asy = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t, batch=args.batch))
-        lat = _run_on_loop(_scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4, batch=args.batch))
+        sync = _run_on_loop(
+            _scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t, batch=args.batch)
+        )
+        asy = _run_on_loop(
+            _scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t, batch=args.batch)
+        )
+        lat = _run_on_loop(
+            _scale_run(
+                scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4, batch=args.batch
+            )
+        )
         overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
         of_ideal = asy["steps_per_s"] * args.t
         cpu_per_group = asy["cpu_s"] / asy["groups"]
@@ -475,15 +539,19 @@ def _scale_sweep(args: argparse.Namespace, awake: str) -> int:
             f"{cpu_per_group * 1e6:>8.1f}us {sim_per_group * 1e6:>6.1f}us {ctl_per_group * 1e6:>8.1f}us {asy['sleeps'] / asy['groups']:>6.2f} {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms {lat['latency_samples']:>5} {_rss_mb():>7.1f}",
             flush=True,
         )
-    print(f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, ctl/group {worst['cpu'] * 1e6:.1f} us "
-          f"at {at['cpu']} (target <= 100), select p99 {worst['p99'] * 1e3:.3f} ms at {at['p99']}")
+    print(
+        f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, ctl/group {worst['cpu'] * 1e6:.1f} us "
+        f"at {at['cpu']} (target <= 100), select p99 {worst['p99'] * 1e3:.3f} ms at {at['p99']}"
+    )
     print(f"select p99 at {p99_largest[0]} groups per step: {p99_largest[1] * 1e3:.3f} ms (target < 1 ms at 1024)")
     if len(per_step) >= 2:
         n = len(per_step)
         mx, my = sum(p for p, _ in per_step) / n, sum(c for _, c in per_step) / n
         slope = sum((p - mx) * (c - my) for p, c in per_step) / sum((p - mx) ** 2 for p, _ in per_step)
-        print(f"controller CPU per step ~ {max(0.0, my - slope * mx) * 1e3:.2f} ms + {slope * 1e6:.1f} us x groups per step "
-              f"(least squares over the {n} points at {args.workers_at} workers)")
+        print(
+            f"controller CPU per step ~ {max(0.0, my - slope * mx) * 1e3:.2f} ms + {slope * 1e6:.1f} us x groups per step "
+            f"(least squares over the {n} points at {args.workers_at} workers)"
+        )
     if args.long_steps > 0:
         _long_run(args.long_steps, args.long_groups, args.group_size)
     return 0
@@ -502,8 +570,10 @@ def _long_run(steps: int, groups: int, group_size: int) -> None:
 
     cfg = scale_config(steps, groups, group_size, 1, 1)
     r = _run_on_loop(_scale_run(cfg, 1, 0.0, 0.0, on_step=on_step))
-    print(f"long run: {steps} steps of {groups} groups (G = {group_size}), no simulated latency: {r['wall_s']:.1f} s, "
-          f"{r['cpu_s'] / r['groups'] * 1e6:.1f} us CPU per group")
+    print(
+        f"long run: {steps} steps of {groups} groups (G = {group_size}), no simulated latency: {r['wall_s']:.1f} s, "
+        f"{r['cpu_s'] / r['groups'] * 1e6:.1f} us CPU per group"
+    )
     print(f"{'step':>7} {'heap blocks':>12} {'rss MB':>8}")
     for step, blocks, rss in samples:
         print(f"{step:>7} {blocks:>12} {rss:>8.1f}")
@@ -511,7 +581,9 @@ def _long_run(steps: int, groups: int, group_size: int) -> None:
         base = samples[1]  # after the first 10 %: the pipeline and caches are warm
         growth_b = max(b for _, b, _ in samples[1:]) / base[1] - 1
         growth_r = max(r for _, _, r in samples[1:]) / base[2] - 1
-        print(f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % (target within +-10 %)")
+        print(
+            f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % (target within +-10 %)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,13 +607,15 @@ start-up <= 12 s, ratio <= 1.0, whole command <= 30 s. Measure on a quiet machin
 def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], float]:
     """The reference loop's arguments that mirror the run's resolved config, and the run's target.
     Refuses, naming why, a config the reference loop cannot mirror or one that never stops on success."""
-    from single_controller.config.schema import ModelConfig
     from single_controller.config.loader import load_config
+    from single_controller.config.schema import ModelConfig
 
     cfg = load_config(config, overrides)
     problems = []
     if (cfg.backend.generation, cfg.backend.trainer) != ("torch", "torch"):
-        problems.append(f"backend.generation={cfg.backend.generation}, backend.trainer={cfg.backend.trainer} (the reference loop is the torch backends' pieces)")
+        problems.append(
+            f"backend.generation={cfg.backend.generation}, backend.trainer={cfg.backend.trainer} (the reference loop is the torch backends' pieces)"
+        )
     if cfg.model != ModelConfig():
         problems.append("a model other than the default embedded one (model.*)")
     if cfg.run.stop_at_success_rate is None:
@@ -576,11 +650,17 @@ def main_embedded(argv: list[str] | None = None) -> int:
 
     from single_controller.bench.reference import run_reference
 
-    ap = argparse.ArgumentParser(prog="sc-grpo bench embedded", description=EMBEDDED_BENCH_DOC.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EMBEDDED_BENCH_DOC)
+    ap = argparse.ArgumentParser(
+        prog="sc-grpo bench embedded",
+        description=EMBEDDED_BENCH_DOC.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EMBEDDED_BENCH_DOC,
+    )
     ap.add_argument("--config", default="configs/embedded.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the runs (anywhere on the line)")
+    ap.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for the runs (anywhere on the line)"
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     # An override is never a seed: taken out first, so `--seeds 0 1 run.max_steps=50` works too.
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
@@ -592,14 +672,27 @@ def main_embedded(argv: list[str] | None = None) -> int:
     rows = []
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, "-m", "single_controller", "run", args.config, f"seed={seed}", f"run.output_dir={out}", "run.progress_bar=false", *args.overrides]
+            cmd = [
+                sys.executable,
+                "-m",
+                "single_controller",
+                "run",
+                args.config,
+                f"seed={seed}",
+                f"run.output_dir={out}",
+                "run.progress_bar=false",
+                *args.overrides,
+            ]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)
             whole = time.perf_counter() - t0
             last_step_s = _last_step_wall_s(Path(out))
         done = re.search(r"(\d+) steps in ([\d.]+)s of training \(\+([\d.]+)s startup\): (.*)", proc.stdout)
         if proc.returncode != 0 or done is None:
-            print(f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}", flush=True)
+            print(
+                f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}",
+                flush=True,
+            )
             return 1
         steps, phase_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
         # To the target: the end of the step that reached it (the reference loop's clock stops there
@@ -616,12 +709,17 @@ def main_embedded(argv: list[str] | None = None) -> int:
             rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
             print(f"{line} | ratio {train_s / ref.seconds:.2f}", flush=True)
         else:
-            print(f"{line} | no ratio: {'the run' if not reached else 'the reference loop'} did not reach success {target}", flush=True)
+            print(
+                f"{line} | no ratio: {'the run' if not reached else 'the reference loop'} did not reach success {target}",
+                flush=True,
+            )
     if not rows:
         print(f"no seed reached success {target} in both the run and the reference loop: no ratio to report")
         return 1
     n = len(rows)
     mean = lambda i: sum(r[i] for r in rows) / n  # noqa: E731
-    print(f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "
-          f"training / reference {mean(7):.2f} (target <= 1.0)")
+    print(
+        f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "
+        f"training / reference {mean(7):.2f} (target <= 1.0)"
+    )
     return 0

@@ -21,7 +21,8 @@ import asyncio
 import json
 import os
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from replay.transferqueue.common import configure_env
 
@@ -51,8 +52,10 @@ def _check_read(got: dict[str, Any], columns: dict[str, Any], fields: Sequence[s
 
     for f in fields:
         want, have = columns[f], got[f]
-        same = torch.equal(torch.as_tensor(have), want) if isinstance(want, torch.Tensor) else (
-            len(have) == len(want) and all(torch.equal(torch.as_tensor(h), w) for h, w in zip(have, want))
+        same = (
+            torch.equal(torch.as_tensor(have), want)
+            if isinstance(want, torch.Tensor)
+            else (len(have) == len(want) and all(torch.equal(torch.as_tensor(h), w) for h, w in zip(have, want)))
         )
         if not same:
             raise AssertionError(f"{what}: field {f!r} read back differs from what was put")

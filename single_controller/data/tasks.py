@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from single_controller.types import Prompt
 
@@ -215,7 +215,9 @@ def load_eval_dataset(task_name: str, dataset: str | None) -> Callable[[int, int
         )
     if ":" in name:
         return load_callable(name)
-    raise KeyError(f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, or give 'module:function'")
+    raise KeyError(
+        f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, or give 'module:function'"
+    )
 
 
 def load_eval_prompts(cfg) -> list[Prompt]:

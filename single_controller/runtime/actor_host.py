@@ -21,8 +21,9 @@ import random
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any
 
 from single_controller.config.schema import Config
 from single_controller.deadlines import within
@@ -49,7 +50,9 @@ class PromptStream:
             held_out = {p.token_ids for p in load_eval_prompts(cfg)}
             self.pool = [p for p in self.pool if p.token_ids not in held_out]
             if not self.pool:
-                raise ValueError(f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on")
+                raise ValueError(
+                    f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on"
+                )
         self._rng = random.Random(cfg.seed)
         self.epoch = -1
         self.cursor = 0
@@ -62,7 +65,7 @@ class PromptStream:
         self._order = list(range(len(self.pool)))
         self._rng.shuffle(self._order)
 
-    def __iter__(self) -> "PromptStream":
+    def __iter__(self) -> PromptStream:
         return self
 
     def __next__(self) -> Prompt:
@@ -142,8 +145,8 @@ class ControllerHost:
         # Imported only now (torch, via the ledger's row schema): the worker processes were started
         # first, so their own imports run beside this one.
         from single_controller.controller import Controller
-        from single_controller.state import Workers
         from single_controller.data.tasks import TOKENIZER, load_eval_prompts
+        from single_controller.state import Workers
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
         prompts = PromptStream(cfg)
@@ -188,7 +191,9 @@ class ControllerHost:
         path = latest_checkpoint(self.run_dir)
         saved = read_controller_state(path)
         check_compatible(saved, self.cfg, path)
-        step = await within(trainer.load_state(str(path / "trainer")), self.cfg.timeouts.train_call_s, f"trainer.load_state({path})")
+        step = await within(
+            trainer.load_state(str(path / "trainer")), self.cfg.timeouts.train_call_s, f"trainer.load_state({path})"
+        )
         if step != saved["step"]:
             raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
         prompts.seek(saved["dataloader"]["taken"])
@@ -211,7 +216,10 @@ class ControllerHost:
         b, P = self.cfg.backend, self.cfg.train.groups_per_step
         storage = InMemoryRowStorage()
         gens, trainer = sim_workers(
-            storage, num_generators=b.num_generation_workers, gen_group_s=b.sim_generate_s / P, train_group_s=b.sim_train_s / P
+            storage,
+            num_generators=b.num_generation_workers,
+            gen_group_s=b.sim_generate_s / P,
+            train_group_s=b.sim_train_s / P,
         )
         return storage, gens, trainer
 
@@ -225,7 +233,9 @@ class ControllerHost:
         t0 = time.perf_counter()
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
-            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition)  # starts TQ, or attaches per storage.attach
+            storage = open_tq_storage(
+                cfg.storage, cfg.timeouts, self.partition
+            )  # starts TQ, or attaches per storage.attach
             self._started_tq = not cfg.storage.attach
             self._storage = storage
             self.setup_times["transferqueue_s"] = time.perf_counter() - t0
@@ -268,7 +278,13 @@ class ControllerHost:
             self._changed.set()
         st = self.controller.statistics()
         try:  # every key in the partition, whoever wrote it: a clean run leaves none
-            left = sorted(await within(self.controller.state.storage.resident_keys(), self.cfg.timeouts.storage_s, "storage listing after the run"))
+            left = sorted(
+                await within(
+                    self.controller.state.storage.resident_keys(),
+                    self.cfg.timeouts.storage_s,
+                    "storage listing after the run",
+                )
+            )
         except Exception as e:
             left = [f"<listing failed: {type(e).__name__}: {e}>"]
         return {
@@ -293,7 +309,12 @@ class ControllerHost:
     def _placement(self) -> dict:
         """Where this run's processes ran: its Ray namespace, the controller's node and each trainer
         rank's (Ray node ids)."""
-        out: dict[str, Any] = {"ray_namespace": None, "controller_node": None, "trainer_nodes": [], "trainer_node_ips": []}
+        out: dict[str, Any] = {
+            "ray_namespace": None,
+            "controller_node": None,
+            "trainer_nodes": [],
+            "trainer_node_ips": [],
+        }
         if self.cfg.backend.generation == "sim":
             return out
         import ray
@@ -326,13 +347,17 @@ class ControllerHost:
                 await asyncio.wait_for(self._finished.wait(), linger_s)
         if cursor < self._records_base:
             raise ValueError(f"records before {self._records_base} were already read and dropped (asked from {cursor})")
-        return self.records[cursor - self._records_base :], self._finished.is_set() and self._records_base + len(self.records) <= cursor
+        return self.records[cursor - self._records_base :], self._finished.is_set() and self._records_base + len(
+            self.records
+        ) <= cursor
 
     async def save_checkpoint(self, directory: str) -> str:
         if self._workers is None:
             return ""
         _, trainer = self._workers
-        return await within(trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save")
+        return await within(
+            trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save"
+        )
 
     async def prompt_ledger(self) -> dict | None:
         return None if self.controller is None else self.controller.state.prompts.to_dict()
@@ -343,7 +368,9 @@ class ControllerHost:
         stopping_metrics = None
         if self._metrics_server is not None:
             server, self._metrics_server = self._metrics_server, None
-            stopping_metrics = asyncio.ensure_future(asyncio.to_thread(server.stop))  # blocks up to 0.5 s: beside the rest
+            stopping_metrics = asyncio.ensure_future(
+                asyncio.to_thread(server.stop)
+            )  # blocks up to 0.5 s: beside the rest
         try:
             if self._workers is not None:
                 from single_controller.backends.registry import shutdown_workers

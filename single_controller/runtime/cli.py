@@ -12,7 +12,8 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -88,7 +89,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides = list(args.overrides)
         if args.config is not None:
             if "=" not in args.config:
-                raise _UsageError("sc-grpo run --resume RUN_DIR takes the run's own config.yaml; give only KEY=VALUE overrides")
+                raise _UsageError(
+                    "sc-grpo run --resume RUN_DIR takes the run's own config.yaml; give only KEY=VALUE overrides"
+                )
             overrides.insert(0, args.config)
         saved = Path(args.resume) / "config.yaml"
         if not saved.is_file():
@@ -116,7 +119,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     # is still a valid config).
     problems = environment_problems(cfg)
     if problems:
-        print(f"sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it ({len(problems)}):", file=sys.stderr)
+        print(
+            f"sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it ({len(problems)}):",
+            file=sys.stderr,
+        )
         for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
     return EXIT_OK

@@ -34,8 +34,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from single_controller.config.schema import Config
 from single_controller.errors import error_text

@@ -41,8 +41,8 @@ import ipaddress
 import logging
 import math
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -122,22 +122,47 @@ class _Families:
 def _run_families(f: _Families, s: ControllerStatistics) -> None:
     """Versions, steps and the run's phase."""
     train = s.pumps.get("train")
-    f.gauge("policy_version", "Policy version served by the generation workers (bumped by every weight sync).", s.policy_version)
+    f.gauge(
+        "policy_version",
+        "Policy version served by the generation workers (bumped by every weight sync).",
+        s.policy_version,
+    )
     f.gauge("trainer_version", "Optimizer steps completed by the trainer (the next step to train).", s.trainer_version)
     f.counter("steps", "RL steps (optimizer steps) completed.", s.steps)
     f.gauge("admission_open", "1 while new rollouts may be admitted (0 during a weight sync).", float(s.admission_open))
     f.gauge("stopping", "1 once a stop was requested: no new rollouts are dispatched.", float(s.stopping))
-    f.gauge("run_finished", "1 once the train pump has finished (max_steps, stop or failure).", float(bool(train and train.finished)))
+    f.gauge(
+        "run_finished",
+        "1 once the train pump has finished (max_steps, stop or failure).",
+        float(bool(train and train.finished)),
+    )
 
 
 def _pump_families(f: _Families, s: ControllerStatistics) -> None:
     """What each pump waits on and for how long, its busy time, iterations and errors; the idle ratios."""
-    wait_total = f.counter("pump_wait", "Wall seconds each pump spent waiting, by what it waited on.", labels=["pump", "on"], unit="seconds")
-    current = f.gauge("pump_current_wait", "Length of the wait in progress (0 on reasons not awaited now).", labels=["pump", "on"], unit="seconds")
+    wait_total = f.counter(
+        "pump_wait",
+        "Wall seconds each pump spent waiting, by what it waited on.",
+        labels=["pump", "on"],
+        unit="seconds",
+    )
+    current = f.gauge(
+        "pump_current_wait",
+        "Length of the wait in progress (0 on reasons not awaited now).",
+        labels=["pump", "on"],
+        unit="seconds",
+    )
     waiting = f.gauge("pump_waiting", "1 on the reason a pump is waiting on right now.", labels=["pump", "on"])
-    busy = f.counter("pump_busy", "Seconds each pump spent awaiting workers or storage (rollout: summed over concurrent calls).", labels=["pump"], unit="seconds")
+    busy = f.counter(
+        "pump_busy",
+        "Seconds each pump spent awaiting workers or storage (rollout: summed over concurrent calls).",
+        labels=["pump"],
+        unit="seconds",
+    )
     iters = f.counter("pump_iterations", "Loop iterations of each pump (rollout: groups dispatched).", labels=["pump"])
-    errors = f.counter("pump_errors", "Recovered errors per pump (failed generations, trainer errors).", labels=["pump"])
+    errors = f.counter(
+        "pump_errors", "Recovered errors per pump (failed generations, trainer errors).", labels=["pump"]
+    )
     finished = f.gauge("pump_finished", "1 once the pump has exited.", labels=["pump"])
     for name, p in sorted(s.pumps.items()):
         for on, secs in sorted(p.wait_s_by_reason.items()):
@@ -149,30 +174,57 @@ def _pump_families(f: _Families, s: ControllerStatistics) -> None:
         iters.add_metric([name], p.iterations)
         errors.add_metric([name], p.errors)
         finished.add_metric([name], float(p.finished))
-    f.gauge("trainer_idle_ratio", "Train pump wait / (wait + trainer-call seconds), run to date.", _idle_ratio(s, "train"))
-    f.gauge("generation_idle_ratio", "Rollout dispatcher admission wait / (wait + generation worker-seconds), run to date.", _idle_ratio(s, "rollout"))
+    f.gauge(
+        "trainer_idle_ratio", "Train pump wait / (wait + trainer-call seconds), run to date.", _idle_ratio(s, "train")
+    )
+    f.gauge(
+        "generation_idle_ratio",
+        "Rollout dispatcher admission wait / (wait + generation worker-seconds), run to date.",
+        _idle_ratio(s, "rollout"),
+    )
 
 
 def _buffer_families(f: _Families, s: ControllerStatistics) -> None:
     """The replay buffer: groups by state, capacity, rollouts in flight, groups by outcome."""
     led = s.ledger
-    by_state = f.gauge("buffer_groups", "Resident groups by state (clearing: terminal, rows being cleared).", labels=["state"])
+    by_state = f.gauge(
+        "buffer_groups", "Resident groups by state (clearing: terminal, rows being cleared).", labels=["state"]
+    )
     for state in BUFFER_STATES + tuple(sorted(set(led.by_state) - set(BUFFER_STATES))):
         by_state.add_metric([state], led.by_state.get(state, 0))
     f.gauge("buffer_resident_groups", "Groups holding a capacity slot.", led.resident)
     f.gauge("buffer_capacity_groups", "Capacity of the replay buffer, in groups.", led.capacity)
     age = 0.0 if led.oldest_ready_t is None else max(0.0, s.t - led.oldest_ready_t)
-    f.gauge("oldest_ready_group_age", "Seconds the oldest ready (trainable, unselected) group has waited; 0 if none.", age, unit="seconds")
-    in_flight = f.gauge("in_flight_groups", "Rollouts in flight by the policy version they started on.", labels=["version"])
+    f.gauge(
+        "oldest_ready_group_age",
+        "Seconds the oldest ready (trainable, unselected) group has waited; 0 if none.",
+        age,
+        unit="seconds",
+    )
+    in_flight = f.gauge(
+        "in_flight_groups", "Rollouts in flight by the policy version they started on.", labels=["version"]
+    )
     for version, n in sorted(led.in_flight_by_version.items()):
         in_flight.add_metric([str(version)], n)
     if not led.in_flight_by_version:  # a 0 at the served version, not an empty panel, between waves
         in_flight.add_metric([str(s.policy_version)], 0)
-    f.counter("groups_dispatched", "Groups dispatched to generation workers (attempts, retries included).", led.reserved_total)
+    f.counter(
+        "groups_dispatched", "Groups dispatched to generation workers (attempts, retries included).", led.reserved_total
+    )
     f.counter("groups_trained", "Groups trained.", led.trained_total)
-    _by_reason(f.counter("groups_dropped", "Groups dropped, by reason.", labels=["reason"]), led.dropped_by_reason, KNOWN_DROP_REASONS)
-    _by_reason(f.counter("groups_evicted", "Ready groups evicted before training, by reason.", labels=["reason"]), led.evicted_by_reason, KNOWN_EVICT_REASONS)
-    f.counter("zero_variance_groups", "Groups whose rewards were all equal (no learning signal).", s.zero_variance_groups)
+    _by_reason(
+        f.counter("groups_dropped", "Groups dropped, by reason.", labels=["reason"]),
+        led.dropped_by_reason,
+        KNOWN_DROP_REASONS,
+    )
+    _by_reason(
+        f.counter("groups_evicted", "Ready groups evicted before training, by reason.", labels=["reason"]),
+        led.evicted_by_reason,
+        KNOWN_EVICT_REASONS,
+    )
+    f.counter(
+        "zero_variance_groups", "Groups whose rewards were all equal (no learning signal).", s.zero_variance_groups
+    )
 
 
 def _prompt_families(f: _Families, s: ControllerStatistics) -> None:
@@ -180,15 +232,27 @@ def _prompt_families(f: _Families, s: ControllerStatistics) -> None:
     pr = s.prompts
     f.counter("prompts_taken", "Prompts taken from the dataloader.", pr.taken)
     f.counter("prompts_trained", "Prompts settled as trained.", pr.trained)
-    _by_reason(f.counter("prompts_dropped", "Prompts settled as dropped (no retry left), by reason.", labels=["reason"]), pr.dropped_by_reason, KNOWN_DROP_REASONS)
-    _by_reason(f.counter("prompts_evicted", "Prompts settled as evicted (no retry left), by reason.", labels=["reason"]), pr.evicted_by_reason, KNOWN_EVICT_REASONS)
+    _by_reason(
+        f.counter("prompts_dropped", "Prompts settled as dropped (no retry left), by reason.", labels=["reason"]),
+        pr.dropped_by_reason,
+        KNOWN_DROP_REASONS,
+    )
+    _by_reason(
+        f.counter("prompts_evicted", "Prompts settled as evicted (no retry left), by reason.", labels=["reason"]),
+        pr.evicted_by_reason,
+        KNOWN_EVICT_REASONS,
+    )
     f.counter("prompt_retries", "Generation attempts beyond the first, over all prompts.", pr.retries)
 
 
 def _staleness_families(f: _Families, s: ControllerStatistics) -> None:
     """The staleness bound and lookahead, and the staleness of the groups trained."""
     sam = s.sampler
-    f.gauge("max_staleness_versions", "Configured bound: no group trains with staleness above this.", sam.max_staleness_versions)
+    f.gauge(
+        "max_staleness_versions",
+        "Configured bound: no group trains with staleness above this.",
+        sam.max_staleness_versions,
+    )
     f.gauge("max_lookahead_versions", "Configured lookahead L of the admission gate.", sam.max_lookahead_versions)
     stale = HistogramMetricFamily(
         PREFIX + "trained_staleness_versions",
@@ -197,40 +261,86 @@ def _staleness_families(f: _Families, s: ControllerStatistics) -> None:
         sum_value=float(sum(k * n for k, n in sam.trained_staleness.items())),
     )
     f.out.append(stale)
-    f.gauge("trained_staleness_max_versions", "Largest staleness of any group trained so far (0 before the first).", max(sam.trained_staleness, default=0))
-    f.counter("stale_in_flight_aborts", "In-flight rollouts cancelled at a weight sync because they could only train too stale.", sam.aborted_in_flight_total)
+    f.gauge(
+        "trained_staleness_max_versions",
+        "Largest staleness of any group trained so far (0 before the first).",
+        max(sam.trained_staleness, default=0),
+    )
+    f.counter(
+        "stale_in_flight_aborts",
+        "In-flight rollouts cancelled at a weight sync because they could only train too stale.",
+        sam.aborted_in_flight_total,
+    )
 
 
 def _sync_and_step_families(f: _Families, s: ControllerStatistics) -> None:
     """Weight syncs, step times, trainer retries, checkpoints, generation workers, tokens, reward."""
     sy = s.sync
-    sync = SummaryMetricFamily(PREFIX + "weight_sync_duration_seconds", "Weight syncs (close admission, drain, push, bump).", count_value=sy.count, sum_value=sy.total_s)
+    sync = SummaryMetricFamily(
+        PREFIX + "weight_sync_duration_seconds",
+        "Weight syncs (close admission, drain, push, bump).",
+        count_value=sy.count,
+        sum_value=sy.total_s,
+    )
     f.out.append(sync)
     f.gauge("weight_sync_last_duration", "Duration of the last weight sync.", sy.last_s, unit="seconds")
-    f.gauge("weight_sync_last_drain", "Time the last weight sync spent draining in-flight rollouts.", sy.last_drain_s, unit="seconds")
-    f.gauge("weight_sync_last_admission_closed", "Time the last weight sync kept admission closed (with version-gated workers it reopens once the snapshot is sent).", sy.last_closed_s, unit="seconds")
-    f.counter("weight_sync_early_admissions", "Weight syncs that reopened admission once the snapshot was sent, before every worker had applied it (version-gated workers).", sy.early_admissions)
+    f.gauge(
+        "weight_sync_last_drain",
+        "Time the last weight sync spent draining in-flight rollouts.",
+        sy.last_drain_s,
+        unit="seconds",
+    )
+    f.gauge(
+        "weight_sync_last_admission_closed",
+        "Time the last weight sync kept admission closed (with version-gated workers it reopens once the snapshot is sent).",
+        sy.last_closed_s,
+        unit="seconds",
+    )
+    f.counter(
+        "weight_sync_early_admissions",
+        "Weight syncs that reopened admission once the snapshot was sent, before every worker had applied it (version-gated workers).",
+        sy.early_admissions,
+    )
     f.gauge("weight_sync_last", "Size of the last weight snapshot.", sy.last_bytes, unit="bytes")
-    f.gauge("step_last_duration", "Wall time of the last RL step (end of previous step to end of this one).", s.last_step_s, unit="seconds")
+    f.gauge(
+        "step_last_duration",
+        "Wall time of the last RL step (end of previous step to end of this one).",
+        s.last_step_s,
+        unit="seconds",
+    )
     f.counter("train_step_aborts", "abort_train_step calls after trainer errors.", s.aborted_steps)
     f.counter("train_step_retries", "Train steps re-run after an abort.", s.step_retries)
-    f.counter("train_late_finishes", "finish_train_step calls that landed after their deadline (recorded result taken, no second step).", s.late_finishes)
+    f.counter(
+        "train_late_finishes",
+        "finish_train_step calls that landed after their deadline (recorded result taken, no second step).",
+        s.late_finishes,
+    )
     f.counter("storage_clear_retries", "Storage clears retried after a deadline or error.", s.storage_retries)
     f.counter("checkpoints", "Checkpoints written.", s.checkpoints_written)
     f.gauge("checkpoint_last_write", "Time the last checkpoint took to write.", s.last_checkpoint_s, unit="seconds")
     f.gauge("generation_workers", "Generation workers configured.", s.generation_workers)
-    f.gauge("generation_workers_down", "Generation workers out of routing (dead or restarting).", s.generation_workers_down)
+    f.gauge(
+        "generation_workers_down", "Generation workers out of routing (dead or restarting).", s.generation_workers_down
+    )
     f.counter("generation_worker_deaths", "Generation workers found dead.", s.worker_deaths)
     f.counter("generation_worker_restarts", "Dead generation workers restarted.", s.worker_restarts)
-    f.counter("tokens_generated", "Response tokens generated (every committed group, trained or not).", s.tokens_generated)
+    f.counter(
+        "tokens_generated", "Response tokens generated (every committed group, trained or not).", s.tokens_generated
+    )
     f.counter("tokens_trained", "Prompt + response tokens of trained groups.", s.tokens_trained)
     f.gauge("last_step_reward_mean", "Mean reward of the completions trained in the last step.", s.last_reward_mean)
-    f.gauge("last_step_success_rate", "Fraction of the last step's completions with reward >= task.success_reward.", s.last_success_rate)
+    f.gauge(
+        "last_step_success_rate",
+        "Fraction of the last step's completions with reward >= task.success_reward.",
+        s.last_success_rate,
+    )
 
 
 def _mismatch_families(f: _Families, s: ControllerStatistics) -> None:
     """Training-inference mismatch."""
-    f.gauge("mismatch_kl_bound", "Configured bound on train_mismatch_kl (metrics.mismatch_kl_bound).", s.mismatch_kl_bound)
+    f.gauge(
+        "mismatch_kl_bound", "Configured bound on train_mismatch_kl (metrics.mismatch_kl_bound).", s.mismatch_kl_bound
+    )
     # NaN until a step trains tokens that were sampled with its own weights (unknown, never "0").
     f.gauge(
         "train_mismatch_kl",
@@ -250,18 +360,40 @@ def _eval_families(f: _Families, s: ControllerStatistics) -> None:
         ev, last = s.eval, s.eval.last
         f.gauge("eval_in_progress", "1 while an eval round is running.", float(ev.in_progress))
         f.counter("eval_rounds", "Eval points reported (each served entirely by one policy version).", ev.rounds)
-        f.counter("eval_failed_rounds", "Eval rounds abandoned after eval.max_retries failures of one request.", ev.failed)
+        f.counter(
+            "eval_failed_rounds", "Eval rounds abandoned after eval.max_retries failures of one request.", ev.failed
+        )
         f.counter("eval_requests", "Eval requests issued (re-issues included).", ev.requests)
-        f.counter("eval_reissued_requests", "Eval requests re-issued because another policy version served them.", ev.reissued)
-        f.counter("eval_request_failures", "Eval requests that failed (GenerationFailed or deadline) and were re-issued or gave up.", ev.request_failures)
+        f.counter(
+            "eval_reissued_requests", "Eval requests re-issued because another policy version served them.", ev.reissued
+        )
+        f.counter(
+            "eval_request_failures",
+            "Eval requests that failed (GenerationFailed or deadline) and were re-issued or gave up.",
+            ev.request_failures,
+        )
         if last is not None:
             k = str(ev.num_samples)
             f.gauge("eval_policy_version", "Policy version of the last eval point.", last.version)
-            f.gauge("eval_accuracy", "Last eval point: fraction of held-out completions with reward >= task.success_reward.", last.metrics["eval/accuracy"])
-            f.gauge("eval_reward_mean", "Last eval point: mean reward of the held-out completions.", last.metrics["eval/reward_mean"])
-            f.gauge("eval_pass_at_k", "Last eval point: fraction of held-out prompts solved by any of k samples.", labels=["k"]).add_metric([k], last.metrics[f"eval/pass@{k}"])
+            f.gauge(
+                "eval_accuracy",
+                "Last eval point: fraction of held-out completions with reward >= task.success_reward.",
+                last.metrics["eval/accuracy"],
+            )
+            f.gauge(
+                "eval_reward_mean",
+                "Last eval point: mean reward of the held-out completions.",
+                last.metrics["eval/reward_mean"],
+            )
+            f.gauge(
+                "eval_pass_at_k",
+                "Last eval point: fraction of held-out prompts solved by any of k samples.",
+                labels=["k"],
+            ).add_metric([k], last.metrics[f"eval/pass@{k}"])
             f.gauge("eval_last_duration", "Wall time of the last eval round.", last.seconds, unit="seconds")
-            f.gauge("eval_last_tokens", "Response tokens generated for the last eval point.", last.metrics["eval/tokens"])
+            f.gauge(
+                "eval_last_tokens", "Response tokens generated for the last eval point.", last.metrics["eval/tokens"]
+            )
 
 
 def _storage_families(f: _Families, s: ControllerStatistics) -> None:
@@ -273,7 +405,9 @@ def _storage_families(f: _Families, s: ControllerStatistics) -> None:
     rows = f.counter("storage_rows", "Rows written (put) and read (get).", labels=["op"])
     rows.add_metric(["put"], st.rows_put)
     rows.add_metric(["get"], st.rows_read)
-    nbytes = f.counter("storage", "Bytes written (put) and read (get) through this client.", labels=["op"], unit="bytes")
+    nbytes = f.counter(
+        "storage", "Bytes written (put) and read (get) through this client.", labels=["op"], unit="bytes"
+    )
     nbytes.add_metric(["put"], st.bytes_put)
     nbytes.add_metric(["get"], st.bytes_read)
     if st.resident_rows >= 0:
@@ -336,7 +470,9 @@ def on_loop(fn: StatsFn, loop: asyncio.AbstractEventLoop, timeout_s: float) -> S
             return fut.result(timeout_s)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            raise TimeoutError(f"controller event loop did not answer a statistics request within {timeout_s}s") from None
+            raise TimeoutError(
+                f"controller event loop did not answer a statistics request within {timeout_s}s"
+            ) from None
 
     return call
 
@@ -378,7 +514,7 @@ class MetricsServer:
             self.thread.join(timeout_s)
         self.httpd.server_close()  # type: ignore[attr-defined]
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> MetricsServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -415,7 +551,9 @@ def start_metrics_server(
 PORT_SEARCH = 16  # metrics.port taken: try the next ports up to port + 15, then any free port
 
 
-def serve_from_config(cfg: MetricsConfig, stats_fn: StatsFn, *, loop: asyncio.AbstractEventLoop | None = None) -> MetricsServer | None:
+def serve_from_config(
+    cfg: MetricsConfig, stats_fn: StatsFn, *, loop: asyncio.AbstractEventLoop | None = None
+) -> MetricsServer | None:
     """`start_metrics_server` per `MetricsConfig`; None when metrics are disabled. A taken
     `cfg.port` (another run on this host) is not an error: the next free port up to
     `cfg.port + 15` is used, then any free one; `server.url` is what was actually bound."""

@@ -33,8 +33,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Iterator, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
@@ -167,9 +168,7 @@ class _Tracker:
                 env_raylet = p.environ().get("RAY_RAYLET_PID")
                 if env_raylet is not None and int(env_raylet) in self.raylet_pids:
                     yield p
-                elif self.session_dir and any(
-                    f.path.startswith(self.session_dir + os.sep) for f in p.open_files()
-                ):
+                elif self.session_dir and any(f.path.startswith(self.session_dir + os.sep) for f in p.open_files()):
                     yield p
             except (psutil.Error, ValueError, OSError):
                 continue
@@ -447,8 +446,7 @@ def _shutdown(ray: Any, tracker: _Tracker) -> None:
     for p in tracker.live():
         stragglers.setdefault(p.pid, p)
     if stragglers:
-        _, alive = psutil.wait_procs(list(stragglers.values()),
-                                     timeout=max(0.0, deadline - time.monotonic()))
+        _, alive = psutil.wait_procs(list(stragglers.values()), timeout=max(0.0, deadline - time.monotonic()))
         stragglers = {p.pid: p for p in alive if _alive(p)}
     if not stragglers:
         return

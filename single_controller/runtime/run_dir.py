@@ -38,7 +38,6 @@ RUN_ID_FILE = "run_id"
 LOGS_DIR = "logs"
 
 
-
 class RunDirectory:
     """`<output_dir>/<name>-<timestamp>` with config.yaml, metrics.jsonl, logs/ and (at the end) curves.png."""
 
@@ -88,10 +87,14 @@ class RunDirectory:
         id_file = self.path / RUN_ID_FILE
         self.run_id = id_file.read_text(encoding="utf-8").strip() if id_file.exists() else self.path.name
         # eval points of versions >= from_step are measured again after the resume
-        before = lambda r: r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step  # noqa: E731
+        before = lambda r: (
+            r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step
+        )  # noqa: E731
         kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []
         have = {r["step"] for r in kept if not is_eval_record(r) and "step" in r}
-        kept += sorted((r for r in recovered if r["step"] < from_step and r["step"] not in have), key=lambda r: r["step"])
+        kept += sorted(
+            (r for r in recovered if r["step"] < from_step and r["step"] not in have), key=lambda r: r["step"]
+        )
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)

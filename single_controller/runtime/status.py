@@ -19,7 +19,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from single_controller.runtime.metrics import BUFFER_STATES, Sample, parse_metrics
 
@@ -239,10 +240,14 @@ def _reasons(what: str, counts: dict[str, float]) -> str:
 # ---------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    ap = argparse.ArgumentParser(prog="sc-grpo status", description="Summarize a running sc-grpo controller from its metrics endpoint.")
+    ap = argparse.ArgumentParser(
+        prog="sc-grpo status", description="Summarize a running sc-grpo controller from its metrics endpoint."
+    )
     ap.add_argument("--url", default=DEFAULT_URL, help=f"metrics endpoint (default {DEFAULT_URL}; host:port is enough)")
     ap.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    ap.add_argument("--timeout", type=float, default=3.0, metavar="SECONDS", help="HTTP timeout of one fetch (default 3)")
+    ap.add_argument(
+        "--timeout", type=float, default=3.0, metavar="SECONDS", help="HTTP timeout of one fetch (default 3)"
+    )
     args = ap.parse_args(argv)
     if args.watch is not None and args.watch <= 0:
         ap.error("--watch needs a positive number of seconds")
@@ -265,7 +270,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
                 text = render(fetch(url, args.timeout), url)
             except StatusError as e:
                 text = f"sc-grpo status: {e}"
-            print(f"{clear}{time.strftime('%H:%M:%S')}  (every {args.watch:g}s, Ctrl-C to quit)\n{text}", file=out, flush=True)
+            print(
+                f"{clear}{time.strftime('%H:%M:%S')}  (every {args.watch:g}s, Ctrl-C to quit)\n{text}",
+                file=out,
+                flush=True,
+            )
             time.sleep(args.watch)  # a synchronous CLI: sleeping here blocks nothing else
     except KeyboardInterrupt:
         return 0

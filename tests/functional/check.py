@@ -61,10 +61,15 @@ def check_finished(run: Path, a) -> str:
     require(s.get("failure") is None, f"the run failed: {s.get('failure')}")
     require(s["stop_reason"] == a.stop_reason, f"stop reason {s['stop_reason']!r}, expected {a.stop_reason!r}")
     require(s["steps"] == a.steps, f"summary.json says {s['steps']} steps, expected {a.steps}")
-    require(s["storage_keys_left"] == 0, f"{s['storage_keys_left']} storage keys left after the run, e.g. {s.get('storage_keys_left_sample')}")
+    require(
+        s["storage_keys_left"] == 0,
+        f"{s['storage_keys_left']} storage keys left after the run, e.g. {s.get('storage_keys_left_sample')}",
+    )
     require(s.get("teardown_errors") == [], f"teardown errors: {s.get('teardown_errors')}")
     ck = s.get("checkpoint") or {}
-    require(ck.get("step") == a.steps and Path(ck.get("path", "")).is_dir(), f"no final checkpoint of step {a.steps}: {ck}")
+    require(
+        ck.get("step") == a.steps and Path(ck.get("path", "")).is_dir(), f"no final checkpoint of step {a.steps}: {ck}"
+    )
     require((run / "checkpoint" / "config.json").is_file(), "no final policy (checkpoint/config.json)")
     return f"finished: {s['steps']} steps, '{s['stop_reason']}', 0 storage keys left, checkpoint of step {ck['step']}"
 
@@ -83,7 +88,11 @@ def check_exactly_once(run: Path, a) -> str:
     unsettled = [p["prompt_id"] for p in prompts if p["fate"] not in ("trained", "dropped", "evicted")]
     require(not unsettled, f"{len(unsettled)} prompts have no fate (lost), e.g. {unsettled[:5]}; fates {dict(fates)}")
     allowed = set(a.allow_reason)
-    bad = [(p["prompt_id"], p["fate"], p["reason"]) for p in prompts if p["fate"] != "trained" and p["reason"] not in allowed]
+    bad = [
+        (p["prompt_id"], p["fate"], p["reason"])
+        for p in prompts
+        if p["fate"] != "trained" and p["reason"] not in allowed
+    ]
     require(not bad, f"{len(bad)} prompts dropped/evicted with a reason other than {sorted(allowed)}: {bad[:5]}")
     # The run's end may drop only what was taken for steps beyond the last one: a prompt taken
     # among the first steps x groups_per_step (dataloader order) must have been trained.
@@ -97,12 +106,19 @@ def check_exactly_once(run: Path, a) -> str:
     per_step = trained_by_step(prompts)
     counts = {k: len(v) for k, v in sorted(per_step.items())}
     want = {k: p_per_step for k in range(a.steps)}
-    require(counts == want, f"trained prompts per step {counts}, expected {p_per_step} in each of steps 0..{a.steps - 1}")
+    require(
+        counts == want, f"trained prompts per step {counts}, expected {p_per_step} in each of steps 0..{a.steps - 1}"
+    )
     steps = [r["step"] for r in records(run)]
     require(steps == list(range(a.steps)), f"metrics.jsonl steps are not 0..{a.steps - 1} once each: {steps}")
     s = summary(run)["prompts"]
-    require(s["taken"] == len(prompts) == s["settled"], f"summary says taken {s['taken']}, settled {s['settled']}; the ledger has {len(prompts)}")
-    return f"exactly once: {len(prompts)} prompts, {a.steps} steps x {p_per_step} trained once each, fates {dict(fates)}"
+    require(
+        s["taken"] == len(prompts) == s["settled"],
+        f"summary says taken {s['taken']}, settled {s['settled']}; the ledger has {len(prompts)}",
+    )
+    return (
+        f"exactly once: {len(prompts)} prompts, {a.steps} steps x {p_per_step} trained once each, fates {dict(fates)}"
+    )
 
 
 def check_learning(run: Path, a) -> str:
@@ -128,7 +144,9 @@ def check_staleness(run: Path, a) -> str:
     require(not above, f"steps trained groups staler than the bound {bound}: (step, staleness) {above[:10]}")
     top = max(v for _, v in st)
     if a.reaches is not None:
-        require(top >= a.reaches, f"the largest staleness trained is {top}, expected it to reach {a.reaches} (no overlap?)")
+        require(
+            top >= a.reaches, f"the largest staleness trained is {top}, expected it to reach {a.reaches} (no overlap?)"
+        )
     return f"staleness: max {top} <= bound {bound} over {len(st)} steps"
 
 
@@ -138,8 +156,15 @@ def check_mismatch(run: Path, a) -> str:
     cfg = config(run)
     bound = cfg.metrics.mismatch_kl_bound
     rec = records(run)
-    measured = [(x["step"], x["train/mismatch_kl"], x["train/mismatch_tokens"]) for x in rec if x.get("train/mismatch_tokens", 0) > 0]
-    require(measured, f"no step measured the training-inference mismatch (train/mismatch_tokens is 0 or missing in all {len(rec)} steps)")
+    measured = [
+        (x["step"], x["train/mismatch_kl"], x["train/mismatch_tokens"])
+        for x in rec
+        if x.get("train/mismatch_tokens", 0) > 0
+    ]
+    require(
+        measured,
+        f"no step measured the training-inference mismatch (train/mismatch_tokens is 0 or missing in all {len(rec)} steps)",
+    )
     above = [(s, kl) for s, kl, _ in measured if not (kl <= bound)]
     require(not above, f"train/mismatch_kl above its bound {bound}: (step, kl) {above[:10]}")
     worst = max(kl for _, kl, _ in measured)
@@ -154,7 +179,9 @@ def check_sync_equivalent(run: Path, a) -> str:
     from single_controller.runtime.actor_host import make_dataloader
 
     cfg = config(run)
-    require(cfg.sampler.max_lookahead_versions == 0, f"the run has lookahead {cfg.sampler.max_lookahead_versions}, not 0")
+    require(
+        cfg.sampler.max_lookahead_versions == 0, f"the run has lookahead {cfg.sampler.max_lookahead_versions}, not 0"
+    )
     p = cfg.train.groups_per_step
     loader = make_dataloader(cfg)
     expected = [[next(loader).prompt_id for _ in range(p)] for _ in range(a.steps)]
@@ -168,14 +195,20 @@ def check_sync_equivalent(run: Path, a) -> str:
     extra = sorted(set(got) - set(range(a.steps)))
     require(not extra, f"steps {extra} trained beyond the {a.steps} asked for")
     taken = summary(run)["prompts"]["taken"]
-    require(taken <= (a.steps + 1) * p, f"{taken} prompts taken from the dataloader; a synchronous loop of {a.steps} steps takes at most {(a.steps + 1) * p}")
+    require(
+        taken <= (a.steps + 1) * p,
+        f"{taken} prompts taken from the dataloader; a synchronous loop of {a.steps} steps takes at most {(a.steps + 1) * p}",
+    )
     for x in records(run):
         require(
             x["replay/resident_groups"] <= p,
             f"step {x['step']} ended with {x['replay/resident_groups']} groups resident; a synchronous loop holds at most "
             f"one step's {p} (rollouts for the next step started before this one's weights were synced)",
         )
-        require(x["train/staleness_max"] == 0, f"step {x['step']} trained a group {x['train/staleness_max']} versions stale (synchronous: 0)")
+        require(
+            x["train/staleness_max"] == 0,
+            f"step {x['step']} trained a group {x['train/staleness_max']} versions stale (synchronous: 0)",
+        )
         require(
             x["train/mismatch_tokens"] == x["train/tokens"],
             f"step {x['step']}: only {x['train/mismatch_tokens']:.0f} of its {x['train/tokens']:.0f} trained tokens were sampled with "
@@ -192,7 +225,10 @@ def check_worker_killed(run: Path, a) -> str:
     low = min(x["rollout/workers_routable"] for x in rec)
     require(low < a.workers, f"rollout/workers_routable never dropped below {a.workers}: the kill was not seen")
     again = sum(1 for p in ledger(run) if p["uncharged"] > 0)  # in flight on the dead worker
-    require(again >= a.min_redispatched, f"{again} prompts were re-dispatched uncharged, expected at least {a.min_redispatched} (the dead worker's in-flight groups)")
+    require(
+        again >= a.min_redispatched,
+        f"{again} prompts were re-dispatched uncharged, expected at least {a.min_redispatched} (the dead worker's in-flight groups)",
+    )
     return f"worker death: {deaths} counted, routable workers dipped to {low}, {again} prompts re-dispatched uncharged, restarts {rec[-1]['rollout/worker_restarts']}"
 
 
@@ -232,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--steps", type=int, help="steps the run trained (0..steps-1)")
     ap.add_argument("--stop-reason", default="training finished")
-    ap.add_argument("--allow-reason", action="append", default=["run_ended"], help="drop/evict reasons that are allowed")
+    ap.add_argument(
+        "--allow-reason", action="append", default=["run_ended"], help="drop/evict reasons that are allowed"
+    )
     ap.add_argument("--window", type=int, default=5)
     ap.add_argument("--margin", type=float)
     ap.add_argument("--reaches", type=int)

@@ -73,14 +73,20 @@ def main() -> int:
         top = max((float(v) for s in version for _, v in s["values"]), default=-1)
         print(f"prom: {scrapes} successful scrapes of {a.target}, trainer version up to {top:.0f}", file=sys.stderr)
         if top < a.min_steps:
-            print(f"prom: Prometheus saw the trainer version reach only {top:.0f} (< {a.min_steps:.0f}): too few scrapes of the run", file=sys.stderr)
+            print(
+                f"prom: Prometheus saw the trainer version reach only {top:.0f} (< {a.min_steps:.0f}): too few scrapes of the run",
+                file=sys.stderr,
+            )
             return 1
         empty = []
         for title, t in panels:
             expr = tp.grafana_substitute(t["expr"])
             result = prom.query(expr) if t.get("instant") else prom.query_range(expr, t0, t1)
             ok = tp.finite(result)
-            print(f"prom: {'ok   ' if ok else 'EMPTY'} {title} [{t['refId']}]: {expr} ({len(result)} series)", file=sys.stderr)
+            print(
+                f"prom: {'ok   ' if ok else 'EMPTY'} {title} [{t['refId']}]: {expr} ({len(result)} series)",
+                file=sys.stderr,
+            )
             if not ok:
                 empty.append(f"{title} [{t['refId']}]: {expr}")
     if empty:

@@ -9,7 +9,8 @@ in (or it failed), and `succeeded(step)` after a finish that succeeded; `begin(.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from single_controller.protocols import TrainStepStateError
 from single_controller.types import TrainChunk

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def _resolve(target: str) -> type:
@@ -50,7 +51,11 @@ def deferred_actor(target: str, methods: Mapping[str, bool]) -> type:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._impl = _resolve(target)(*args, **kwargs)
 
-    namespace: dict[str, Any] = {"__init__": __init__, "__doc__": f"Stand-in for {target} (see single_controller.backends.common.deferred).", "_deferred_target": target}
+    namespace: dict[str, Any] = {
+        "__init__": __init__,
+        "__doc__": f"Stand-in for {target} (see single_controller.backends.common.deferred).",
+        "_deferred_target": target,
+    }
     for name, is_async in methods.items():
         namespace[name] = _forwarder(name, is_async)
     cls = type(qualname, (), namespace)
@@ -78,4 +83,3 @@ def check_deferred(stand_in: type) -> None:
         raise AssertionError(
             f"{stand_in._deferred_target}: stand-in out of date (missing {missing}, extra {extra}, sync/async differs {kind})"
         )
-

@@ -100,7 +100,9 @@ def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_position
                     "hidden_size 64 with 2 attention heads"
                 )
             if int(config.get("vocab_size", 0)) < TOKENIZER.vocab_size:
-                out.append(f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {TOKENIZER.vocab_size}")
+                out.append(
+                    f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {TOKENIZER.vocab_size}"
+                )
             if positions_of(config) < min_positions:
                 out.append(
                     f"{p / CONFIG_FILE}: {positions_of(config)} positions (max_position_embeddings) are "

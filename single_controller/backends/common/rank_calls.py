@@ -29,8 +29,9 @@ share a host. `node_info()` says where an actor runs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import ray
 
@@ -212,7 +213,9 @@ async def place_ranks(placement: str, world: int, bundle: Mapping[str, float], t
     group = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_SPREAD")
     timeout_s = timeout_s / 2  # within the caller's setup deadline, so this error is the one reported
     try:
-        await within(group.ready(), timeout_s, f"a STRICT_SPREAD placement group of {world} x {dict(bundle)} (trainer ranks)")
+        await within(
+            group.ready(), timeout_s, f"a STRICT_SPREAD placement group of {world} x {dict(bundle)} (trainer ranks)"
+        )
     except DeadlineExceeded as e:
         ray.util.remove_placement_group(group)
         nodes = await asyncio.to_thread(_alive_nodes)
@@ -224,7 +227,10 @@ async def place_ranks(placement: str, world: int, bundle: Mapping[str, float], t
         ray.util.remove_placement_group(group)
         raise
     return RankPlacement(
-        [{"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)} for r in range(world)],
+        [
+            {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)}
+            for r in range(world)
+        ],
         group,
     )
 
@@ -257,9 +263,7 @@ class RankStepCalls:
         if open_step != step:
             raise TrainStepStateError(f"{what}(step {step}): the open step is {open_step}")
 
-    def _read_rows(
-        self, step: int, read: Callable[[], tuple[Mapping[str, Any], int]]
-    ) -> tuple[Mapping[str, Any], int]:
+    def _read_rows(self, step: int, read: Callable[[], tuple[Mapping[str, Any], int]]) -> tuple[Mapping[str, Any], int]:
         """`read()` of this rank's rows for a microbatch of `step` (the rows, the bytes read). A
         failure marks the step failed (its finish refuses; only an abort closes it); one a retry can
         fix (the storage could not serve the rows, or could not be reached) is raised as

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,8 +54,10 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.to and len(args) > 1 and (
-            _is_cuda_device(args[1]) and not isinstance(args[1], torch.dtype)
+        if (
+            func is torch.Tensor.to
+            and len(args) > 1
+            and (_is_cuda_device(args[1]) and not isinstance(args[1], torch.dtype))
         ):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

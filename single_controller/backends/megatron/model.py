@@ -31,8 +31,8 @@ Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = interm
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,12 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh, "gelu": F.gelu}
 # HF GPT-2 `activation_function` -> ours (gelu_new and gelu_pytorch_tanh are the same function).
-_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+_GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+}
 
 
 def _refuse(problems: list[str]) -> None:
@@ -76,7 +81,7 @@ class ModelSpec:
     activation: str  # a key of _ACTIVATIONS
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping) -> "ModelSpec":
+    def from_hf_config(cls, cfg: Mapping) -> ModelSpec:
         model_type = cfg.get("model_type", "llama")
         if model_type == "llama":
             return cls._llama(cfg)
@@ -88,7 +93,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def _llama(cls, cfg: Mapping) -> "ModelSpec":
+    def _llama(cls, cfg: Mapping) -> ModelSpec:
         problems = []
         if cfg.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act is {cfg.get('hidden_act')!r} (only 'silu')")
@@ -119,7 +124,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def _gpt2(cls, cfg: Mapping) -> "ModelSpec":
+    def _gpt2(cls, cfg: Mapping) -> ModelSpec:
         problems = []
         act = cfg.get("activation_function", "gelu_new")
         if act not in _GPT2_ACTIVATIONS:
@@ -251,7 +256,9 @@ def _pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec
     g, d = spec.num_kv_heads, spec.head_dim
     qpg = spec.num_heads // g
     tail = q.shape[1:]
-    return torch.cat([q.reshape(g, qpg * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1).reshape(-1, *tail)
+    return torch.cat([q.reshape(g, qpg * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1).reshape(
+        -1, *tail
+    )
 
 
 def _unpack_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -324,7 +331,9 @@ class _Shard:
         return t.chunk(self.tp, dim=1)[self.tp_rank]
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int, names: Sequence[str]
+) -> dict[str, torch.Tensor]:
     """The Megatron tensors named `names` (this rank's state-dict keys) for TP rank `tp_rank`."""
     V = spec.padded_vocab(tp)
     N = _names(spec)
@@ -376,7 +385,9 @@ def _layer_tensor(hf: Mapping[str, torch.Tensor], spec: ModelSpec, shard: _Shard
     else:
         if rest == "self_attention.linear_qkv.weight":
             a = h + "self_attn."
-            return shard.rows(_pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec))
+            return shard.rows(
+                _pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec)
+            )
         if rest == "self_attention.linear_proj.weight":
             return shard.cols(hf[h + "self_attn.o_proj.weight"])
         if rest == "mlp.linear_fc1.weight":

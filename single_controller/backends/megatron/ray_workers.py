@@ -22,9 +22,10 @@ import datetime
 import json
 import os
 import shutil
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,8 +53,8 @@ from single_controller.backends.common.rank_calls import (
 )
 from single_controller.backends.common.split_step import collective
 from single_controller.backends.common.weights import WeightSnapshot, pack_weights
-from single_controller.backends.megatron.model import ModelSpec
 from single_controller.backends.common.worker_logs import redirect_output
+from single_controller.backends.megatron.model import ModelSpec
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
@@ -94,7 +95,9 @@ class MegatronRankActor(RankStepCalls):
     """One Megatron trainer rank (run with `ray.remote(MegatronRankActor)`); methods are synchronous
     and run one at a time in the actor's process."""
 
-    def __init__(self, rank: int, world_size: int, storage_factory: Callable[[], Any] | None = None, torch_threads: int = 1):
+    def __init__(
+        self, rank: int, world_size: int, storage_factory: Callable[[], Any] | None = None, torch_threads: int = 1
+    ):
         redirect_output(f"megatron{rank}")
         torch.set_num_threads(torch_threads)
         self.rank, self.world_size = rank, world_size
@@ -119,7 +122,13 @@ class MegatronRankActor(RankStepCalls):
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray gives each rank actor one GPU
         store = join_store(master_addr, int(master_port), self.rank, self.world_size, timeout_s)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
 
     def build(
         self,
@@ -150,11 +159,22 @@ class MegatronRankActor(RankStepCalls):
             mps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
         self.model_dir = model_dir
         self.core = MegatronTrainerCore(
-            hf_state, spec, train, distributed_optimizer=distributed_optimizer, emulate_cpu=emulate_cpu,
-            temperature=temperature, seed=seed,
+            hf_state,
+            spec,
+            train,
+            distributed_optimizer=distributed_optimizer,
+            emulate_cpu=emulate_cpu,
+            temperature=temperature,
+            seed=seed,
         )
         c = self.core
-        return {"dp_rank": c.dp_rank, "tp_rank": c.tp_rank, "dp": c.dp, "tp": c.tp, "params": sum(p.numel() for p in c.params)}
+        return {
+            "dp_rank": c.dp_rank,
+            "tp_rank": c.tp_rank,
+            "dp": c.dp,
+            "tp": c.tp,
+            "params": sum(p.numel() for p in c.params),
+        }
 
     # --- the split API, per rank ---------------------------------------------------------------
 
@@ -264,7 +284,9 @@ class MegatronRankActor(RankStepCalls):
     def same_state(self, other: Any) -> bool:
         return self.core.snapshot().equals(other)
 
-    def logprobs(self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(
+        self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
         """Token logprobs of responses under the current weights (no grad), [B, R]."""
         rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
         with self.core.on_device(), torch.no_grad():
@@ -335,8 +357,14 @@ class MegatronTrainerGroup:
 
     def statistics(self) -> MegatronTrainerGroupStatistics:
         return MegatronTrainerGroupStatistics(
-            num_ranks=len(self.ranks), rank_nodes=tuple(n["node_id"] for n in self.rank_nodes), data_parallel_size=self.dp, tensor_parallel_size=self.tp,
-            open_step=self._step, chunks_in_open_step=self._chunks, bytes_read_open_step=self._bytes_read, **self._counts,
+            num_ranks=len(self.ranks),
+            rank_nodes=tuple(n["node_id"] for n in self.rank_nodes),
+            data_parallel_size=self.dp,
+            tensor_parallel_size=self.tp,
+            open_step=self._step,
+            chunks_in_open_step=self._chunks,
+            bytes_read_open_step=self._bytes_read,
+            **self._counts,
         )
 
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
@@ -347,10 +375,14 @@ class MegatronTrainerGroup:
         if self._step != chunk.step:
             raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
         if len(chunk.seq_lengths) != len(chunk.row_keys):
-            raise ValueError(f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys")
+            raise ValueError(
+                f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys"
+            )
         split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
         refs = [
-            r.train_microbatch_keys.remote(chunk.step, split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d)))
+            r.train_microbatch_keys.remote(
+                chunk.step, split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d))
+            )
             for r, d in zip(self.ranks, self.dp_ranks)
         ]
         nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
@@ -384,12 +416,16 @@ class MegatronTrainerGroup:
         return await train_status_of(self.ranks)
 
     async def export_weights(self, version: int) -> WeightsHandle:
-        snaps = await rank_call(f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks])
+        snaps = await rank_call(
+            f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks]
+        )
         snapshot = snaps[0]
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
 
     async def save_checkpoint(self, directory: str) -> str:
-        paths = await rank_call(f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks])
+        paths = await rank_call(
+            f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks]
+        )
         return paths[0]
 
     async def save_state(self, directory: str) -> None:
@@ -431,7 +467,10 @@ async def start_megatron_ranks(
         opts.setdefault("num_gpus", 1)
     where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": 1}, setup_timeout_s)
     cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(MegatronRankActor)
-    ranks = [cls.options(**{**opts, **where.options[r]}).remote(r, num_ranks, storage_factory, torch_threads) for r in range(num_ranks)]
+    ranks = [
+        cls.options(**{**opts, **where.options[r]}).remote(r, num_ranks, storage_factory, torch_threads)
+        for r in range(num_ranks)
+    ]
     try:
         if storage_ready is not None:
             await storage_ready
@@ -439,11 +478,21 @@ async def start_megatron_ranks(
         backend = "gloo" if emulate_cpu else "nccl"
         await rank_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
         rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
-        layout = await rank_call("build", [
-            r.build.remote(model_dir, train, tensor_parallel_size=tensor_parallel_size, distributed_optimizer=distributed_optimizer,
-                           emulate_cpu=emulate_cpu, temperature=temperature, seed=seed)
-            for r in ranks
-        ])
+        layout = await rank_call(
+            "build",
+            [
+                r.build.remote(
+                    model_dir,
+                    train,
+                    tensor_parallel_size=tensor_parallel_size,
+                    distributed_optimizer=distributed_optimizer,
+                    emulate_cpu=emulate_cpu,
+                    temperature=temperature,
+                    seed=seed,
+                )
+                for r in ranks
+            ],
+        )
     except BaseException:
         await asyncio.shield(stop_ranks(ranks, where))
         raise

@@ -29,15 +29,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from single_controller.backends.common.split_step import SplitStep, StepSums, collective, rows_loss
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
-from single_controller.backends.megatron.model import MegatronPolicy, ModelSpec, build_gpt, hf_to_megatron, megatron_to_hf
+from single_controller.backends.megatron.model import (
+    MegatronPolicy,
+    ModelSpec,
+    build_gpt,
+    hf_to_megatron,
+    megatron_to_hf,
+)
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
@@ -77,7 +84,7 @@ class _Snapshot:
         return [p for g in opt.param_groups for p in g["params"]]
 
     @classmethod
-    def take(cls, params: list[torch.Tensor], optimizer) -> "_Snapshot":
+    def take(cls, params: list[torch.Tensor], optimizer) -> _Snapshot:
         opts = _inner_optimizers(optimizer)
 
         def clone(v: Any) -> Any:
@@ -91,7 +98,9 @@ class _Snapshot:
             params=tuple(p.detach().clone() for p in params),
             main_params=tuple(tuple(p.detach().clone() for p in cls._main(o)) for o in opts),
             states=tuple(states),
-            groups=tuple(tuple({k: clone(v) for k, v in g.items() if k != "params"} for g in o.param_groups) for o in opts),
+            groups=tuple(
+                tuple({k: clone(v) for k, v in g.items() if k != "params"} for g in o.param_groups) for o in opts
+            ),
         )
 
     @torch.no_grad()
@@ -108,7 +117,7 @@ class _Snapshot:
             for g, saved in zip(opt.param_groups, groups):
                 g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()})
 
-    def equals(self, other: "_Snapshot") -> bool:
+    def equals(self, other: _Snapshot) -> bool:
         """Bit-identical (for tests)."""
 
         def same(a: Any, b: Any) -> bool:
@@ -121,10 +130,15 @@ class _Snapshot:
             and all(same(a, b) for a, b in zip(self.params, other.params))
             and all(same(a, b) for x, y in zip(self.main_params, other.main_params) for a, b in zip(x, y))
             and all(
-                x.keys() == y.keys() and all(x[i].keys() == y[i].keys() and all(same(x[i][k], y[i][k]) for k in x[i]) for i in x)
+                x.keys() == y.keys()
+                and all(x[i].keys() == y[i].keys() and all(same(x[i][k], y[i][k]) for k in x[i]) for i in x)
                 for x, y in zip(self.states, other.states)
             )
-            and all(g.keys() == h.keys() and all(same(g[k], h[k]) for k in g) for x, y in zip(self.groups, other.groups) for g, h in zip(x, y))
+            and all(
+                g.keys() == h.keys() and all(same(g[k], h[k]) for k in g)
+                for x, y in zip(self.groups, other.groups)
+                for g, h in zip(x, y)
+            )
         )
 
 
@@ -224,13 +238,17 @@ class MegatronTrainerCore:
         with torch.no_grad():
             for name, p in named.items():
                 if p.shape != converted[name].shape:
-                    raise ValueError(f"{name}: Megatron shape {tuple(p.shape)} != converted {tuple(converted[name].shape)}")
+                    raise ValueError(
+                        f"{name}: Megatron shape {tuple(p.shape)} != converted {tuple(converted[name].shape)}"
+                    )
                 p.copy_(converted[name])
 
     # --- the split API -------------------------------------------------------------------------
 
     def statistics(self) -> MegatronTrainerStatistics:
-        return MegatronTrainerStatistics(rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, **self.steps.counts())
+        return MegatronTrainerStatistics(
+            rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank, **self.steps.counts()
+        )
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)
@@ -360,4 +378,3 @@ class MegatronTrainerCore:
     def snapshot(self) -> _Snapshot:
         """Parameters + optimizer state now (for checks)."""
         return _Snapshot.take(self.params, self.optimizer)
-

@@ -14,7 +14,7 @@ Dynamo imported.
 from __future__ import annotations
 
 import inspect
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch._compile
@@ -45,8 +45,10 @@ def eager_step(opt: torch.optim.Optimizer) -> None:
     """`opt.step()` without its `torch._dynamo.graph_break()`."""
     raw = inspect.unwrap(type(opt).step)  # through step's profiling wrapper and _use_grad_for_differentiable
     hooks = (
-        opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-        or _optimizer._global_optimizer_pre_hooks or _optimizer._global_optimizer_post_hooks
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _optimizer._global_optimizer_pre_hooks
+        or _optimizer._global_optimizer_post_hooks
     )
     # torch's own step() where it does more than the update: a differentiable optimizer, hooks, a
     # step set on the instance (a wrapper someone installed), or a build of torch not wrapped as expected

@@ -27,20 +27,21 @@ import collections
 import itertools
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
+from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
-from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.config.schema import ModelConfig
-from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
+from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -149,7 +150,9 @@ class GenerationCore:
                 for _ in range(requests[i].sampling.n):
                     n = lengths[row]
                     # The reward sees the text without a final stop token.
-                    text_ids = token_lists[row][: n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n]
+                    text_ids = token_lists[row][
+                        : n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n
+                    ]
                     responses[i].append((ids[row], lps[row], masks[row], self.tokenizer.decode(text_ids), n))
                     row += 1
 
@@ -159,7 +162,13 @@ class GenerationCore:
     def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
         """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
         keys, results, lengths = [], [], []
-        cols: dict[str, list] = {"prompt_ids": [], "response_ids": [], "gen_logprobs": [], "response_mask": [], "reward": []}
+        cols: dict[str, list] = {
+            "prompt_ids": [],
+            "response_ids": [],
+            "gen_logprobs": [],
+            "response_mask": [],
+            "reward": [],
+        }
         cancelled = self._cancelled
         eval_rows = eval_tokens = n_eval = 0
         for r, rows in zip(requests, responses):
@@ -192,7 +201,9 @@ class GenerationCore:
             keys.extend(r.row_keys)
         if keys:
             columns: dict[str, Any] = dict(cols)
-            columns["token_versions"] = list(torch.split(torch.full((sum(lengths),), version, dtype=torch.int64), lengths))
+            columns["token_versions"] = list(
+                torch.split(torch.full((sum(lengths),), version, dtype=torch.int64), lengths)
+            )
             columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
             self.storage.put_rows_sync(keys, columns)
         self._written.update(res.group_id for res in results if res is not None)
@@ -242,7 +253,9 @@ class GenerationActor:
         # The storage client connects on first use (or connect()): storage may still be starting.
         self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
-        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # priority lane
+        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = (
+            collections.deque()
+        )  # priority lane
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
         self._has_pending: asyncio.Event | None = None

@@ -117,7 +117,9 @@ class TinyGPT(nn.Module):
         start = 0 if cache is None else cache.length
         limit = self.max_seq_len if cache is None else cache.k.shape[3]
         if start + T > limit:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.max_seq_len} (or the cache's length {limit})")
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds max_seq_len {self.max_seq_len} (or the cache's length {limit})"
+            )
         pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
         for i, block in enumerate(self.blocks):
@@ -133,7 +135,9 @@ class TinyGPT(nn.Module):
         """A cache for `max_len` positions (default max_seq_len)."""
         length = self.max_seq_len if max_len is None else min(max_len, self.max_seq_len)
         ref = self.tok_emb.weight
-        return KVCache(len(self.blocks), batch_size, self.cfg.n_heads, length, self.cfg.d_model // self.cfg.n_heads, ref)
+        return KVCache(
+            len(self.blocks), batch_size, self.cfg.n_heads, length, self.cfg.d_model // self.cfg.n_heads, ref
+        )
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self._run(input_ids, cache)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,9 @@ class TrainerCore:
         if process_group is not None:
             # broadcast_buffers=False: buffers (e.g. HF rotary tables) are constants here, and a
             # per-forward buffer broadcast would be a collective per microbatch.
-            self._forward = nn.parallel.DistributedDataParallel(policy, process_group=process_group, broadcast_buffers=False)
+            self._forward = nn.parallel.DistributedDataParallel(
+                policy, process_group=process_group, broadcast_buffers=False
+            )
         else:
             self._forward = policy
         self.params = [p for p in policy.parameters() if p.requires_grad]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ray
 import torch
@@ -17,14 +18,14 @@ import torch.distributed as dist
 
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
-from single_controller.backends.torch.model import build_policy, save_policy, state_module
-from single_controller.backends.common.weights import WeightSnapshot
-from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics
-from single_controller.protocols import TrainStepStateError
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.backends.common.weights import WeightSnapshot
 from single_controller.backends.common.worker_logs import redirect_output
+from single_controller.backends.torch.model import build_policy, save_policy, state_module
+from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics
 from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
+from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -34,7 +35,9 @@ class TrainerRankActor(RankStepCalls):
     """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
     one at a time in the actor's process)."""
 
-    def __init__(self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"):
+    def __init__(
+        self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"
+    ):
         redirect_output(f"trainer{rank}")
         torch.set_num_threads(cfg.backend.torch_threads)
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
@@ -58,11 +61,17 @@ class TrainerRankActor(RankStepCalls):
         if self.world_size > 1:
             store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
             dist.init_process_group(
-                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+                "gloo",
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
             )
             pg = dist.group.WORLD
         device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
-        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(device=device, dtype=self.dtype)
+        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(
+            device=device, dtype=self.dtype
+        )
         self.core = TrainerCore(
             policy,
             self.cfg.train,
@@ -138,7 +147,11 @@ class TrainerRankActor(RankStepCalls):
 
     def get_grads(self) -> dict[str, Any]:
         """The gradient the last finished step applied (for checks)."""
-        return {n: p.grad.detach().cpu().clone().numpy() for n, p in self.core.policy.named_parameters() if p.grad is not None}
+        return {
+            n: p.grad.detach().cpu().clone().numpy()
+            for n, p in self.core.policy.named_parameters()
+            if p.grad is not None
+        }
 
     def close(self) -> None:
         self.prefetcher.close()

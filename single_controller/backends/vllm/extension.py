@@ -12,7 +12,8 @@ weights; a plain `param.copy_` would bypass that).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,9 @@ def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[st
     for b in sorted(by_bucket):
         flat = np.asarray(buckets[b])
         if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != manifest.dtype:
-            raise ValueError(f"bucket {b} is {flat.dtype}{list(flat.shape)}, manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]")
+            raise ValueError(
+                f"bucket {b} is {flat.dtype}{list(flat.shape)}, manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]"
+            )
         with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy(flat)

@@ -20,7 +20,8 @@ rollout pump re-dispatches its prompts and restarts it.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -30,7 +31,11 @@ from single_controller.config.schema import Config
 
 
 async def start_vllm_generation(
-    cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any] | None = None, options: dict | None = None
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Awaitable[Any] | None = None,
+    options: dict | None = None,
 ) -> list[ActorGenerationClient]:
     """Start `backend.num_generation_workers` vLLM actors (engines start in their constructors,
     beside the storage service's own start) and connect them to storage."""
@@ -41,7 +46,9 @@ async def start_vllm_generation(
 
     def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
         def spawn() -> Any:
-            return actor_cls.options(**{**res, **(options or {})}).remote(f"vllm{i}", cfg, storage_factory, seed=cfg.seed * 1000 + i)
+            return actor_cls.options(**{**res, **(options or {})}).remote(
+                f"vllm{i}", cfg, storage_factory, seed=cfg.seed * 1000 + i
+            )
 
         return spawn
 

@@ -33,19 +33,20 @@ import concurrent.futures
 import functools
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from replay.storage import LazyRowStorage
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
-from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.backends.common.worker_logs import redirect_output
+from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.config.schema import Config
-from single_controller.protocols import GenerationFailed
 from single_controller.data.tasks import TOKENIZER, load_callable
+from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -153,7 +154,9 @@ class VllmGenerationActor:
             self._write_lock = asyncio.Lock()
             self._has_work = asyncio.Event()
             self._stepped = asyncio.Condition()
-            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop(), name=f"{self.name}.engine_loop")
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._engine_loop(), name=f"{self.name}.engine_loop"
+            )
             self._loop_task.add_done_callback(self._on_loop_done)
 
     def _on_loop_done(self, task: asyncio.Task) -> None:
@@ -162,7 +165,9 @@ class VllmGenerationActor:
         self._closed = True
         for g in list(self._groups.values()):
             if not g.future.done():
-                err = GenerationFailed(f"{self.name}: engine loop stopped before group {g.request.group_id} finished: {cause!r}")
+                err = GenerationFailed(
+                    f"{self.name}: engine loop stopped before group {g.request.group_id} finished: {cause!r}"
+                )
                 err.__cause__ = cause
                 g.future.set_exception(err)
 
@@ -227,7 +232,9 @@ class VllmGenerationActor:
             if self.version is None and req.min_version is None:
                 g.future.set_exception(GenerationFailed(f"{self.name}: no weights loaded yet (update_weights first)"))
             elif req.row_keys and len(req.row_keys) != req.sampling.n:
-                g.future.set_exception(ValueError(f"group {req.group_id}: {len(req.row_keys)} row keys for n={req.sampling.n}"))
+                g.future.set_exception(
+                    ValueError(f"group {req.group_id}: {len(req.row_keys)} row keys for n={req.sampling.n}")
+                )
             elif req.group_id in self._groups:
                 g.future.set_exception(ValueError(f"group {req.group_id} is already being generated"))
         live = [g for g in groups if not g.future.done()]
@@ -331,10 +338,14 @@ class VllmGenerationActor:
         req = g.request
         stop = req.sampling.stop_token_id
         prompt = torch.tensor(req.prompt.token_ids, dtype=torch.long)
-        cols: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")}
+        cols: dict[str, list] = {
+            k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")
+        }
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != req.sampling.n:
-            raise GenerationFailed(f"{self.name}: group {req.group_id} came back with {len(completions)} of {req.sampling.n} completions")
+            raise GenerationFailed(
+                f"{self.name}: group {req.group_id} came back with {len(completions)} of {req.sampling.n} completions"
+            )
         for c in completions:
             ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(ids):
@@ -388,7 +399,9 @@ class VllmGenerationActor:
                     # Groups cancelled while the put was in flight: take their rows back. Looped, as
                     # another cancel may arrive during a clear; none can after the last check.
                     while late := [g for g in written if g.cancelled and g.request.group_id not in cleared]:
-                        await asyncio.to_thread(self.storage.clear_rows_sync, [k for g in late for k in g.request.row_keys])
+                        await asyncio.to_thread(
+                            self.storage.clear_rows_sync, [k for g in late for k in g.request.row_keys]
+                        )
                         cleared.update(g.request.group_id for g in late)
             except Exception as e:  # noqa: BLE001 - every group of the put fails with it
                 error = e
@@ -437,7 +450,9 @@ class VllmGenerationActor:
     async def _load(self, snap: WeightSnapshot) -> int:
         async with self._engine_lock:  # between two steps: in-flight requests keep their place
             t0 = time.perf_counter()
-            load = functools.partial(self.engine.collective_rpc, "sc_load_snapshot", args=(snap.manifest, list(snap.buckets)))
+            load = functools.partial(
+                self.engine.collective_rpc, "sc_load_snapshot", args=(snap.manifest, list(snap.buckets))
+            )
             await asyncio.get_running_loop().run_in_executor(self._engine_thread, load)
             self.engine.set_weight_version(str(snap.manifest.version))
             self.version = snap.manifest.version
