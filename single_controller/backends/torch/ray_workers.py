@@ -36,7 +36,6 @@ from single_controller.algorithm.dp_split import split_chunk
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
 from single_controller.backends.common.behind_finish import BehindFinish
-from single_controller.backends.common.deferred import deferred_actor
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
@@ -49,59 +48,11 @@ from single_controller.backends.common.rank_calls import (
     stop_ranks,
     train_status_of,
 )
+from single_controller.backends.torch.generation import GenerationActor
+from single_controller.backends.torch.trainer_actor import TrainerRankActor
 from single_controller.config.schema import Config
 from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
-
-# The actor classes, as light stand-ins (`backends.deferred`): the controller starts their processes
-# before it imports torch or the model code; each process imports its own class. Method lists are
-# checked against the real classes by tests/test_torch_ray.py.
-TrainerRankActor = deferred_actor(
-    "single_controller.backends.torch.trainer_actor:TrainerRankActor",
-    dict.fromkeys(
-        (
-            "abort_train_step",
-            "begin_train_step",
-            "close",
-            "connect_storage",
-            "export_weights",
-            "finish_train_step",
-            "get_grads",
-            "get_weights",
-            "load_state",
-            "node_address",
-            "node_info",
-            "prefetch_keys",
-            "save_checkpoint",
-            "save_state",
-            "setup",
-            "statistics",
-            "train_microbatch_keys",
-            "train_status",
-        ),
-        False,
-    ),
-)
-GenerationActor = deferred_actor(
-    "single_controller.backends.torch.generation:GenerationActor",
-    dict.fromkeys(
-        (
-            "cancel",
-            "close",
-            "connect",
-            "generate",
-            "generate_many",
-            "get_weights",
-            "in_flight",
-            "pause",
-            "resume",
-            "statistics",
-            "update_weights",
-            "version",
-        ),
-        True,
-    ),
-)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """`TrainerRankActor`: one trainer rank of the embedded torch backend, run as a Ray actor.
 
-The controller starts it through the light stand-in `ray_workers.TrainerRankActor`
-(`backends.deferred`), so this module (torch, the model, the optimizer) is imported only in the
-rank's own process. `CpuTrainerGroup` in `ray_workers` is its controller-side adapter.
+`CpuTrainerGroup` in `ray_workers` starts it (`ray.remote(TrainerRankActor)`) and is its
+controller-side adapter.
 """
 
 from __future__ import annotations
