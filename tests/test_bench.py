@@ -81,7 +81,8 @@ def test_bench_scale_prints_every_point_the_latency_samples_the_fit_and_the_memo
     batched = capsys.readouterr().out
     assert "generation workers batch up to 4 groups" in batched and re.search(r"^\s+4\s+2\s+\d", batched, re.M)
     assert re.search(
-        r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups per step \(least squares over the 2 points at 2 workers\)",
+        r"controller CPU per step ~ [\d.]+ ms \+ -?[\d.]+ us x groups "
+        r"per step \(least squares over the 2 points at 2 workers\)",
         out,
     )
     assert re.search(

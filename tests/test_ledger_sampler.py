@@ -216,12 +216,8 @@ def _ready_group(led, i, target, version):
 @pytest.mark.parametrize("order", ["in_order", "fifo", "freshest"])
 def test_select_orders(order):
     led = GroupLedger(capacity=10, group_size=2, groups_per_step=3, max_steps=10)
-    gs = [
-        _ready_group(led, 0, 2, 0),
-        _ready_group(led, 1, 2, 2),
-        _ready_group(led, 2, 3, 1),
-        _ready_group(led, 3, 2, 1),
-    ]
+    for args in ((0, 2, 0), (1, 2, 2), (2, 3, 1), (3, 2, 1)):
+        _ready_group(led, *args)
     s = StalenessSampler(SamplerConfig(order=order, max_lookahead_versions=1, max_staleness_versions=1))
     picked = [g.prompt.prompt_id for g in s.select(led.in_state(GroupState.READY), 2, 10)]
     # staleness at step 2: p0 -> 2 (excluded everywhere), p1 -> 0, p2 -> 1, p3 -> 1

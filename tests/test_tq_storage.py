@@ -685,7 +685,8 @@ def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
         assert "torch._dynamo" not in sys.modules
         for name in ("transfer_queue", "tensordict"):
             loader = sys.modules[name].__spec__.loader
-            assert type(loader).__module__ != "replay.transferqueue.shims" and sys.modules[name].__loader__ is loader, (name, loader)
+            assert type(loader).__module__ != "replay.transferqueue.shims", (name, loader)
+            assert sys.modules[name].__loader__ is loader, (name, loader)
         assert (resources.files("transfer_queue") / "config.yaml").is_file()
         assert not pause_gc_until_transfer_queue(), "TQ is imported already: nothing to pause for"
         print("OK")

@@ -163,7 +163,8 @@ def check_mismatch(run: Path, a) -> str:
     ]
     require(
         measured,
-        f"no step measured the training-inference mismatch (train/mismatch_tokens is 0 or missing in all {len(rec)} steps)",
+        f"no step measured the training-inference mismatch "
+        f"(train/mismatch_tokens is 0 or missing in all {len(rec)} steps)",
     )
     above = [(s, kl) for s, kl, _ in measured if not (kl <= bound)]
     require(not above, f"train/mismatch_kl above its bound {bound}: (step, kl) {above[:10]}")
@@ -197,12 +198,14 @@ def check_sync_equivalent(run: Path, a) -> str:
     taken = summary(run)["prompts"]["taken"]
     require(
         taken <= (a.steps + 1) * p,
-        f"{taken} prompts taken from the dataloader; a synchronous loop of {a.steps} steps takes at most {(a.steps + 1) * p}",
+        f"{taken} prompts taken from the dataloader; a synchronous "
+        f"loop of {a.steps} steps takes at most {(a.steps + 1) * p}",
     )
     for x in records(run):
         require(
             x["replay/resident_groups"] <= p,
-            f"step {x['step']} ended with {x['replay/resident_groups']} groups resident; a synchronous loop holds at most "
+            f"step {x['step']} ended with {x['replay/resident_groups']} "
+            f"groups resident; a synchronous loop holds at most "
             f"one step's {p} (rollouts for the next step started before this one's weights were synced)",
         )
         require(
@@ -211,7 +214,8 @@ def check_sync_equivalent(run: Path, a) -> str:
         )
         require(
             x["train/mismatch_tokens"] == x["train/tokens"],
-            f"step {x['step']}: only {x['train/mismatch_tokens']:.0f} of its {x['train/tokens']:.0f} trained tokens were sampled with "
+            f"step {x['step']}: only {x['train/mismatch_tokens']:.0f} of "
+            f"its {x['train/tokens']:.0f} trained tokens were sampled with "
             f"the weights of step {x['step']} (synchronous: all of them)",
         )
     return f"synchronous: {a.steps} steps trained the dataloader's blocks of {p}, all on-policy"
@@ -227,9 +231,14 @@ def check_worker_killed(run: Path, a) -> str:
     again = sum(1 for p in ledger(run) if p["uncharged"] > 0)  # in flight on the dead worker
     require(
         again >= a.min_redispatched,
-        f"{again} prompts were re-dispatched uncharged, expected at least {a.min_redispatched} (the dead worker's in-flight groups)",
+        f"{again} prompts were re-dispatched uncharged, expected at "
+        f"least {a.min_redispatched} (the dead worker's in-flight groups)",
     )
-    return f"worker death: {deaths} counted, routable workers dipped to {low}, {again} prompts re-dispatched uncharged, restarts {rec[-1]['rollout/worker_restarts']}"
+    restarts = rec[-1]["rollout/worker_restarts"]
+    return (
+        f"worker death: {deaths} counted, routable workers dipped to {low}, "
+        f"{again} prompts re-dispatched uncharged, restarts {restarts}"
+    )
 
 
 def check_resumed(run: Path, a) -> str:

@@ -3,7 +3,8 @@
     python tests/functional/prom.py --target 127.0.0.1:PORT --pid PID --dir DIR [--panel REGEX ...]
 
 Starts a Prometheus on loopback (config, data and log under DIR, 1 s scrape interval) scraping
-TARGET (started before the run is up, so it sees the run from its first step), waits until the run (process PID) has exited, then evaluates every target expression of
+TARGET (started before the run is up, so it sees the run from its first step), waits until the run
+(process PID) has exited, then evaluates every target expression of
 the shipped dashboard's panels whose title matches a --panel regex (read from
 deploy/grafana/sc-grpo-dashboard.json, template variables substituted as Grafana does) as a range
 query over the time the target was up, and fails unless each returns data. Prometheus is stopped
@@ -74,7 +75,8 @@ def main() -> int:
         print(f"prom: {scrapes} successful scrapes of {a.target}, trainer version up to {top:.0f}", file=sys.stderr)
         if top < a.min_steps:
             print(
-                f"prom: Prometheus saw the trainer version reach only {top:.0f} (< {a.min_steps:.0f}): too few scrapes of the run",
+                f"prom: Prometheus saw the trainer version reach only "
+                f"{top:.0f} (< {a.min_steps:.0f}): too few scrapes of the run",
                 file=sys.stderr,
             )
             return 1
