@@ -17,15 +17,15 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 class LogitsPolicy(Protocol):
-    """What `token_logprobs` needs of a policy: a call mapping input ids [B, L] to logits [B, L, V],
-    and its parameters (where they live). An `nn.Module`, a DDP wrapper, the Megatron adapter."""
+    """What `token_logprobs` needs of a policy: an `nn.Module`, a DDP wrapper, a Megatron adapter."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
-
-    def parameters(self) -> Iterator[torch.Tensor]: ...
 
 
 def pad_right(

@@ -41,6 +41,16 @@ from single_controller.types import LossConfig
 STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
 
 
+class StepCounts(TypedDict):
+    """`SplitStep.counts()`: the fields of a rank's `statistics()` record every trainer backend shares."""
+
+    steps_done: int
+    aborts: int
+    open_step: int | None
+    open_microbatches: int
+    open_tokens: int
+
+
 @dataclass
 class OpenStep:
     step: int
@@ -103,16 +113,6 @@ class StepSums:
         if n <= 0:
             raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
         return n
-
-
-class StepCounts(TypedDict):
-    """The fields a rank's `statistics()` record shares with every trainer backend (`SplitStep.counts`)."""
-
-    steps_done: int
-    aborts: int
-    open_step: int | None
-    open_microbatches: int  # local, in the open step
-    open_tokens: int  # local valid tokens in the open step
 
 
 class SplitStep:
@@ -240,7 +240,7 @@ def rows_loss(
     gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
     ref = None
     if st.loss.kl_coef > 0:
-        assert reference is not None  # `SplitStep.check_begin` refuses a KL loss without a reference policy
+        assert reference is not None  # SplitStep.check_begin refuses a KL loss to a rank without one
         with torch.no_grad():
             ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature)
     out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
