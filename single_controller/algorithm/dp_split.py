@@ -66,7 +66,6 @@ def balanced_partition(lengths: Sequence[int], num_bins: int) -> list[list[int]]
         return [list(range(n))]
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     floor, rem = divmod(n, num_bins)
-    ceil = floor + (1 if rem else 0)
 
     greedy: list[list[int]] = [[] for _ in range(num_bins)]
     load = [0] * num_bins

@@ -82,6 +82,7 @@ def grpo_loss(
     per_token = pg
     kl = None
     if cfg.kl_coef > 0:
+        assert ref_logprobs is not None  # checked on entry
         delta = torch.where(mask, ref_logprobs.to(logp.dtype), zeros) - logp
         kl = torch.exp(delta) - delta - 1  # [B, T]
         per_token = per_token + cfg.kl_coef * kl

@@ -4,10 +4,10 @@ They run the whole control plane in milliseconds, in-process, on any row storage
 worker is serial (one group at a time, `group_s` each; a weight update lands after the group in
 progress, ahead of queued ones), writes real rows with deterministic rewards, and stamps the version
 it serves. Eval requests go through a priority lane (ahead of queued rollouts), take their share
-of `group_s` by rows (n / the last rollout group's n), write nothing, and score with `sim_eval_rewards(prompt_id, version, n)`, which depends on
-the version that served them, so a test can tell which weights produced a reported eval point.
-The trainer group checks the split-API state machine,
-fetches every row it trains (so a missing row fails the step), and logs what each step trained.
+of `group_s` by rows (n / the last rollout group's n), write nothing, and score with
+`sim_eval_rewards(prompt_id, version, n)`, which depends on the version that served them, so a test
+can tell which weights produced a reported eval point. The trainer group checks the split-API state
+machine, fetches every row it trains (so a missing row fails the step), and logs what each step trained.
 
 Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
 trainer failures at given (step, chunk, attempt), and a stall gate (`gate`) that blocks all
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replay.fetch import with_advantages
-from replay.storage import RowStorage
+from replay.storage import RowStorage, column_nbytes
 from single_controller.backends.common.behind_finish import BehindFinish
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
 from single_controller.types import (
@@ -342,6 +342,7 @@ class SimGenerationWorker:
                 first_arrived = arrived if first_arrived is None else first_arrived
                 batch.append(served)
             if batch:
+                assert first_arrived is not None  # set with the first request batched
                 # timed against the worker's own schedule: a timer that fires late (they are
                 # millisecond-grained) delays one batch, not every one after it
                 self._free_at = max(self._free_at, first_arrived) + cost
@@ -549,9 +550,7 @@ class SimTrainerGroup:
     async def _accumulate(self, chunk: TrainChunk) -> None:
         if self.fetch_rows:
             rows = await self.storage.get_rows(chunk.row_keys, chunk.fields)
-            self.bytes_read += sum(
-                t.numel() * t.element_size() for col in rows.values() for t in (col if isinstance(col, list) else [col])
-            )
+            self.bytes_read += sum(column_nbytes(col) for col in rows.values())
             if "advantage" not in with_advantages(rows, chunk.rank_advantages(chunk.row_keys)):
                 raise RuntimeError(
                     f"chunk {chunk.chunk_index} of step {chunk.step}: no advantages (neither carried nor read)"
@@ -561,6 +560,7 @@ class SimTrainerGroup:
             await _busy(self, self.group_s * n_groups, asyncio.get_running_loop().time())  # simulated compute
         if (chunk.step, chunk.chunk_index, self.attempts[chunk.step]) in self.faults.train_fail:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
+        assert self._open is not None  # `_microbatch` checked it, and calls run one at a time (`_send`)
         self._open.extend(chunk.row_keys)
 
     async def finish_train_step(self, step: int) -> StepResult:
@@ -706,8 +706,9 @@ def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGr
     for g in gens:
         for name in GENERATION_CALLS:
             setattr(g, name, _metered_coroutine(getattr(g, name), meter))
-        g._served = _metered_callback(g._served, meter)  # scheduled as self._served: this one
-        g._serve_scheduled = _metered_callback(g._serve_scheduled, meter)  # what a batching engine schedules
+        # the worker schedules its timers as self._served (and a batching engine self._serve_scheduled): these
+        for name in ("_served", "_serve_scheduled"):
+            setattr(g, name, _metered_callback(getattr(g, name), meter))
     for name in TRAINER_CALLS:
         setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))
     trainer.meter = meter

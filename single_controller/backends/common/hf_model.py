@@ -45,8 +45,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def head_dim_of(config: dict[str, Any]) -> int:
     if config.get("head_dim"):
         return int(config["head_dim"])
-    hidden = config.get("hidden_size", config.get("n_embd"))
-    heads = config.get("num_attention_heads", config.get("n_head"))
+    hidden = config["hidden_size"] if "hidden_size" in config else config["n_embd"]
+    heads = config["num_attention_heads"] if "num_attention_heads" in config else config["n_head"]
     return int(hidden) // int(heads)
 
 
@@ -160,11 +160,10 @@ def init_model(
         heads=hidden_size // head_dim,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
-        init_std=init_std,
     )
     if arch == "gpt2":
-        return _write(directory, _gpt2_config(**sizes), transformers.GPT2LMHeadModel, seed)
-    config = _llama_config(**sizes, head_dim=head_dim, rope_theta=rope_theta)
+        return _write(directory, _gpt2_config(**sizes, init_std=init_std), transformers.GPT2LMHeadModel, seed)
+    config = _llama_config(**sizes, init_std=init_std, head_dim=head_dim, rope_theta=rope_theta)
     return _write(directory, config, transformers.LlamaForCausalLM, seed)
 
 
@@ -175,7 +174,8 @@ def _gpt2_config(
 
     from single_controller.data.tasks import TOKENIZER
 
-    return transformers.GPT2Config(
+    # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`); their annotated signature omits it
+    return transformers.GPT2Config(  # type: ignore[call-arg]
         vocab_size=TOKENIZER.vocab_size,
         n_embd=hidden_size,
         n_layer=num_layers,
@@ -209,7 +209,9 @@ def _llama_config(
 
     from single_controller.data.tasks import TOKENIZER
 
-    return transformers.LlamaConfig(
+    # torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`);
+    # their annotated signature omits them
+    return transformers.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=TOKENIZER.vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -310,7 +312,7 @@ def main_init_model(argv: list[str] | None = None) -> int:
         arch=args.arch,
     )
     cfg = read_config(path)
-    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    hidden = cfg["hidden_size"] if "hidden_size" in cfg else cfg["n_embd"]
     layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
     print(
         f"sc-grpo: wrote {path}: {cfg['architectures'][0]} hidden {hidden}, {layers} layers, "

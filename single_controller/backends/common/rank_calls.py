@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 
@@ -39,6 +39,10 @@ from single_controller.backends.common.actors import first_line, kill_all
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
 from single_controller.types import TrainStatus
+
+if TYPE_CHECKING:
+    from replay.fetch import RowPrefetcher
+    from single_controller.backends.common.split_step import SplitStep
 
 PLACEMENTS = ("pack", "spread")
 # A rank actor runs its split-API calls one at a time, in order. Read-ahead hints (`prefetch_keys`)
@@ -247,17 +251,34 @@ def _describe(nodes: list[dict]) -> str:
     return "; ".join(f"{n.get('NodeManagerAddress')} ({n.get('NodeID', '')[:8]}: {res(n)})" for n in nodes) or "none"
 
 
+class StepCore(Protocol):
+    """What `RankStepCalls` calls on a rank's trainer core (torch's `TrainerCore`, Megatron's)."""
+
+    @property
+    def steps(self) -> SplitStep: ...
+
+    def finish_train_step(self, step: int) -> dict[str, float]: ...
+
+    def abort_train_step(self, step: int) -> None: ...
+
+
 class RankStepCalls:
     """The split-API calls a trainer rank actor forwards to its core as they are (`self.core`; the
     rank's `self.prefetcher`, None where the rank reads nothing, supplies the prefetch hit rate), and
     the reading of a microbatch's rows."""
 
+    core: StepCore | None  # None until the rank actor builds it
+    prefetcher: RowPrefetcher | None
     _last_extra: dict[str, float] = {}  # rank-side metrics of the step finished last
+
+    def _step_core(self) -> StepCore:
+        assert self.core is not None  # the group builds every rank's core before any split-API call
+        return self.core
 
     def _refuse_other_step(self, step: int, what: str) -> None:
         """Refuse a call for `step` unless it is the open step: a call that arrives after its step was
         aborted or finished (or before it began) never adds to another step's gradients."""
-        open_step = self.core.steps.status()["open_step"]
+        open_step = self._step_core().steps.status()["open_step"]
         if open_step is None:
             raise TrainStepStateError(f"{what}(step {step}): no train step is open (call begin_train_step first)")
         if open_step != step:
@@ -273,21 +294,22 @@ class RankStepCalls:
         try:
             return read()
         except (StorageError, OSError) as e:
-            self.core.steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
+            self._step_core().steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
             raise TrainerFailed(f"train_microbatch(step {step}): reading its rows: {type(e).__name__}: {e}") from e
         except BaseException as e:
-            self.core.steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
+            self._step_core().steps.mark_failed(f"reading its rows: {type(e).__name__}: {e}")
             raise
 
     def finish_train_step(self, step: int) -> dict[str, float]:
-        fresh = self.core.steps.is_open
-        metrics = self.core.finish_train_step(step)
+        core = self._step_core()
+        fresh = core.steps.is_open
+        metrics = core.finish_train_step(step)
         if fresh and self.prefetcher is not None:  # a retried finish reports the step's figures again
             self._last_extra = {"train/prefetch_hit_rate": self.prefetcher.take_hit_rate()}
         return {**metrics, **self._last_extra}
 
     def abort_train_step(self, step: int) -> None:
-        self.core.abort_train_step(step)
+        self._step_core().abort_train_step(step)
 
     def train_status(self) -> dict[str, int | None]:
-        return self.core.steps.status()
+        return self._step_core().steps.status()

@@ -57,4 +57,5 @@ def eager_step(opt: torch.optim.Optimizer) -> None:
         return
     with torch.no_grad():
         raw(opt)
-    opt._opt_called = True  # what step()'s wrapper records (LR schedulers check it)
+    # what step()'s wrapper records (LR schedulers check it); torch does not declare this private attribute
+    opt._opt_called = True  # type: ignore[attr-defined]

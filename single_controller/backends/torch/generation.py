@@ -59,6 +59,10 @@ class GenerationStatistics:
     eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
 
 
+# One sampled row: (token ids [n], logprobs [n], mask [n], response text, n).
+_Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, int]
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -125,7 +129,7 @@ class GenerationCore:
         # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
         # tensors are split from the pass's outputs in one call per field (slicing them row by row
         # cost ~10 us a row); every storage copies what it is given.
-        responses: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, int]]] = [[] for _ in requests]
+        responses: list[list[_Row]] = [[] for _ in requests]
         for (_, temperature, top_p, max_new, stop), idx in passes.items():
             prompt_ids = torch.tensor(
                 [requests[i].prompt.token_ids for i in idx for _ in range(requests[i].sampling.n)], dtype=torch.long
@@ -159,9 +163,13 @@ class GenerationCore:
         with self._write_lock:
             return self._score_and_store(requests, responses, version, started)
 
-    def _score_and_store(self, requests, responses, version: int, started: float) -> list[GenerationResult]:
+    def _score_and_store(
+        self, requests: Sequence[GenerationRequest], responses: list[list[_Row]], version: int, started: float
+    ) -> list[GenerationResult | None]:
         """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
-        keys, results, lengths = [], [], []
+        keys: list[str] = []
+        results: list[GenerationResult | None] = []
+        lengths: list[int] = []
         cols: dict[str, list] = {
             "prompt_ids": [],
             "response_ids": [],
@@ -258,8 +266,11 @@ class GenerationActor:
         )  # priority lane
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
-        self._has_pending: asyncio.Event | None = None
-        self._weights_lock: asyncio.Lock | None = None
+        # Created by _start() on first use: the event loop is running by then.
+        self._has_pending: asyncio.Event
+        self._weights_lock: asyncio.Lock
+        self._serving: asyncio.Event  # cleared by pause(): no new batch starts
+        self._idle: asyncio.Event  # set while no batch is being sampled
         self._loop_task: asyncio.Task | None = None
         self._running = 0
         self._closed = False
@@ -269,9 +280,9 @@ class GenerationActor:
         if self._loop_task is None:
             self._has_pending = asyncio.Event()
             self._weights_lock = asyncio.Lock()
-            self._serving = asyncio.Event()  # cleared by pause(): no new batch starts
+            self._serving = asyncio.Event()
             self._serving.set()
-            self._idle = asyncio.Event()  # set while no batch is being sampled
+            self._idle = asyncio.Event()
             self._idle.set()
             self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name=f"{self.name}.batch_loop")
             self._loop_task.add_done_callback(self._on_loop_done)
@@ -331,10 +342,12 @@ class GenerationActor:
         for req, fut in zip(requests, futs):
             if fut.cancelled():
                 out.append(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
-            elif isinstance(fut.exception(), GenerationFailed):
-                out.append(fut.exception())
-            elif fut.exception() is not None:
-                raise fut.exception()  # a bug, not a generation failure: let it surface
+                continue
+            exc = fut.exception()
+            if isinstance(exc, GenerationFailed):
+                out.append(exc)
+            elif exc is not None:
+                raise exc  # a bug, not a generation failure: let it surface
             else:
                 out.append(fut.result())
         return out
@@ -363,7 +376,9 @@ class GenerationActor:
             self._core.load_weights(snapshot)
         if self._pending or self._eval_pending:
             self._has_pending.set()  # requests held for these weights may go now
-        return self._core.version
+        version = self._core.version
+        assert version is not None  # load_weights set it
+        return version
 
     async def pause(self) -> int:
         """Stop starting batches (requests keep queueing) and return once the batch being sampled,
@@ -417,7 +432,7 @@ class GenerationActor:
         one-sample requests usually fits in one batch (one weight version, little delay to rollouts).
         A request that needs newer weights than those loaded (`min_version`) stays in its lane, in
         its place, while those behind it that need none go."""
-        batch = []
+        batch: list[tuple[GenerationRequest, asyncio.Future]] = []
         budget = float(self.max_batch_groups)
         version = self._core.version
         for lane in (self._eval_pending, self._pending):  # the eval lane first

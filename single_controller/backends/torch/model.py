@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from single_controller.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    import transformers
 
 
 @runtime_checkable
@@ -156,7 +159,7 @@ class HFCausalLMPolicy(nn.Module):
     must share their prompt length (no padding, positions inferred from the cache length), which is
     how the generation core batches them."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: transformers.PreTrainedModel):
         super().__init__()
         self.model = hf_model
         self.vocab_size = int(hf_model.config.vocab_size)
@@ -239,7 +242,9 @@ def save_policy(policy: nn.Module, directory: str | Path, cfg: ModelConfig) -> P
     if isinstance(policy, HFCausalLMPolicy):
         from single_controller.backends.common.hf_model import save_hf_policy
 
+        assert cfg.path is not None  # an HF policy is the model directory `cfg.path` (`build_policy`)
         return save_hf_policy(policy, directory, cfg.path)
+    assert isinstance(policy, TinyGPT)  # `build_policy`'s other kind
     return save_tinygpt(policy, directory)
 
 
@@ -251,6 +256,7 @@ def build_tinygpt(cfg: ModelConfig, vocab_size: int, seed: int) -> TinyGPT:
     want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False, arch=ModelConfig.arch)
     if model.cfg != want or model.vocab_size != vocab_size:
         raise ValueError(
-            f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); config asks for {want} (vocab {vocab_size})"
+            f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); "
+            f"config asks for {want} (vocab {vocab_size})"
         )
     return model.float()

@@ -343,7 +343,8 @@ async def start_torch_trainer(
     """Start `backend.num_trainer_ranks` trainer ranks where `backend.trainer_placement` puts them,
     join their gloo group at rank 0's address and build the policy (the `registry` starter contract)."""
     world = cfg.backend.num_trainer_ranks
-    rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(TrainerRankActor)
+    # ray.remote's typed overloads omit the concurrency_groups option (it is accepted at run time)
+    rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(TrainerRankActor)  # type: ignore[call-overload]
     cuda = cfg.backend.trainer_device == "cuda"
     res = {"num_cpus": 0, "num_gpus": 1} if cuda else {"num_cpus": 0}
     placement = await place_ranks(
@@ -384,20 +385,19 @@ async def create_cpu_workers(
     so their start-up overlaps the storage service's own; then version 0 (rank 0's init, or the
     configured model) is loaded into every generation worker."""
     ready = asyncio.ensure_future(storage_ready) if storage_ready is not None else None
-    tasks = [
-        asyncio.ensure_future(
-            start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options)
-        ),
-        asyncio.ensure_future(
-            start_torch_trainer(cfg, storage_factory, storage_ready=ready, options=trainer_options, dtype=dtype)
-        ),
-    ]
-    await asyncio.wait(tasks)
-    clients = tasks[0].result() if tasks[0].exception() is None else []
-    group = tasks[1].result() if tasks[1].exception() is None else None
+    gen_task = asyncio.ensure_future(
+        start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options)
+    )
+    trainer_task = asyncio.ensure_future(
+        start_torch_trainer(cfg, storage_factory, storage_ready=ready, options=trainer_options, dtype=dtype)
+    )
+    await asyncio.wait([gen_task, trainer_task])
+    clients = gen_task.result() if gen_task.exception() is None else []
+    group = trainer_task.result() if trainer_task.exception() is None else None
     try:
-        for t in tasks:
+        for t in (gen_task, trainer_task):
             t.result()  # raises the first starter's failure
+        assert group is not None  # its starter succeeded: the line above raised otherwise
         handle = await group.export_weights(0)
         await asyncio.gather(*(c.update_weights(handle) for c in clients))
     except BaseException:

@@ -83,14 +83,14 @@ class TrainerCore:
         self.pg = process_group
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
         if process_group is not None:
             # broadcast_buffers=False: buffers (e.g. HF rotary tables) are constants here, and a
             # per-forward buffer broadcast would be a collective per microbatch.
-            self._forward = nn.parallel.DistributedDataParallel(
+            self._ddp = nn.parallel.DistributedDataParallel(
                 policy, process_group=process_group, broadcast_buffers=False
             )
-        else:
-            self._forward = policy
+        self._forward: nn.Module = policy if self._ddp is None else self._ddp
         self.params = [p for p in policy.parameters() if p.requires_grad]
         # never imports torch._dynamo (~1.3 s of CPU at start-up; nothing here is compiled)
         self.optimizer = eager_adamw(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -116,7 +116,7 @@ class TrainerCore:
         try:
             if not st.take_rows(rows, bytes_read):
                 return 0
-            ctx = self._forward.no_sync() if self.pg is not None else contextlib.nullcontext()
+            ctx = self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
             with ctx:
                 out, mismatch = rows_loss(
                     self._forward, self.reference, rows, st, temperature=self.temperature, dtype=self.params[0].dtype

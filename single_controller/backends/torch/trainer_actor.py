@@ -42,8 +42,12 @@ class TrainerRankActor(RankStepCalls):
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.dtype = _DTYPES[dtype]
         self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
-        self.prefetcher = RowPrefetcher(self.storage)
-        self.core: TrainerCore | None = None
+        self.prefetcher: RowPrefetcher = RowPrefetcher(self.storage)
+        self.core: TrainerCore | None = None  # built by setup()
+
+    def _trainer(self) -> TrainerCore:
+        assert self.core is not None  # `start_torch_trainer` calls setup() on every rank before anything else
+        return self.core
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP, a port free there): the group's rendezvous when this is rank 0."""
@@ -58,6 +62,7 @@ class TrainerRankActor(RankStepCalls):
         service is still starting (`connect_storage` follows once it is up)."""
         pg = None
         if self.world_size > 1:
+            assert master_addr is not None and master_port is not None  # rank 0's address, for a group
             store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
             dist.init_process_group(
                 "gloo",
@@ -86,7 +91,7 @@ class TrainerRankActor(RankStepCalls):
         self.storage.connect()
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        self.core.begin_train_step(step, loss)
+        self._trainer().begin_train_step(step, loss)
 
     def train_microbatch_keys(
         self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
@@ -99,7 +104,7 @@ class TrainerRankActor(RankStepCalls):
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(keys, fields, advantages))
-        self.core.train_microbatch(rows, bytes_read=nbytes)
+        self._trainer().train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
     def _fetch(
@@ -113,42 +118,45 @@ class TrainerRankActor(RankStepCalls):
         self.prefetcher.prefetch(list(keys), list(fields))
 
     def export_weights(self, version: int) -> WeightSnapshot:
-        snap = self.core.publish_weights(version)
+        snap = self._trainer().publish_weights(version)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str:
-        if self.core.steps.is_open:
+        core = self._trainer()
+        if core.steps.is_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
-        return str(save_policy(self.core.policy, directory, self.cfg.model))
+        return str(save_policy(core.policy, directory, self.cfg.model))
 
     def save_state(self, directory: str) -> None:
         """Rank 0 writes the shared state (policy, optimizer: identical on every rank after the
         all-reduce) and a loadable policy; every rank writes its own RNG state."""
         os.makedirs(directory, exist_ok=True)
-        state = self.core.state_dict()
+        core = self._trainer()
+        state = core.state_dict()
         torch.save({"rng": state.pop("rng")}, os.path.join(directory, f"rank{self.rank}_rng.pt"))
         if self.rank == 0:
             torch.save(state, os.path.join(directory, "trainer.pt"))
-            save_policy(self.core.policy, os.path.join(directory, "policy"), self.cfg.model)
+            save_policy(core.policy, os.path.join(directory, "policy"), self.cfg.model)
 
     def load_state(self, directory: str) -> int:
         state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
         rng_path = os.path.join(directory, f"rank{self.rank}_rng.pt")
         state["rng"] = torch.load(rng_path)["rng"] if os.path.exists(rng_path) else torch.get_rng_state()
-        self.core.load_state_dict(state)
-        return self.core.steps.next_step
+        core = self._trainer()
+        core.load_state_dict(state)
+        return core.steps.next_step
 
     def get_weights(self) -> dict[str, Any]:
-        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self.core.policy).named_parameters()}
+        return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self._trainer().policy).named_parameters()}
 
     def statistics(self) -> TrainerStatistics:
-        return self.core.statistics()
+        return self._trainer().statistics()
 
     def get_grads(self) -> dict[str, Any]:
         """The gradient the last finished step applied (for checks)."""
         return {
             n: p.grad.detach().cpu().clone().numpy()
-            for n, p in self.core.policy.named_parameters()
+            for n, p in self._trainer().policy.named_parameters()
             if p.grad is not None
         }
 
