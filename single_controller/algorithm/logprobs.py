@@ -12,11 +12,20 @@ Pure torch: no engine, no Ray, no asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class LogitsPolicy(Protocol):
+    """What `token_logprobs` needs of a policy: an `nn.Module`, a DDP wrapper, a Megatron adapter."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 def pad_right(
@@ -50,7 +59,7 @@ def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tens
 
 
 def token_logprobs(
-    policy: nn.Module,
+    policy: LogitsPolicy,
     prompt_ids: Sequence[torch.Tensor],
     response_ids: Sequence[torch.Tensor],
     temperature: float = 1.0,

@@ -31,7 +31,7 @@ Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = interm
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -230,7 +230,7 @@ class MegatronPolicy:
         self.module = module
         self.vocab_size = vocab_size
 
-    def parameters(self):
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The wrapped module's parameters (`token_logprobs` reads the device from the first)."""
         return self.module.parameters()
 
