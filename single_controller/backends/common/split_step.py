@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-from single_controller.algorithm.logprobs import pad_right, token_logprobs
+from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs
 from single_controller.algorithm.losses import LOSS_LEVELS, LossOutput, grpo_loss, mismatch_stats
 from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.types import LossConfig
@@ -39,6 +39,16 @@ from single_controller.types import LossConfig
 # Statistics summed over a step's valid tokens (loss statistics, then the engines' mismatch), in the
 # order they travel in the finish's all-reduce.
 STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
+
+
+class StepCounts(TypedDict):
+    """`SplitStep.counts()`: the fields of a rank's `statistics()` record every trainer backend shares."""
+
+    steps_done: int
+    aborts: int
+    open_step: int | None
+    open_microbatches: int
+    open_tokens: int
 
 
 @dataclass
@@ -128,7 +138,7 @@ class SplitStep:
             "last_finished": None if self.last_finished is None else self.last_finished[0],
         }
 
-    def counts(self) -> dict[str, int | None]:
+    def counts(self) -> StepCounts:
         """The fields a rank's `statistics()` record shares with every trainer backend."""
         st = self.open
         return {
@@ -214,8 +224,8 @@ def collective(what: str) -> Iterator[None]:
 
 
 def rows_loss(
-    policy: Callable[[torch.Tensor], torch.Tensor],
-    reference: Callable[[torch.Tensor], torch.Tensor] | None,
+    policy: LogitsPolicy,
+    reference: LogitsPolicy | None,
     rows: Mapping[str, Any],
     st: OpenStep,
     *,
@@ -230,6 +240,7 @@ def rows_loss(
     gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
     ref = None
     if st.loss.kl_coef > 0:
+        assert reference is not None  # SplitStep.check_begin refuses a KL loss to a rank without one
         with torch.no_grad():
             ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature)
     out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
