@@ -34,7 +34,7 @@ PINNED_VERSION = "0.16.1"
 
 _lock = threading.RLock()
 _depth = 0
-_saved: dict[str, Any] = {}
+_saved: dict[tuple[Any, str], Any] = {}  # (owner, attribute) -> the original
 
 
 class CpuEmulationError(RuntimeError):
@@ -94,34 +94,30 @@ def _type(orig):
     return type_
 
 
+def _patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, stand-in) of every patch. Applied with `setattr`: each stand-in has on
+    purpose another type than the torch method, class or function it replaces."""
+    return [
+        (torch.Tensor, "cuda", lambda self, *a, **k: self),
+        (torch.Tensor, "type", _type(torch.Tensor.type)),
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "Stream", _Stream),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (torch.cuda, "current_stream", lambda *a, **k: _Stream()),
+        (torch.cuda, "default_stream", lambda *a, **k: _Stream()),
+    ]
+
+
 def _install() -> None:
-    cuda = torch.cuda
-    _saved.update(
-        tensor_cuda=torch.Tensor.cuda,
-        tensor_type=torch.Tensor.type,
-        current_device=cuda.current_device,
-        synchronize=cuda.synchronize,
-        Stream=cuda.Stream,
-        stream=cuda.stream,
-        current_stream=cuda.current_stream,
-        default_stream=cuda.default_stream,
-    )
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.Tensor.type = _type(_saved["tensor_type"])
-    cuda.current_device = lambda: 0
-    cuda.synchronize = lambda *a, **k: None
-    cuda.Stream = _Stream
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.current_stream = lambda *a, **k: _Stream()
-    cuda.default_stream = lambda *a, **k: _Stream()
+    for owner, name, stand_in in _patches():  # built whole first: wraps the original Tensor.type
+        _saved[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, stand_in)
 
 
 def _uninstall() -> None:
-    cuda = torch.cuda
-    torch.Tensor.cuda = _saved["tensor_cuda"]
-    torch.Tensor.type = _saved["tensor_type"]
-    for name in ("current_device", "synchronize", "Stream", "stream", "current_stream", "default_stream"):
-        setattr(cuda, name, _saved[name])
+    for (owner, name), orig in _saved.items():
+        setattr(owner, name, orig)
     _saved.clear()
 
 

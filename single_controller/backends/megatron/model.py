@@ -31,7 +31,7 @@ Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = interm
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -230,7 +230,7 @@ class MegatronPolicy:
         self.module = module
         self.vocab_size = vocab_size
 
-    def parameters(self):
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The wrapped module's parameters (`token_logprobs` reads the device from the first)."""
         return self.module.parameters()
 
@@ -373,7 +373,8 @@ def _layer_tensor(hf: Mapping[str, torch.Tensor], spec: ModelSpec, shard: _Shard
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             w = hf[h + "attn.c_attn." + rest.rsplit(".", 1)[1]]
             w = w.t() if w.dim() == 2 else w  # Conv1D [H, 3H] -> [3H, H]
-            return shard.rows(_pack_qkv(*w.split([H, H, H], dim=0), spec))
+            q, k, v = w.split([H, H, H], dim=0)
+            return shard.rows(_pack_qkv(q, k, v, spec))
         if rest == "self_attention.linear_proj.weight":
             return shard.cols(hf[h + "attn.c_proj.weight"].t())
         if rest == "mlp.linear_fc1.weight":

@@ -25,14 +25,14 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
-from replay.storage import LazyRowStorage, column_nbytes
+from replay.storage import Column, FieldSpec, LazyRowStorage, column_nbytes
 from single_controller.algorithm.dp_split import split_chunk
 from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.rank_calls import (
@@ -59,6 +59,9 @@ from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
+if TYPE_CHECKING:  # imported where a rank builds its core (`build`)
+    from single_controller.backends.megatron.trainer import MegatronTrainerCore, MegatronTrainerStatistics
+
 HF_CONFIG = "config.json"
 
 
@@ -80,14 +83,11 @@ def read_hf_dir(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 class _PrefetchedReader:
     """`fetch_and_broadcast`'s storage on the TP leader: reads go through the rank's prefetcher."""
 
-    def __init__(self, prefetcher: RowPrefetcher, storage: Any):
-        self.prefetcher, self.storage = prefetcher, storage
+    def __init__(self, prefetcher: RowPrefetcher, storage: LazyRowStorage):
+        self.prefetcher = prefetcher
+        self.schema: Mapping[str, FieldSpec] = storage.schema
 
-    @property
-    def schema(self):
-        return self.storage.schema
-
-    def get_rows_sync(self, keys, fields):
+    def get_rows_sync(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
         return self.prefetcher.fetch(keys, fields)
 
 
@@ -103,7 +103,7 @@ class MegatronRankActor(RankStepCalls):
         self.rank, self.world_size = rank, world_size
         self.storage = LazyRowStorage(storage_factory) if storage_factory is not None else None
         self.prefetcher = RowPrefetcher(self.storage) if self.storage is not None else None
-        self.core = None
+        self.core: MegatronTrainerCore | None = None
         self.model_dir: str | None = None
 
     def node_address(self) -> tuple[str, int]:
@@ -176,10 +176,16 @@ class MegatronRankActor(RankStepCalls):
             "params": sum(p.numel() for p in c.params),
         }
 
+    @property
+    def _core(self) -> MegatronTrainerCore:
+        """The core `build` made: every call below comes after it."""
+        assert self.core is not None, "call build() first"
+        return self.core
+
     # --- the split API, per rank ---------------------------------------------------------------
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        self.core.begin_train_step(step, loss)
+        self._core.begin_train_step(step, loss)
 
     def train_microbatch_keys(
         self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
@@ -192,7 +198,7 @@ class MegatronRankActor(RankStepCalls):
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
-        self.core.train_microbatch(rows, bytes_read=nbytes)
+        self._core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
     def _fetch(
@@ -200,14 +206,15 @@ class MegatronRankActor(RankStepCalls):
     ) -> tuple[Mapping[str, Any], int]:
         """(rows with their advantages, bytes this rank read): read here (TP 1), or by the TP leader
         and broadcast to its TP group."""
-        if self.core.tp == 1:
+        assert self.prefetcher is not None and self.storage is not None  # keys come only to ranks with storage
+        if self._core.tp == 1:
             rows = self.prefetcher.fetch(keys, fields)
             return with_advantages(rows, advantages), sum(column_nbytes(c) for c in rows.values())
         from megatron.core import parallel_state as mps
 
-        leader = self.core.tp_rank == 0
+        leader = self._core.tp_rank == 0
         reader = _PrefetchedReader(self.prefetcher, self.storage) if leader else None
-        with self.core.on_device(), collective(f"train_microbatch(step {step})"):  # NCCL broadcasts CUDA tensors
+        with self._core.on_device(), collective(f"train_microbatch(step {step})"):  # NCCL broadcasts CUDA tensors
             rows = fetch_and_broadcast(
                 reader,
                 keys,
@@ -221,11 +228,12 @@ class MegatronRankActor(RankStepCalls):
 
     def train_microbatch_rows(self, rows: Mapping[str, Any]) -> int:
         """Accumulate gradients of rows given directly (tests; no storage)."""
-        return self.core.train_microbatch(rows)
+        return self._core.train_microbatch(rows)
 
     def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         """Start reading rows this rank will probably train soon (TP leaders only read)."""
-        if self.core.tp_rank == 0:
+        if self._core.tp_rank == 0:
+            assert self.prefetcher is not None  # keys come only to ranks with storage
             self.prefetcher.prefetch(list(keys), list(fields))
 
     # --- weights -------------------------------------------------------------------------------
@@ -234,7 +242,7 @@ class MegatronRankActor(RankStepCalls):
         """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets."""
         import ray
 
-        hf = self.core.hf_state_dict()
+        hf = self._core.hf_state_dict()
         if self.rank != 0:
             return None
         snap = pack_weights(hf, version, prefix=prefix)
@@ -245,9 +253,10 @@ class MegatronRankActor(RankStepCalls):
         files copied from the source directory, weights as model.safetensors)."""
         from safetensors.torch import save_file
 
-        hf = self.core.hf_state_dict()
+        hf = self._core.hf_state_dict()
         if self.rank != 0:
             return None
+        assert self.model_dir is not None  # set with the core, by build()
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for f in Path(self.model_dir).iterdir():
@@ -260,46 +269,46 @@ class MegatronRankActor(RankStepCalls):
         """Every rank writes its own shard state (`rank{r}.pt`); rank 0 also writes the whole policy
         as an HF model directory (`policy/`)."""
         os.makedirs(directory, exist_ok=True)
-        torch.save(self.core.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
+        torch.save(self._core.state_dict(), os.path.join(directory, f"rank{self.rank}.pt"))
         self.save_checkpoint(os.path.join(directory, "policy"))
 
     def load_state(self, directory: str) -> int:
         """Restore what `save_state` wrote with the same layout; returns the next step."""
         state = torch.load(os.path.join(directory, f"rank{self.rank}.pt"), weights_only=False)
-        self.core.load_state_dict(state)
-        return self.core.steps.next_step
+        self._core.load_state_dict(state)
+        return self._core.steps.next_step
 
     # --- checks (tests) ------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy() for k, v in self.core.hf_state_dict().items()}
+        return {k: v.numpy() for k, v in self._core.hf_state_dict().items()}
 
     def hf_grads(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy() for k, v in self.core.hf_grads().items()}
+        return {k: v.numpy() for k, v in self._core.hf_grads().items()}
 
     def state_fingerprint(self) -> Any:
         """Parameters and optimizer state now (compare two with `same_state`)."""
-        return self.core.snapshot()
+        return self._core.snapshot()
 
     def same_state(self, other: Any) -> bool:
-        return self.core.snapshot().equals(other)
+        return self._core.snapshot().equals(other)
 
     def logprobs(
         self, prompt_ids: Sequence[torch.Tensor], response_ids: Sequence[torch.Tensor], temperature: float = 1.0
     ) -> torch.Tensor:
         """Token logprobs of responses under the current weights (no grad), [B, R]."""
-        rows = self.core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
-        with self.core.on_device(), torch.no_grad():
-            logp, _ = token_logprobs(self.core.policy, rows["prompt_ids"], rows["response_ids"], temperature)
+        rows = self._core._rows_to_device({"prompt_ids": prompt_ids, "response_ids": response_ids})
+        with self._core.on_device(), torch.no_grad():
+            logp, _ = token_logprobs(self._core.policy, rows["prompt_ids"], rows["response_ids"], temperature)
         return logp.cpu()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Whole-vocabulary logits [B, L, V] under the current weights (no grad)."""
-        with self.core.on_device(), torch.no_grad():
-            return self.core.policy(input_ids.to(self.core.device)).cpu()
+        with self._core.on_device(), torch.no_grad():
+            return self._core.policy(input_ids.to(self._core.device)).cpu()
 
-    def statistics(self):
-        return self.core.statistics()
+    def statistics(self) -> MegatronTrainerStatistics:
+        return self._core.statistics()
 
     def close(self) -> None:
         if self.prefetcher is not None:
@@ -466,7 +475,8 @@ async def start_megatron_ranks(
     if not emulate_cpu:
         opts.setdefault("num_gpus", 1)
     where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": 1}, setup_timeout_s)
-    cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(MegatronRankActor)
+    # Ray's overloads of remote() list task options only, not actor ones such as concurrency_groups
+    cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(MegatronRankActor)  # type: ignore[call-overload]
     ranks = [
         cls.options(**{**opts, **where.options[r]}).remote(r, num_ranks, storage_factory, torch_threads)
         for r in range(num_ranks)

@@ -114,8 +114,8 @@ class _Snapshot:
             opt.state.clear()
             for i, s in state.items():
                 opt.state[ps[i]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-            for g, saved in zip(opt.param_groups, groups):
-                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in saved.items()})
+            for g, saved_group in zip(opt.param_groups, groups):
+                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in saved_group.items()})
 
     def equals(self, other: _Snapshot) -> bool:
         """Bit-identical (for tests)."""

@@ -4,16 +4,16 @@
 `sc_load_snapshot(manifest, buckets)` hands the worker's own `reload_weights` ONE iterator over
 every tensor of the snapshot, one bucket at a time, so no buffer of the whole model is ever built.
 The buckets are numpy arrays: the actor awaits a trainer's ObjectRefs before it calls this (a
-`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way). `reload_weights` takes
-checkpoint-format names and re-runs the backend's weight processing (the CPU backend repacks linear
-weights; a plain `param.copy_` would bypass that).
+`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way).
+`reload_weights` takes checkpoint-format names and re-runs the backend's weight processing (the CPU
+backend repacks linear weights; a plain `param.copy_` would bypass that).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[st
         flat = np.asarray(buckets[b])
         if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != manifest.dtype:
             raise ValueError(
-                f"bucket {b} is {flat.dtype}{list(flat.shape)}, manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]"
+                f"bucket {b} is {flat.dtype}{list(flat.shape)}, "
+                f"manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]"
             )
         with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -39,8 +40,18 @@ def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[st
         del flat, t
 
 
+class _ModelRunner(Protocol):
+    """What `WeightLoader` uses of the vLLM worker's model runner."""
+
+    def reload_weights(
+        self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None, is_checkpoint_format: bool
+    ) -> None: ...
+
+
 class WeightLoader:
     """Mixed into vLLM's worker; `self.model_runner` is the worker's."""
+
+    model_runner: _ModelRunner  # declared only: the worker class this is mixed into sets it
 
     def sc_load_snapshot(self, manifest: Any, buckets: Sequence[Any]) -> int:
         """Load every tensor of the snapshot in place; returns how many were loaded."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from replay.storage import LazyRowStorage
+from replay.storage import Columns, LazyRowStorage
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
@@ -87,6 +87,7 @@ def checkpoint_names(model_dir: str) -> set[str]:
 def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
     v, path = cfg.vllm, cfg.model.path
+    assert path is not None  # config rule vllm_needs_a_model_directory
     from single_controller.backends.common.hf_model import positions_of, read_config
 
     positions = positions_of(read_config(path))
@@ -391,10 +392,10 @@ class VllmGenerationActor:
         written = [g for g, r in done if isinstance(r, GenerationResult) and g.request.row_keys]
         error: BaseException | None = None
         if keys:
-            columns["reward"] = torch.tensor(columns["reward"], dtype=torch.float32)
+            batch: Columns = {**columns, "reward": torch.tensor(columns["reward"], dtype=torch.float32)}
             try:
                 async with self._write_lock:
-                    await asyncio.to_thread(self.storage.put_rows_sync, keys, columns)  # no tags: see generation.py
+                    await asyncio.to_thread(self.storage.put_rows_sync, keys, batch)  # no tags: see generation.py
                     cleared: set[str] = set()
                     # Groups cancelled while the put was in flight: take their rows back. Looped, as
                     # another cancel may arrive during a clear; none can after the last check.
