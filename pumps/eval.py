@@ -27,6 +27,7 @@ only the small result columns, in this pump.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -135,9 +136,7 @@ async def eval_pump(
             # or the run was interrupted.
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
-            await state.changed.wait_until(
-                lambda: state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step
-            )
+            await state.changed.wait_until(functools.partial(_round_due, state, due))
             if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.policy):
                 break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
@@ -153,6 +152,11 @@ async def eval_pump(
         tracker.evaluating_version = None
         clk.finished = True
         state.notify()
+
+
+def _round_due(state: RunState, due: int) -> bool:
+    """Version `due` is out, no newer one can come, or the run was interrupted."""
+    return state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step
 
 
 def _training_over(state: RunState) -> bool:
@@ -234,6 +238,7 @@ class _Round:
         route = i + self.attempts[i]  # a re-issue goes to the next worker
         self.attempts[i] += 1
         self.tracker.requests += 1
+        assert self.requests is not None, "issue() before start()"
         self.pending[self.requests.create_task(_request(self.state, req, route), name=req.group_id)] = i
 
     def take(self, i: int, outcome: GenerationResult | Exception) -> str | None:

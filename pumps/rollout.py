@@ -128,6 +128,7 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
         await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
         while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
             applied = state.versions.latest_weights
+            assert applied is not None  # set by a weight sync, never unset
             await within(
                 worker.update_weights(applied),
                 cfg.timeouts.weight_sync_s,
@@ -192,6 +193,7 @@ async def _rollout(
         await _failed(state, worker, rec, result)
         return
     if result is None:
+        assert rec.abort_reason is not None  # `_generate` returns None only for an abort
         await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
         return
     if result.group_id != rec.group_id:
@@ -210,6 +212,7 @@ async def _generate(
     if rec.abort_reason:
         return None
     task = asyncio.current_task()
+    assert task is not None  # `_rollout` runs in a task of its own (what `abort_rollouts` cancels)
     state.in_flight_tasks[rec.group_id] = task  # what `abort_rollouts` cancels
     t0 = state.clock()
     try:

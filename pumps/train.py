@@ -25,10 +25,11 @@ released only once its rows are gone, and never leaks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from replay.ledger import GroupRecord, GroupState
+from replay.ledger import GroupRecord, GroupState, ReadyKey
 from replay.storage import TRAIN_ROW_FIELDS
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
@@ -167,6 +168,7 @@ async def _train_step(
     _finish_groups(state, step, cur.groups, clears)
     state.versions.trainer = step + 1
     state.notify()
+    assert cur.t_start is not None  # set when the step's first chunk was selected
     return StepReport(
         step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock()
     ), cur.ahead
@@ -253,6 +255,7 @@ async def _finish(state: RunState, cur: _Step) -> StepResult:
         else:
             await asyncio.sleep(0)  # the finish task's first step: its calls are sent
         if nxt is not None and not finish.done():
+            assert isinstance(trainer, FinishAndBegin)  # _may_send_ahead checked the capability
             behind = await trainer.begin_behind_finish(step + 1, loss_config(state), nxt.chunk)
         result = await finish
     finally:
@@ -331,13 +334,14 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
 
 
 def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
-    keys, lengths, advantages = [], [], []
+    keys: list[str] = []
+    lengths: list[int] = []
+    advantages: list[float] = []
     for g in groups:
         keys += g.keys
         lengths += g.seq_lengths
         advantages += g.advantages  # computed by the advantage pump, never stored
-    keys, lengths, advantages = tuple(keys), tuple(lengths), tuple(advantages)
-    return TrainChunk(step, index, keys, lengths, TRAIN_ROW_FIELDS, advantages)
+    return TrainChunk(step, index, tuple(keys), tuple(lengths), TRAIN_ROW_FIELDS, tuple(advantages))
 
 
 async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:
@@ -356,20 +360,28 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
         picked = state.sampler.select_from(ready, step, need)
         if len(picked) >= want or _no_more_can_arrive(state):
             if waited_from is not None and picked:
-                newest = max(g.t_committed for g in picked)
+                newest = max(_t_committed(g) for g in picked)
                 state.counters.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))
             return picked
         waited_from = state.clock()
-        await state.wait_until(  # re-checked on every state change: O(keys), not O(groups)
-            lambda: (
-                state.sampler.selectable(ready, step) >= want
-                or state.sampler.any_evictable(ready, step)
-                or _no_more_can_arrive(state)
-                or state.stop.abandon_open_step
-            ),
-            PUMP,
-            "ready groups",
-        )
+        # re-checked on every state change: O(keys), not O(groups)
+        await state.wait_until(functools.partial(_may_select, state, ready, step, want), PUMP, "ready groups")
+
+
+def _may_select(state: RunState, ready: Mapping[ReadyKey, Mapping[str, GroupRecord]], step: int, want: int) -> bool:
+    """What `_wait_selectable` waits for: `want` selectable groups, one to evict, none that can
+    still arrive, or an interrupt."""
+    return (
+        state.sampler.selectable(ready, step) >= want
+        or state.sampler.any_evictable(ready, step)
+        or _no_more_can_arrive(state)
+        or state.stop.abandon_open_step
+    )
+
+
+def _t_committed(g: GroupRecord) -> float:
+    assert g.t_committed is not None, f"READY group {g.group_id} has no t_committed"  # commit sets it
+    return g.t_committed
 
 
 def _no_more_can_arrive(state: RunState) -> bool:
@@ -406,16 +418,15 @@ async def prefetch_pump(state: RunState) -> None:
     overlaps the current step's compute instead of starting when the step does. Never waits on the
     read itself; hints are best effort (a hinted group may still be trained later or evicted).
     Trainer groups without the `Prefetching` capability get no hints (the pump ends at once)."""
-    if not state.trainer_can(Prefetching):
+    trainer = state.workers.trainer
+    if not isinstance(trainer, Prefetching):
         return
     hinted: set[str] = set()
     seen = (-1, -1)  # (trainer version, READY marks) when the pump last looked
     while True:
         # Exits: the train pump has finished. Looks again only when a group became READY or the
         # trainer moved on (not on every state change: a look selects over the READY groups).
-        await state.changed.wait_until(
-            lambda: state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen
-        )
+        await state.changed.wait_until(functools.partial(_prefetch_due, state, seen))
         if state.stop.train_done:
             return
         if state.versions.trainer != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
@@ -428,11 +439,14 @@ async def prefetch_pump(state: RunState) -> None:
         hinted.update(g.group_id for g in groups)
         chunk = _chunk(state, step, -1, groups)
         try:
-            await within(
-                state.workers.trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})"
-            )
+            await within(trainer.prefetch(chunk), state.cfg.timeouts.train_call_s, f"trainer.prefetch(step {step})")
         except (TrainerFailed, TrainerRankDied, DeadlineExceeded):
             return  # hints are best effort: the train pump meets the same trainer and reports it
+
+
+def _prefetch_due(state: RunState, seen: tuple[int, int]) -> bool:
+    """The train pump finished, or a group became READY or the trainer moved on since `seen`."""
+    return state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen
 
 
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:

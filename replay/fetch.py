@@ -125,7 +125,12 @@ def _pack(
     offset = 0
     for f in fields:
         if nbytes[f]:  # (torch.cat of no rows would raise)
-            flat = torch.cat(list(got[f])) if schema[f].jagged else got[f]
+            col = got[f]
+            if schema[f].jagged:
+                flat = torch.cat(list(col))
+            else:
+                assert isinstance(col, torch.Tensor), f"scalar field {f} is one tensor [B] (validate_read)"
+                flat = col
             payload[offset : offset + nbytes[f]] = flat.to(_wire_dtype(schema[f].dtype)).contiguous().view(torch.uint8)
         offset += nbytes[f]
     return payload

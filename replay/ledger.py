@@ -29,7 +29,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from replay.storage import row_keys
 from single_controller.types import GenerationResult, Prompt
@@ -293,7 +293,7 @@ class GroupLedger:
             raise LedgerError(f"{op}: a group is listed twice")
         return [self._expect(g, state, op) for g in ids]
 
-    def _refuse(self, group_id: str, state: GroupState, op: str) -> None:
+    def _refuse(self, group_id: str, state: GroupState, op: str) -> NoReturn:
         rec = self._groups.get(group_id)
         if rec is None:
             raise LedgerError(f"{op}({group_id}): unknown group")
@@ -330,7 +330,7 @@ class GroupLedger:
         by_state["clearing"] = sum(len(self._by_state[s]) for s in TERMINAL)
         in_flight = Counter(g.version_reserved for g in self._by_state[GroupState.RESERVED].values())
         # each READY bucket is in mark_ready order, so its first group is its oldest
-        oldest_ready = min((next(iter(b.values())).t_ready for b in self._ready.values()), default=None)
+        oldest_ready = min((_t_ready(next(iter(b.values()))) for b in self._ready.values()), default=None)
         return LedgerStatistics(
             capacity=self.capacity,
             resident=len(self._active),
@@ -415,16 +415,8 @@ class PromptLedger:
         if fate not in ("trained", "dropped", "evicted"):
             raise ValueError(f"unknown fate {fate!r}")
         rec = self._prompts.get(prompt_id)
-        if rec is None:
-            where = (
-                "settled before (its record is in the history file) or never taken" if self._history else "never taken"
-            )
-            raise LedgerError(f"prompt {prompt_id} settled {fate}, but it was {where}")
-        if rec.fate is not None:
-            raise LedgerError(
-                f"prompt {prompt_id} settled twice: already {rec.fate}"
-                f"{f' in step {rec.step}' if rec.step is not None else ''}, now {fate}"
-            )
+        if rec is None or rec.fate is not None:
+            self._refuse_settle(prompt_id, rec, fate)
         if fate == "trained" and step is None:
             raise ValueError("a trained prompt needs its step")
         rec.fate, rec.step, rec.reason = fate, step, reason
@@ -432,6 +424,18 @@ class PromptLedger:
         if self._history is not None:
             self._history.write(_history_line(rec))
             del self._prompts[prompt_id]
+
+    def _refuse_settle(self, prompt_id: str, rec: PromptRecord | None, fate: str) -> NoReturn:
+        """`settle` of a prompt never taken, settled before, or already written to the history file."""
+        if rec is None:
+            where = (
+                "settled before (its record is in the history file) or never taken" if self._history else "never taken"
+            )
+            raise LedgerError(f"prompt {prompt_id} settled {fate}, but it was {where}")
+        raise LedgerError(
+            f"prompt {prompt_id} settled twice: already {rec.fate}"
+            f"{f' in step {rec.step}' if rec.step is not None else ''}, now {fate}"
+        )
 
     def settle_trained(self, prompt_ids: Iterable[str], step: int) -> None:
         """`settle(p, "trained", step=step)` for each of a finished step's prompts, with one write of
@@ -442,7 +446,7 @@ class PromptLedger:
             for pid in prompt_ids:
                 rec = prompts.get(pid)
                 if rec is None or rec.fate is not None:
-                    self.settle(pid, "trained", step=step)  # raises, naming why
+                    self._refuse_settle(pid, rec, "trained")
                 rec.fate, rec.step, rec.reason = "trained", step, None
                 del unsettled[pid]
                 self._trained += 1
@@ -550,6 +554,11 @@ class PromptLedger:
         return PromptLedgerStatistics(
             taken, taken - len(self._unsettled), self._trained, dict(self._dropped), dict(self._evicted), self._retries
         )
+
+
+def _t_ready(rec: GroupRecord) -> float:
+    assert rec.t_ready is not None, f"READY group {rec.group_id} has no t_ready"  # mark_ready sets it
+    return rec.t_ready
 
 
 def _history_line(r: PromptRecord) -> str:

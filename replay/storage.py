@@ -171,6 +171,8 @@ def validate_read(
             wrong = {t.dtype for t in col} - {spec.dtype}
             if wrong:
                 problems.append(f"field {name!r} came back as {sorted(map(str, wrong))}, schema {spec.dtype}")
+        elif not isinstance(col, torch.Tensor):
+            problems.append(f"field {name!r} came back as a list of rows, schema {spec.dtype} scalars")
         elif col.dtype != spec.dtype:
             problems.append(f"field {name!r} came back as {col.dtype}, schema {spec.dtype}")
     if problems:
@@ -204,7 +206,7 @@ class InMemoryRowStorage:
     """
 
     def __init__(self, schema: Mapping[str, FieldSpec] = ROLLOUT_SCHEMA):
-        self.schema = dict(schema)
+        self.schema: Mapping[str, FieldSpec] = dict(schema)
         self._rows: dict[str, dict[str, Any]] = {}
         self._tags: dict[str, dict[str, Any]] = {}
         self._counts = dict(puts=0, gets=0, clears=0, rows_put=0, rows_read=0, bytes_put=0, bytes_read=0)

@@ -136,7 +136,7 @@ class Controller:
         # to metrics.jsonl): the controller's memory stays flat over a long run.
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_KEPT)
         self._mismatch: dict[str, float] = {}
-        self._success = collections.deque(maxlen=cfg.run.success_window)
+        self._success: collections.deque[float] = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
         self._last_controller_bytes = 0
         self._t0 = self.state.clock()
@@ -295,6 +295,9 @@ class Controller:
         disk they stalled a step by up to ~0.2 s), and the next checkpoint or the run's end waits
         for them and raises their error, if any."""
         st = self.state
+        trainer = st.workers.trainer
+        # (only called with both: `__init__` sets the checkpoint hook only then)
+        assert self.run_dir is not None and isinstance(trainer, Checkpointable), "no run directory or trainer state"
         await self._checkpoint_committed()
         step = st.versions.trainer
         staged = await within(
@@ -302,7 +305,7 @@ class Controller:
                 self.run_dir,
                 step,
                 self.checkpoint_state(),
-                st.workers.trainer.save_state,
+                trainer.save_state,
                 keep=self.cfg.checkpoint.keep,
                 clock=st.clock,
             ),
@@ -512,8 +515,7 @@ class Controller:
 def _first_pump_error(group: BaseExceptionGroup, tasks: dict[str, asyncio.Task]) -> tuple[str, BaseException]:
     """The pump whose own error stopped the run (the others were cancelled by the TaskGroup)."""
     for name, task in tasks.items():
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
+        if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
             while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]  # a pump's own child TaskGroup wraps its child's error
             return name, exc

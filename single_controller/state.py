@@ -80,7 +80,7 @@ class PumpClock:
     name: str
     waiting_on: str | None = None
     wait_started: float = 0.0
-    wait_s: collections.Counter = field(default_factory=collections.Counter)
+    wait_s: collections.defaultdict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
     busy_s: float = 0.0
     iterations: int = 0
     errors: int = 0

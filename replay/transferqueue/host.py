@@ -37,11 +37,8 @@ def full_tq_config(overrides: dict) -> Any:
 
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(
-        OmegaConf.create({}, flags={"allow_objects": True}),
-        OmegaConf.load(resources.files("transfer_queue") / "config.yaml"),
-        overrides,
-    )
+    with resources.as_file(resources.files("transfer_queue") / "config.yaml") as defaults:
+        return OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}), OmegaConf.load(defaults), overrides)
 
 
 def tq_sampler_class(final: Any) -> type | None:
@@ -94,11 +91,10 @@ class TransferQueueHost:
         sampler = tq_sampler_class(final)
         if sampler is None:
             raise ValueError(f"unknown TransferQueue sampler {final.controller.sampler!r}")
-        self._controller = plain_class(TransferQueueController)(
-            sampler=sampler(), polling_mode=final.controller.polling_mode
-        )
+        controller_cls, unit_cls = plain_class(TransferQueueController), plain_class(SimpleStorageUnit)
+        assert controller_cls is not None and unit_cls is not None  # layout_supported() checked both
+        self._controller = controller_cls(sampler=sampler(), polling_mode=final.controller.polling_mode)
         unit_conf = dict(final.backend.SimpleStorage)
-        unit_cls = plain_class(SimpleStorageUnit)
         self._units = {
             STORAGE_UNIT_NAME.format(i): unit_cls(config=unit_conf)
             for i in range(int(unit_conf["num_data_storage_units"]))

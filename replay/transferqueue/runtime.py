@@ -198,11 +198,13 @@ def _init_tq_one_process(conf: dict) -> None:
         .options(name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
         .remote(conf)
     )
-    config = host.get_config.remote()  # runs once the host's servers are up and its config is stored
+    # runs once the host's servers are up and its config is stored
+    # (Ray types an actor's methods as remote ones only when declared with @ray.method)
+    config = host.get_config.remote()  # type: ignore[attr-defined]
     import_transfer_queue()
     if not tq_host.layout_supported():
         log.warning("replay/tq: this TransferQueue cannot share one process; starting its actors one by one")
-        ray.kill(host)
+        ray.kill(host)  # type: ignore[arg-type]  # Ray types ActorClass.remote() as handle | class
         while _controller() is not None:  # the name is free once the host is gone (milliseconds)
             time.sleep(0.05)
         _init_tq(conf)

@@ -107,7 +107,7 @@ def _compiler_wrappers_as_identity() -> Iterator[None]:
         yield
         return
     saved = compiler.allow_in_graph, compiler.assume_constant_result
-    compiler.allow_in_graph = compiler.assume_constant_result = _identity  # type: ignore[assignment]
+    compiler.allow_in_graph = compiler.assume_constant_result = _identity
     try:
         yield
     finally:

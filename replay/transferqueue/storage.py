@@ -34,7 +34,7 @@ import asyncio
 import logging
 import threading
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
@@ -140,8 +140,8 @@ def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> to
     field_start = row_start[:, None] + head + np.cumsum(padded, axis=1) - padded  # [B, F]
     out = np.zeros(int(row_len.sum()), dtype=np.uint8)
     out[_gather(row_start, np.full(num_rows, head, dtype=np.int64))] = header.view(np.uint8).reshape(-1)
-    for i, flat in flats:
-        out[_gather(field_start[:, i], sizes[:, i])] = flat
+    for i, field_bytes in flats:
+        out[_gather(field_start[:, i], sizes[:, i])] = field_bytes
     values = torch.from_numpy(out)
     if num_rows and (row_len == row_len[0]).all():
         return values.view(num_rows, int(row_len[0]))  # [B, L]
@@ -149,10 +149,20 @@ def pack_rows(specs: Sequence[FieldSpec], num_rows: int, columns: Columns) -> to
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
+def _contiguous_offsets(value: torch.Tensor) -> torch.Tensor | None:
+    """A jagged NestedTensor's offsets [B+1] when its rows lie back to back in `values()`; else None
+    (dense, strided nested, or a jagged one with holes)."""
+    # `_lengths` and `offsets()` are torch's NestedTensor subclass's, absent from the Tensor stubs
+    if value.is_nested and value.layout == torch.jagged and value._lengths is None:  # type: ignore[attr-defined]
+        return value.offsets()  # type: ignore[attr-defined]
+    return None
+
+
 def _packed_buffer(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """What TQ returned for the packed field -> (all rows' bytes, each row's start in them)."""
-    if value.is_nested and value.layout == torch.jagged and value._lengths is None:
-        offsets = value.offsets().numpy()
+    jagged_offsets = _contiguous_offsets(value)
+    if jagged_offsets is not None:
+        offsets = jagged_offsets.numpy()
         return value.values().numpy(), offsets[:-1].astype(np.int64)
     if not value.is_nested:  # dense [B, L]
         B, L = value.shape
@@ -202,8 +212,13 @@ def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Colum
     packed = {s.name for s in specs}
     with torch.no_grad():
         for name, col in columns.items():
-            if name not in packed:
-                data[name] = _jagged(list(col)) if schema[name].jagged else col.detach()
+            if name in packed:
+                continue
+            if schema[name].jagged:
+                data[name] = _jagged(list(col))
+            else:
+                assert isinstance(col, torch.Tensor), "validate_put: a scalar field is one tensor [B]"
+                data[name] = col.detach()
         if any(name in packed for name in columns):
             data[PACKED_FIELD] = pack_rows(specs, num_rows, columns)
     return TensorDict(data, batch_size=[num_rows])
@@ -226,8 +241,8 @@ def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
 
 def _rows(value: torch.Tensor) -> list[torch.Tensor]:
     """A batch of 1-D rows -> list of 1-D tensors (views)."""
-    if value.is_nested and value.layout == torch.jagged and value._lengths is None:
-        offsets = value.offsets()  # [B+1]; torch.split is ~2x cheaper than NestedTensor.unbind
+    offsets = _contiguous_offsets(value)  # [B+1]; torch.split is ~2x cheaper than NestedTensor.unbind
+    if offsets is not None:
         values = value.values()[int(offsets[0]) : int(offsets[-1])]
         return list(torch.split(values, offsets.diff().tolist()))
     return list(value.unbind(0))  # strided nested (mixed-layout reads) or dense [B, L]
@@ -355,11 +370,11 @@ class _SyncLoop:
                 self._loop, self._thread = loop, thread
             return self._loop
 
-    def run(self, aw: Awaitable[T], seconds: float, what: str) -> T:
+    def run(self, aw: Coroutine[Any, Any, T], seconds: float, what: str) -> T:
         loop = self._ensure()
         if threading.current_thread() is self._thread:
             raise RuntimeError(f"{what}: a *_sync storage method was called from its own loop thread")
-        future = asyncio.run_coroutine_threadsafe(aw, loop)  # type: ignore[arg-type]
+        future = asyncio.run_coroutine_threadsafe(aw, loop)
         try:
             return future.result(seconds + _SYNC_GRACE_S)
         except TimeoutError:
@@ -480,6 +495,7 @@ class TQRowStorage:
                     raise StorageWriteError(
                         f"refused put: field {name!r} is jagged and not packed; a group-packed storage cannot hold it"
                     )
+                assert isinstance(col, torch.Tensor), "validate_put: a scalar field is one tensor [B]"
                 flat = col.detach().contiguous().numpy()
                 bounds = np.cumsum([0, *sizes])
                 data[name] = NonTensorStack(*(flat[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:])))
@@ -534,13 +550,14 @@ class TQRowStorage:
 
     async def _get_grouped(self, keys: list[str], fields: list[str]) -> dict[str, Column]:
         """`get_rows` on the group-packed layout: one TQ key per group, rows picked out of it."""
-        parsed = [split_row_key(k) for k in keys]
-        gids = list(dict.fromkeys(p[0] for p in parsed if p is not None))
+        parsed = [p for p in map(split_row_key, keys) if p is not None]
+        gids = list(dict.fromkeys(gid for gid, _ in parsed))
         td = None
         if gids:
             td = await self._kv_get(gids, fields, len(keys), lambda e: self._raise_short_group_read(keys, fields, e))
         got_groups = (td.batch_size[0] if td.batch_dims else 0) if td is not None else 0
-        if got_groups != len(gids) or any(p is None for p in parsed):
+        # (td is None only when no key parsed: `keys` is never empty here)
+        if td is None or got_groups != len(gids) or len(parsed) != len(keys):
             await self._raise_short_group_read(keys, fields, None)
         slot = {gid: g for g, gid in enumerate(gids)}
         present = set(td.keys())

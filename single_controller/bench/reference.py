@@ -123,7 +123,9 @@ class _ReferenceLoop:
         t0 = time.perf_counter()
         results = self.gen.generate(requests)
         t1 = time.perf_counter()
-        rewards = torch.tensor([r.rewards for r in results])  # [P, G]
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results)  # None: a request cancelled meanwhile; nothing cancels one here
+        rewards = torch.tensor([r.rewards for r in done])  # [P, G]
         keys = [k for r in requests for k in r.row_keys]
         self.storage.put_rows_sync(keys, {"advantage": group_advantages(rewards).reshape(-1).float()})
         rows = self.storage.get_rows_sync(keys, TRAIN_FIELDS)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -123,13 +124,15 @@ def main_overlap(argv: list[str] | None = None) -> int:
     )
     print(f"sync  (L=0, one chunk/step): {sync_tp:.2f} steps/s steady state, wall {sync_wall:.2f} s")
     print(
-        f"async (L={args.lookahead}, chunks of >= {args.chunk}): {async_tp:.2f} steps/s steady state, wall {async_wall:.2f} s"
+        f"async (L={args.lookahead}, chunks of >= {args.chunk}): {async_tp:.2f} steps/s steady state, "
+        f"wall {async_wall:.2f} s"
     )
     print(f"async/sync throughput ratio: {ratio:.3f}")
     print(f"physical limit (T_gen + T_train) / max(T_gen, T_train): {limit:.3f}")
     print(f"ratio / limit: {ratio / limit:.3f} (target >= 0.95)")
     print(
-        f"commit->select latency (train pump waiting): p50 {p50 * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms (target p99 < 1 ms)"
+        f"commit->select latency (train pump waiting): p50 {p50 * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms "
+        "(target p99 < 1 ms)"
     )
     return 0
 
@@ -214,7 +217,9 @@ def main_eval(argv: list[str] | None = None) -> int:
     on = load_config(args.config, common + ["eval.enabled=true", f"eval.every_steps={args.every}"])
     print(EVAL_BENCH_DOC.strip().splitlines()[0])
     print(
-        f"{args.steps} steps per run, eval every {args.every} steps ({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)"
+        f"{args.steps} steps per run, eval every {args.every} steps "
+        f"({on.eval.num_prompts} held-out prompts x {on.eval.num_samples} sample(s)), "
+        f"backend {on.backend.generation}/{on.backend.trainer}, {args.repeats} pair(s)"
     )
     results = _eval_pairs(off, on, args.repeats)
     steps_off = sum(r["steps"] for r, _ in results)
@@ -239,8 +244,9 @@ def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]
             print(f"  pair {i}: eval off {r_off['steps_per_s']:.3f} steps/s ({r_off['train_s']:.1f} s)", flush=True)
             r_on = await _eval_bench_run(on, runner)
             print(
-                f"  pair {i}: eval on  {r_on['steps_per_s']:.3f} steps/s ({r_on['train_s']:.1f} s; {r_on['evals']} evals, "
-                f"{r_on['eval_s']:.2f} s in eval rounds, {r_on['reissued']} re-issued, final accuracy {r_on['final_accuracy']})",
+                f"  pair {i}: eval on  {r_on['steps_per_s']:.3f} steps/s ({r_on['train_s']:.1f} s; "
+                f"{r_on['evals']} evals, {r_on['eval_s']:.2f} s in eval rounds, {r_on['reissued']} re-issued, "
+                f"final accuracy {r_on['final_accuracy']})",
                 flush=True,
             )
             out.append((r_off, r_on))
@@ -259,7 +265,14 @@ def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]
 
     def actor(cfg):
         handle = ray.remote(num_cpus=0, num_gpus=0)(ControllerHost).options(max_concurrency=64).remote(cfg)
-        return (lambda method, *a: getattr(handle, method).remote(*a)), (lambda: ray.kill(handle))
+
+        def call(method, *a):
+            return getattr(handle, method).remote(*a)
+
+        def kill():
+            ray.kill(handle)  # type: ignore[arg-type]  # Ray types ActorClass.remote() as handle | class
+
+        return call, kill
 
     min_cpus = 1 + on.storage.num_storage_units + 1
     with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(on.backend.torch_threads)) as session:
@@ -371,6 +384,7 @@ def cpu_kept_awake():
     cpus = os.sched_getaffinity(0)
     cpu = min(cpus)
     spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu)], stdout=subprocess.PIPE, text=True)
+    assert spinner.stdout is not None  # stdout=PIPE
     try:
         os.sched_setaffinity(0, {cpu})  # inside: a failure from here on still stops the loop and restores the CPUs
         if spinner.stdout.readline().strip() != "ready":  # in its class and on its CPU before anything is measured
@@ -484,16 +498,50 @@ def main_scale(argv: list[str] | None = None) -> int:
 
 
 def _scale_sweep(args: argparse.Namespace, awake: str) -> int:
+    _print_scale_header(args, awake)
+    worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
+    at = {"cpu": "", "p99": ""}  # the point of each worst figure
+    p99_largest = (0, float("nan"))  # (P, select p99) at the largest groups per step swept: the target's point
+    per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
+    for P, W in _scale_points(args):
+        fig = _scale_point(args, P, W)
+        if W == args.workers_at:
+            per_step.append((P, fig["ctl"] * P))
+        worst["overlap"] = min(worst["overlap"], fig["overlap"])
+        worst["ideal"] = min(worst["ideal"], fig["ideal"])
+        if fig["ctl"] >= worst["cpu"]:
+            worst["cpu"], at["cpu"] = fig["ctl"], f"{P} x {W}"
+        if fig["p99"] >= worst["p99"]:
+            worst["p99"], at["p99"] = fig["p99"], f"{P} x {W}"
+        if P > p99_largest[0] or (P == p99_largest[0] and W == args.workers_at):
+            p99_largest = (P, fig["p99"])
+    print(
+        f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, "
+        f"ctl/group {worst['cpu'] * 1e6:.1f} us at {at['cpu']} (target <= 100), "
+        f"select p99 {worst['p99'] * 1e3:.3f} ms at {at['p99']}"
+    )
+    print(f"select p99 at {p99_largest[0]} groups per step: {p99_largest[1] * 1e3:.3f} ms (target < 1 ms at 1024)")
+    _print_cost_per_step(per_step, args.workers_at)
+    if args.long_steps > 0:
+        _long_run(args.long_steps, args.long_groups, args.group_size)
+    return 0
+
+
+def _scale_points(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(groups per step, workers): the sweep over groups at --workers-at, then over workers at --groups-at."""
     groups = [int(x) for x in args.groups.split(",") if x]
     workers = [int(x) for x in args.workers.split(",") if x]
-    points = [(P, args.workers_at) for P in groups] + [
-        (args.groups_at, W) for W in workers if (args.groups_at, W) not in [(P, args.workers_at) for P in groups]
-    ]
+    points = [(P, args.workers_at) for P in groups]
+    return points + [(args.groups_at, W) for W in workers if (args.groups_at, W) not in points]
+
+
+def _print_scale_header(args: argparse.Namespace, awake: str) -> None:
     print(SCALE_BENCH_DOC.strip().splitlines()[0])
     engines = f"generation workers batch up to {args.batch} groups" if args.batch > 1 else "serial generation workers"
     print(
-        f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, async chunks of >= {args.chunk} groups, "
-        f"{engines}, event loop {_loop_name()}" + (f", {awake}" if awake else "")
+        f"G = {args.group_size}, T_gen = T_train = {args.t} s per step, {args.steps} steps per run, "
+        f"async chunks of >= {args.chunk} groups, {engines}, event loop {_loop_name()}"
+        + (f", {awake}" if awake else "")
     )
     short, long = idle_wakeup_cpu_s(60, 0.002), idle_wakeup_cpu_s(10, 0.1)
     print(
@@ -501,60 +549,44 @@ def _scale_sweep(args: argparse.Namespace, awake: str) -> int:
         f"{long * 1e6:.0f} us after 100 ms (a bare loop: one timer, nothing else)"
     )
     print(
-        f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} {'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'wakes':>6} {'select p50':>10} {'p99':>8} {'n':>5} {'rss MB':>7}"
+        f"{'groups/step':>11} {'workers':>7} {'sync st/s':>9} {'async st/s':>10} {'overlap':>7} {'of ideal':>8} "
+        f"{'cpu/group':>10} {'sim':>8} {'ctl/group':>10} {'wakes':>6} {'select p50':>10} {'p99':>8} {'n':>5} "
+        f"{'rss MB':>7}"
     )
-    worst = {"overlap": float("inf"), "ideal": float("inf"), "cpu": 0.0, "p99": 0.0}
-    at = {"cpu": "", "p99": ""}  # the point of each worst figure
-    p99_largest = (0, float("nan"))  # (P, select p99) at the largest groups per step swept: the target's point
-    per_step: list[tuple[int, float]] = []  # (P, controller CPU seconds per step) along the sweep over P
-    for P, W in points:
-        sync = _run_on_loop(
-            _scale_run(scale_config(args.steps, P, args.group_size, 0, P), W, args.t, args.t, batch=args.batch)
-        )
-        asy = _run_on_loop(
-            _scale_run(scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t, batch=args.batch)
-        )
-        lat = _run_on_loop(
-            _scale_run(
-                scale_config(args.steps, P, args.group_size, 1, args.chunk), W, args.t, args.t / 4, batch=args.batch
-            )
-        )
-        overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
-        of_ideal = asy["steps_per_s"] * args.t
-        cpu_per_group = asy["cpu_s"] / asy["groups"]
-        sim_per_group = asy["sim_s"] / asy["groups"]
-        ctl_per_group = cpu_per_group - sim_per_group
-        if W == args.workers_at:
-            per_step.append((P, ctl_per_group * P))
-        worst["overlap"] = min(worst["overlap"], overlap)
-        worst["ideal"] = min(worst["ideal"], of_ideal)
-        if ctl_per_group >= worst["cpu"]:
-            worst["cpu"], at["cpu"] = ctl_per_group, f"{P} x {W}"
-        if lat["p99"] >= worst["p99"]:
-            worst["p99"], at["p99"] = lat["p99"], f"{P} x {W}"
-        if P > p99_largest[0] or (P == p99_largest[0] and W == args.workers_at):
-            p99_largest = (P, lat["p99"])
-        print(
-            f"{P:>11} {W:>7} {sync['steps_per_s']:>9.3f} {asy['steps_per_s']:>10.3f} {overlap:>7.3f} {of_ideal:>8.3f} "
-            f"{cpu_per_group * 1e6:>8.1f}us {sim_per_group * 1e6:>6.1f}us {ctl_per_group * 1e6:>8.1f}us {asy['sleeps'] / asy['groups']:>6.2f} {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms {lat['latency_samples']:>5} {_rss_mb():>7.1f}",
-            flush=True,
-        )
+
+
+def _scale_point(args: argparse.Namespace, P: int, W: int) -> dict[str, float]:
+    """One point of the sweep: its sync, async and latency runs, printed as one row; its figures."""
+    G, t, batch = args.group_size, args.t, args.batch
+    sync = _run_on_loop(_scale_run(scale_config(args.steps, P, G, 0, P), W, t, t, batch=batch))
+    asy = _run_on_loop(_scale_run(scale_config(args.steps, P, G, 1, args.chunk), W, t, t, batch=batch))
+    lat = _run_on_loop(_scale_run(scale_config(args.steps, P, G, 1, args.chunk), W, t, t / 4, batch=batch))
+    overlap = asy["steps_per_s"] / sync["steps_per_s"] / 2.0
+    of_ideal = asy["steps_per_s"] * t
+    cpu_per_group = asy["cpu_s"] / asy["groups"]
+    sim_per_group = asy["sim_s"] / asy["groups"]
+    ctl_per_group = cpu_per_group - sim_per_group
     print(
-        f"worst: overlap {worst['overlap']:.3f} (target >= 0.95), of ideal {worst['ideal']:.3f}, ctl/group {worst['cpu'] * 1e6:.1f} us "
-        f"at {at['cpu']} (target <= 100), select p99 {worst['p99'] * 1e3:.3f} ms at {at['p99']}"
+        f"{P:>11} {W:>7} {sync['steps_per_s']:>9.3f} {asy['steps_per_s']:>10.3f} {overlap:>7.3f} {of_ideal:>8.3f} "
+        f"{cpu_per_group * 1e6:>8.1f}us {sim_per_group * 1e6:>6.1f}us {ctl_per_group * 1e6:>8.1f}us "
+        f"{asy['sleeps'] / asy['groups']:>6.2f} {lat['p50'] * 1e3:>8.3f}ms {lat['p99'] * 1e3:>6.3f}ms "
+        f"{lat['latency_samples']:>5} {_rss_mb():>7.1f}",
+        flush=True,
     )
-    print(f"select p99 at {p99_largest[0]} groups per step: {p99_largest[1] * 1e3:.3f} ms (target < 1 ms at 1024)")
-    if len(per_step) >= 2:
-        n = len(per_step)
-        mx, my = sum(p for p, _ in per_step) / n, sum(c for _, c in per_step) / n
-        slope = sum((p - mx) * (c - my) for p, c in per_step) / sum((p - mx) ** 2 for p, _ in per_step)
-        print(
-            f"controller CPU per step ~ {max(0.0, my - slope * mx) * 1e3:.2f} ms + {slope * 1e6:.1f} us x groups per step "
-            f"(least squares over the {n} points at {args.workers_at} workers)"
-        )
-    if args.long_steps > 0:
-        _long_run(args.long_steps, args.long_groups, args.group_size)
-    return 0
+    return {"overlap": overlap, "ideal": of_ideal, "ctl": ctl_per_group, "p99": lat["p99"]}
+
+
+def _print_cost_per_step(per_step: list[tuple[int, float]], workers: int) -> None:
+    """A least-squares line through (groups per step, controller CPU per step): fixed + marginal cost."""
+    if len(per_step) < 2:
+        return
+    n = len(per_step)
+    mx, my = sum(p for p, _ in per_step) / n, sum(c for _, c in per_step) / n
+    slope = sum((p - mx) * (c - my) for p, c in per_step) / sum((p - mx) ** 2 for p, _ in per_step)
+    print(
+        f"controller CPU per step ~ {max(0.0, my - slope * mx) * 1e3:.2f} ms + {slope * 1e6:.1f} us x groups per step "
+        f"(least squares over the {n} points at {workers} workers)"
+    )
 
 
 def _long_run(steps: int, groups: int, group_size: int) -> None:
@@ -582,7 +614,8 @@ def _long_run(steps: int, groups: int, group_size: int) -> None:
         growth_b = max(b for _, b, _ in samples[1:]) / base[1] - 1
         growth_r = max(r for _, _, r in samples[1:]) / base[2] - 1
         print(
-            f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % (target within +-10 %)"
+            f"growth after step {base[0]}: heap blocks {growth_b * 100:+.1f} %, rss {growth_r * 100:+.1f} % "
+            "(target within +-10 %)"
         )
 
 
@@ -614,7 +647,8 @@ def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], f
     problems = []
     if (cfg.backend.generation, cfg.backend.trainer) != ("torch", "torch"):
         problems.append(
-            f"backend.generation={cfg.backend.generation}, backend.trainer={cfg.backend.trainer} (the reference loop is the torch backends' pieces)"
+            f"backend.generation={cfg.backend.generation}, backend.trainer={cfg.backend.trainer} "
+            "(the reference loop is the torch backends' pieces)"
         )
     if cfg.model != ModelConfig():
         problems.append("a model other than the default embedded one (model.*)")
@@ -622,16 +656,18 @@ def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], f
         problems.append("run.stop_at_success_rate=null (the bench times training to that success rate)")
     if problems:
         raise SystemExit(f"sc-grpo bench embedded: the reference loop cannot mirror this config: {'; '.join(problems)}")
-    ref = dict(
+    target = cfg.run.stop_at_success_rate
+    assert target is not None  # refused above
+    ref: dict[str, Any] = dict(
         task=cfg.task.name,
         num_digits=cfg.task.num_digits,
         prompts_per_step=cfg.train.groups_per_step,
         group_size=cfg.rollout.group_size,
         lr=cfg.train.lr,
-        target=cfg.run.stop_at_success_rate,
+        target=target,
         window=cfg.run.success_window,
     )
-    return ref, cfg.run.stop_at_success_rate
+    return ref, target
 
 
 def _last_step_wall_s(output_dir: Path) -> float | None:
@@ -646,10 +682,39 @@ def _last_step_wall_s(output_dir: Path) -> float | None:
 
 
 def main_embedded(argv: list[str] | None = None) -> int:
-    import re
+    args = _embedded_args(argv)
+    ref_args, target = _reference_for(args.config, args.overrides)
+    print(EMBEDDED_BENCH_DOC.strip().splitlines()[0], flush=True)
+    print("reference loop: " + ", ".join(f"{k}={v}" for k, v in ref_args.items()), flush=True)
+    rows = []
+    for seed in args.seeds:
+        proc, whole, last_step_s = _run_command(args, seed)
+        done = re.search(r"(\d+) steps in ([\d.]+)s of training \(\+([\d.]+)s startup\): (.*)", proc.stdout)
+        if proc.returncode != 0 or done is None:
+            print(
+                f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}",
+                flush=True,
+            )
+            return 1
+        row = _compare_seed(seed, done, whole, last_step_s, ref_args, target)
+        if row is not None:
+            rows.append(row)
+    if not rows:
+        print(f"no seed reached success {target} in both the run and the reference loop: no ratio to report")
+        return 1
+    n = len(rows)
 
-    from single_controller.bench.reference import run_reference
+    def mean(i: int) -> float:
+        return sum(r[i] for r in rows) / n
 
+    print(
+        f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, "
+        f"whole command {mean(4):.1f} s (target <= 30), training / reference {mean(7):.2f} (target <= 1.0)"
+    )
+    return 0
+
+
+def _embedded_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="sc-grpo bench embedded",
         description=EMBEDDED_BENCH_DOC.splitlines()[0],
@@ -666,60 +731,51 @@ def main_embedded(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = ap.parse_args([a for a in argv if a not in overrides])
     args.overrides = [*args.overrides, *overrides]
-    ref_args, target = _reference_for(args.config, args.overrides)
-    print(EMBEDDED_BENCH_DOC.strip().splitlines()[0], flush=True)
-    print("reference loop: " + ", ".join(f"{k}={v}" for k, v in ref_args.items()), flush=True)
-    rows = []
-    for seed in args.seeds:
-        with tempfile.TemporaryDirectory() as out:
-            cmd = [
-                sys.executable,
-                "-m",
-                "single_controller",
-                "run",
-                args.config,
-                f"seed={seed}",
-                f"run.output_dir={out}",
-                "run.progress_bar=false",
-                *args.overrides,
-            ]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            whole = time.perf_counter() - t0
-            last_step_s = _last_step_wall_s(Path(out))
-        done = re.search(r"(\d+) steps in ([\d.]+)s of training \(\+([\d.]+)s startup\): (.*)", proc.stdout)
-        if proc.returncode != 0 or done is None:
-            print(
-                f"seed {seed}: the run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}",
-                flush=True,
-            )
-            return 1
-        steps, phase_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
-        # To the target: the end of the step that reached it (the reference loop's clock stops there
-        # too); the run's training phase also holds its final checkpoint and teardown.
-        train_s = last_step_s if last_step_s is not None else phase_s
-        ref = run_reference(seed, **ref_args)
-        reached = reason.startswith("success rate >=")
-        line = (
-            f"seed {seed}: start-up {startup_s:.1f} s | {steps} steps, training {train_s:.2f} s ({reason}; "
-            f"with the final checkpoint and teardown {phase_s:.2f} s) | whole command {whole:.1f} s "
-            f"| reference loop {ref.steps} steps in {ref.seconds:.2f} s{'' if ref.reached else ' (missed the target)'}"
-        )
-        if reached and ref.reached:
-            rows.append((seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds))
-            print(f"{line} | ratio {train_s / ref.seconds:.2f}", flush=True)
-        else:
-            print(
-                f"{line} | no ratio: {'the run' if not reached else 'the reference loop'} did not reach success {target}",
-                flush=True,
-            )
-    if not rows:
-        print(f"no seed reached success {target} in both the run and the reference loop: no ratio to report")
-        return 1
-    n = len(rows)
-    mean = lambda i: sum(r[i] for r in rows) / n  # noqa: E731
-    print(
-        f"mean over {n} seeds: start-up {mean(1):.1f} s (target <= 12), training {mean(3):.1f} s, whole command {mean(4):.1f} s (target <= 30), "
-        f"training / reference {mean(7):.2f} (target <= 1.0)"
+    return args
+
+
+def _run_command(args: argparse.Namespace, seed: int) -> tuple[subprocess.CompletedProcess[str], float, float | None]:
+    """`sc-grpo run CONFIG seed=S` as a user runs it, in a temporary output folder: its process, the
+    whole command's wall time, and the end of its last step (`_last_step_wall_s`)."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [
+            sys.executable,
+            "-m",
+            "single_controller",
+            "run",
+            args.config,
+            f"seed={seed}",
+            f"run.output_dir={out}",
+            "run.progress_bar=false",
+            *args.overrides,
+        ]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        whole = time.perf_counter() - t0
+        return proc, whole, _last_step_wall_s(Path(out))
+
+
+def _compare_seed(
+    seed: int, done: re.Match[str], whole: float, last_step_s: float | None, ref_args: dict[str, Any], target: float
+) -> tuple[int, float, int, float, float, int, float, float] | None:
+    """The reference loop for `seed` beside the run's figures (`done`: its summary line), printed;
+    the seed's row, or None when either stopped short of the target."""
+    from single_controller.bench.reference import run_reference
+
+    steps, phase_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
+    # To the target: the end of the step that reached it (the reference loop's clock stops there
+    # too); the run's training phase also holds its final checkpoint and teardown.
+    train_s = last_step_s if last_step_s is not None else phase_s
+    ref = run_reference(seed, **ref_args)
+    reached = reason.startswith("success rate >=")
+    line = (
+        f"seed {seed}: start-up {startup_s:.1f} s | {steps} steps, training {train_s:.2f} s ({reason}; "
+        f"with the final checkpoint and teardown {phase_s:.2f} s) | whole command {whole:.1f} s "
+        f"| reference loop {ref.steps} steps in {ref.seconds:.2f} s{'' if ref.reached else ' (missed the target)'}"
     )
-    return 0
+    if not (reached and ref.reached):
+        who = "the run" if not reached else "the reference loop"
+        print(f"{line} | no ratio: {who} did not reach success {target}", flush=True)
+        return None
+    print(f"{line} | ratio {train_s / ref.seconds:.2f}", flush=True)
+    return seed, startup_s, steps, train_s, whole, ref.steps, ref.seconds, train_s / ref.seconds

@@ -93,7 +93,7 @@ def _digit_prompts(num_prompts: int, num_digits: int, seed: int, transform: Call
     if num_prompts < 1 or num_digits < 1:
         raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
     rng = random.Random(seed)
-    prompts = []
+    prompts: list[Prompt] = []
     while len(prompts) < num_prompts:
         digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
         if not is_held_out(digits):
@@ -186,7 +186,10 @@ def load_callable(spec: str) -> Callable:
     except ImportError as e:
         hint = ""
         if isinstance(e, ModuleNotFoundError) and e.name and module_name.split(".")[0] == e.name.split(".")[0]:
-            hint = " (modules are imported from the current directory and the Python path: run from the directory that holds it, or add that to PYTHONPATH)"
+            hint = (
+                " (modules are imported from the current directory and the Python path: "
+                "run from the directory that holds it, or add that to PYTHONPATH)"
+            )
         raise ImportError(f"cannot import module {module_name!r} named in {spec!r}: {e}{hint}") from e
     for part in attr_path.split("."):
         try:
@@ -216,7 +219,8 @@ def load_eval_dataset(task_name: str, dataset: str | None) -> Callable[[int, int
     if ":" in name:
         return load_callable(name)
     raise KeyError(
-        f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, or give 'module:function'"
+        f"unknown eval dataset {name!r}: registered held-out sets are {sorted(EVAL_DATASETS)}, "
+        "or give 'module:function'"
     )
 
 

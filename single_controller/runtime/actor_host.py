@@ -23,11 +23,16 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from single_controller.config.schema import Config
 from single_controller.deadlines import within
 from single_controller.types import Prompt
+
+if TYPE_CHECKING:
+    from replay.transferqueue.storage import TQRowStorage
+    from single_controller.controller import Controller
+    from single_controller.runtime.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +128,16 @@ class ControllerHost:
         self.partition = f"{cfg.storage.partition}-{self.run_id}"
         self.resume = resume
         self.resumed_from: dict | None = None
-        self.controller = None
+        self.controller: Controller | None = None
         self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
         self._records_base = 0  # records before it were read by the driver (`next_records`) and dropped
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()  # set once the run has ended, however it ended
-        self._metrics_server = None
+        self._metrics_server: MetricsServer | None = None
         self._workers: tuple[Any, Any] | None = None
         self.metrics_port: int | None = None
         self.metrics_url: str | None = None
-        self._storage = None
+        self._storage: TQRowStorage | None = None
         self._started_tq = False
         self.setup_times: dict[str, float] = {}
 
@@ -169,9 +174,10 @@ class ControllerHost:
         if cfg.metrics.enabled:
             from single_controller.runtime.metrics import serve_from_config
 
-            self._metrics_server = serve_from_config(cfg.metrics, self.controller.statistics)
-            self.metrics_port = self._metrics_server.port
-            self.metrics_url = self._metrics_server.url
+            server = serve_from_config(cfg.metrics, self.controller.statistics)
+            assert server is not None  # None only with metrics disabled
+            self._metrics_server = server
+            self.metrics_port, self.metrics_url = server.port, server.url
         b = cfg.backend
         gens = f"{b.num_generation_workers} {b.generation} generation worker(s)"
         ranks = f"{b.num_trainer_ranks} {b.trainer} trainer rank(s)"
@@ -188,6 +194,7 @@ class ControllerHost:
         from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
 
         t0 = time.perf_counter()
+        assert self.run_dir is not None  # a resume continues a run directory (the driver opened it)
         path = latest_checkpoint(self.run_dir)
         saved = read_controller_state(path)
         check_compatible(saved, self.cfg, path)
@@ -233,9 +240,7 @@ class ControllerHost:
         t0 = time.perf_counter()
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
-            storage = open_tq_storage(
-                cfg.storage, cfg.timeouts, self.partition
-            )  # starts TQ, or attaches per storage.attach
+            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition)  # starts TQ, or attaches to one
             self._started_tq = not cfg.storage.attach
             self._storage = storage
             self.setup_times["transferqueue_s"] = time.perf_counter() - t0
@@ -243,7 +248,8 @@ class ControllerHost:
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
         factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s, cfg.storage.pack_groups)
-        what = f"starting TransferQueue, the {cfg.backend.generation} generation workers and the {cfg.backend.trainer} trainer"
+        b = cfg.backend
+        what = f"starting TransferQueue, the {b.generation} generation workers and the {b.trainer} trainer"
         gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
         self.setup_times["workers_s"] = time.perf_counter() - t0
@@ -258,10 +264,12 @@ class ControllerHost:
         so the driver can write every record and one readable paragraph."""
         from single_controller.controller import RunFailed
 
+        controller = self.controller
+        assert controller is not None, "run() before setup()"
         t0 = time.perf_counter()
         failure: dict | None = None
         try:
-            summary = await self.controller.run()
+            summary = await controller.run()
             steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
         except RunFailed as e:
             from single_controller.errors import error_text
@@ -272,15 +280,15 @@ class ControllerHost:
                 "error": error_text(cause),
                 "traceback": "".join(traceback.format_exception(cause)),
             }
-            steps, reason, checkpoint = self.controller.state.versions.trainer, f"failed: {e}", e.checkpoint
+            steps, reason, checkpoint = controller.state.versions.trainer, f"failed: {e}", e.checkpoint
         finally:
             self._finished.set()
             self._changed.set()
-        st = self.controller.statistics()
+        st = controller.statistics()
         try:  # every key in the partition, whoever wrote it: a clean run leaves none
             left = sorted(
                 await within(
-                    self.controller.state.storage.resident_keys(),
+                    controller.state.storage.resident_keys(),
                     self.cfg.timeouts.storage_s,
                     "storage listing after the run",
                 )
@@ -302,8 +310,8 @@ class ControllerHost:
             "resumed_from": self.resumed_from,
             "prompts": asdict(st.prompts),
             "storage": asdict(st.storage),
-            "teardown_errors": list(self.controller.state.teardown_errors),
-            "eval": self.controller.eval_history[-1] if self.controller.eval_history else None,
+            "teardown_errors": list(controller.state.teardown_errors),
+            "eval": controller.eval_history[-1] if controller.eval_history else None,
         }
 
     def _placement(self) -> dict:
@@ -368,9 +376,8 @@ class ControllerHost:
         stopping_metrics = None
         if self._metrics_server is not None:
             server, self._metrics_server = self._metrics_server, None
-            stopping_metrics = asyncio.ensure_future(
-                asyncio.to_thread(server.stop)
-            )  # blocks up to 0.5 s: beside the rest
+            # blocks up to 0.5 s: beside the rest
+            stopping_metrics = asyncio.ensure_future(asyncio.to_thread(server.stop))
         try:
             if self._workers is not None:
                 from single_controller.backends.registry import shutdown_workers
@@ -385,7 +392,8 @@ class ControllerHost:
                 await asyncio.to_thread(stop_tq)  # only the process that started TQ may close it
             elif self._storage is not None and self.cfg.storage.attach:
                 storage, self._storage = self._storage, None
-                try:  # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
+                # a TQ that outlives the run keeps no empty partition of it (a failed run's rows stay, for --resume)
+                try:
                     await storage.drop_partition_if_empty()
                 except Exception as e:
                     log.warning("could not drop the empty partition %r: %s", self.partition, e)

@@ -120,7 +120,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     problems = environment_problems(cfg)
     if problems:
         print(
-            f"sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it ({len(problems)}):",
+            "sc-grpo config: the config is valid, but on this machine `sc-grpo run` would refuse it "
+            f"({len(problems)}):",
             file=sys.stderr,
         )
         for problem in problems:
@@ -271,7 +272,9 @@ def _add_status(sub: Any) -> None:
         "status",
         help="show the state of a running controller",
         description="Read a running controller's metrics endpoint and summarize its state.",
-        epilog="examples:\n  sc-grpo status --url http://127.0.0.1:9464\n  sc-grpo status --url 10.0.0.1:9464 --watch 2",
+        epilog=(
+            "examples:\n  sc-grpo status --url http://127.0.0.1:9464\n  sc-grpo status --url 10.0.0.1:9464 --watch 2"
+        ),
     )
     p.add_argument("--url", help="metrics endpoint of the run (default: the status tool's own; host:port is enough)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")

@@ -146,7 +146,7 @@ async def _drive_actor(cfg: Config, run_dir: RunDirectory, t_start: float, resum
     try:
         return await _drive(cfg, run_dir, t_start, call, lambda stop: session.on_interrupt(stop))
     finally:
-        ray.kill(actor)
+        ray.kill(actor)  # type: ignore[arg-type]  # Ray types ActorClass.remote() as handle | class
 
 
 def _on_this_node() -> dict:
@@ -228,6 +228,7 @@ class _Drive:
         if self.summary["failure"] is None:
             # the final policy, loadable as model.checkpoint
             self.summary["policy"] = await self.call("save_checkpoint", str(self.run_dir.path / "checkpoint"))
+            assert self.t_ready is not None  # set by `_setup`
             startup_s = self.t_ready - self.t_start
             say(
                 f"{self.summary['steps']} steps in {self.summary['wall_s']:.1f}s of training "

@@ -28,7 +28,7 @@ class _StderrHandler(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:  # the StreamHandler attribute, read at each record
         return sys.stderr
 

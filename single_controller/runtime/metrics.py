@@ -84,7 +84,8 @@ def families(s: ControllerStatistics) -> list[Metric]:
         _buffer_families,
         _prompt_families,
         _staleness_families,
-        _sync_and_step_families,
+        _sync_families,
+        _step_families,
         _mismatch_families,
         _eval_families,
         _storage_families,
@@ -273,8 +274,8 @@ def _staleness_families(f: _Families, s: ControllerStatistics) -> None:
     )
 
 
-def _sync_and_step_families(f: _Families, s: ControllerStatistics) -> None:
-    """Weight syncs, step times, trainer retries, checkpoints, generation workers, tokens, reward."""
+def _sync_families(f: _Families, s: ControllerStatistics) -> None:
+    """Weight syncs."""
     sy = s.sync
     sync = SummaryMetricFamily(
         PREFIX + "weight_sync_duration_seconds",
@@ -292,16 +293,22 @@ def _sync_and_step_families(f: _Families, s: ControllerStatistics) -> None:
     )
     f.gauge(
         "weight_sync_last_admission_closed",
-        "Time the last weight sync kept admission closed (with version-gated workers it reopens once the snapshot is sent).",
+        "Time the last weight sync kept admission closed "
+        "(with version-gated workers it reopens once the snapshot is sent).",
         sy.last_closed_s,
         unit="seconds",
     )
     f.counter(
         "weight_sync_early_admissions",
-        "Weight syncs that reopened admission once the snapshot was sent, before every worker had applied it (version-gated workers).",
+        "Weight syncs that reopened admission once the snapshot was sent, "
+        "before every worker had applied it (version-gated workers).",
         sy.early_admissions,
     )
     f.gauge("weight_sync_last", "Size of the last weight snapshot.", sy.last_bytes, unit="bytes")
+
+
+def _step_families(f: _Families, s: ControllerStatistics) -> None:
+    """Step times, trainer retries, checkpoints, generation workers, tokens, reward."""
     f.gauge(
         "step_last_duration",
         "Wall time of the last RL step (end of previous step to end of this one).",
@@ -344,7 +351,8 @@ def _mismatch_families(f: _Families, s: ControllerStatistics) -> None:
     # NaN until a step trains tokens that were sampled with its own weights (unknown, never "0").
     f.gauge(
         "train_mismatch_kl",
-        "KL(generation || trainer) estimate (k3) on the last measured step's tokens sampled with the trainer's weights.",
+        "KL(generation || trainer) estimate (k3) "
+        "on the last measured step's tokens sampled with the trainer's weights.",
         s.mismatch.get("train/mismatch_kl", math.nan),
     )
     f.gauge(

@@ -8,7 +8,7 @@ whose keys never occur says so instead of staying blank.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ def pump_wait_keys(records: Iterable[Mapping[str, Any]]) -> list[str]:
     return sorted({k for r in records for k in r if _PUMP_WAIT.match(k)})
 
 
-def plot_metrics(records: list[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
+def plot_metrics(records: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """Render the four panels of `records` into the PNG file `path`; returns `path`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -45,7 +45,7 @@ def plot_metrics(records: list[Mapping[str, Any]], path: str | Path, *, title: s
     return path
 
 
-def _series(records: list[Mapping[str, Any]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
+def _series(records: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     if x_key == STEP_KEY:
         records = [r for r in records if not is_eval_record(r)]  # the index fallback counts steps only
@@ -58,7 +58,9 @@ def _series(records: list[Mapping[str, Any]], x_key: str, y_key: str) -> tuple[l
     return xs, ys
 
 
-def _lines(ax: Any, records: list[Mapping[str, Any]], x_key: str, keys: list[tuple[str, str]], **style: Any) -> bool:
+def _lines(
+    ax: Any, records: Sequence[Mapping[str, Any]], x_key: str, keys: list[tuple[str, str]], **style: Any
+) -> bool:
     """Draw one line per (key, label) that has data; whether any was drawn."""
     drawn = False
     for key, label in keys:
@@ -73,7 +75,7 @@ def _no_data(ax: Any, keys: str) -> None:
     ax.text(0.5, 0.5, f"no data\n({keys})", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
 
-def _reward_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _reward_panel(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     """Reward and success rate vs wall time (success and eval accuracy on their own 0..1 axis)."""
     ax.set_title("reward and success rate")
     ax.set_xlabel("wall time (s)")
@@ -94,7 +96,7 @@ def _reward_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
         _no_data(ax, "rollout/reward_mean, rollout/success_rate")
 
 
-def _staleness_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _staleness_panel(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     ax.set_title("staleness of trained samples (versions)")
     ax.set_xlabel("step")
     got_mean = _lines(ax, records, STEP_KEY, [("train/staleness_mean", "mean")], color="C0")
@@ -108,7 +110,7 @@ def _staleness_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
         _no_data(ax, "train/staleness_mean, train/staleness_max")
 
 
-def _wait_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _wait_panel(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     ax.set_title("pump wait per step (s)")
     ax.set_xlabel("step")
     wait_keys = pump_wait_keys(records)
@@ -118,7 +120,7 @@ def _wait_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
         _no_data(ax, "pump/*wait*")
 
 
-def _speed_panel(ax: Any, records: list[Mapping[str, Any]]) -> None:
+def _speed_panel(ax: Any, records: Sequence[Mapping[str, Any]]) -> None:
     ax.set_title("step time and training throughput")
     ax.set_xlabel("step")
     ax.set_ylabel("step time (s)", color="C2")

@@ -2,8 +2,8 @@
 
 Contract of `ray_session(cfg, min_cpus=...)`:
 - Sets `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (local Ray only), `TQ_NUM_THREADS=<cpu count>` and
-  `RAY_AUTH_MODE=disabled` (unless already set) before importing ray, then starts a local Ray (no dashboard, `cfg.num_cpus`
-  or max(min_cpus, cpu count) logical CPUs) or attaches to `cfg.address`.
+  `RAY_AUTH_MODE=disabled` (unless already set) before importing ray, then starts a local Ray (no
+  dashboard, `cfg.num_cpus` or max(min_cpus, cpu count) logical CPUs) or attaches to `cfg.address`.
 - On exit, whatever the cause (return, exception, KeyboardInterrupt), it shuts Ray down and then makes
   sure no process of *this* session survives: the driver's descendants (gcs_server, raylet, agents,
   `ray::` workers) and workers of our raylet that were orphaned. It never touches other Ray sessions
@@ -412,7 +412,7 @@ def _init_args(
     if cfg.address is not None:
         kwargs["address"] = cfg.address
         return kwargs
-    system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    system: dict[str, bool | int] = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
     if not cfg.ray_observability:
         system.update(enable_metrics_collection=False, task_events_report_interval_ms=0, event_stats=False)
     num_cpus = cfg.num_cpus or max(min_cpus, os.cpu_count() or 1)

@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -73,7 +73,7 @@ class RunDirectory:
         return cls(cfg, now=now)
 
     @classmethod
-    def reopen(cls, path: str | Path, cfg: Config, *, from_step: int, recovered: list[dict] = ()) -> RunDirectory:
+    def reopen(cls, path: str | Path, cfg: Config, *, from_step: int, recovered: Sequence[dict] = ()) -> RunDirectory:
         """Continue an existing run directory (a resume): metrics records of steps >= `from_step`
         (trained after the checkpoint, so trained again now) and eval points of versions >= `from_step`
         (evaluated again) are dropped, later ones appended; step records before `from_step` that the
@@ -86,10 +86,11 @@ class RunDirectory:
         (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
         id_file = self.path / RUN_ID_FILE
         self.run_id = id_file.read_text(encoding="utf-8").strip() if id_file.exists() else self.path.name
+
         # eval points of versions >= from_step are measured again after the resume
-        before = lambda r: (
-            r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step
-        )  # noqa: E731
+        def before(r: dict[str, Any]) -> bool:
+            return r.get(EVAL_VERSION_KEY, -1) < from_step if is_eval_record(r) else r.get("step", -1) < from_step
+
         kept = [r for r in read_metrics(self.metrics_path) if before(r)] if self.metrics_path.exists() else []
         have = {r["step"] for r in kept if not is_eval_record(r) and "step" in r}
         kept += sorted(

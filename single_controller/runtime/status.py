@@ -4,8 +4,9 @@
 
 Fetches the exporter's endpoint once (or every SECONDS with --watch) and prints versions, the
 last step, reward, buffer occupancy, what each pump is doing ("waiting on X for Ns" / "busy"),
-the staleness of trained groups, the last weight sync and (with eval on) the last eval point. A synchronous CLI: it never touches
-the controller's event loop; everything it shows comes from the scrape.
+the staleness of trained groups, the last weight sync and (with eval on) the last eval point. A
+synchronous CLI: it never touches the controller's event loop; everything it shows comes from the
+scrape.
 
 Exit status: 0 on success, 1 if the endpoint cannot be fetched or is not an sc-grpo exporter
 (with --watch, errors are shown and retried; Ctrl-C exits 0), 2 on bad arguments.
@@ -156,7 +157,8 @@ def _staleness_and_sync_lines(sc: _Scrape) -> list[str]:
     one = sc.one
     staleness = (
         f"staleness {_staleness(sc.m.get('sc_grpo_trained_staleness_versions_bucket', []))}"
-        f"   max {one('sc_grpo_trained_staleness_max_versions'):.0f} (bound {one('sc_grpo_max_staleness_versions'):.0f},"
+        f"   max {one('sc_grpo_trained_staleness_max_versions'):.0f}"
+        f" (bound {one('sc_grpo_max_staleness_versions'):.0f},"
         f" lookahead {one('sc_grpo_max_lookahead_versions'):.0f})"
     )
     syncs = one("sc_grpo_weight_sync_duration_seconds_count")
