@@ -507,15 +507,12 @@ class SimTrainerGroup:
                 return
 
     async def begin_behind_finish(self, step: int, loss: LossConfig, chunk: TrainChunk) -> bool:
-        async def begin_now() -> None:
-            await self.begin_train_step(step, loss)
-            await self.train_microbatch(chunk)
-
         return await self._finish.begin(
+            self,
             step,
+            loss,
             chunk,
             idle=self._open is None,
-            begin_now=begin_now,
             send_behind=lambda: [self._send(self._begin(step)), self._send(self._microbatch(chunk))],
         )
 

@@ -9,11 +9,11 @@ in (or it failed), and `succeeded(step)` after a finish that succeeded; `begin(.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
-from single_controller.protocols import TrainStepStateError
-from single_controller.types import TrainChunk
+from single_controller.protocols import TrainerGroup, TrainStepStateError
+from single_controller.types import LossConfig, TrainChunk
 
 
 class BehindFinish:
@@ -35,22 +35,24 @@ class BehindFinish:
 
     async def begin(
         self,
+        group: TrainerGroup,
         step: int,
+        loss: LossConfig,
         chunk: TrainChunk,
         *,
         idle: bool,
-        begin_now: Callable[[], Awaitable[None]],
         send_behind: Callable[[], list[Any]],
     ) -> bool:
         """Begin `step` with `chunk` behind the finish of `step - 1` in flight (`send_behind()`), or,
-        when that finish succeeded already and the group is `idle` (no step open), at once
-        (`begin_now()`). Returns whether anything was sent."""
+        when that finish succeeded already and `group` is `idle` (no step open), at once (a plain
+        begin and microbatch on `group`). Returns whether anything was sent."""
         if chunk.step != step:
             raise ValueError(f"begin_behind_finish({step}): the chunk belongs to step {chunk.step}")
         if self.finishing is None:
             if not idle or self.finished_last != step - 1:
                 return False  # no finish of step - 1 in flight, nor one that succeeded: nothing sent
-            await begin_now()
+            await group.begin_train_step(step, loss)
+            await group.train_microbatch(chunk)
             return True
         if self.finishing != step - 1 or self.behind:
             raise TrainStepStateError(f"begin_behind_finish({step}) while finishing step {self.finishing}")

@@ -235,16 +235,12 @@ class CpuTrainerGroup:
         that finish succeeded already, this is a plain begin and microbatch. Returns whether they
         were sent."""
         _check_lengths(chunk)  # before anything is sent
-
-        async def begin_now() -> None:
-            await self.begin_train_step(step, loss)
-            await self.train_microbatch(chunk)
-
         return await self._finish.begin(
+            self,
             step,
+            loss,
             chunk,
             idle=self._step is None,
-            begin_now=begin_now,
             send_behind=lambda: [self._send_begin(step, loss), self._send_microbatch(chunk)],
         )
 
