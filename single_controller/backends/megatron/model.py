@@ -210,7 +210,7 @@ def build_gpt(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_
 
     gpt2 = spec.arch == "gpt2"
     extra = {} if gpt2 else {"rotary_base": spec.rope_theta}
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config(spec, tp, dtype, cpu_init),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm" if gpt2 else "RMSNorm"),
         vocab_size=spec.padded_vocab(tp),
@@ -220,6 +220,12 @@ def build_gpt(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         **extra,
     )
+    if not cpu_init:
+        # Megatron builds its parallel layers on the current GPU, but plain torch modules (the
+        # local spec's torch norms, the learned position embedding) on the CPU; Megatron's own
+        # training loop moves the model with `.cuda()` after building it, and so do we.
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 class MegatronPolicy:
