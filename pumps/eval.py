@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from single_controller.config.schema import eval_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, generate
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams
 
@@ -289,7 +289,7 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     t0 = state.clock()
     try:
         result = await within(
-            worker.generate(req),
+            generate(worker, req),
             state.cfg.timeouts.generate_s,
             f"generation worker {worker.name}: eval generate({req.group_id})",
         )

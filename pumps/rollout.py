@@ -1,12 +1,16 @@
 """Rollout pump: dataloader -> admission gate -> reserve -> generation worker -> commit.
 
-One loop dispatches prompt groups. Every group in flight is one task of the pump's TaskGroup: it
-awaits the worker's `generate` under the `timeouts.generate_s` deadline, then commits the group or
-discards it. A cancelled `generate` writes none of the request's rows by the time it re-raises, so
-a discarded group's keys are cleared only after that. An abort (`RunState.abort_rollouts`: the
-stale in-flight rule, a sync with `drain_policy=abort`, the run's end) marks the group and cancels
-its task; the task discards it, not as an error. The reward function runs inside the generation
-worker, next to the tokens; what comes back is small columns plus version stamps.
+One loop dispatches prompt groups. A group in flight is a future, the worker's answer to
+`submit` (`protocols.GenerationWorker`), with a timer for the `timeouts.generate_s` deadline. Its
+done callback commits the group on the spot; an attempt that produced no group (a failure, the
+deadline, an abort) is settled by a child task of the pump's TaskGroup, which awaits the worker's
+`withdraw` before it clears the group's keys (so a bug there stops the run). A thousand groups in
+flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
+scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md). An
+abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
+run's end) marks the group and cancels its future; it is discarded, not as an error. The reward
+function runs inside the generation worker, next to the tokens; what comes back is small columns
+plus version stamps.
 
 A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
 attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState
 from single_controller.deadlines import DeadlineExceeded, within
@@ -50,36 +56,46 @@ def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParam
 
 async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> None:
     sampling = sampling_params(state, stop_token_id)
-    load: collections.Counter[str] = collections.Counter()  # groups in flight, by worker name
     try:
         async with asyncio.TaskGroup() as children:
-            while True:
-                # Exits: a stop was requested (the train pump requests one when it ends); or the
-                # dataloader is exhausted, no re-dispatch is pending and no group could still need one.
-                await state.wait_until(
-                    lambda: _admissible(state) or _finished(state) or bool(_needs_restart(state)), PUMP, "admission"
-                )
-                for w in _needs_restart(state):
-                    state.health.restarting.add(w.name)
-                    children.create_task(_restart(state, w), name=f"restart {w.name}")
-                if _finished(state):
-                    if state.stop.requested:  # the groups still in flight are discarded as the task group closes
-                        state.abort_rollouts("run_ended", relabel=True)
-                    break
-                if _admissible(state):
-                    _dispatch_slice(state, children, load, sampling)
-                    # let what is ready run before the next slice (a chunk completed meanwhile is
-                    # not held up behind the start of a whole step's worth of requests)
-                    await asyncio.sleep(0)
+            flights = _Flights(state, children)
+            try:
+                await _pump_loop(state, flights, children, sampling)
+            finally:
+                await flights.close()
     finally:
         state.stop.rollout_done = True
         state.pumps[PUMP].finished = True
         state.notify()
 
 
-def _dispatch_slice(
-    state: RunState, children: asyncio.TaskGroup, load: collections.Counter[str], sampling: SamplingParams
-) -> None:
+async def _pump_loop(state: RunState, flights: _Flights, children: asyncio.TaskGroup, sampling: SamplingParams) -> None:
+    while True:
+        # Exits: a stop was requested (the train pump requests one when it ends); or the dataloader
+        # is exhausted, no re-dispatch is pending and no group could still need one.
+        await state.wait_until(
+            lambda: flights.bug is not None or _admissible(state) or _finished(state) or bool(_needs_restart(state)),
+            PUMP,
+            "admission",
+        )
+        if flights.bug is not None:
+            raise flights.bug
+        for w in _needs_restart(state):
+            state.health.restarting.add(w.name)
+            children.create_task(_restart(state, w), name=f"restart {w.name}")
+        if _finished(state):
+            if state.stop.requested:  # the groups still in flight are discarded, then the pump ends
+                state.abort_rollouts("run_ended", relabel=True)
+                await state.wait_until(lambda: not flights.pending, PUMP, "aborted rollouts")
+            return
+        if _admissible(state):
+            _dispatch_slice(state, flights, sampling)
+            # let what is ready run before the next slice (a chunk completed meanwhile is not held
+            # up behind the start of a whole step's worth of requests)
+            await asyncio.sleep(0)
+
+
+def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams) -> None:
     """Dispatch up to DISPATCH_SLICE admissible groups, each to the least-loaded routable worker
     (ties: the first in routing order), and tell the other pumps once."""
     led, version = state.ledger, state.versions.dispatch
@@ -95,9 +111,9 @@ def _dispatch_slice(
         attempt = len(state.prompts[prompt.prompt_id].attempts)
         rec = led.reserve(prompt, attempt=attempt, target_step=target, policy_version=version, now=state.clock())
         state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
+        load = flights.load
         worker = min(routable, key=lambda w: load[w.name])
-        load[worker.name] += 1
-        children.create_task(_rollout(state, worker, rec, sampling, load), name=rec.group_id)
+        flights.submit(worker, rec, sampling)
         state.pumps[PUMP].iterations += 1
     state.notify()
 
@@ -173,82 +189,122 @@ def _finished(state: RunState) -> bool:
     return state.in_flight() == 0 and led.count(GroupState.COMMITTED) == 0 and led.count(GroupState.READY) == 0
 
 
-async def _rollout(
-    state: RunState,
-    worker: GenerationWorker,
-    rec: GroupRecord,
-    sampling: SamplingParams,
-    load: collections.Counter[str],
-) -> None:
-    """One group in flight: the worker's answer committed, or the attempt discarded."""
-    request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
-    result: GenerationResult | Exception | None
-    try:
-        result = await _generate(state, worker, request, rec)
-    except (GenerationFailed, DeadlineExceeded) as e:
-        result = e
-    finally:
-        load[worker.name] -= 1
-    if isinstance(result, Exception):
-        await _failed(state, worker, rec, result)
-        return
-    if result is None:
-        assert rec.abort_reason is not None  # `_generate` returns None only for an abort
-        await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
-        return
+@dataclass(eq=False)
+class _Flight:
+    """One group's request in flight."""
+
+    worker: GenerationWorker
+    rec: GroupRecord
+    request: GenerationRequest
+    future: asyncio.Future[GenerationResult]
+    sent_at: float
+    timer: asyncio.TimerHandle | None = None
+    expired: bool = False  # its deadline cancelled it
+
+
+@dataclass(eq=False)
+class _Flights:
+    """The pump's requests in flight, and where their follow-ups run."""
+
+    state: RunState
+    children: asyncio.TaskGroup
+    load: collections.Counter[str] = field(default_factory=collections.Counter)  # in flight, by worker name
+    pending: dict[str, _Flight] = field(default_factory=dict)
+    bug: BaseException | None = None  # raised in a done callback: the pump raises it
+    closed: bool = False
+
+    def submit(self, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
+        state = self.state
+        request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
+        flight = _Flight(worker, rec, request, worker.submit(request), state.clock())
+        flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, flight)
+        self.load[worker.name] += 1
+        self.pending[rec.group_id] = flight
+        state.in_flight_requests[rec.group_id] = flight.future  # what `abort_rollouts` cancels
+        flight.future.add_done_callback(functools.partial(self._done, flight))
+
+    def _done(self, flight: _Flight, future: asyncio.Future[GenerationResult]) -> None:
+        """Commit the answer, or hand the attempt to `_settle` (a child task)."""
+        if flight.timer is not None:
+            flight.timer.cancel()
+        if self.closed:
+            return  # withdrawn by `close`
+        state, rec = self.state, flight.rec
+        self.load[flight.worker.name] -= 1
+        del self.pending[rec.group_id], state.in_flight_requests[rec.group_id]
+        try:
+            if not future.cancelled() and future.exception() is None and not rec.abort_reason:
+                _commit(state, flight, future.result())
+            else:
+                if not future.cancelled() and isinstance(future.exception(), GenerationWorkerDied):
+                    # out of routing now, with every other call that died with it, not a task step later
+                    state.worker_down(flight.worker, str(future.exception()))
+                self.children.create_task(_settle(state, flight), name=rec.group_id)
+        except BaseException as e:  # noqa: BLE001 -- a bug: the pump raises it and the run stops
+            self.bug = self.bug or e
+        state.notify()
+
+    async def close(self) -> None:
+        """The pump is over: withdraw what is still in flight (a run that failed elsewhere leaves no
+        request writing rows behind it); the run's teardown settles those groups."""
+        self.closed = True
+        left, self.pending = list(self.pending.values()), {}
+        for flight in left:
+            self.state.in_flight_requests.pop(flight.rec.group_id, None)
+            flight.future.cancel()
+        await asyncio.gather(*(_withdraw_at_close(self.state, f) for f in left))
+
+
+def _expire(flight: _Flight) -> None:
+    flight.expired = True
+    flight.future.cancel()
+
+
+def _commit(state: RunState, flight: _Flight, result: GenerationResult) -> None:
+    rec = flight.rec
     if result.group_id != rec.group_id:
-        raise RuntimeError(f"generation worker {worker.name} answered {result.group_id} for {rec.group_id}")
+        raise RuntimeError(f"generation worker {flight.worker.name} answered {result.group_id} for {rec.group_id}")
+    state.pumps[PUMP].busy_s += state.clock() - flight.sent_at
     state.ledger.commit(rec.group_id, result, state.clock())
     state.counters.tokens_generated += sum(result.response_lengths)
-    state.notify()
 
 
-async def _generate(
-    state: RunState, worker: GenerationWorker, request: GenerationRequest, rec: GroupRecord
-) -> GenerationResult | None:
-    """The worker's answer, or None when the rollout was aborted (before it started, or while it
-    ran: an abort wins over whatever the request did). Raises what `generate` raises, or
-    `DeadlineExceeded`; a worker that cancels the request itself breaks its contract (a bug)."""
+async def _settle(state: RunState, flight: _Flight) -> None:
+    """A request that produced no group. A cancelled one is withdrawn first (its keys are cleared
+    only after the worker writes none of them). An abort wins over whatever the request did; then
+    the deadline; then what the worker raised: a dead worker's request is re-dispatched uncharged, a
+    failed one charged to the prompt's retries, anything else is a bug and stops the run."""
+    worker, rec, future = flight.worker, flight.rec, flight.future
+    if future.cancelled():
+        what = f"generation worker {worker.name}: withdraw({rec.group_id})"
+        await within(worker.withdraw(flight.request, future), state.cfg.timeouts.generate_s, what)
     if rec.abort_reason:
-        return None
-    task = asyncio.current_task()
-    assert task is not None  # `_rollout` runs in a task of its own (what `abort_rollouts` cancels)
-    state.in_flight_tasks[rec.group_id] = task  # what `abort_rollouts` cancels
-    t0 = state.clock()
-    try:
-        result = await within(
-            worker.generate(request),
-            state.cfg.timeouts.generate_s,
-            f"generation worker {worker.name}: generate({rec.group_id})",
-        )
-    except asyncio.CancelledError:
-        if task.cancelling() == 0:
+        await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
+        return
+    if future.cancelled():
+        if not flight.expired:
             raise RuntimeError(
                 f"generation worker {worker.name} cancelled the request of {rec.group_id} itself "
-                "(generate() fails with GenerationFailed; only the controller cancels a request)"
-            ) from None
-        if rec.abort_reason and task.cancelling() == 1:  # the abort's cancel alone: handled here
-            task.uncancel()
-            return None
-        raise  # the pump is stopping
-    finally:
-        del state.in_flight_tasks[rec.group_id]
-    state.pumps[PUMP].busy_s += state.clock() - t0
-    return result
-
-
-async def _failed(state: RunState, worker: GenerationWorker, rec: GroupRecord, error: Exception) -> None:
-    """A request that produced no group. An abort wins; a dead worker's request is re-dispatched
-    uncharged (the worker is out of routing at once, with every other call that died with it); a
-    failed or late one is charged to the prompt's retries."""
-    died = isinstance(error, GenerationWorkerDied)
-    if died:
-        state.worker_down(worker, str(error))
-    if rec.abort_reason:
-        await _discard(state, rec, rec.abort_reason)
-        return
+                "(its future fails with GenerationFailed; only the controller cancels a request)"
+            )
+        error: BaseException = DeadlineExceeded(
+            f"generation worker {worker.name}: generate({rec.group_id})", state.cfg.timeouts.generate_s
+        )
+    else:
+        error = future.exception()  # type: ignore[assignment]  # not cancelled: done with an exception
+        if not isinstance(error, GenerationFailed):
+            raise error  # a bug in the worker: it stops the run
     state.pumps[PUMP].errors += 1
+    died = isinstance(error, GenerationWorkerDied)
     await _discard(state, rec, "worker_died" if died else "generation_failed", charge=not died)
+
+
+async def _withdraw_at_close(state: RunState, flight: _Flight) -> None:
+    what = f"generation worker {flight.worker.name}: withdraw({flight.rec.group_id}) (the rollout pump stops)"
+    try:
+        await within(flight.worker.withdraw(flight.request, flight.future), state.cfg.timeouts.generate_s, what)
+    except Exception as e:  # the run is ending already: said in its summary, never raised over its cause
+        state.teardown_errors.append(f"{what}: {type(e).__name__}: {e}")
 
 
 async def _discard(state: RunState, rec: GroupRecord, reason: str, charge: bool = True) -> None:

@@ -227,7 +227,8 @@ class RunState:
         self.health = WorkerHealth()
         self.counters = Counters()
         self.sync = SyncRecord()
-        self.in_flight_tasks: dict[str, asyncio.Task] = {}  # group_id -> its task, while it awaits its worker
+        # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
+        self.in_flight_requests: dict[str, asyncio.Future] = {}
         self.teardown_errors: list[str] = []
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
@@ -351,17 +352,17 @@ class RunState:
         self, reason: str, which: Callable[[GroupRecord], bool] = lambda rec: True, *, relabel: bool = False
     ) -> int:
         """Abort the rollouts in flight that `which(rec)` selects and that no abort marked yet: each is
-        marked with `reason` and, while its worker call is under way, its task is cancelled; the
-        rollout pump discards it, not as an error (a group not started yet sees the mark and never
-        calls its worker). `relabel` (the run's end): the ones marked already take `reason` too.
+        marked with `reason` and, while its request is in flight, its future is cancelled; the
+        rollout pump discards it, not as an error (one whose answer came already sees the mark).
+        `relabel` (the run's end): the ones marked already take `reason` too.
         Returns how many were aborted now."""
         aborted = 0
         for rec in self.ledger.in_state(GroupState.RESERVED):
             if rec.abort_reason is None and which(rec):
                 rec.abort_reason = reason
-                task = self.in_flight_tasks.get(rec.group_id)
-                if task is not None:
-                    task.cancel()
+                future = self.in_flight_requests.get(rec.group_id)
+                if future is not None:
+                    future.cancel()
                 aborted += 1
             elif relabel and rec.abort_reason is not None:
                 rec.abort_reason = reason

@@ -25,6 +25,7 @@ from single_controller.config.schema import (
 )
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import SubmitsByTask
 from single_controller.state import CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S, PumpClock, Workers, clear_backoff_s
 
 
@@ -398,7 +399,7 @@ async def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatc
     await assert_clean_end(ctl, trainer, storage)
 
 
-class SlowUpdates:
+class SlowUpdates(SubmitsByTask):
     """A sim generation worker whose weight updates take `update_s`; `gated`: it honours
     `min_version` (`protocols.VersionGated`), holding a request until its weights are applied."""
 
@@ -833,7 +834,7 @@ async def test_the_ledger_forgets_finished_steps():
 
 
 # -- a cancelled request writes nothing more before its rows are cleared -------------------------
-class Withdrawing:
+class Withdrawing(SubmitsByTask):
     """A sim worker whose cancelled `generate` takes a while to be sure it writes nothing more, then
     records ("withdrawn", group id) in `events`. Requests `hold(request)` picks are never answered;
     `self_cancel` ones are cancelled by the worker itself (a contract breach)."""

@@ -181,7 +181,12 @@ class SimGenerationWorker:
     together). Requests that arrive in the same tick, and those queued while a batch computes, are
     served together, up to `max_batch` of one lane per batch: a batch takes the sum of its requests'
     times (the serial engine's throughput), starts at one version, and all its results come back at
-    its end, on one timer."""
+    its end, on one timer.
+
+    `submit` (what the rollout pump calls): a plain request (a rollout on a timed engine that
+    writes no rows, with no fault scripted on this worker) joins the engine's queue as one future
+    that its compute's end resolves with the result, nothing running for it in between; any other
+    request runs `generate` as a task, whose future this is."""
 
     def __init__(
         self,
@@ -253,6 +258,22 @@ class SimGenerationWorker:
             raise GenerationWorkerDied(f"{self.name}: the worker process died while generating {request.group_id}")
         return work.result()
 
+    def submit(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        f = self.faults
+        scripted = f.gate is not None or f.gen_fail or f.gen_stall or f.gen_delay or self.name in f.die_after
+        if self.dead or request.eval or self.writes_rows or not self.group_s or scripted:
+            return asyncio.ensure_future(self.generate(request))
+        fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        self._in_flight += 1
+        self._enqueue(request, fut, plain=True)
+        return fut
+
+    async def withdraw(self, request: GenerationRequest, future: asyncio.Future[GenerationResult]) -> None:
+        """A plain request writes nothing; a request running `generate` writes nothing once its
+        task has unwound."""
+        if not future.done():
+            await asyncio.wait([future])
+
     async def restart(self, weights: WeightsHandle | None) -> None:
         if self.name in self.faults.restart_fails:
             raise GenerationFailed(f"{self.name}: restart failed")
@@ -276,7 +297,7 @@ class SimGenerationWorker:
                 version = self._starts(request)
             else:
                 served = asyncio.get_running_loop().create_future()
-                self._enqueue(request, served)
+                self._enqueue(request, served, plain=False)
                 version = await served
             if fault_key in self.faults.gen_fail:
                 raise GenerationFailed(f"{self.name}: injected failure for {request.group_id}")
@@ -301,11 +322,11 @@ class SimGenerationWorker:
         finally:
             self._in_flight -= 1
 
-    def _enqueue(self, request: GenerationRequest, served: asyncio.Future) -> None:
-        """Queue `request` in its lane (`served`: resolved with the version it is served at) and start
-        the engine if it is idle."""
+    def _enqueue(self, request: GenerationRequest, served: asyncio.Future, *, plain: bool) -> None:
+        """Queue `request` in its lane (`served`: resolved with the version it is served at, or with
+        its result when `plain`) and start the engine if it is idle."""
         loop = asyncio.get_running_loop()
-        self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, served, loop.time()))
+        self._lanes[EVAL_LANE if request.eval else ROLLOUT_LANE].append((request, served, loop.time(), plain))
         if not self._computing:
             if self.max_batch == 1:
                 self._serve_next(loop)
@@ -331,16 +352,17 @@ class SimGenerationWorker:
         if epoch is not None and epoch != self._epoch:  # scheduled before a restart
             return
         for lane in self._lanes:
-            batch: list[asyncio.Future] = []  # each resolved with the version it is served at
+            batch: list[tuple[asyncio.Future, GenerationRequest | None]] = []  # (future, the request if plain)
             cost, first_arrived = 0.0, None
             while lane and len(batch) < self.max_batch:
-                request, served, arrived = lane.popleft()
+                request, served, arrived, plain = lane.popleft()
                 if served.done():  # its caller stopped waiting
+                    self._in_flight -= plain
                     continue
                 version = self._starts(request)
                 cost += self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
                 first_arrived = arrived if first_arrived is None else first_arrived
-                batch.append(served)
+                batch.append((served, request if plain else None))
             if batch:
                 assert first_arrived is not None  # set with the first request batched
                 # timed against the worker's own schedule: a timer that fires late (they are
@@ -353,11 +375,22 @@ class SimGenerationWorker:
 
     _serve_scheduled = _serve_next  # `_serve_next` as an event-loop callback (metered on its own)
 
-    def _served(self, loop: asyncio.AbstractEventLoop, batch: list[asyncio.Future], version: int, epoch: int) -> None:
+    def _served(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[tuple[asyncio.Future, GenerationRequest | None]],
+        version: int,
+        epoch: int,
+    ) -> None:
         if epoch != self._epoch:  # computed by the process a restart replaced
             return
-        for served in batch:
-            if not served.done():
+        for served, plain in batch:
+            if plain is not None:  # a plain submission: its future takes the result itself
+                self._in_flight -= 1
+                if not served.done():
+                    self.generated.append(plain.group_id)
+                    served.set_result(self._result(plain, int(plain.group_id.rsplit("-a", 1)[1]), version))
+            elif not served.done():
                 served.set_result(version)
         self._computing = False
         self._apply_pending_update()
@@ -704,7 +737,7 @@ def meter_sim_workers(gens: Sequence[SimGenerationWorker], trainer: SimTrainerGr
         for name in GENERATION_CALLS:
             setattr(g, name, _metered_coroutine(getattr(g, name), meter))
         # the worker schedules its timers as self._served (and a batching engine self._serve_scheduled): these
-        for name in ("_served", "_serve_scheduled"):
+        for name in ("_served", "_serve_scheduled", "submit"):  # `submit` is a plain call, not a coroutine
             setattr(g, name, _metered_callback(getattr(g, name), meter))
     for name in TRAINER_CALLS:
         setattr(trainer, name, _metered_coroutine(getattr(trainer, name), meter))

@@ -22,7 +22,7 @@ import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
 from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, generate
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write (or engine step) on the actor
@@ -41,7 +41,7 @@ class ActorGenerationClient:
     otherwise only a dead actor does. A dead actor surfaces as `GenerationWorkerDied`;
     `restart(weights)` replaces it. The actor holds a request until it has the weights of its
     `min_version` (`protocols.VersionGated`), so a weight sync reopens admission as soon as it has
-    sent the snapshot."""
+    sent the snapshot. `generate` is `submit`, await and, when cancelled, `withdraw`."""
 
     honours_min_version = True
 
@@ -55,19 +55,23 @@ class ActorGenerationClient:
         self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._deliveries: set[asyncio.Task] = set()
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    def submit(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """Queued for this tick's `generate_many`; its result as a future."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[GenerationResult] = loop.create_future()
         if not self._queue:
             loop.call_soon(self._flush)
-        self._queue.append((request, fut))  # sent with this tick's `generate_many`
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            # A request not sent yet never will be; a sent one is cancelled on the actor first.
-            if not any(f is fut for _, f in self._queue):
-                await self._cancel_remote(request.group_id)
-            raise
+        self._queue.append((request, fut))
+        return fut
+
+    async def withdraw(self, request: GenerationRequest, future: asyncio.Future[GenerationResult]) -> None:
+        """After `future` was cancelled: a request not sent yet never will be; a sent one is
+        cancelled on the actor, which answers once it writes none of the request's rows."""
+        if not any(f is future for _, f in self._queue):
+            await self._cancel_remote(request.group_id)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await generate(self, request)
 
     async def _cancel_remote(self, group_id: str) -> None:
         what = f"generation worker {self.name}: cancel({group_id})"
