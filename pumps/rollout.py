@@ -217,7 +217,7 @@ class _Flights:
         state = self.state
         request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
         flight = _Flight(worker, rec, request, worker.submit(request), state.clock())
-        flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, flight)
+        flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, state, flight)
         self.load[worker.name] += 1
         self.pending[rec.group_id] = flight
         state.in_flight_requests[rec.group_id] = flight.future  # what `abort_rollouts` cancels
@@ -231,7 +231,8 @@ class _Flights:
             return  # withdrawn by `close`
         state, rec = self.state, flight.rec
         self.load[flight.worker.name] -= 1
-        del self.pending[rec.group_id], state.in_flight_requests[rec.group_id]
+        del self.pending[rec.group_id]
+        state.in_flight_requests.pop(rec.group_id, None)
         try:
             if not future.cancelled() and future.exception() is None and not rec.abort_reason:
                 _commit(state, flight, future.result())
@@ -255,8 +256,11 @@ class _Flights:
         await asyncio.gather(*(_withdraw_at_close(self.state, f) for f in left))
 
 
-def _expire(flight: _Flight) -> None:
+def _expire(state: RunState, flight: _Flight) -> None:
+    """The deadline: cancel the request, once (an abort that comes while a task-run worker unwinds
+    must not cut its withdrawal short)."""
     flight.expired = True
+    state.in_flight_requests.pop(flight.rec.group_id, None)
     flight.future.cancel()
 
 

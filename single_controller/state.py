@@ -360,7 +360,7 @@ class RunState:
         for rec in self.ledger.in_state(GroupState.RESERVED):
             if rec.abort_reason is None and which(rec):
                 rec.abort_reason = reason
-                future = self.in_flight_requests.get(rec.group_id)
+                future = self.in_flight_requests.pop(rec.group_id, None)  # cancelled once
                 if future is not None:
                     future.cancel()
                 aborted += 1

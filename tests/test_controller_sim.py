@@ -839,9 +839,9 @@ class Withdrawing(SubmitsByTask):
     records ("withdrawn", group id) in `events`. Requests `hold(request)` picks are never answered;
     `self_cancel` ones are cancelled by the worker itself (a contract breach)."""
 
-    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False):
+    def __init__(self, inner, events, hold=lambda r: False, self_cancel=lambda r: False, withdraw_s=0.01):
         self.inner, self.name = inner, inner.name
-        self.events = events
+        self.events, self.withdraw_s = events, withdraw_s
         self.hold, self.self_cancel = hold, self_cancel
         self.held: list[str] = []
 
@@ -854,7 +854,7 @@ class Withdrawing(SubmitsByTask):
                 await asyncio.Event().wait()
             return await self.inner.generate(request)
         except asyncio.CancelledError:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(self.withdraw_s)
             self.events.append(("withdrawn", request.group_id))
             raise
 
@@ -875,9 +875,9 @@ class RecordingClears(InMemoryRowStorage):
         await super().clear_rows(keys)
 
 
-def _withdrawing(cfg, events, **kw):
+def _withdrawing(cfg, events, train_group_s=0.001, **kw):
     storage = RecordingClears(events)
-    inner, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=0.001)
+    inner, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002, train_group_s=train_group_s)
     gens = [Withdrawing(g, events, **kw) for g in inner]
     return Controller(cfg, sim_prompts(), storage, Workers(gens, trainer)), gens, trainer, storage
 
@@ -896,6 +896,26 @@ async def test_a_request_past_its_deadline_is_withdrawn_before_its_rows_are_clea
     assert _withdrawn_before_cleared(events, "p000002-a0")
     assert ctl.state.pumps["rollout"].errors == 1
     assert ctl.state.prompts["p000002"].attempts[:2] == ["p000002-a0", "p000002-a1"]
+    await assert_clean_end(ctl, trainer, storage)
+
+
+@pytest.mark.parametrize("order", ["in_order", "fifo"])
+async def test_a_sync_that_aborts_while_a_late_request_is_being_withdrawn_does_not_hang_the_run(order):
+    """A request past its deadline is being withdrawn (slowly) when a weight sync with
+    drain_policy=abort aborts what is in flight: the group is still discarded once withdrawn, so
+    the train pump is not left waiting for it."""
+    events: list = []
+    cfg = make_cfg(
+        steps=8, P=2, L=1, chunk=1, order=order, timeouts={"generate_s": 0.2}, sync={"drain_policy": "abort"}
+    )
+    # a step trains for 0.3 s: the held request's deadline (0.2 s) passes before the step's sync,
+    # which comes while the withdrawal (0.5 s) is still under way
+    hold = lambda r: r.group_id == "p000002-a0"  # noqa: E731
+    ctl, gens, trainer, storage = _withdrawing(cfg, events, train_group_s=0.15, hold=hold, withdraw_s=0.5)
+    summary = await asyncio.wait_for(ctl.run(), 20)
+    assert summary.steps == 8
+    assert _withdrawn_before_cleared(events, "p000002-a0")
+    assert ctl.state.ledger["p000002-a0"].reason == "sync_abort"  # aborted while it was being withdrawn
     await assert_clean_end(ctl, trainer, storage)
 
 
