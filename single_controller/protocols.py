@@ -45,6 +45,13 @@ class TrainerFailed(RuntimeError):
     the step and retries it (or takes the result of a finish that landed after all)."""
 
 
+class TrainerStateLost(RuntimeError):
+    """A trainer rank's optimizer step failed partway: its parameters are partly updated and there
+    is no copy to restore them from (a step keeps none: an abort before the optimizer step only
+    drops the gradients). The rank refuses every further step, abort and save until a checkpoint is
+    loaded; the run stops (resume from the last checkpoint)."""
+
+
 class TrainerRankDied(RuntimeError):
     """A trainer rank's process is gone: the open step is abandoned and the run stops with this
     error naming the rank (resume from the last checkpoint)."""

@@ -1,6 +1,7 @@
 """TrainerCore: split-API state machine, abort (acceptance 2), weight snapshots, and DDP gradient
 equivalence on 2 gloo ranks (acceptance 1)."""
 
+import copy
 import dataclasses
 import os
 import random
@@ -21,7 +22,7 @@ from single_controller.backends.torch.model import TinyGPT
 from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.config.schema import ModelConfig, TrainConfig
 from single_controller.data.tasks import TOKENIZER
-from single_controller.protocols import TrainerFailed, TrainStepStateError
+from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -184,13 +185,16 @@ def test_abort_restores_params_and_optimizer_bit_identically():
     _assert_bit_identical(_state(t), _state(twin))
 
 
-def test_abort_after_a_finish_that_failed_midway(monkeypatch):
-    """If finish dies after the optimizer already moved the weights, abort still restores them."""
-    t = _trainer()
-    t.begin_train_step(0, LossConfig())
-    t.train_microbatch(make_rows(6, 1))
-    t.finish_train_step(0)
-    before = _state(t)
+def test_an_optimizer_step_that_fails_partway_is_refused_until_a_checkpoint_load(monkeypatch):
+    """No copy of the weights is kept per step, so an optimizer step that fails after moving them
+    cannot be aborted: the rank says so (`TrainerStateLost`) on finish, abort, begin and save, and a
+    checkpoint load brings it back."""
+    t, twin = _trainer(), _trainer()
+    for tr in (t, twin):
+        tr.begin_train_step(0, LossConfig())
+        tr.train_microbatch(make_rows(6, 1))
+        tr.finish_train_step(0)
+    saved = copy.deepcopy(t.state_dict())
     t.begin_train_step(1, LossConfig())
     t.train_microbatch(make_rows(6, 5))
     real_step = t.optimizer.step
@@ -200,10 +204,34 @@ def test_abort_after_a_finish_that_failed_midway(monkeypatch):
         raise RuntimeError("simulated failure after the update")
 
     monkeypatch.setattr(t.optimizer, "step", step_then_fail)
-    with pytest.raises(RuntimeError, match="simulated"):
+    with pytest.raises(TrainerStateLost, match=r"optimizer step of step 1 failed partway \(RuntimeError: simulated"):
         t.finish_train_step(1)
-    assert not all(torch.equal(a, b) for a, b in zip(_state(t)[0], before[0]))  # the weights did move
-    assert t.steps.is_open
+    monkeypatch.undo()
+    for refused in (lambda: t.abort_train_step(1), lambda: t.begin_train_step(1, LossConfig()), t.state_dict):
+        with pytest.raises(TrainerStateLost, match="resume from the last checkpoint"):
+            refused()
+    t.load_state_dict(saved)
+    _assert_bit_identical(_state(t), _state(twin))
+    for tr in (t, twin):  # the loaded rank takes step 1 as one that never failed
+        tr.begin_train_step(1, LossConfig())
+        tr.train_microbatch(make_rows(6, 5))
+        tr.finish_train_step(1)
+    _assert_bit_identical(_state(t), _state(twin))
+
+
+def test_a_failed_finish_before_the_optimizer_step_is_aborted_bit_identically():
+    """A finish that fails before the optimizer step (here: a non-finite gradient norm) changed
+    nothing but gradients: the abort leaves the rank exactly as before the step began."""
+    t = _trainer()
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    t.finish_train_step(0)
+    before = _state(t)
+    t.begin_train_step(1, LossConfig())
+    t.train_microbatch(make_rows(6, 5))
+    t.params[0].grad.fill_(float("nan"))
+    with pytest.raises(TrainerFailed, match="gradient norm is nan"):
+        t.finish_train_step(1)
     t.abort_train_step(1)
     _assert_bit_identical(_state(t), before)
 

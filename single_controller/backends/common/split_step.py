@@ -1,12 +1,14 @@
 """The split train API's bookkeeping, shared by every trainer backend (torch, Megatron) by composition.
 
 A trainer rank holds one `SplitStep` (`core.steps`) and makes the engine-specific moves between its
-calls (zeroing gradient buffers, snapshotting and restoring parameters and optimizer state,
-collectives, the optimizer step):
+calls (zeroing gradient buffers, collectives, the optimizer step). Nothing but the gradients changes
+before the optimizer step, so a step keeps no copy of parameters or optimizer state: an abort drops
+the gradients, bit-exactly what was there before the begin. The optimizer step runs inside
+`steps.applying(st)`: a failure there leaves the rank's state partly updated, with nothing to restore
+it from, and the rank refuses everything but a checkpoint load (`TrainerStateLost`).
 
   begin_train_step(step, loss)  `steps.check_begin` refuses unless no step is open, `step` is
-                                `next_step` and the loss can be computed; `steps.open_step` opens it
-                                with what an abort restores.
+                                `next_step` and the loss can be computed; `steps.open_step` opens it.
   train_microbatch(rows)        `steps.require_open`; `OpenStep.take_rows` counts the microbatch and
                                 checks the rows; `rows_loss` runs forward, the GRPO loss and backward;
                                 `OpenStep.add` sums the counts and statistics.
@@ -17,7 +19,8 @@ collectives, the optimizer step):
                                 collective a `TrainerFailed`) and steps; `steps.finished` closes the
                                 step and records its metrics (`step_metrics`).
   abort_train_step(step)        `steps.aborting(step)` returns the open step if it is `step` (else
-                                None: an abort never undoes a finish); `steps.aborted` closes it.
+                                None: an abort never undoes a finish); the engine drops its
+                                gradients; `steps.aborted` closes it.
   status()                      `steps.status()`: {"next_step", "open_step", "last_finished"}.
 """
 
@@ -33,7 +36,7 @@ import torch
 
 from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs
 from single_controller.algorithm.losses import LOSS_LEVELS, LossOutput, grpo_loss, mismatch_stats
-from single_controller.protocols import TrainerFailed, TrainStepStateError
+from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
 
 # Statistics summed over a step's valid tokens (loss statistics, then the engines' mismatch), in the
@@ -55,7 +58,6 @@ class StepCounts(TypedDict):
 class OpenStep:
     step: int
     loss: LossConfig
-    saved: Any  # what an abort restores: the engine's snapshot of parameters and optimizer state
     started: float = field(default_factory=time.perf_counter)
     tokens: int = 0
     sequences: int = 0
@@ -126,6 +128,7 @@ class SplitStep:
         self.next_step = 0  # the step begin accepts: optimizer steps applied (set by a checkpoint load)
         self.steps_done = 0
         self.aborts = 0
+        self.lost: str | None = None  # why the rank's state is partly updated (`applying`), until a load
 
     @property
     def is_open(self) -> bool:
@@ -154,11 +157,16 @@ class SplitStep:
             raise TrainStepStateError(f"{what}: no train step is open (call begin_train_step first)")
         return self.open
 
-    def require_closed(self, what: str) -> None:
+    def require_closed(self, what: str, *, loading: bool = False) -> None:
+        """No step open, and (but for a checkpoint load, which is the way back) a consistent state."""
+        if self.lost is not None and not loading:
+            raise TrainerStateLost(f"{what}: {self.lost}")
         if self.open is not None:
             raise TrainStepStateError(f"{what} while step {self.open.step} is open")
 
     def check_begin(self, step: int, loss: LossConfig) -> None:
+        if self.lost is not None:
+            raise TrainerStateLost(f"begin_train_step({step}): {self.lost}")
         if self.open is not None:
             raise TrainStepStateError(f"begin_train_step({step}): step {self.open.step} is still open")
         if step != self.next_step:
@@ -168,9 +176,24 @@ class SplitStep:
         if loss.kl_coef > 0 and not self.has_reference:
             raise ValueError("loss.kl_coef > 0 but the trainer was built with train.kl_coef == 0 (no reference policy)")
 
-    def open_step(self, step: int, loss: LossConfig, saved: Any) -> OpenStep:
-        self.open = OpenStep(step=step, loss=loss, saved=saved)
+    def open_step(self, step: int, loss: LossConfig) -> OpenStep:
+        self.open = OpenStep(step=step, loss=loss)
         return self.open
+
+    @contextlib.contextmanager
+    def applying(self, st: OpenStep) -> Iterator[None]:
+        """Around `st`'s optimizer step, the one place parameters and optimizer state change. A
+        failure inside leaves them partly updated: the step is closed as lost, and the rank refuses
+        every step, abort and save until a checkpoint is loaded."""
+        try:
+            yield
+        except BaseException as e:
+            self.lost = (
+                f"the optimizer step of step {st.step} failed partway ({type(e).__name__}: {e}); the rank's "
+                "parameters and optimizer state are partly updated and no copy is kept: resume from the last checkpoint"
+            )
+            self.open = None
+            raise TrainerStateLost(self.lost) from e
 
     def mark_failed(self, reason: str) -> None:
         """A microbatch of the open step failed: its gradients are partial, so only an abort closes it."""
@@ -199,7 +222,9 @@ class SplitStep:
         return metrics
 
     def aborting(self, step: int) -> OpenStep | None:
-        """The open step if it is `step` (the engine then restores `saved` and calls `aborted`)."""
+        """The open step if it is `step` (the engine then drops its gradients and calls `aborted`)."""
+        if self.lost is not None:
+            raise TrainerStateLost(f"abort_train_step({step}): {self.lost}")
         st = self.open
         return st if st is not None and st.step == step else None
 
@@ -210,6 +235,7 @@ class SplitStep:
     def loaded(self, next_step: int, steps_done: int) -> None:
         """A checkpoint was loaded (between steps)."""
         self.next_step, self.steps_done, self.last_finished = int(next_step), int(steps_done), None
+        self.lost = None
 
 
 @contextlib.contextmanager

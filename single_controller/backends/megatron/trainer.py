@@ -6,9 +6,8 @@ The caller has joined a torch.distributed group and initialized `megatron.core.p
 Contract of a step (the torch trainer's, with the same loss math and bookkeeping:
 `backends.common.split_step.SplitStep`, `core.steps`):
   begin_train_step(step, loss)  refuses unless `step` == next_step and no step is open; zeroes
-                                Megatron DDP's gradient buffers and snapshots parameters + the
-                                optimizer's state (every tensor of the inner torch optimizers and
-                                their main parameters) for abort.
+                                Megatron DDP's gradient buffers (no copy of parameters or optimizer
+                                state is kept: only the optimizer step in finish changes them).
   train_microbatch(rows)        forward/backward of the RAW masked loss sum (`grpo_loss`) under DDP
                                 `no_sync()`: gradients accumulate in DDP's main_grad buffers, no
                                 communication. All ranks of a TP group get the same rows.
@@ -18,8 +17,10 @@ Contract of a step (the torch trainer's, with the same loss math and bookkeeping
                                 tokens or sequences), clips with Megatron's TP-aware norm, one
                                 optimizer step. finish of the step finished last returns its recorded
                                 metrics (no second step). If it raises the step stays open.
-  abort_train_step(step)        the open `step`: restores parameters and optimizer state bit-exactly;
-                                anything else: no-op (never undoes a finished step).
+  abort_train_step(step)        the open `step`: drops its gradients, which leaves parameters and
+                                optimizer state bit-identical to before begin; anything else: no-op
+                                (never undoes a finished step). An optimizer step that failed partway
+                                cannot be undone: `TrainerStateLost` until a checkpoint load.
   status()                      {"next_step", "open_step", "last_finished"}.
 `hf_state_dict()` gathers the TP shards and converts them to Hugging Face names (weight sync and
 checkpoints); every rank of the TP group must call it.
@@ -255,8 +256,7 @@ class MegatronTrainerCore:
         with self._mc():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            snapshot = _Snapshot.take(self.params, self.optimizer)
-        self.steps.open_step(step, loss, snapshot)
+        self.steps.open_step(step, loss)
 
     def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0) -> int:
         """Accumulate the gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid tokens."""
@@ -294,7 +294,8 @@ class MegatronTrainerCore:
             grad_norm = float(self.optimizer.clip_grad_norm(max_norm))
             if not math.isfinite(grad_norm):
                 raise TrainerFailed(f"step {st.step}: gradient norm is {grad_norm}")
-            self.optimizer.step_with_ready_grads()  # distributed optimizer: also all-gathers params
+            with self.steps.applying(st):
+                self.optimizer.step_with_ready_grads()  # distributed optimizer: also all-gathers params
         lr = float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
         return self.steps.finished(st, totals, grad_norm, lr=lr)
 
@@ -302,8 +303,7 @@ class MegatronTrainerCore:
         st = self.steps.aborting(step)
         if st is None:
             return  # nothing of this step is open: an abort never undoes a finished step
-        with self._mc():
-            st.saved.restore(self.params, self.optimizer)
+        with self._mc():  # nothing but the gradients changed before the optimizer step
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         self.steps.aborted()
@@ -332,7 +332,7 @@ class MegatronTrainerCore:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.steps.require_closed("load_state_dict")
+        self.steps.require_closed("load_state_dict", loading=True)
         if state["layout"] != self.layout():
             raise ValueError(f"saved trainer state has layout {state['layout']}, this rank is {self.layout()}")
         with self._mc():
