@@ -1,18 +1,22 @@
 """Peak RSS of Megatron-trainer steps (CPU emulation, 1 rank) on a ~12.6 M-parameter Llama."""
 
-import resource, sys, os, tempfile
+import os
+import resource
+import sys
+import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import torch
 
-torch.set_num_threads(1)
-from megatron_fixtures import make_hf_dir, make_rows
-from free_ports import free_port
-from single_controller.backends.megatron.ray_workers import MegatronRankActor
-from single_controller.config.schema import TrainConfig
-from single_controller.types import LossConfig
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))  # the tests' fixtures
+from free_ports import free_port  # noqa: E402
+from megatron_fixtures import make_hf_dir, make_rows  # noqa: E402
 
+from single_controller.backends.megatron.ray_workers import MegatronRankActor  # noqa: E402
+from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.types import LossConfig  # noqa: E402
+
+torch.set_num_threads(1)
 d = make_hf_dir(
     Path(tempfile.mkdtemp()) / "m",
     hidden_size=512,
@@ -41,6 +45,7 @@ for k in range(1, 6):
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = info["params"]
 print(
-    f"params {n / 1e6:.1f} M ({n * 4 / 2**20:.0f} MiB fp32): peak RSS after step 0 {base / 1024:.0f} MiB, after 5 more steps {peak / 1024:.0f} MiB (+{(peak - base) / 1024:.0f})"
+    f"params {n / 1e6:.1f} M ({n * 4 / 2**20:.0f} MiB fp32): peak RSS after step 0 {base / 1024:.0f} MiB, "
+    f"after 5 more steps {peak / 1024:.0f} MiB (+{(peak - base) / 1024:.0f})"
 )
 rank.close()
