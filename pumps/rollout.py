@@ -151,12 +151,17 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
                 f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
             )
     except Exception as e:
+        state.pumps[PUMP].errors += 1
+        if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:
+            # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
+            state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
+            state.notify()
+            return
         if not [w for w in state.routable() if w is not worker] and not state.health.restarting - {worker.name}:
             raise NoGenerationWorkers(
                 f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
                 f"restarting {worker.name} failed: {type(e).__name__}: {e}"
             ) from e
-        state.pumps[PUMP].errors += 1
         state.health.given_up.add(worker.name)
         state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
         return  # it stays out of routing; the others carry on
@@ -198,6 +203,7 @@ class _Flight:
     request: GenerationRequest
     future: asyncio.Future[GenerationResult]
     sent_at: float
+    incarnation: int  # the worker's restarts when it was sent: a later process is not to blame for it
     timer: asyncio.TimerHandle | None = None
     expired: bool = False  # its deadline cancelled it
 
@@ -216,7 +222,8 @@ class _Flights:
     def submit(self, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
         state = self.state
         request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
-        flight = _Flight(worker, rec, request, worker.submit(request), state.clock())
+        incarnation = state.health.restarts_of[worker.name]
+        flight = _Flight(worker, rec, request, worker.submit(request), state.clock(), incarnation)
         flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, state, flight)
         self.load[worker.name] += 1
         self.pending[rec.group_id] = flight
@@ -239,7 +246,7 @@ class _Flights:
             else:
                 if not future.cancelled() and isinstance(future.exception(), GenerationWorkerDied):
                     # out of routing now, with every other call that died with it, not a task step later
-                    state.worker_down(flight.worker, str(future.exception()))
+                    _down(state, flight, str(future.exception()))
                 self.children.create_task(_settle(state, flight), name=rec.group_id)
         except BaseException as e:  # noqa: BLE001 -- a bug: the pump raises it and the run stops
             self.bug = self.bug or e
@@ -254,6 +261,12 @@ class _Flights:
             self.state.in_flight_requests.pop(flight.rec.group_id, None)
             flight.future.cancel()
         await asyncio.gather(*(_withdraw_at_close(self.state, f) for f in left))
+
+
+def _down(state: RunState, flight: _Flight, why: str) -> None:
+    """Take the worker out of routing, unless the process that failed `flight` was replaced already."""
+    if state.health.restarts_of[flight.worker.name] == flight.incarnation:
+        state.worker_down(flight.worker, why)
 
 
 def _expire(state: RunState, flight: _Flight) -> None:
@@ -279,9 +292,12 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     the deadline; then what the worker raised: a dead worker's request is re-dispatched uncharged, a
     failed one charged to the prompt's retries, anything else is a bug and stops the run."""
     worker, rec, future = flight.worker, flight.rec, flight.future
+    if future.cancelled() and flight.expired:
+        # A worker that misses a deadline is treated as down (hung, not only slow): out of routing
+        # now, replaced (killed and restarted) by the pump; this prompt goes again uncharged.
+        _down(state, flight, f"missed the {state.cfg.timeouts.generate_s:g}s deadline of generate({rec.group_id})")
     if future.cancelled():
-        what = f"generation worker {worker.name}: withdraw({rec.group_id})"
-        await within(worker.withdraw(flight.request, future), state.cfg.timeouts.generate_s, what)
+        await _withdraw(state, flight)
     if rec.abort_reason:
         await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
         return
@@ -291,16 +307,31 @@ async def _settle(state: RunState, flight: _Flight) -> None:
                 f"generation worker {worker.name} cancelled the request of {rec.group_id} itself "
                 "(its future fails with GenerationFailed; only the controller cancels a request)"
             )
-        error: BaseException = DeadlineExceeded(
-            f"generation worker {worker.name}: generate({rec.group_id})", state.cfg.timeouts.generate_s
-        )
-    else:
-        error = future.exception()  # type: ignore[assignment]  # not cancelled: done with an exception
-        if not isinstance(error, GenerationFailed):
-            raise error  # a bug in the worker: it stops the run
+        state.pumps[PUMP].errors += 1
+        await _discard(state, rec, "worker_hung", charge=False)
+        return
+    error = future.exception()
+    if not isinstance(error, GenerationFailed):
+        raise error  # type: ignore[misc]  # a bug in the worker (never None: done, not cancelled)
     state.pumps[PUMP].errors += 1
     died = isinstance(error, GenerationWorkerDied)
     await _discard(state, rec, "worker_died" if died else "generation_failed", charge=not died)
+
+
+async def _withdraw(state: RunState, flight: _Flight) -> None:
+    """Returns once the worker writes none of the cancelled request's rows: its `withdraw`, or, for
+    a worker that is down and does not answer (hung), its replacement (a restart kills it)."""
+    worker, name = flight.worker, flight.worker.name
+    what = f"generation worker {name}: withdraw({flight.rec.group_id})"
+    try:
+        await within(worker.withdraw(flight.request, flight.future), state.cfg.timeouts.generate_s, what)
+    except (DeadlineExceeded, GenerationFailed):
+        if name not in state.health.down:
+            raise
+        # (or the run ends: its teardown stops every worker)
+        await state.changed.wait_until(
+            lambda: name not in state.health.down or name in state.health.given_up or state.stop.requested
+        )
 
 
 async def _withdraw_at_close(state: RunState, flight: _Flight) -> None:

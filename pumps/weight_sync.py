@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from replay.ledger import GroupRecord
 from single_controller.channels import Channel
-from single_controller.deadlines import within
-from single_controller.protocols import GenerationWorkerDied, version_gated
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import GenerationFailed, version_gated
 from single_controller.state import RunState
 from single_controller.types import WeightsHandle
 
@@ -90,14 +90,19 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
 
 
 async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
+    incarnation = state.health.restarts_of[worker.name]
     try:
         await within(
             worker.update_weights(handle),
             state.cfg.timeouts.weight_sync_s,
             f"generation worker {worker.name}: update_weights(v{handle.version})",
         )
-    except GenerationWorkerDied as e:
-        state.worker_down(worker, str(e))  # restarted by the rollout pump, with the newest weights
+    except (GenerationFailed, DeadlineExceeded) as e:
+        # Dead, failed or hung: out of routing, and restarted by the rollout pump with the newest
+        # weights (`versions.latest_weights`); the sync goes on for the others. (Unless the process
+        # it was sent to was replaced meanwhile: the new one applied the newest weights already.)
+        if state.health.restarts_of[worker.name] == incarnation:
+            state.worker_down(worker, f"update_weights(v{handle.version}) failed: {e}")
 
 
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from replay.ledger import GroupState
 from replay.storage import InMemoryRowStorage, StorageError
-from single_controller.backends.sim import Faults, SimTrainerGroup, sim_prompts, sim_rewards, sim_workers
+from single_controller.backends.sim import (
+    Faults,
+    SimGenerationWorker,
+    SimTrainerGroup,
+    sim_prompts,
+    sim_rewards,
+    sim_workers,
+)
 from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
 from single_controller.config.schema import (
     BufferConfig,
@@ -25,7 +32,7 @@ from single_controller.config.schema import (
 )
 from single_controller.controller import CapacityConfigError, Controller, RunFailed
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import SubmitsByTask
+from single_controller.protocols import GenerationFailed, SubmitsByTask
 from single_controller.state import CLEAR_BACKOFF_MAX_S, CLEAR_BACKOFF_S, PumpClock, Workers, clear_backoff_s
 
 
@@ -811,6 +818,55 @@ async def test_dead_generation_worker_is_taken_out_restarted_and_costs_no_prompt
     await assert_clean_end(ctl, trainer, storage)
 
 
+@pytest.mark.parametrize("drain_policy", ["keep", "drain"])
+async def test_a_hung_generation_worker_is_replaced_and_the_run_loses_no_prompt(drain_policy):
+    """A worker that stops answering (SIGSTOP, a wedged engine: not even a cancel is acknowledged)
+    misses its deadlines: it is taken out of routing, its prompts go again uncharged, the weight
+    sync carries on without it, and it is killed and restarted; the run finishes every step."""
+    faults = Faults(hang_after={"sim-gen-0": 3})
+    cfg = make_cfg(
+        steps=8,
+        P=4,
+        G=2,
+        L=1,
+        rollout={"max_retries": 0},
+        sync={"drain_policy": drain_policy, "drain_timeout_s": 5},
+        timeouts={"generate_s": 0.3, "weight_sync_s": 0.3},
+    )
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.003)
+    assert err is None, err
+    assert summary.steps == 8
+    gens = ctl.state.workers.generators
+    assert gens[0].restarts == 1 and ctl.state.counters.worker_restarts == 1
+    assert ctl.state.health.down == {} and ctl.state.health.given_up == set()
+    # With max_retries=0 a charged failure would drop its prompt: every prompt the hang touched
+    # went again, uncharged, and was trained.
+    records = list(ctl.state.prompts.records())
+    assert [r for r in records if r.fate == "dropped" and r.reason != "run_ended"] == []
+    assert any(r.uncharged for r in records)
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_failed_restart_is_tried_again_while_restarts_remain():
+    class FailsOnce(SimGenerationWorker):
+        async def restart(self, weights):
+            if not getattr(self, "failed_once", False):
+                self.failed_once = True
+                raise GenerationFailed(f"{self.name}: restart failed once")
+            await super().restart(weights)
+
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage, train_group_s=0.001)
+    faults = Faults(die_after={"g0": 3})
+    gens = [FailsOnce(f"g{i}", storage, group_s=0.002, faults=faults) for i in range(2)]
+    ctl = Controller(make_cfg(steps=6, P=4, G=2, L=1), sim_prompts(), storage, Workers(gens, trainer))
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 6
+    assert gens[0].restarts == 1 and ctl.state.health.given_up == set()
+    assert ctl.state.health.restarts_of["g0"] == 2  # the failed attempt and the one that worked
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
     faults = Faults(die_after={"sim-gen-0": 3, "sim-gen-1": 3}, restart_fails={"sim-gen-0", "sim-gen-1"})
     cfg = make_cfg(steps=50, P=4, G=2, L=1)
@@ -894,8 +950,10 @@ async def test_a_request_past_its_deadline_is_withdrawn_before_its_rows_are_clea
     assert summary.steps == 4
     assert [g for w in gens for g in w.held] == ["p000002-a0"]
     assert _withdrawn_before_cleared(events, "p000002-a0")
-    assert ctl.state.pumps["rollout"].errors == 1
+    # a worker that misses a deadline is down (this one cannot restart: it stays out, the other serves)
+    assert ctl.state.counters.worker_deaths == 1 and len(ctl.state.health.given_up) == 1
     assert ctl.state.prompts["p000002"].attempts[:2] == ["p000002-a0", "p000002-a1"]
+    assert ctl.state.prompts["p000002"].uncharged == 1
     await assert_clean_end(ctl, trainer, storage)
 
 

@@ -433,7 +433,9 @@ async def test_sim_batching_worker_serves_a_ticks_requests_together_at_one_versi
 
 async def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothing():
     storage = InMemoryRowStorage()
-    w = SimGenerationWorker("g", storage, group_s=0.005)
+    # a group takes 50 ms: the eval request (sent 5 ms in) must arrive while p0 computes, even on
+    # a loaded machine (with 5 ms groups and a 1 ms sleep, a scheduling hiccup let p1 start first)
+    w = SimGenerationWorker("g", storage, group_s=0.05)
     sp = SamplingParams(2, max_new_tokens=3)
     rollouts = [GenerationRequest(f"p{i}-a0", Prompt(f"p{i}", (1, 2)), sp, row_keys(f"p{i}-a0", 2)) for i in range(4)]
     done: list[str] = []
@@ -444,7 +446,7 @@ async def test_sim_worker_serves_eval_ahead_of_queued_rollouts_and_stores_nothin
         return res
 
     tasks = [asyncio.create_task(go(r)) for r in rollouts]
-    await asyncio.sleep(0.001)  # p0 is being generated, p1..p3 queue
+    await asyncio.sleep(0.005)  # p0 is being generated, p1..p3 queue
     ev = GenerationRequest("eval0-h1-a0", Prompt("h1", (1, 2)), SamplingParams(3, temperature=0.0), eval=True)
     res = await go(ev)
     await asyncio.gather(*tasks)

@@ -54,6 +54,9 @@ class Faults:
     rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
     die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
     restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
+    # worker name -> hangs (a stopped process: no answer to anything, not even a cancel) once this
+    # many groups were served, until it is restarted (killed: everything it had fails)
+    hang_after: dict[str, int] = field(default_factory=dict)
 
 
 class SimMeter:
@@ -216,6 +219,7 @@ class SimGenerationWorker:
         self._rollout_n = 1  # rows of the last rollout group: an eval request costs its share of rows
         self.dead = False
         self._death: asyncio.Event | None = None  # created lazily on the running loop
+        self._hung: asyncio.Future[None] | None = None  # while hung: resolved when it is killed (restarted)
         self.calls_while_dead = 0  # requests routed to this worker while it was dead
         self.restarts = 0
         self._epoch = 0
@@ -260,7 +264,14 @@ class SimGenerationWorker:
 
     def submit(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         f = self.faults
-        scripted = f.gate is not None or f.gen_fail or f.gen_stall or f.gen_delay or self.name in f.die_after
+        scripted = (
+            f.gate is not None
+            or f.gen_fail
+            or f.gen_stall
+            or f.gen_delay
+            or self.name in f.die_after
+            or self.name in f.hang_after
+        )
         if self.dead or request.eval or self.writes_rows or not self.group_s or scripted:
             return asyncio.ensure_future(self.generate(request))
         fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
@@ -270,11 +281,26 @@ class SimGenerationWorker:
 
     async def withdraw(self, request: GenerationRequest, future: asyncio.Future[GenerationResult]) -> None:
         """A plain request writes nothing; a request running `generate` writes nothing once its
-        task has unwound."""
+        task has unwound. A hung worker answers nothing until it is killed (restarted)."""
+        try:
+            await self._unless_hung()
+        except GenerationWorkerDied:
+            return  # killed: it writes nothing more
         if not future.done():
             await asyncio.wait([future])
 
+    async def _unless_hung(self) -> None:
+        """Returns at once, unless the worker hangs: then it raises `GenerationWorkerDied` when the
+        worker is killed (restarted), like every call of a stopped process that is then killed."""
+        if self._hung is None:
+            return
+        await asyncio.shield(self._hung)  # a cancelled caller stops waiting; the worker stays hung
+        raise GenerationWorkerDied(f"{self.name}: the hung worker process was killed")
+
     async def restart(self, weights: WeightsHandle | None) -> None:
+        if self._hung is not None:  # killed first: everything the hung process had fails
+            self._hung.set_result(None)
+            self._hung = None
         if self.name in self.faults.restart_fails:
             raise GenerationFailed(f"{self.name}: restart failed")
         self.dead, self._death = False, None
@@ -287,6 +313,7 @@ class SimGenerationWorker:
         fault_key = (request.prompt.prompt_id, attempt)
         self._in_flight += 1
         try:
+            await self._unless_hung()
             if self.faults.gate is not None:
                 await self.faults.gate.wait()
             if fault_key in self.faults.gen_stall:
@@ -313,8 +340,11 @@ class SimGenerationWorker:
                     version,
                     version,
                 )
+            await self._unless_hung()  # hung while it computed: no answer
             result = await self._store(request, attempt, version)
             self.generated.append(request.group_id)
+            if self.faults.hang_after.get(self.name) == len(self.generated) and not self.restarts:
+                self._hung = asyncio.get_running_loop().create_future()
             if self.faults.die_after.get(self.name) == len(self.generated) and not self.restarts:
                 self.dead = True  # every call in flight on it fails now, and every new one
                 self._died().set()
@@ -427,6 +457,7 @@ class SimGenerationWorker:
         """Applied between requests, like a real worker between batches: after the one being
         computed, ahead of those still queued."""
         self._check_alive()
+        await self._unless_hung()
         if weights.version <= self.version:
             raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
         if not self._computing:

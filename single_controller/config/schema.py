@@ -109,8 +109,10 @@ class RolloutConfig:
     max_retries: Count = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
     max_worker_restarts: Count = 3
-    """Times one dead generation worker is restarted (its prompts re-dispatched, uncharged) before it
-    stays out of routing; with no worker left the run stops with `NoGenerationWorkers`."""
+    """Restart attempts for one generation worker that died, or hung (it missed the deadline of a
+    request or a weight update): its prompts are re-dispatched uncharged, it is killed and restarted
+    with the newest weights, a failed attempt is tried again while attempts remain; then it stays
+    out of routing, and with no worker left the run stops with `NoGenerationWorkers`."""
 
 
 @dataclass(frozen=True)
