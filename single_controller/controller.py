@@ -12,7 +12,10 @@ Durability (with a run directory and a `Checkpointable` trainer): a checkpoint i
 steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when the run ends
 (finished, interrupted, or failed while the trainer still answers), before teardown settles
 anything. `resume=` (a checkpoint's controller state) continues from its cut: same step, same
-prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`).
+prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`). At the
+cut no group is resident, so before its first rollout a resumed run clears every row its storage
+still holds: a storage that outlived the crash (`storage.attach`) keeps the rows of every attempt
+the run made after its checkpoint, up to the crash.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
-from replay.storage import RowStorage, StorageStatistics
+from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
@@ -152,6 +155,7 @@ class Controller:
             self.state.hooks.after_step = self._periodic_checkpoint
             self.state.hooks.checkpoint_due = self._checkpoint_due
         self._resumed = resume is not None
+        self._rolled_back: list[str] = []  # attempts live at the resumed checkpoint's cut
         if resume is not None:
             self._restore(resume)
         self.eval_prompts = tuple(eval_prompts)
@@ -166,6 +170,7 @@ class Controller:
         weights: Channel[WeightsHandle] = Channel(capacity=1)
         tasks: dict[str, asyncio.Task] = {}
         if self._resumed:
+            await self._clear_rows_left()
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
             v = st.versions.trainer
@@ -247,6 +252,7 @@ class Controller:
         st = self.state
         unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
+        self._rolled_back = list(saved["rolled_back"])
         self._success.extend(saved["success_window"])
         c = saved["counters"]
         st.counters.zero_variance_groups, st.counters.tokens_generated = (
@@ -255,6 +261,22 @@ class Controller:
         )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         self._tokens_trained = c["tokens_trained"]
+
+    async def _clear_rows_left(self) -> None:
+        """Before a resumed run's first rollout: clear every row in its storage. At the cut no group
+        is resident, so each one is the crashed run's: an attempt rolled back at the cut, or one made
+        after it (a retry, a prompt taken after the cut, a step the resume does not reach). The
+        rolled-back attempts' keys are cleared even when the listing lacks them (a put the crash cut
+        short may be registered without the tags a listing reads)."""
+        st, cfg = self.state, self.cfg
+        listed = await within(st.storage.resident_keys(), cfg.timeouts.storage_s, "storage listing at resume")
+        keys = sorted(listed.union(*(row_keys(g, cfg.rollout.group_size) for g in self._rolled_back)))
+        if keys:
+            await within(
+                st.storage.clear_rows(keys),
+                cfg.timeouts.storage_s,
+                f"storage clear at resume ({len(keys)} rows left by the run before it)",
+            )
 
     async def _sync_resumed_weights(self) -> None:
         """A resumed run starts from the checkpoint's policy: every generation worker gets the

@@ -155,7 +155,7 @@ class ControllerHost:
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
         prompts = PromptStream(cfg)
-        saved = await self._load_checkpoint(storage, trainer, prompts) if self.resume else None
+        saved = await self._load_checkpoint(trainer, prompts) if self.resume else None
         self.controller = Controller(
             cfg,
             prompts,
@@ -187,10 +187,10 @@ class ControllerHost:
         log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
-    async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
-        """The newest checkpoint of the run directory into the trainer, the dataloader position, and
-        the controller state; keys of rolled-back attempts that a surviving storage may hold are cleared."""
-        from replay.storage import row_keys
+    async def _load_checkpoint(self, trainer, prompts: PromptStream) -> dict:
+        """The newest checkpoint of the run directory into the trainer and the dataloader position;
+        returns the controller state (the resumed `Controller` clears the rows a storage that
+        outlived the crash still holds)."""
         from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
 
         t0 = time.perf_counter()
@@ -204,9 +204,6 @@ class ControllerHost:
         if step != saved["step"]:
             raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
         prompts.seek(saved["dataloader"]["taken"])
-        keys = [k for g in saved["rolled_back"] for k in row_keys(g, self.cfg.rollout.group_size)]
-        if keys:
-            await within(storage.clear_rows(keys), self.cfg.timeouts.storage_s, "storage clear of rolled-back attempts")
         self.setup_times["resume_s"] = time.perf_counter() - t0
         self.resumed_from = {"path": str(path), "step": saved["step"]}
         return saved
