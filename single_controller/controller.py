@@ -119,7 +119,10 @@ class Controller:
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
         prompt_history: str | None = None,
+        wall_offset_s: float = 0.0,
     ):
+        """`wall_offset_s`: the run's wall clock (`time/wall_s`) when this controller starts; a
+        resumed run continues the clock of the parts before it (the run directory knows it)."""
         check_capacity(cfg)
         if cfg.eval.enabled and not eval_prompts:
             raise ValueError("eval.enabled is true but no eval prompts were given")
@@ -143,6 +146,7 @@ class Controller:
         self._tokens_trained = 0
         self._last_controller_bytes = 0
         self._t0 = self.state.clock()
+        self._wall_offset_s = wall_offset_s
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
         self.run_dir = run_dir
@@ -398,7 +402,8 @@ class Controller:
         self._success.append(success)
         rec = {
             "step": report.step,
-            "time/wall_s": report.t_end - self._t0,
+            # the run's clock, also in the records a checkpoint keeps for a later resume to recover
+            "time/wall_s": self._wall_offset_s + report.t_end - self._t0,
             "time/step_s": step_s,
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/success_rate": success,
@@ -451,7 +456,7 @@ class Controller:
             "eval/reissued": point.reissued,
             "eval/failures": point.failures,
             "eval/trainer_version": self.state.versions.trainer,
-            "time/wall_s": point.t_end - self._t0,
+            "time/wall_s": self._wall_offset_s + point.t_end - self._t0,
         }
         self.eval_history.append(rec)
         if self.on_eval is not None:

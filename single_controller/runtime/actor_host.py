@@ -116,6 +116,7 @@ class ControllerHost:
         run_dir: str | None = None,
         resume: bool = False,
         run_id: str | None = None,
+        wall_offset_s: float = 0.0,
     ):
         from single_controller.backends.common.worker_logs import redirect_output
         from single_controller.config.schema import check_capacity
@@ -127,6 +128,7 @@ class ControllerHost:
         self.run_id = run_id or run_id_of(run_dir)
         self.partition = f"{cfg.storage.partition}-{self.run_id}"
         self.resume = resume
+        self.wall_offset_s = wall_offset_s  # the run's wall clock as this part starts (`RunDirectory`)
         self.resumed_from: dict | None = None
         self.controller: Controller | None = None
         self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
@@ -168,6 +170,7 @@ class ControllerHost:
             dataloader_state=prompts.state,
             eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
             on_eval=self._on_step,
+            wall_offset_s=self.wall_offset_s,
             # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
             prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
         )

@@ -63,7 +63,7 @@ class RunDirectory:
         self.config_path.write_text(config_to_yaml(cfg), encoding="utf-8")
         self.run_id = f"{path.name}-{secrets.token_hex(3)}"
         (path / RUN_ID_FILE).write_text(self.run_id + "\n", encoding="utf-8")
-        self.wall_offset_s = 0.0  # a resumed run's records continue the wall clock of the first part
+        self.wall_offset_s = 0.0  # the run's wall clock when this part started (a resume continues it)
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
 
@@ -99,7 +99,8 @@ class RunDirectory:
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)
-        self.wall_offset_s = float(kept[-1].get(WALL_KEY) or 0.0) if kept else 0.0
+        # the clock goes on from the latest record kept: a resumed run never steps back in time
+        self.wall_offset_s = max((float(r.get(WALL_KEY) or 0.0) for r in kept), default=0.0)
         self._t0 = time.monotonic() - self.wall_offset_s
         self._metrics = open(self.metrics_path, "a", encoding="utf-8")
         return self
