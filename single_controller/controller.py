@@ -103,6 +103,8 @@ HISTORY_KEPT = 1000
 
 
 class Controller:
+    _rolled_back: tuple[str, ...] = ()  # a resumed run: the attempts live at its checkpoint's cut
+
     def __init__(
         self,
         cfg: Config,
@@ -119,10 +121,8 @@ class Controller:
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
         prompt_history: str | None = None,
-        wall_offset_s: float = 0.0,
+        wall_offset_s: float = 0.0,  # the run's `time/wall_s` as it starts (a resume goes on from it)
     ):
-        """`wall_offset_s`: the run's wall clock (`time/wall_s`) when this controller starts; a
-        resumed run continues the clock of the parts before it (the run directory knows it)."""
         check_capacity(cfg)
         if cfg.eval.enabled and not eval_prompts:
             raise ValueError("eval.enabled is true but no eval prompts were given")
@@ -159,7 +159,6 @@ class Controller:
             self.state.hooks.after_step = self._periodic_checkpoint
             self.state.hooks.checkpoint_due = self._checkpoint_due
         self._resumed = resume is not None
-        self._rolled_back: list[str] = []  # attempts live at the resumed checkpoint's cut
         if resume is not None:
             self._restore(resume)
         self.eval_prompts = tuple(eval_prompts)
@@ -256,7 +255,7 @@ class Controller:
         st = self.state
         unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
-        self._rolled_back = list(saved["rolled_back"])
+        self._rolled_back = tuple(saved["rolled_back"])
         self._success.extend(saved["success_window"])
         c = saved["counters"]
         st.counters.zero_variance_groups, st.counters.tokens_generated = (
