@@ -21,8 +21,9 @@ may run while training goes on (the controller's periodic checkpoints do).
 
 The cut: at a checkpoint, groups not yet trained are not saved. Their prompts stay unsettled in the
 saved ledger with their live attempt removed, so a resume re-dispatches them with the same attempt
-number (and retry budget); the keys that attempt may have written are listed (`rolled_back`) so a
-resume into a storage that outlived the crash clears them first.
+number (and retry budget); those attempts are listed (`rolled_back`). A resume into a storage that
+outlived the crash clears every row it holds first, theirs and those of every attempt made after
+the cut (`Controller`).
 """
 
 from __future__ import annotations

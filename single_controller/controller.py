@@ -12,7 +12,10 @@ Durability (with a run directory and a `Checkpointable` trainer): a checkpoint i
 steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when the run ends
 (finished, interrupted, or failed while the trainer still answers), before teardown settles
 anything. `resume=` (a checkpoint's controller state) continues from its cut: same step, same
-prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`).
+prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`). At the
+cut no group is resident, so before its first rollout a resumed run clears every row its storage
+still holds: a storage that outlived the crash (`storage.attach`) keeps the rows of every attempt
+the run made after its checkpoint, up to the crash.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, train_pump
 from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
-from replay.storage import RowStorage, StorageStatistics
+from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
@@ -100,6 +103,8 @@ HISTORY_KEPT = 1000
 
 
 class Controller:
+    _rolled_back: tuple[str, ...] = ()  # a resumed run: the attempts live at its checkpoint's cut
+
     def __init__(
         self,
         cfg: Config,
@@ -116,6 +121,7 @@ class Controller:
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
         prompt_history: str | None = None,
+        wall_offset_s: float = 0.0,  # the run's `time/wall_s` as it starts (a resume goes on from it)
     ):
         check_capacity(cfg)
         if cfg.eval.enabled and not eval_prompts:
@@ -140,6 +146,7 @@ class Controller:
         self._tokens_trained = 0
         self._last_controller_bytes = 0
         self._t0 = self.state.clock()
+        self._wall_offset_s = wall_offset_s
         self._last_wait: dict[str, float] = {}
         self._last_step_end = self._t0
         self.run_dir = run_dir
@@ -166,6 +173,7 @@ class Controller:
         weights: Channel[WeightsHandle] = Channel(capacity=1)
         tasks: dict[str, asyncio.Task] = {}
         if self._resumed:
+            await self._clear_rows_left()
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
             v = st.versions.trainer
@@ -247,6 +255,7 @@ class Controller:
         st = self.state
         unsettled = sorted((r for r in st.prompts.records() if r.fate is None), key=lambda r: r.order)
         st.pending_prompts.extend(r.prompt for r in unsettled)  # re-dispatched before fresh prompts
+        self._rolled_back = tuple(saved["rolled_back"])
         self._success.extend(saved["success_window"])
         c = saved["counters"]
         st.counters.zero_variance_groups, st.counters.tokens_generated = (
@@ -255,6 +264,22 @@ class Controller:
         )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         self._tokens_trained = c["tokens_trained"]
+
+    async def _clear_rows_left(self) -> None:
+        """Before a resumed run's first rollout: clear every row in its storage. At the cut no group
+        is resident, so each one is the crashed run's: an attempt rolled back at the cut, or one made
+        after it (a retry, a prompt taken after the cut, a step the resume does not reach). The
+        rolled-back attempts' keys are cleared even when the listing lacks them (a put the crash cut
+        short may be registered without the tags a listing reads)."""
+        st, cfg = self.state, self.cfg
+        listed = await within(st.storage.resident_keys(), cfg.timeouts.storage_s, "storage listing at resume")
+        keys = sorted(listed.union(*(row_keys(g, cfg.rollout.group_size) for g in self._rolled_back)))
+        if keys:
+            await within(
+                st.storage.clear_rows(keys),
+                cfg.timeouts.storage_s,
+                f"storage clear at resume ({len(keys)} rows left by the run before it)",
+            )
 
     async def _sync_resumed_weights(self) -> None:
         """A resumed run starts from the checkpoint's policy: every generation worker gets the
@@ -376,7 +401,8 @@ class Controller:
         self._success.append(success)
         rec = {
             "step": report.step,
-            "time/wall_s": report.t_end - self._t0,
+            # the run's clock, also in the records a checkpoint keeps for a later resume to recover
+            "time/wall_s": self._wall_offset_s + report.t_end - self._t0,
             "time/step_s": step_s,
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/success_rate": success,
@@ -429,7 +455,7 @@ class Controller:
             "eval/reissued": point.reissued,
             "eval/failures": point.failures,
             "eval/trainer_version": self.state.versions.trainer,
-            "time/wall_s": point.t_end - self._t0,
+            "time/wall_s": self._wall_offset_s + point.t_end - self._t0,
         }
         self.eval_history.append(rec)
         if self.on_eval is not None:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replay.ledger import GroupState
-from replay.storage import InMemoryRowStorage, StorageError
+from replay.storage import InMemoryRowStorage, StorageError, row_keys
 from single_controller.backends.sim import (
     Faults,
     SimGenerationWorker,
@@ -710,6 +710,93 @@ async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(t
     assert sorted(trainer_b2.trained) == list(range(4, 9))  # the resumed trainer trained only 4..8
     assert await storage_b2.resident_keys() == set() and ctl_b2.state.ledger.resident() == 0
     assert ctl_b2.state.prompts.unsettled() == []
+
+
+class ClientOfACrashedRun:
+    """One run's client of a row storage that outlives the run (`storage.attach`): once the run has
+    crashed (`crashed = True`), nothing it sends reaches the storage any more."""
+
+    def __init__(self, store: InMemoryRowStorage):
+        self.store, self.schema, self.crashed = store, store.schema, False
+        self.stored: set[str] = set()  # keys this run put and has not cleared
+
+    def _reach(self) -> InMemoryRowStorage:
+        if self.crashed:
+            raise RuntimeError("the run of this storage client crashed")
+        return self.store
+
+    async def put_rows(self, keys, columns, tags=None):
+        await self._reach().put_rows(keys, columns, tags)
+        self.stored.update(keys)
+
+    async def get_rows(self, keys, fields):
+        return await self._reach().get_rows(keys, fields)
+
+    async def clear_rows(self, keys):
+        await self._reach().clear_rows(keys)
+        self.stored.difference_update(keys)
+
+    async def resident_keys(self):
+        return await self._reach().resident_keys()
+
+    def statistics(self):
+        return self.store.statistics()
+
+
+class Crash(Exception):
+    pass
+
+
+async def test_a_resume_into_a_storage_that_outlived_the_crash_clears_the_rows_of_attempts_after_the_cut(tmp_path):
+    """`storage.attach`: the crashed run's rows stay in the storage. Those of attempts made after its
+    last checkpoint (prompts taken after the cut, for steps the resume never reaches) are named
+    nowhere in the checkpoint; the resume clears them too, and its run ends with no key left."""
+    import itertools
+
+    store = InMemoryRowStorage()  # the attached storage: it outlives the crashed run
+    client = ClientOfACrashedRun(store)
+    first = make_cfg(steps=16, P=3, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    gens, trainer = sim_workers(client, num_generators=2, gen_group_s=0.001, train_group_s=0.01)
+
+    def crash_once_rows_past_the_checkpoint_are_stored(record: dict) -> None:
+        # After an odd step, the checkpoint of the step before is the last one the run takes (the
+        # next is taken after this record) once it is committed (periodic ones commit in the background).
+        pointer = tmp_path / "checkpoints" / "latest"
+        if record["step"] % 2 == 0 or not pointer.exists():
+            return
+        if pointer.read_text().strip() != f"step_{record['step'] - 1:06d}":
+            return
+        saved = read_controller_state(latest_checkpoint(tmp_path))
+        rolled_back = {k for g in saved["rolled_back"] for k in row_keys(g, 2)}
+        if client.stored - rolled_back:
+            client.crashed = True  # the process is gone: its teardown clears nothing
+            raise Crash(f"crashed after step {record['step']}")
+
+    ctl = Controller(
+        first,
+        sim_prompts(),
+        client,
+        Workers(gens, trainer),
+        run_dir=str(tmp_path),
+        on_step=crash_once_rows_past_the_checkpoint_are_stored,
+    )
+    with pytest.raises(RunFailed):  # whichever pump met the crash first
+        await asyncio.wait_for(ctl.run(), 30)
+    assert client.crashed
+    saved = read_controller_state(latest_checkpoint(tmp_path))
+    rolled_back = {k for g in saved["rolled_back"] for k in row_keys(g, 2)}
+    after_cut = (await store.resident_keys()) - rolled_back
+    assert after_cut, "the crash leaves rows of attempts made after the checkpoint's cut"
+    # The resume (with the same storage) trains one step: the crashed run's later attempts are not made again.
+    resumed = make_cfg(steps=saved["step"] + 1, P=3, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    gens2, trainer2 = sim_workers(store, num_generators=2, gen_group_s=0.002)
+    await trainer2.load_state(str(latest_checkpoint(tmp_path) / "trainer"))
+    prompts = itertools.islice(sim_prompts(), saved["dataloader"]["taken"], None)
+    ctl2 = Controller(resumed, prompts, store, Workers(gens2, trainer2), run_dir=str(tmp_path), resume=saved)
+    summary = await asyncio.wait_for(ctl2.run(), 30)
+    assert summary.steps == saved["step"] + 1 and sorted(trainer2.trained) == [saved["step"]]
+    assert await store.resident_keys() == set(), "rows of the crashed run are left in the storage"
+    assert ctl2.state.ledger.resident() == 0 and ctl2.state.prompts.unsettled() == []
 
 
 async def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):

@@ -212,6 +212,51 @@ def test_reopen_fills_step_records_the_killed_driver_never_wrote_from_the_checkp
     assert rd.wall_offset_s == 7.0
 
 
+def test_a_second_resume_keeps_the_overrides_of_the_first_unless_it_overrides_them_again(tmp_path):
+    """`sc-grpo run --resume DIR k=v` builds its config with `resume_config`: the config the run last
+    ran with (the first resume's `config.resume.yaml`), not the original `config.yaml`, plus its own."""
+    from single_controller.runtime.run_dir import resume_config
+
+    with RunDirectory.create(cfg_in(tmp_path, "run.max_steps=10"), now=NOW) as run:
+        path = run.path
+    first = resume_config(path, ["run.max_steps=20", "timeouts.generate_s=77"])
+    RunDirectory.reopen(path, first, from_step=0).close()  # the first resume runs with it
+    second = resume_config(path, ["run.max_steps=30"])
+    assert (second.timeouts.generate_s, second.run.max_steps, second.run.name) == (77, 30, "demo")
+    assert resume_config(path, ["timeouts.generate_s=5"]).timeouts.generate_s == 5  # overridden again
+    with pytest.raises(FileNotFoundError, match="is not a run directory"):
+        resume_config(tmp_path)
+
+
+def test_the_wall_clock_of_step_records_never_goes_back_over_two_resumes_that_recover_records(tmp_path):
+    """A kill -9 can take the driver before it wrote the last steps' records; each resume takes
+    them from its checkpoint. Over a sim run and two such resumes, `time/wall_s` of the step
+    records (in step order) only goes forward: the records a resumed part checkpointed carry the
+    run's clock, not that part's own."""
+    from single_controller.runtime.driver import EXIT_OK, run_from_config
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = [f"run.output_dir={tmp_path}", "checkpoint.every_steps=2", "metrics.enabled=false", "run.plot=false"]
+    cfg = load_config(str(root / "configs/sim.yaml"), [*overrides, "run.max_steps=6", "run.progress_bar=false"])
+    assert run_from_config(cfg) == EXIT_OK
+    (run_dir,) = tmp_path.glob("sim-*")
+    metrics = run_dir / "metrics.jsonl"
+    for max_steps in (12, 18):
+        # the killed driver never wrote the last two steps' records (the final checkpoint holds them)
+        lines = metrics.read_text().splitlines(keepends=True)
+        metrics.write_text("".join(lines[:-2]))
+        cfg = load_config(str(run_dir / "config.yaml"), [f"run.max_steps={max_steps}"])
+        assert run_from_config(cfg, str(run_dir)) == EXIT_OK
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(18))
+    back = [
+        (r["step"], r["time/wall_s"])
+        for prev, r in zip(records, records[1:])
+        if r["time/wall_s"] <= prev["time/wall_s"]
+    ]
+    assert not back, f"step records whose wall clock goes back (step, time/wall_s): {back}"
+
+
 def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
     import ray.exceptions
 

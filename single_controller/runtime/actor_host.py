@@ -116,6 +116,7 @@ class ControllerHost:
         run_dir: str | None = None,
         resume: bool = False,
         run_id: str | None = None,
+        wall_offset_s: float = 0.0,
     ):
         from single_controller.backends.common.worker_logs import redirect_output
         from single_controller.config.schema import check_capacity
@@ -127,6 +128,7 @@ class ControllerHost:
         self.run_id = run_id or run_id_of(run_dir)
         self.partition = f"{cfg.storage.partition}-{self.run_id}"
         self.resume = resume
+        self.wall_offset_s = wall_offset_s  # the run's wall clock as this part starts (`RunDirectory`)
         self.resumed_from: dict | None = None
         self.controller: Controller | None = None
         self.records: list[dict] = []  # step and eval records from index `_records_base` of the run on
@@ -155,7 +157,7 @@ class ControllerHost:
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
         prompts = PromptStream(cfg)
-        saved = await self._load_checkpoint(storage, trainer, prompts) if self.resume else None
+        saved = await self._load_checkpoint(trainer, prompts) if self.resume else None
         self.controller = Controller(
             cfg,
             prompts,
@@ -168,6 +170,7 @@ class ControllerHost:
             dataloader_state=prompts.state,
             eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
             on_eval=self._on_step,
+            wall_offset_s=self.wall_offset_s,
             # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
             prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
         )
@@ -187,10 +190,10 @@ class ControllerHost:
         log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
-    async def _load_checkpoint(self, storage, trainer, prompts: PromptStream) -> dict:
-        """The newest checkpoint of the run directory into the trainer, the dataloader position, and
-        the controller state; keys of rolled-back attempts that a surviving storage may hold are cleared."""
-        from replay.storage import row_keys
+    async def _load_checkpoint(self, trainer, prompts: PromptStream) -> dict:
+        """The newest checkpoint of the run directory into the trainer and the dataloader position;
+        returns the controller state (the resumed `Controller` clears the rows a storage that
+        outlived the crash still holds)."""
         from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
 
         t0 = time.perf_counter()
@@ -204,9 +207,6 @@ class ControllerHost:
         if step != saved["step"]:
             raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
         prompts.seek(saved["dataloader"]["taken"])
-        keys = [k for g in saved["rolled_back"] for k in row_keys(g, self.cfg.rollout.group_size)]
-        if keys:
-            await within(storage.clear_rows(keys), self.cfg.timeouts.storage_s, "storage clear of rolled-back attempts")
         self.setup_times["resume_s"] = time.perf_counter() - t0
         self.resumed_from = {"path": str(path), "step": saved["step"]}
         return saved

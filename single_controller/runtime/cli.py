@@ -76,10 +76,8 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from single_controller.checkpoint import latest_checkpoint
-    from single_controller.config.loader import load_config
+    from single_controller.runtime.run_dir import resume_config
 
     if args.resume is None:
         if args.config is None:
@@ -93,11 +91,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     "sc-grpo run --resume RUN_DIR takes the run's own config.yaml; give only KEY=VALUE overrides"
                 )
             overrides.insert(0, args.config)
-        saved = Path(args.resume) / "config.yaml"
-        if not saved.is_file():
-            raise _UsageError(f"sc-grpo run --resume: {args.resume} is not a run directory (no config.yaml)")
+        try:  # the config the run last ran with (an earlier resume's overrides included)
+            cfg = resume_config(args.resume, overrides)
+        except FileNotFoundError as e:
+            raise _UsageError(f"sc-grpo run --resume: {e}") from None
         latest_checkpoint(args.resume)  # a clear error now, before anything starts
-        cfg = load_config(str(saved), overrides)
     run_from_config = _load_entry_point("single_controller.runtime.driver:run_from_config")
     return int(run_from_config(cfg) if args.resume is None else run_from_config(cfg, args.resume))
 
@@ -220,7 +218,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue this run directory from its newest checkpoint (its config.yaml, plus overrides)",
+        help="continue this run directory from its newest checkpoint, with the config it last ran with "
+        "(config.yaml, or its latest resume's config.resume.yaml) plus overrides",
     )
     p.add_argument(
         "-v",

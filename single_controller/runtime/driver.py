@@ -137,7 +137,7 @@ async def _drive_actor(cfg: Config, run_dir: RunDirectory, t_start: float, resum
 
     actor_cls = ray.remote(num_cpus=0, num_gpus=0)(ControllerHost)
     actor = actor_cls.options(name="sc-grpo-controller", max_concurrency=64, **_on_this_node()).remote(
-        cfg, str(run_dir.path.resolve()), resume, run_dir.run_id
+        cfg, str(run_dir.path.resolve()), resume, run_dir.run_id, run_dir.wall_offset_s
     )
 
     async def call(method: str, *args: Any) -> Any:
@@ -165,7 +165,7 @@ def _on_this_node() -> dict:
 async def _drive_local(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
     from single_controller.runtime.actor_host import ControllerHost
 
-    host = ControllerHost(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id)
+    host = ControllerHost(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id, run_dir.wall_offset_s)
 
     async def call(method: str, *args: Any) -> Any:
         return await getattr(host, method)(*args)
@@ -270,11 +270,13 @@ class _Drive:
             reporter.close()
 
     def _record(self, rec: dict[str, Any], t_run: float, reporter: ConsoleReporter) -> None:
-        # the controller's clock starts as the run starts; records arrive in batches
-        since = t_run + rec["time/wall_s"] if "time/wall_s" in rec else time.perf_counter() - self.t_start
+        # The controller's clock starts as the run starts, at the run's wall clock so far (a resumed
+        # run's records continue it); records arrive in batches.
+        if "time/wall_s" in rec:
+            since = t_run + rec["time/wall_s"] - self.run_dir.wall_offset_s
+        else:
+            since = time.perf_counter() - self.t_start
         rec = {**rec, "time/since_launch_s": since}
-        if self.run_dir.wall_offset_s and "time/wall_s" in rec:
-            rec["time/wall_s"] += self.run_dir.wall_offset_s  # a resumed run continues the clock
         self.run_dir.append_metrics(rec)
         (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
 

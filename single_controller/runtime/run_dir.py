@@ -9,6 +9,8 @@ Contract:
   line, so a crashed run keeps every finished step; see `runtime.records`); `time/wall_s` (seconds
   since the directory was created) is stamped on records that lack it. Eval records are appended
   to the same file when eval is on.
+- A resume writes the config it runs with as `config.resume.yaml`; the next resume starts from it
+  (`resume_config`), so overrides given to one resume stay in force until another overrides them.
 - `logs/` holds the output of the run's worker processes, one file per worker
   (`backends.common.worker_logs`).
 - `save_plot()` renders `curves.png` from metrics.jsonl (`runtime.plots`); `start_plot()` does it on
@@ -30,12 +32,28 @@ from typing import Any, TextIO
 from single_controller.config.schema import Config
 from single_controller.runtime.records import EVAL_VERSION_KEY, WALL_KEY, is_eval_record, jsonable, read_metrics
 
-__all__ = ["LOGS_DIR", "RUN_ID_FILE", "RunDirectory"]
+__all__ = ["LOGS_DIR", "RESUME_CONFIG_FILE", "RUN_ID_FILE", "RunDirectory", "resume_config"]
 
 log = logging.getLogger(__name__)
 
 RUN_ID_FILE = "run_id"
 LOGS_DIR = "logs"
+CONFIG_FILE = "config.yaml"
+RESUME_CONFIG_FILE = "config.resume.yaml"  # the config the run's latest resume ran with
+
+
+def resume_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config a resume of the run directory `path` runs with: the one the run last ran with
+    (its latest resume's `config.resume.yaml`, else its `config.yaml`) plus `overrides`. Raises
+    `FileNotFoundError` when `path` has no `config.yaml` (not a run directory), `ConfigError` as
+    `load_config` does."""
+    from single_controller.config.loader import load_config
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a run directory (no {CONFIG_FILE})")
+    last = path / RESUME_CONFIG_FILE
+    return load_config(str(last if last.is_file() else path / CONFIG_FILE), overrides)
 
 
 class RunDirectory:
@@ -63,7 +81,7 @@ class RunDirectory:
         self.config_path.write_text(config_to_yaml(cfg), encoding="utf-8")
         self.run_id = f"{path.name}-{secrets.token_hex(3)}"
         (path / RUN_ID_FILE).write_text(self.run_id + "\n", encoding="utf-8")
-        self.wall_offset_s = 0.0  # a resumed run's records continue the wall clock of the first part
+        self.wall_offset_s = 0.0  # the run's wall clock when this part started (a resume continues it)
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
 
@@ -78,12 +96,13 @@ class RunDirectory:
         (trained after the checkpoint, so trained again now) and eval points of versions >= `from_step`
         (evaluated again) are dropped, later ones appended; step records before `from_step` that the
         file lacks (the driver was killed before writing them) are taken from `recovered` (the
-        checkpoint's); the config actually used is written beside the original as `config.resume.yaml`."""
+        checkpoint's); the config actually used is written beside the original as `config.resume.yaml`
+        (where the next resume starts from, `resume_config`)."""
         from single_controller.config.loader import config_to_yaml
 
         self = cls.__new__(cls)
         self._set_paths(Path(path))
-        (self.path / "config.resume.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        (self.path / RESUME_CONFIG_FILE).write_text(config_to_yaml(cfg), encoding="utf-8")
         id_file = self.path / RUN_ID_FILE
         self.run_id = id_file.read_text(encoding="utf-8").strip() if id_file.exists() else self.path.name
 
@@ -99,14 +118,15 @@ class RunDirectory:
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
         tmp.replace(self.metrics_path)
-        self.wall_offset_s = float(kept[-1].get(WALL_KEY) or 0.0) if kept else 0.0
+        # the clock goes on from the latest record kept: a resumed run never steps back in time
+        self.wall_offset_s = max((float(r.get(WALL_KEY) or 0.0) for r in kept), default=0.0)
         self._t0 = time.monotonic() - self.wall_offset_s
         self._metrics = open(self.metrics_path, "a", encoding="utf-8")
         return self
 
     def _set_paths(self, path: Path) -> None:
         self.path = path
-        self.config_path = path / "config.yaml"
+        self.config_path = path / CONFIG_FILE
         self.metrics_path = path / "metrics.jsonl"
         self.plot_path = path / "curves.png"
         self.logs_path = path / LOGS_DIR  # created by the first worker that writes its log there
