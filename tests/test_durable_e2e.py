@@ -4,6 +4,7 @@
 * kill -9 of the whole run (driver and every process it started) at random moments, resumed each
   time: over the whole run no prompt is lost or trained twice, and no process is left behind.
 * kill -9 of one of two generation workers mid-run: the run finishes its steps, nothing lost.
+* SIGSTOP of one of two generation workers mid-run: it is replaced, the run finishes, nothing lost.
 
 `SC_GRPO_CRASHES` sets how many crashes the crash test makes (default 2; the acceptance run used 5).
 """
@@ -228,6 +229,36 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
     assert records[-1]["rollout/worker_deaths"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1  # the dip is visible in the metrics
     # (the restart itself is tested in test_torch_ray.py: a new process takes seconds to import torch)
+
+
+def test_sigstop_of_a_generation_worker_mid_run_replaces_it_and_costs_no_prompt(tmp_path):
+    """A hung worker (SIGSTOP: alive, answering nothing) misses its deadlines: it is taken out of
+    routing, killed and restarted, its prompts go again uncharged, and the run finishes."""
+    overrides = ("run.max_steps=200", "backend.num_generation_workers=2", "rollout.max_retries=0")
+    deadlines = ("timeouts.generate_s=5", "timeouts.weight_sync_s=5")
+    proc = _start(_cmd(tmp_path, *overrides, *deadlines), tmp_path)
+    t_stop = None
+    try:
+        _wait_for_step(proc, 5)
+        victims = _generation_actor_pids(proc.pid)
+        assert len(victims) == 2, victims
+        os.kill(victims[0], signal.SIGSTOP)
+        t_stop = time.monotonic()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert "Traceback" not in out
+    (run_dir,) = list(tmp_path.glob("embedded-*"))
+    by_id = _check_exactly_once(run_dir, 200)
+    # max_retries=0: a charged failure would have dropped its prompt
+    assert not [p for p in by_id.values() if p["fate"] == "dropped" and p["reason"] != "run_ended"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["rollout/worker_deaths"] == 1 and records[-1]["rollout/worker_restarts"] == 1
+    assert min(r["rollout/workers_routable"] for r in records) == 1
+    assert records[-1]["rollout/workers_routable"] == 2  # replaced: both serve again at the end
+    print(f"SIGSTOP to the end of the run: {time.monotonic() - t_stop:.1f} s")
 
 
 def _actor_pids(session: int, cls: str) -> list[int]:
