@@ -156,6 +156,17 @@ class StepHooks:
     checkpoint_due: Callable[[int], bool] | None = None
 
 
+@dataclass(frozen=True)
+class Finishing:
+    """The step whose finish the train pump sent last: what its step record needs when the finish
+    lands after the pump stopped waiting for it (the run failed meanwhile; see `Controller`)."""
+
+    step: int
+    chunks: int
+    retries: int
+    t_start: float  # when its first chunk was selected
+
+
 @dataclass
 class WorkerHealth:
     """Generation workers out of routing. Any pump that sees one die calls `RunState.worker_down`;
@@ -182,7 +193,9 @@ class Counters:
     zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
-    late_finishes: int = 0  # train: finishes that landed after their deadline (recorded result taken)
+    # train: finishes that landed after their deadline (recorded result taken); the controller: one
+    # that landed after the run failed
+    late_finishes: int = 0
     # train: how long a selection waited past its newest group's commit (the latest ones)
     select_latency_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=10_000))
     storage_retries: int = 0  # RunState.clear_groups: clears retried after a storage error
@@ -227,6 +240,7 @@ class RunState:
         self.health = WorkerHealth()
         self.counters = Counters()
         self.sync = SyncRecord()
+        self.finishing: Finishing | None = None  # the train pump's
         # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
         self.in_flight_requests: dict[str, asyncio.Future] = {}
         self.teardown_errors: list[str] = []
