@@ -13,9 +13,10 @@ steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when 
 (finished, interrupted, or failed while the trainer still answers), before teardown settles
 anything. At the run's end the trainer is asked where it stands first: a finish that landed after
 the train pump stopped waiting (the run failed meanwhile) is its step trained, and a trainer that
-stands elsewhere than the controller gets no final checkpoint (the newest one always resumes).
-`resume=` (a checkpoint's controller state) continues from its cut: same step, same prompt ledger,
-untrained prompts re-dispatched first (see `single_controller.checkpoint`).
+stands elsewhere than the controller gets no final checkpoint (the newest one always resumes). An
+interrupt leaves what it did not train unsettled in that checkpoint, as a crash would. `resume=`
+(a checkpoint's controller state) continues from its cut: same step, same prompt ledger, untrained
+prompts re-dispatched first (see `single_controller.checkpoint`).
 """
 
 from __future__ import annotations

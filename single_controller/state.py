@@ -141,7 +141,9 @@ class Stop:
 
     requested: bool = False  # no new rollouts: early stop or shutdown
     reason: str | None = None
-    abandon_open_step: bool = False  # an interrupt: abort the step in progress instead of finishing it
+    # An interrupt: abort the step in progress instead of finishing it, and leave what is not trained
+    # unsettled for the final checkpoint (a resume dispatches it again, as after a crash).
+    abandon_open_step: bool = False
     rollout_done: bool = False  # the rollout pump has exited: nothing new will be committed
     train_done: bool = False
 
@@ -317,12 +319,14 @@ class RunState:
     ) -> bool:
         """After a failed or discarded attempt: re-dispatch its prompt if retries remain, else settle it.
         `charge=False`: the attempt was lost through no fault of the prompt (its worker died) and does
-        not count against the retry budget. Returns True if requeued."""
+        not count against the retry budget. Returns True if requeued. Once the run is stopping nothing
+        is dispatched again: at its end the prompt is settled; at an interrupt it stays unsettled, so
+        the final checkpoint keeps it for a resume to dispatch (as after a crash)."""
         pid = rec.prompt.prompt_id
         if not charge:
             self.prompts[pid].uncharged += 1
         attempts = self.prompts.charged_attempts(pid)
-        if not self.stop.requested and attempts <= max_retries:
+        if (not self.stop.requested or self.stop.abandon_open_step) and attempts <= max_retries:
             self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
             return True

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import sys
+from collections import Counter
 
 import pytest
 
@@ -141,3 +142,85 @@ def _per_step(ctl) -> dict[int, list[tuple[str, ...]]]:
         if r["fate"] == "trained":
             out.setdefault(r["step"], []).append((r["prompt_id"], *r["attempts"]))
     return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["ledger_in_memory", "prompt_history_file"])
+@pytest.mark.parametrize("interrupt_after", [0, 2])
+async def test_an_interrupted_run_resumed_trains_every_prompt_it_took_exactly_once(tmp_path, interrupt_after, history):
+    cfg = make_cfg(steps=8, P=3, G=2, L=1, checkpoint={"every_steps": 0})
+    ctl_a, _, _ = await _run(cfg, tmp_path / "a")  # the same run, never interrupted
+    ctl_1, trainer_1, s1 = await _run(cfg, tmp_path / "b", interrupt_after=interrupt_after, history=history)
+    assert s1.stop_reason == "interrupted (SIGTERM)" and s1.checkpoint.step == interrupt_after + 1
+    saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
+    # What was in flight or not yet trained at the interrupt is unsettled in the checkpoint, its
+    # attempt rolled back; nothing is dropped because the run ended.
+    unsettled = {p["prompt_id"] for p in saved["prompts"]["prompts"] if p["fate"] is None}
+    assert saved["rolled_back"] and {g.split("-a")[0] for g in saved["rolled_back"]} <= unsettled
+    assert [p for p in saved["prompts"]["prompts"] if p["reason"] == "run_ended"] == []
+    ctl_2, trainer_2, s2 = await _run(cfg, tmp_path / "b", resume=saved, history=history)
+    assert s2.steps == 8
+    # Exactly once over both runs: what the uninterrupted run trains, step by step, with the same
+    # attempts (re-dispatched as after a crash, not as new attempts), and each prompt the
+    # interrupted run took is trained (none lost to `run_ended`).
+    assert _per_step(ctl_2) == _per_step(ctl_a)
+    trained_1 = {k.split("-a")[0] for keys in trainer_1.trained.values() for k in keys}
+    trained_2 = {k.split("-a")[0] for keys in trainer_2.trained.values() for k in keys}
+    assert trained_1.isdisjoint(trained_2)
+    taken_1 = {f"p{i:06d}" for i in range(saved["dataloader"]["taken"])}
+    fates = {r["prompt_id"]: (r["fate"], r["reason"]) for r in ctl_2.state.prompts.to_dict()["prompts"]}
+    assert all(fates[p] == ("trained", None) for p in taken_1), {p: fates[p] for p in taken_1}
+    assert Counter(f for f, _ in fates.values()) == {"trained": 24, "dropped": len(fates) - 24}
+
+
+class InterruptedWhileWithdrawn(SubmitsByTask):
+    """A sim generation worker that never answers request `group_id`; SIGTERM interrupts the run
+    while the controller withdraws it (past its deadline)."""
+
+    def __init__(self, inner, interrupt, group_id: str):
+        self.inner, self.name, self.interrupt, self.group_id = inner, inner.name, interrupt, group_id
+
+    async def generate(self, request):
+        if request.group_id == self.group_id:
+            await asyncio.Event().wait()
+        return await self.inner.generate(request)
+
+    async def withdraw(self, request, future):
+        await super().withdraw(request, future)
+        if request.group_id == self.group_id:
+            self.interrupt()
+
+    async def update_weights(self, weights):
+        await self.inner.update_weights(weights)
+
+    async def in_flight(self):
+        return await self.inner.in_flight()
+
+
+async def test_an_attempt_that_fails_as_the_run_is_interrupted_is_dispatched_again_on_resume(tmp_path):
+    # p000007's first attempt fails (its deadline) with retries left, and the run is interrupted
+    # before the failure is settled: a crash then would have left the prompt for a resume to
+    # dispatch again; so must the interrupt.
+    cfg = make_cfg(
+        steps=6, P=3, G=2, L=1, checkpoint={"every_steps": 0}, rollout={"max_retries": 2}, timeouts={"generate_s": 0.2}
+    )
+    ctl_1, _, s1 = await _run(cfg, tmp_path, wrap=lambda g, stop: InterruptedWhileWithdrawn(g, stop, "p000007-a0"))
+    assert s1.stop_reason == "interrupted (SIGTERM)"
+    saved = read_controller_state(latest_checkpoint(tmp_path))
+    [p7] = [p for p in saved["prompts"]["prompts"] if p["prompt_id"] == "p000007"]
+    assert (p7["fate"], p7["attempts"]) == (None, ["p000007-a0"])
+    ctl_2, trainer_2, s2 = await _run(cfg, tmp_path, resume=saved)
+    assert s2.steps == 6
+    rec = ctl_2.state.prompts["p000007"]
+    assert rec.fate == "trained" and rec.attempts == ["p000007-a0", "p000007-a1"]
+    assert "p000007-a1_g0" in trainer_2.trained[rec.step]
+
+
+async def test_an_early_stop_still_settles_the_prompts_in_flight_run_ended(tmp_path):
+    """A run that stops complete (its success target reached) keeps the run's end as their fate:
+    only an interrupt leaves them for a resume."""
+    run = {"stop_at_success_rate": 0.0, "success_window": 1}  # stops after its first step
+    cfg = make_cfg(steps=8, P=3, G=2, L=1, checkpoint={"every_steps": 0}, run=run)
+    ctl, _, summary = await _run(cfg, tmp_path)
+    assert summary.stop_reason.startswith("success rate >= 0.0") and summary.steps == 1
+    saved = read_controller_state(latest_checkpoint(tmp_path))
+    assert [p["reason"] for p in saved["prompts"]["prompts"] if p["fate"] == "dropped"].count("run_ended") > 0
