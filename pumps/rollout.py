@@ -8,9 +8,10 @@ deadline, an abort) is settled by a child task of the pump's TaskGroup, which aw
 flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
 scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md). An
 abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
-run's end) marks the group and cancels its future; it is discarded, not as an error. The reward
-function runs inside the generation worker, next to the tokens; what comes back is small columns
-plus version stamps.
+run's end) marks the group and cancels its future; it is discarded, not as an error. An interrupt
+aborts nothing: the pump withdraws what is in flight and ends, leaving those groups to the final
+checkpoint's cut (a resume dispatches their prompts again). The reward function runs inside the
+generation worker, next to the tokens; what comes back is small columns plus version stamps.
 
 A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
 attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
@@ -84,7 +85,11 @@ async def _pump_loop(state: RunState, flights: _Flights, children: asyncio.TaskG
             state.health.restarting.add(w.name)
             children.create_task(_restart(state, w), name=f"restart {w.name}")
         if _finished(state):
-            if state.stop.requested:  # the groups still in flight are discarded, then the pump ends
+            # At the run's end the groups still in flight are discarded (their prompts `run_ended`),
+            # then the pump ends. At an interrupt they are only withdrawn (`flights.close`): still
+            # reserved, the final checkpoint rolls them back and a resume dispatches them again, as
+            # after a crash at the same moment.
+            if state.stop.requested and not state.stop.abandon_open_step:
                 state.abort_rollouts("run_ended", relabel=True)
                 await state.wait_until(lambda: not flights.pending, PUMP, "aborted rollouts")
             return

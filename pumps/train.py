@@ -34,7 +34,7 @@ from replay.storage import TRAIN_ROW_FIELDS
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import FinishAndBegin, Prefetching, TrainerFailed, TrainerRankDied
-from single_controller.state import RunState
+from single_controller.state import Finishing, RunState
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 PUMP = "train"
@@ -242,6 +242,8 @@ async def _finish(state: RunState, cur: _Step) -> StepResult:
     trainer, step = state.workers.trainer, cur.number
     what = f"trainer.finish_train_step({step})"
     nxt = cur.ahead
+    assert cur.t_start is not None  # set when the step's first chunk was selected
+    state.finishing = Finishing(step, len(cur.chunks), cur.retries, cur.t_start)
     if not _may_send_ahead(state, step + 1):
         return await _timed(state, trainer.finish_train_step(step), what)
     finish = asyncio.ensure_future(_timed(state, trainer.finish_train_step(step), what))
@@ -407,6 +409,25 @@ def _finish_groups(state: RunState, step: int, groups: list[GroupRecord], clears
     state.ledger.mark_trained_many([g.group_id for g in groups], step)
     state.prompts.settle_trained([g.prompt.prompt_id for g in groups], step)
     clears.create_task(_clear_trained(state, step, groups))
+
+
+def record_landed_finish(state: RunState, step: int, result: StepResult) -> StepReport:
+    """A finish of `step` that landed after the train pump stopped waiting for it (the run failed
+    meanwhile, and a remote call runs to its end): the step as `_train_step` would have ended it,
+    its groups trained, its prompts settled `trained@step`, the trainer version bumped. Its report
+    is returned; the run's teardown clears its rows."""
+    f, at = state.finishing, state.versions.trainer
+    if f is None or f.step != step or at != step:
+        raise RuntimeError(
+            f"the trainer applied step {step}, but the controller is at step {at} and the train pump last "
+            f"sent the finish of {'no step' if f is None else f'step {f.step}'}"
+        )
+    groups = [g for g in state.ledger.in_state(GroupState.SELECTED) if g.trained_step == step]
+    state.ledger.mark_trained_many([g.group_id for g in groups], step)
+    state.prompts.settle_trained([g.prompt.prompt_id for g in groups], step)
+    state.versions.trainer = step + 1
+    state.notify()
+    return StepReport(step, result, tuple(groups), f.chunks, f.retries, f.t_start, state.clock())
 
 
 async def _clear_trained(state: RunState, step: int, groups: list[GroupRecord]) -> None:

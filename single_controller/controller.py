@@ -11,11 +11,15 @@ storage), and every prompt taken from the dataloader without a fate is settled `
 Durability (with a run directory and a `Checkpointable` trainer): a checkpoint is written between
 steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when the run ends
 (finished, interrupted, or failed while the trainer still answers), before teardown settles
-anything. `resume=` (a checkpoint's controller state) continues from its cut: same step, same
-prompt ledger, untrained prompts re-dispatched first (see `single_controller.checkpoint`). At the
-cut no group is resident, so before its first rollout a resumed run clears every row its storage
-still holds: a storage that outlived the crash (`storage.attach`) keeps the rows of every attempt
-the run made after its checkpoint, up to the crash.
+anything. At the run's end the trainer is asked where it stands first: a finish that landed after
+the train pump stopped waiting (the run failed meanwhile) is its step trained, and a trainer that
+stands elsewhere than the controller gets no final checkpoint (the newest one always resumes). An
+interrupt leaves what it did not train unsettled in that checkpoint, as a crash would. `resume=`
+(a checkpoint's controller state) continues from its cut: same step, same prompt ledger, untrained
+prompts re-dispatched first (see `single_controller.checkpoint`). At the cut no group is resident,
+so before its first rollout a resumed run clears every row its storage still holds: a storage that
+outlived the crash (`storage.attach`) keeps the rows of every attempt the run made after its
+checkpoint, up to the crash.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from pumps.advantage import advantage_pump
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
 from pumps.rollout import rollout_pump
-from pumps.train import StepReport, prefetch_pump, train_pump
+from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
 from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
@@ -203,15 +207,13 @@ class Controller:
                     )
         except BaseException as e:
             gc.unfreeze()
-            await self._final_checkpoint(failed=True)
-            await self._teardown(failed=True)
+            await self._end(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:
                 pump, cause = _first_pump_error(e, tasks)
                 raise RunFailed(pump, cause, self.last_checkpoint) from cause
             raise
         gc.unfreeze()
-        await self._final_checkpoint(failed=False)
-        await self._teardown(failed=False)
+        await self._end(failed=False)
         return RunSummary(
             st.versions.trainer,
             st.stop.reason or "finished",
@@ -359,9 +361,51 @@ class Controller:
         st.counters.last_checkpoint_s = info.write_s
         return info
 
-    async def _final_checkpoint(self, *, failed: bool) -> None:
-        """At the end of the run, before teardown settles anything: abort a step left open, then
-        checkpoint the cut. A trainer that no longer answers keeps the last periodic checkpoint."""
+    async def _end(self, *, failed: bool) -> None:
+        """The run's end, whatever ended it: where the trainer stands, the final checkpoint, teardown."""
+        in_step = await self._settle_open_step(failed=failed)
+        await self._final_checkpoint(failed=failed, in_step=in_step)
+        await self._teardown(failed=failed)
+
+    async def _settle_open_step(self, *, failed: bool) -> bool:
+        """With a step's groups still selected at the run's end, ask the trainer where it stands (a
+        remote call outlives the pump that stopped waiting for it): a finish that landed is the step
+        trained (`record_landed_finish`: its groups, its prompts, its step record); a step still
+        open is aborted. Returns whether the trainer stands at the controller's step with none open
+        (a checkpoint of the cut is consistent); with no step's groups selected it is not asked."""
+        st, t = self.state, self.cfg.timeouts.train_call_s
+        if not st.ledger.count(GroupState.SELECTED):
+            return True
+        trainer, step = st.workers.trainer, st.versions.trainer
+        try:
+            status = await within(trainer.train_status(), t, f"trainer.train_status (the run ends in step {step})")
+            if status.open_step is not None:
+                what = f"trainer.abort_train_step({status.open_step}) (the run ends)"
+                await within(trainer.abort_train_step(status.open_step), t, what)
+            if status.last_finished == step and status.next_step == step + 1:
+                what = f"trainer.finish_train_step({step}) (its recorded result: it landed as the run ended)"
+                result = await within(trainer.finish_train_step(step), t, what)
+                self._record_step(record_landed_finish(st, step, result))
+                st.counters.late_finishes += 1
+        except Exception as e:
+            if not failed:
+                raise
+            st.teardown_errors.append(f"where the trainer stands at the end: {type(e).__name__}: {e}")
+            return False
+        if status.next_step != st.versions.trainer:
+            where = (
+                f"at the run's end the trainer is at step {status.next_step}, the controller at {st.versions.trainer}"
+            )
+            if not failed:
+                raise RuntimeError(where)
+            st.teardown_errors.append(f"{where}: no final checkpoint")
+            return False
+        return True
+
+    async def _final_checkpoint(self, *, failed: bool, in_step: bool) -> None:
+        """At the end of the run, before teardown settles anything: checkpoint the cut, when the
+        trainer stands `in_step` with the controller (`_settle_open_step`). Otherwise, or with a
+        trainer that no longer answers, the newest checkpoint stays the last one written."""
         st = self.state
         try:
             await self._checkpoint_committed()  # a periodic one still being committed
@@ -369,18 +413,11 @@ class Controller:
             if not failed:
                 raise
             st.teardown_errors.append(f"checkpoint of step {self._last_checkpoint_step}: {type(e).__name__}: {e}")
-        if self.state.hooks.after_step is None or not self.cfg.checkpoint.at_exit:
+        if self.state.hooks.after_step is None or not self.cfg.checkpoint.at_exit or not in_step:
             return
         if st.versions.trainer == self._last_checkpoint_step:
             return
         try:
-            if st.ledger.count(GroupState.SELECTED):
-                step = st.versions.trainer
-                await within(
-                    st.workers.trainer.abort_train_step(step),
-                    self.cfg.timeouts.train_call_s,
-                    f"trainer.abort_train_step({step}) (final checkpoint)",
-                )
             await self.checkpoint()
         except Exception as e:
             if not failed:

@@ -141,7 +141,9 @@ class Stop:
 
     requested: bool = False  # no new rollouts: early stop or shutdown
     reason: str | None = None
-    abandon_open_step: bool = False  # an interrupt: abort the step in progress instead of finishing it
+    # An interrupt: abort the step in progress instead of finishing it, and leave what is not trained
+    # unsettled for the final checkpoint (a resume dispatches it again, as after a crash).
+    abandon_open_step: bool = False
     rollout_done: bool = False  # the rollout pump has exited: nothing new will be committed
     train_done: bool = False
 
@@ -154,6 +156,17 @@ class StepHooks:
     # Whether `after_step` would write a checkpoint once the trainer is at this version (the train
     # pump then sends no next step behind the finish: a checkpoint needs no step open).
     checkpoint_due: Callable[[int], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Finishing:
+    """The step whose finish the train pump sent last: what its step record needs when the finish
+    lands after the pump stopped waiting for it (the run failed meanwhile; see `Controller`)."""
+
+    step: int
+    chunks: int
+    retries: int
+    t_start: float  # when its first chunk was selected
 
 
 @dataclass
@@ -182,7 +195,9 @@ class Counters:
     zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
-    late_finishes: int = 0  # train: finishes that landed after their deadline (recorded result taken)
+    # train: finishes that landed after their deadline (recorded result taken); the controller: one
+    # that landed after the run failed
+    late_finishes: int = 0
     # train: how long a selection waited past its newest group's commit (the latest ones)
     select_latency_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=10_000))
     storage_retries: int = 0  # RunState.clear_groups: clears retried after a storage error
@@ -227,6 +242,7 @@ class RunState:
         self.health = WorkerHealth()
         self.counters = Counters()
         self.sync = SyncRecord()
+        self.finishing: Finishing | None = None  # the train pump's
         # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
         self.in_flight_requests: dict[str, asyncio.Future] = {}
         self.teardown_errors: list[str] = []
@@ -303,12 +319,14 @@ class RunState:
     ) -> bool:
         """After a failed or discarded attempt: re-dispatch its prompt if retries remain, else settle it.
         `charge=False`: the attempt was lost through no fault of the prompt (its worker died) and does
-        not count against the retry budget. Returns True if requeued."""
+        not count against the retry budget. Returns True if requeued. Once the run is stopping nothing
+        is dispatched again: at its end the prompt is settled; at an interrupt it stays unsettled, so
+        the final checkpoint keeps it for a resume to dispatch (as after a crash)."""
         pid = rec.prompt.prompt_id
         if not charge:
             self.prompts[pid].uncharged += 1
         attempts = self.prompts.charged_attempts(pid)
-        if not self.stop.requested and attempts <= max_retries:
+        if (not self.stop.requested or self.stop.abandon_open_step) and attempts <= max_retries:
             self.pending_prompts.appendleft(rec.prompt)  # ahead of fresh prompts: it refills its own step
             self.notify()
             return True
