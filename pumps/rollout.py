@@ -8,7 +8,9 @@ deadline, an abort) is settled by a child task of the pump's TaskGroup, which aw
 flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
 scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md). An
 abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
-run's end) marks the group and cancels its future; it is discarded, not as an error. The reward
+run's end) marks the group and cancels its future; it is discarded, not as an error, and its prompt
+re-dispatched without charging its retry budget (also with `rollout.on_failure=drop`), but at the
+run's end. The reward
 function runs inside the generation worker, next to the tokens; what comes back is small columns
 plus version stamps.
 
@@ -279,7 +281,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
         what = f"generation worker {worker.name}: withdraw({rec.group_id})"
         await within(worker.withdraw(flight.request, future), state.cfg.timeouts.generate_s, what)
     if rec.abort_reason:
-        await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
+        # Aborted on purpose, by the controller: not an error, and not the prompt's doing, so it is
+        # re-dispatched uncharged whatever `rollout.on_failure` says (at the run's end, `run_ended`,
+        # nothing is re-dispatched any more: the prompt is settled).
+        await _discard(state, rec, rec.abort_reason, charge=False)
         return
     if future.cancelled():
         if not flight.expired:
@@ -309,7 +314,8 @@ async def _withdraw_at_close(state: RunState, flight: _Flight) -> None:
 
 async def _discard(state: RunState, rec: GroupRecord, reason: str, charge: bool = True) -> None:
     """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows
-    (`charge=False`: whatever the policy, and without counting against its retry budget)."""
+    (`charge=False`: whatever the policy, and without counting against its retry budget; never once
+    the run is stopping)."""
     state.ledger.drop(rec.group_id, reason)
     retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" or not charge else 0
     state.requeue_or_settle(rec, reason, max_retries=retries, charge=charge)

@@ -399,6 +399,30 @@ async def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatc
     await assert_clean_end(ctl, trainer, storage)
 
 
+@pytest.mark.parametrize(
+    "sections, slow, reason",
+    [
+        ({"sync": {"drain_policy": "abort"}}, "p000003", "sync_abort"),
+        ({"sampler": {"abort_stale_in_flight": True}, "order": "fifo", "S": 1}, "p000000", "stale_in_flight"),
+    ],
+)
+async def test_an_abort_the_controller_decides_redispatches_the_prompt_uncharged_even_with_on_failure_drop(
+    sections, slow, reason
+):
+    # The abort is the controller's own decision, not a failure of the prompt: with on_failure=drop
+    # (no retry budget at all) the prompt is still generated again and trained, never dropped.
+    cfg = make_cfg(steps=5, P=2, L=1, chunk=1, rollout={"on_failure": "drop", "max_retries": 0}, **sections)
+    faults = Faults(gen_delay={(slow, 0): 0.5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
+    assert err is None
+    rec = ctl.state.prompts[slow]
+    assert ctl.state.ledger[f"{slow}-a0"].reason == reason
+    assert (rec.fate, rec.reason) == ("trained", None) and len(rec.attempts) >= 2
+    assert rec.uncharged == len(rec.attempts) - 1  # every abort uncharged, the trained attempt charged
+    assert set(ctl.state.prompts.statistics().dropped_by_reason) <= {"run_ended"}  # in flight at the end
+    await assert_clean_end(ctl, trainer, storage)
+
+
 class SlowUpdates(SubmitsByTask):
     """A sim generation worker whose weight updates take `update_s`; `gated`: it honours
     `min_version` (`protocols.VersionGated`), holding a request until its weights are applied."""

@@ -105,7 +105,9 @@ class RolloutConfig:
     max_batch_groups: PositiveInt = 16
     """A generation worker batches up to this many pending groups into one sampling pass."""
     on_failure: Literal["retry", "drop"] = "retry"
-    """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
+    """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it.
+    Neither applies to an abort the controller decides (`sync.drain_policy=abort`, the stale in-flight
+    rule): its prompt is always re-dispatched, uncharged."""
     max_retries: Count = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
     max_worker_restarts: Count = 3
