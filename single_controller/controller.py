@@ -36,18 +36,34 @@ from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
+from single_controller.errors import error_text
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
 
 
 class RunFailed(RuntimeError):
-    """A pump failed; `pump` names it and `__cause__` is its error."""
+    """A pump failed; `pump` names it and `__cause__` is its error. `also`: other pumps that failed
+    together with it (not cancelled by it), each with its error. Every error is named in the message,
+    exception groups as each of their errors (`errors.error_text`)."""
 
-    def __init__(self, pump: str, cause: BaseException, checkpoint: CheckpointInfo | None = None):
-        super().__init__(f"{pump} pump failed: {type(cause).__name__}: {cause}")
+    def __init__(
+        self,
+        pump: str,
+        cause: BaseException,
+        checkpoint: CheckpointInfo | None = None,
+        also: Sequence[tuple[str, BaseException]] = (),
+    ):
+        super().__init__(f"{pump} pump failed: {failure_text(cause, also)}")
         self.pump = pump
         self.checkpoint = checkpoint  # the newest checkpoint to resume from, if any
+        self.also = tuple(also)
+
+
+def failure_text(cause: BaseException, also: Sequence[tuple[str, BaseException]] = ()) -> str:
+    """A failed run's errors in one paragraph: the failing pump's, then those of the pumps that
+    failed together with it."""
+    return error_text(cause) + "".join(f"; the {pump} pump failed too: {error_text(e)}" for pump, e in also)
 
 
 @dataclass(frozen=True)
@@ -198,8 +214,8 @@ class Controller:
             await self._final_checkpoint(failed=True)
             await self._teardown(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:
-                pump, cause = _first_pump_error(e, tasks)
-                raise RunFailed(pump, cause, self.last_checkpoint) from cause
+                (pump, cause), *also = _pump_errors(e, tasks)
+                raise RunFailed(pump, cause, self.last_checkpoint, also) from cause
             raise
         gc.unfreeze()
         await self._final_checkpoint(failed=False)
@@ -512,11 +528,13 @@ class Controller:
         return pystats.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
 
-def _first_pump_error(group: BaseExceptionGroup, tasks: dict[str, asyncio.Task]) -> tuple[str, BaseException]:
-    """The pump whose own error stopped the run (the others were cancelled by the TaskGroup)."""
+def _pump_errors(group: BaseExceptionGroup, tasks: dict[str, asyncio.Task]) -> list[tuple[str, BaseException]]:
+    """The pumps whose own error stopped the run (the others were cancelled by the TaskGroup), in
+    the order they were started, each with its error; never empty."""
+    failed = []
     for name, task in tasks.items():
         if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
             while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]  # a pump's own child TaskGroup wraps its child's error
-            return name, exc
-    return "unknown", group.exceptions[0]
+            failed.append((name, exc))
+    return failed or [("unknown", group.exceptions[0])]

@@ -956,3 +956,20 @@ async def test_a_worker_that_cancels_a_request_itself_stops_the_run_naming_it():
     )
     with pytest.raises(RunFailed, match=r"cancelled the request of p000001-a0 itself"):
         await asyncio.wait_for(ctl.run(), 30)
+
+
+async def test_two_errors_that_fail_the_run_together_are_each_named_not_counted_as_a_group():
+    """Two settle tasks of the rollout pump raise in the same tick: the run's error is an exception
+    group of two; RunFailed says each error (type: message), not "(2 sub-exceptions)"."""
+    events: list = []
+    ctl, gens, trainer, storage = _withdrawing(
+        make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id in ("p000000-a0", "p000001-a0")
+    )
+    with pytest.raises(RunFailed) as info:
+        await asyncio.wait_for(ctl.run(), 30)
+    text = str(info.value)
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)  # the two errors did fail together
+    assert "sub-exception" not in text
+    assert text.startswith("rollout pump failed: 2 errors together: RuntimeError: generation worker sim-gen-")
+    for gid in ("p000000-a0", "p000001-a0"):
+        assert f"cancelled the request of {gid} itself" in text

@@ -262,7 +262,7 @@ class ControllerHost:
     async def run(self) -> dict:
         """Run to the end; a failed run returns its cause (pump, error, traceback) instead of raising,
         so the driver can write every record and one readable paragraph."""
-        from single_controller.controller import RunFailed
+        from single_controller.controller import RunFailed, failure_text
 
         controller = self.controller
         assert controller is not None, "run() before setup()"
@@ -272,13 +272,12 @@ class ControllerHost:
             summary = await controller.run()
             steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
         except RunFailed as e:
-            from single_controller.errors import error_text
-
             cause = e.__cause__ or e
             failure = {
                 "pump": e.pump,
-                "error": error_text(cause),
-                "traceback": "".join(traceback.format_exception(cause)),
+                "error": failure_text(cause, e.also),
+                "traceback": "".join(traceback.format_exception(cause))
+                + "".join(f"\nThe {p} pump failed too:\n" + "".join(traceback.format_exception(x)) for p, x in e.also),
             }
             steps, reason, checkpoint = controller.state.versions.trainer, f"failed: {e}", e.checkpoint
         finally:
