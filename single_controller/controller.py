@@ -92,6 +92,7 @@ class ControllerStatistics:
     generation_workers_down: int = 0  # dead or restarting: out of routing
     worker_deaths: int = 0
     worker_restarts: int = 0
+    reward_failed: int = 0  # groups dropped because their reward function failed
     late_finishes: int = 0
     storage_retries: int = 0
     checkpoints_written: int = 0
@@ -255,6 +256,7 @@ class Controller:
                 "tokens_trained": self._tokens_trained,
                 "aborted_steps": st.counters.aborted_steps,
                 "step_retries": st.counters.step_retries,
+                "reward_failed": st.counters.reward_failed,
             },
             "config": config_fingerprint(self.cfg),
         }
@@ -270,6 +272,7 @@ class Controller:
             c["tokens_generated"],
         )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
+        st.counters.reward_failed = c.get("reward_failed", 0)  # absent from checkpoints older than it
         self._tokens_trained = c["tokens_trained"]
 
     async def _sync_resumed_weights(self) -> None:
@@ -410,6 +413,7 @@ class Controller:
             "rollout/workers_routable": st.routable_count(),
             "rollout/worker_deaths": st.counters.worker_deaths,
             "rollout/worker_restarts": st.counters.worker_restarts,
+            "rollout/reward_failed": st.counters.reward_failed,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -512,6 +516,7 @@ class Controller:
             generation_workers_down=len(st.health.down),
             worker_deaths=st.counters.worker_deaths,
             worker_restarts=st.counters.worker_restarts,
+            reward_failed=st.counters.reward_failed,
             late_finishes=st.counters.late_finishes,
             storage_retries=st.counters.storage_retries,
             checkpoints_written=st.counters.checkpoints_written,

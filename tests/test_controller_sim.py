@@ -366,6 +366,58 @@ async def test_zero_variance_groups_are_dropped_and_refilled():
     await assert_clean_end(ctl, trainer, storage)
 
 
+def _bad_rewards(prompt_id, attempt, G):
+    """sim_rewards, but p000002's reward function raises and p000005's gives a NaN."""
+    if prompt_id == "p000002":
+        raise ValueError("cannot parse the answer")
+    rewards = sim_rewards(prompt_id, attempt, G)
+    return (float("nan"),) + rewards[1:] if prompt_id == "p000005" else rewards
+
+
+@pytest.mark.parametrize("plain", [False, True])  # the worker's generate task / its batching engine's futures
+async def test_a_reward_that_raises_or_is_nan_drops_only_its_group_and_the_run_completes(plain):
+    cfg = make_cfg(steps=4, P=4, L=1)
+    if plain:  # rows not written: requests join the engine's batches (4 groups each) as plain futures
+        storage = InMemoryRowStorage()
+        gens, trainer = sim_workers(
+            storage,
+            num_generators=2,
+            gen_group_s=0.001,
+            faults=Faults(rewards=_bad_rewards),
+            workers_write_rows=False,
+            trainer_reads_rows=False,
+            gen_max_batch=4,
+        )
+        ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
+        summary = await asyncio.wait_for(ctl.run(), 30)
+    else:
+        ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=_bad_rewards))
+        assert err is None
+    assert summary.steps == 4
+    for pid in ("p000002", "p000005"):  # dropped at the worker (raised) and at the advantage pump (NaN)
+        rec = ctl.state.prompts[pid]
+        assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "reward_failed", [f"{pid}-a0"])
+    # nothing else failed: no batch-mate dropped or retried, every step full
+    assert ctl.state.ledger.statistics().dropped_by_reason.get("generation_failed", 0) == 0
+    assert ctl.state.prompts.statistics().retries == 0 and ctl.state.pumps["rollout"].errors == 0
+    assert all(len(v) == 4 for v in trained_prompts(trainer).values())
+    assert ctl.state.counters.reward_failed == 2 == ctl.statistics().reward_failed
+    assert summary.history[-1]["rollout/reward_failed"] == 2
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_reward_function_failing_on_everything_stops_the_run_naming_its_error():
+    def broken(prompt_id, attempt, G):
+        raise KeyError("answer")
+
+    cfg = make_cfg(steps=4, P=4, L=1, rollout={"max_reward_failures_in_a_row": 5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=broken), timeout=10)
+    assert err is not None and "RewardFunctionFailing" in str(err)
+    assert "failed on 5 groups in a row" in str(err) and "KeyError('answer')" in str(err)
+    assert ctl.state.counters.reward_failed >= 5  # (settled in the same tick as the fifth, the next ones count too)
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_drain_policy_syncs_with_nothing_in_flight():
     cfg = make_cfg(steps=5, L=1, sync={"drain_policy": "drain"})
     storage = InMemoryRowStorage()
