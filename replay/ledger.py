@@ -529,6 +529,7 @@ class PromptLedger:
         """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
         needs that file: it is cut back to the checkpoint's length (what was settled after the
         checkpoint is forgotten, as the checkpoint's cut requires)."""
+        settled_ids: list[str] = []  # of the records in the history file, settled before the checkpoint
         if "history_bytes" in data:
             if history is None:
                 raise ValueError("this prompt ledger was saved with a history file; pass its path")
@@ -540,10 +541,10 @@ class PromptLedger:
                         f"the prompt history was truncated or replaced after the checkpoint"
                     )
                 f.truncate(data["history_bytes"])
+                f.seek(0)
+                settled_ids = [json.loads(line)["prompt_id"] for line in f]
         led = cls(history, append=True)
-        if "history_bytes" in data:
-            with open(history, encoding="utf-8") as f:  # the ids settled before the checkpoint
-                led._ids.update(json.loads(line)["prompt_id"] for line in f)
+        led._ids.update(settled_ids)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
             rec = PromptRecord(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
             rec.attempts = list(d["attempts"])
