@@ -1,6 +1,5 @@
 """Tokenizer, digit tasks, rewards and `load_callable` (pure, no torch models)."""
 
-import asyncio
 import sys
 import types
 
@@ -75,7 +74,7 @@ def _repeating_dataset(n, d, seed):
     return [Prompt(pid, (1, 2, i), "x") for i, pid in enumerate(ids)]
 
 
-def test_a_custom_dataset_that_repeats_prompt_ids_is_refused_as_it_loads_naming_them(monkeypatch):
+async def test_a_custom_dataset_that_repeats_prompt_ids_is_refused_as_it_loads_naming_them(monkeypatch):
     from single_controller.config.loader import load_config
     from single_controller.runtime.actor_host import ControllerHost, make_dataloader
 
@@ -90,5 +89,5 @@ def test_a_custom_dataset_that_repeats_prompt_ids_is_refused_as_it_loads_naming_
     started = []
     monkeypatch.setattr(host, "_sim_workers", lambda: started.append("workers"))
     with pytest.raises(ValueError, match="duplicated prompt id"):
-        asyncio.run(host.setup())
+        await host.setup()
     assert started == []
