@@ -11,6 +11,11 @@ refills their step with fresh prompts (DAPO dynamic sampling). At most
 `advantage.max_zero_variance_drops_per_step` are dropped for one step: after that they are kept, so
 a task where every group scores the same (solved, or hopeless) cannot refill forever.
 
+A group whose rewards are not finite (a NaN from a reward function no worker checked, or rewards
+too large to normalize) cannot be trained: it alone is dropped with reason `reward_failed` (rows
+cleared, prompt settled `dropped/reward_failed`, counted by `RunState.reward_failed`), as the
+rollout pump drops a group whose worker reported its reward failed; the run goes on.
+
 Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in as
 `LogprobPass` objects that write their own columns before the groups become ready.
 """
@@ -62,6 +67,11 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
     t0 = state.clock()
     keep: list[tuple[GroupRecord, tuple[float, ...]]] = []
     for rec in batch:
+        advs = _advantages(rec.rewards, cfg)
+        if advs is None:
+            await _drop_reward_failed(state, rec)
+            continue
+        state.counters.reward_failed_in_a_row = 0  # a group scored
         if is_zero_variance(rec.rewards):
             state.counters.zero_variance_groups += 1
             if cfg.drop_zero_variance and not state.stop.requested:
@@ -73,14 +83,31 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
                     await state.clear_groups([rec], f"storage clear of zero-variance group {rec.group_id}")
                     continue
                 state.counters.zero_variance_kept += 1
-        keep.append((rec, grpo_advantages(rec.rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)))
+        keep.append((rec, advs))
     if keep:
         for lp in logprob_passes:
             await lp.run([rec for rec, _ in keep])
-        if not all(math.isfinite(a) for _, advs in keep for a in advs):
-            raise FloatingPointError(f"non-finite advantages for groups {[r.group_id for r, _ in keep]}")
         now = state.clock()
         for rec, advs in keep:
             state.ledger.mark_ready(rec.group_id, advs, now)
     clk.busy_s += state.clock() - t0
     state.notify()
+
+
+def _advantages(rewards: tuple[float, ...], cfg) -> tuple[float, ...] | None:
+    """The group's advantages, or None if its rewards give no finite ones."""
+    if not all(math.isfinite(r) for r in rewards):
+        return None
+    try:
+        advs = grpo_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.eps)
+    except OverflowError:  # math.fsum of rewards near the float range
+        return None
+    return advs if all(math.isfinite(a) for a in advs) else None
+
+
+async def _drop_reward_failed(state: RunState, rec: GroupRecord) -> None:
+    """Drop a committed group whose rewards give no finite advantages, alone."""
+    state.ledger.drop(rec.group_id, "reward_failed")
+    state.prompts.settle(rec.prompt.prompt_id, "dropped", reason="reward_failed")
+    await state.clear_groups([rec], f"storage clear of {rec.group_id} (its rewards are not finite)")
+    state.reward_failed(rec.group_id, f"rewards {list(rec.rewards)} give no finite advantages")

@@ -8,15 +8,20 @@ deadline, an abort) is settled by a child task of the pump's TaskGroup, which aw
 flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
 scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md). An
 abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
-run's end) marks the group and cancels its future; it is discarded, not as an error. An interrupt
-aborts nothing: the pump withdraws what is in flight and ends, leaving those groups to the final
-checkpoint's cut (a resume dispatches their prompts again). The reward function runs inside the
-generation worker, next to the tokens; what comes back is small columns plus version stamps.
+run's end) marks the group and cancels its future; it is discarded, not as an error, and its prompt
+re-dispatched without charging its retry budget (also with `rollout.on_failure=drop`), but at the
+run's end. An interrupt aborts nothing: the pump withdraws what is in flight and ends, leaving those
+groups to the final checkpoint's cut (a resume dispatches their prompts again). The reward function
+runs inside the generation worker, next to the tokens; what comes back is small columns plus
+version stamps.
 
 A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
 attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
-prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). Any other error is a
-bug and ends the run with its cause. The deficit accounting of the ledger refills the step the
+prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). A group whose reward
+function failed (`RewardFailed`: the worker answers it alone, its batch-mates as usual) is dropped
+with reason `reward_failed` and counted (`RunState.reward_failed`), its prompt settled, not retried:
+a deterministic reward error would fail again. Any other error is a bug and ends the run with its
+cause. The deficit accounting of the ledger refills the step the
 dropped group was meant for.
 
 A dead worker (`GenerationWorkerDied`) is taken out of routing on its first failed call; its
@@ -34,7 +39,13 @@ from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Restartable
+from single_controller.protocols import (
+    GenerationFailed,
+    GenerationWorker,
+    GenerationWorkerDied,
+    Restartable,
+    RewardFailed,
+)
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, SamplingParams
 
@@ -295,7 +306,8 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     """A request that produced no group. A cancelled one is withdrawn first (its keys are cleared
     only after the worker writes none of them). An abort wins over whatever the request did; then
     the deadline; then what the worker raised: a dead worker's request is re-dispatched uncharged, a
-    failed one charged to the prompt's retries, anything else is a bug and stops the run."""
+    failed reward drops the group for good, a failed one is charged to the prompt's retries,
+    anything else is a bug and stops the run."""
     worker, rec, future = flight.worker, flight.rec, flight.future
     if future.cancelled() and flight.expired:
         # A worker that misses a deadline is treated as down (hung, not only slow): out of routing
@@ -304,7 +316,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     if future.cancelled():
         await _withdraw(state, flight)
     if rec.abort_reason:
-        await _discard(state, rec, rec.abort_reason)  # aborted on purpose: not an error
+        # Aborted on purpose, by the controller: not an error, and not the prompt's doing, so it is
+        # re-dispatched uncharged whatever `rollout.on_failure` says (at the run's end, `run_ended`,
+        # nothing is re-dispatched any more: the prompt is settled).
+        await _discard(state, rec, rec.abort_reason, charge=False)
         return
     if future.cancelled():
         if not flight.expired:
@@ -318,6 +333,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     error = future.exception()
     if not isinstance(error, GenerationFailed):
         raise error  # type: ignore[misc]  # a bug in the worker (never None: done, not cancelled)
+    if isinstance(error, RewardFailed):
+        await _discard(state, rec, "reward_failed", retry=False)
+        state.reward_failed(rec.group_id, str(error))
+        return
     state.pumps[PUMP].errors += 1
     died = isinstance(error, GenerationWorkerDied)
     await _discard(state, rec, "worker_died" if died else "generation_failed", charge=not died)
@@ -347,10 +366,12 @@ async def _withdraw_at_close(state: RunState, flight: _Flight) -> None:
         state.teardown_errors.append(f"{what}: {type(e).__name__}: {e}")
 
 
-async def _discard(state: RunState, rec: GroupRecord, reason: str, charge: bool = True) -> None:
+async def _discard(state: RunState, rec: GroupRecord, reason: str, charge: bool = True, retry: bool = True) -> None:
     """Drop an attempt that produced no usable group; re-dispatch its prompt if the policy allows
-    (`charge=False`: whatever the policy, and without counting against its retry budget)."""
+    (`charge=False`: whatever the policy, and without counting against its retry budget; never once
+    the run is stopping; `retry=False`: never, whatever the policy)."""
     state.ledger.drop(rec.group_id, reason)
-    retries = state.cfg.rollout.max_retries if state.cfg.rollout.on_failure == "retry" or not charge else 0
+    r = state.cfg.rollout
+    retries = r.max_retries if retry and (r.on_failure == "retry" or not charge) else 0
     state.requeue_or_settle(rec, reason, max_retries=retries, charge=charge)
     await state.clear_groups([rec], f"storage clear of {rec.group_id}")

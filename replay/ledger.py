@@ -378,12 +378,18 @@ class PromptLedger:
     (those in flight) whatever the length of the run, and a checkpoint saves those plus the file's
     length (`checkpoint_dict`); a resume cuts the file back to that length (`from_checkpoint`).
     `to_dict` is the whole ledger either way (file + memory), for the end-of-run record.
+
+    A prompt id is taken once: `take` refuses an id taken before, settled or not, naming it (a
+    dataloader that repeats an id would otherwise hold two records for one prompt once the first
+    left memory). For that the ledger keeps the id of every prompt taken, records on disk included
+    (a resume reads them back from the history file): one string per prompt, not its record.
     """
 
     def __init__(self, history: str | os.PathLike | None = None, *, append: bool = False) -> None:
         self._prompts: dict[str, PromptRecord] = {}  # every record, or (with a history file) the unsettled ones
         self._unsettled: dict[str, PromptRecord] = {}
         self._taken = 0
+        self._ids: set[str] = set()  # every prompt id taken, also of the records in the history file
         self._history_path = history
         self._history = open(history, "a" if append else "w", encoding="utf-8") if history is not None else None
         # statistics, kept as the ledger changes (read on every step and every metrics scrape)
@@ -392,13 +398,18 @@ class PromptLedger:
         self._evicted: Counter[str] = Counter()
 
     def take(self, prompt: Prompt) -> PromptRecord:
-        # (with a history file, a settled prompt is no longer here: its id is unique by construction
-        # of the dataloader, `e{epoch}-{id}`, and settling it again fails below)
-        if prompt.prompt_id in self._prompts:
-            raise LedgerError(f"prompt {prompt.prompt_id} taken from the dataloader twice")
+        pid = prompt.prompt_id
+        if pid in self._ids:
+            prev = self._prompts.get(pid)
+            was = "settled" if prev is None or prev.fate is not None else "still in flight"
+            raise LedgerError(
+                f"prompt {pid} taken from the dataloader twice (the first is {was}): the prompt source "
+                "repeats a prompt id, and every prompt needs its own"
+            )
+        self._ids.add(pid)
         rec = PromptRecord(prompt, self._taken)
         self._taken += 1
-        self._prompts[prompt.prompt_id] = self._unsettled[prompt.prompt_id] = rec
+        self._prompts[pid] = self._unsettled[pid] = rec
         return rec
 
     def __getitem__(self, prompt_id: str) -> PromptRecord:
@@ -518,6 +529,7 @@ class PromptLedger:
         """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
         needs that file: it is cut back to the checkpoint's length (what was settled after the
         checkpoint is forgotten, as the checkpoint's cut requires)."""
+        settled_ids: list[str] = []  # of the records in the history file, settled before the checkpoint
         if "history_bytes" in data:
             if history is None:
                 raise ValueError("this prompt ledger was saved with a history file; pass its path")
@@ -529,12 +541,16 @@ class PromptLedger:
                         f"the prompt history was truncated or replaced after the checkpoint"
                     )
                 f.truncate(data["history_bytes"])
+                f.seek(0)
+                settled_ids = [json.loads(line)["prompt_id"] for line in f]
         led = cls(history, append=True)
+        led._ids.update(settled_ids)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
             rec = PromptRecord(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
             rec.attempts = list(d["attempts"])
             rec.uncharged = d.get("uncharged", 0)
             led._prompts[rec.prompt.prompt_id] = led._unsettled[rec.prompt.prompt_id] = rec
+            led._ids.add(rec.prompt.prompt_id)
             led._retries += max(0, len(rec.attempts) - 1)
             if d["fate"] is not None:
                 rec.fate, rec.step, rec.reason = d["fate"], d["step"], d["reason"]

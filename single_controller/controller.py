@@ -43,18 +43,34 @@ from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
+from single_controller.errors import error_text
 from single_controller.protocols import Checkpointable
 from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
 
 
 class RunFailed(RuntimeError):
-    """A pump failed; `pump` names it and `__cause__` is its error."""
+    """A pump failed; `pump` names it and `__cause__` is its error. `also`: other pumps that failed
+    together with it (not cancelled by it), each with its error. Every error is named in the message,
+    exception groups as each of their errors (`errors.error_text`)."""
 
-    def __init__(self, pump: str, cause: BaseException, checkpoint: CheckpointInfo | None = None):
-        super().__init__(f"{pump} pump failed: {type(cause).__name__}: {cause}")
+    def __init__(
+        self,
+        pump: str,
+        cause: BaseException,
+        checkpoint: CheckpointInfo | None = None,
+        also: Sequence[tuple[str, BaseException]] = (),
+    ):
+        super().__init__(f"{pump} pump failed: {failure_text(cause, also)}")
         self.pump = pump
         self.checkpoint = checkpoint  # the newest checkpoint to resume from, if any
+        self.also = tuple(also)
+
+
+def failure_text(cause: BaseException, also: Sequence[tuple[str, BaseException]] = ()) -> str:
+    """A failed run's errors in one paragraph: the failing pump's, then those of the pumps that
+    failed together with it."""
+    return error_text(cause) + "".join(f"; the {pump} pump failed too: {error_text(e)}" for pump, e in also)
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class ControllerStatistics:
     generation_workers_down: int = 0  # dead or restarting: out of routing
     worker_deaths: int = 0
     worker_restarts: int = 0
+    reward_failed: int = 0  # groups dropped because their reward function failed
     late_finishes: int = 0
     storage_retries: int = 0
     checkpoints_written: int = 0
@@ -209,8 +226,8 @@ class Controller:
             gc.unfreeze()
             await self._end(failed=True)
             if isinstance(e, BaseExceptionGroup) and e.subgroup(Exception) is not None:
-                pump, cause = _first_pump_error(e, tasks)
-                raise RunFailed(pump, cause, self.last_checkpoint) from cause
+                (pump, cause), *also = _pump_errors(e, tasks)
+                raise RunFailed(pump, cause, self.last_checkpoint, also) from cause
             raise
         gc.unfreeze()
         await self._end(failed=False)
@@ -249,6 +266,7 @@ class Controller:
                 "tokens_trained": self._tokens_trained,
                 "aborted_steps": st.counters.aborted_steps,
                 "step_retries": st.counters.step_retries,
+                "reward_failed": st.counters.reward_failed,
             },
             "config": config_fingerprint(self.cfg),
         }
@@ -265,6 +283,7 @@ class Controller:
             c["tokens_generated"],
         )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
+        st.counters.reward_failed = c.get("reward_failed", 0)  # absent from checkpoints older than it
         self._tokens_trained = c["tokens_trained"]
 
     async def _clear_rows_left(self) -> None:
@@ -457,6 +476,7 @@ class Controller:
             "rollout/workers_routable": st.routable_count(),
             "rollout/worker_deaths": st.counters.worker_deaths,
             "rollout/worker_restarts": st.counters.worker_restarts,
+            "rollout/reward_failed": st.counters.reward_failed,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -559,6 +579,7 @@ class Controller:
             generation_workers_down=len(st.health.down),
             worker_deaths=st.counters.worker_deaths,
             worker_restarts=st.counters.worker_restarts,
+            reward_failed=st.counters.reward_failed,
             late_finishes=st.counters.late_finishes,
             storage_retries=st.counters.storage_retries,
             checkpoints_written=st.counters.checkpoints_written,
@@ -575,11 +596,13 @@ class Controller:
         return pystats.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
 
-def _first_pump_error(group: BaseExceptionGroup, tasks: dict[str, asyncio.Task]) -> tuple[str, BaseException]:
-    """The pump whose own error stopped the run (the others were cancelled by the TaskGroup)."""
+def _pump_errors(group: BaseExceptionGroup, tasks: dict[str, asyncio.Task]) -> list[tuple[str, BaseException]]:
+    """The pumps whose own error stopped the run (the others were cancelled by the TaskGroup), in
+    the order they were started, each with its error; never empty."""
+    failed = []
     for name, task in tasks.items():
         if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
             while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]  # a pump's own child TaskGroup wraps its child's error
-            return name, exc
-    return "unknown", group.exceptions[0]
+            failed.append((name, exc))
+    return failed or [("unknown", group.exceptions[0])]

@@ -36,6 +36,14 @@ class GenerationWorkerDied(GenerationFailed):
     charging their retry budget, and restarts it (`Restartable`) before it takes work again."""
 
 
+class RewardFailed(GenerationFailed):
+    """The reward function failed for one group: it raised, or gave a reward that is not finite.
+
+    It costs that group alone: the worker answers it with this error and its batch-mates with
+    their results, storing no row of it. The rollout pump drops the group with reason
+    `reward_failed` and does not retry its prompt (a deterministic reward error would fail again)."""
+
+
 class TrainStepStateError(RuntimeError):
     """The split API was called out of order (begin twice, microbatch or finish with no step open)."""
 
@@ -231,6 +239,7 @@ class Restartable(Protocol):
 class RewardFunction(Protocol):
     """Scores one completion: `reward_fn(prompt, response_text) -> float`. It runs inside the
     generation worker (next to the tokens, after detokenization); named in configs as
-    `module:function`."""
+    `module:function`. One that raises or returns a non-finite value fails its group alone
+    (`RewardFailed`)."""
 
     def __call__(self, prompt: Prompt, response_text: str) -> float: ...

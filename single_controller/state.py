@@ -45,6 +45,11 @@ class StorageFailed(RuntimeError):
     """The row storage kept failing (deadline or error) on the same request after every retry."""
 
 
+class RewardFunctionFailing(RuntimeError):
+    """The reward function failed on `rollout.max_reward_failures_in_a_row` groups with none scored
+    between: it fails on everything, and dropping every prompt would never train a step."""
+
+
 def retryable_storage_error(e: BaseException) -> bool:
     """Whether trying a storage request again can succeed: the storage did not answer in time
     (`DeadlineExceeded`), failed on its side (`StorageError`, which the TransferQueue adapter raises
@@ -193,6 +198,8 @@ class Counters:
         default_factory=collections.Counter
     )  # advantage: step -> dropped
     zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
+    reward_failed: int = 0  # rollout, advantage (RunState.reward_failed): groups dropped as `reward_failed`
+    reward_failed_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
     # train: finishes that landed after their deadline (recorded result taken); the controller: one
@@ -332,6 +339,20 @@ class RunState:
             return True
         self.prompts.settle(rec.prompt.prompt_id, fate, reason=reason)
         return False
+
+    def reward_failed(self, group_id: str, why: str) -> None:
+        """Count a group just dropped as `reward_failed` (its reward function raised, or gave a
+        non-finite reward). The advantage pump resets the run of failures at every group it scores;
+        `rollout.max_reward_failures_in_a_row` of them raise `RewardFunctionFailing`."""
+        c, bound = self.counters, self.cfg.rollout.max_reward_failures_in_a_row
+        c.reward_failed += 1
+        c.reward_failed_in_a_row += 1
+        self.notify()
+        if c.reward_failed_in_a_row >= bound:
+            raise RewardFunctionFailing(
+                f"the reward function failed on {c.reward_failed_in_a_row} groups in a row, none scored between "
+                f"(rollout.max_reward_failures_in_a_row = {bound}); the last, {group_id}: {why}"
+            )
 
     # -- versions and admission -------------------------------------------------------------------
     def set_admission(self, open_: bool) -> None:

@@ -373,6 +373,58 @@ async def test_zero_variance_groups_are_dropped_and_refilled():
     await assert_clean_end(ctl, trainer, storage)
 
 
+def _bad_rewards(prompt_id, attempt, G):
+    """sim_rewards, but p000002's reward function raises and p000005's gives a NaN."""
+    if prompt_id == "p000002":
+        raise ValueError("cannot parse the answer")
+    rewards = sim_rewards(prompt_id, attempt, G)
+    return (float("nan"),) + rewards[1:] if prompt_id == "p000005" else rewards
+
+
+@pytest.mark.parametrize("plain", [False, True])  # the worker's generate task / its batching engine's futures
+async def test_a_reward_that_raises_or_is_nan_drops_only_its_group_and_the_run_completes(plain):
+    cfg = make_cfg(steps=4, P=4, L=1)
+    if plain:  # rows not written: requests join the engine's batches (4 groups each) as plain futures
+        storage = InMemoryRowStorage()
+        gens, trainer = sim_workers(
+            storage,
+            num_generators=2,
+            gen_group_s=0.001,
+            faults=Faults(rewards=_bad_rewards),
+            workers_write_rows=False,
+            trainer_reads_rows=False,
+            gen_max_batch=4,
+        )
+        ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer))
+        summary = await asyncio.wait_for(ctl.run(), 30)
+    else:
+        ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=_bad_rewards))
+        assert err is None
+    assert summary.steps == 4
+    for pid in ("p000002", "p000005"):  # dropped at the worker (raised) and at the advantage pump (NaN)
+        rec = ctl.state.prompts[pid]
+        assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "reward_failed", [f"{pid}-a0"])
+    # nothing else failed: no batch-mate dropped or retried, every step full
+    assert ctl.state.ledger.statistics().dropped_by_reason.get("generation_failed", 0) == 0
+    assert ctl.state.prompts.statistics().retries == 0 and ctl.state.pumps["rollout"].errors == 0
+    assert all(len(v) == 4 for v in trained_prompts(trainer).values())
+    assert ctl.state.counters.reward_failed == 2 == ctl.statistics().reward_failed
+    assert summary.history[-1]["rollout/reward_failed"] == 2
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_reward_function_failing_on_everything_stops_the_run_naming_its_error():
+    def broken(prompt_id, attempt, G):
+        raise KeyError("answer")
+
+    cfg = make_cfg(steps=4, P=4, L=1, rollout={"max_reward_failures_in_a_row": 5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=broken), timeout=10)
+    assert err is not None and "RewardFunctionFailing" in str(err)
+    assert "failed on 5 groups in a row" in str(err) and "KeyError('answer')" in str(err)
+    assert ctl.state.counters.reward_failed >= 5  # (settled in the same tick as the fifth, the next ones count too)
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_drain_policy_syncs_with_nothing_in_flight():
     cfg = make_cfg(steps=5, L=1, sync={"drain_policy": "drain"})
     storage = InMemoryRowStorage()
@@ -403,6 +455,30 @@ async def test_abort_policy_cancels_everything_in_flight_at_a_sync_and_redispatc
     assert rec.attempts[0] == "p000003-a0" and len(rec.attempts) >= 2 and rec.fate == "trained"
     assert ctl.state.ledger["p000003-a0"].reason == "sync_abort"
     assert ctl.state.sync.aborted_in_flight >= 1
+    await assert_clean_end(ctl, trainer, storage)
+
+
+@pytest.mark.parametrize(
+    "sections, slow, reason",
+    [
+        ({"sync": {"drain_policy": "abort"}}, "p000003", "sync_abort"),
+        ({"sampler": {"abort_stale_in_flight": True}, "order": "fifo", "S": 1}, "p000000", "stale_in_flight"),
+    ],
+)
+async def test_an_abort_the_controller_decides_redispatches_the_prompt_uncharged_even_with_on_failure_drop(
+    sections, slow, reason
+):
+    # The abort is the controller's own decision, not a failure of the prompt: with on_failure=drop
+    # (no retry budget at all) the prompt is still generated again and trained, never dropped.
+    cfg = make_cfg(steps=5, P=2, L=1, chunk=1, rollout={"on_failure": "drop", "max_retries": 0}, **sections)
+    faults = Faults(gen_delay={(slow, 0): 0.5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, faults, gen_s=0.002, train_s=0.002)
+    assert err is None
+    rec = ctl.state.prompts[slow]
+    assert ctl.state.ledger[f"{slow}-a0"].reason == reason
+    assert (rec.fate, rec.reason) == ("trained", None) and len(rec.attempts) >= 2
+    assert rec.uncharged == len(rec.attempts) - 1  # every abort uncharged, the trained attempt charged
+    assert set(ctl.state.prompts.statistics().dropped_by_reason) <= {"run_ended"}  # in flight at the end
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -1097,3 +1173,20 @@ async def test_a_worker_that_cancels_a_request_itself_stops_the_run_naming_it():
     )
     with pytest.raises(RunFailed, match=r"cancelled the request of p000001-a0 itself"):
         await asyncio.wait_for(ctl.run(), 30)
+
+
+async def test_two_errors_that_fail_the_run_together_are_each_named_not_counted_as_a_group():
+    """Two settle tasks of the rollout pump raise in the same tick: the run's error is an exception
+    group of two; RunFailed says each error (type: message), not "(2 sub-exceptions)"."""
+    events: list = []
+    ctl, gens, trainer, storage = _withdrawing(
+        make_cfg(steps=4, P=2), events, self_cancel=lambda r: r.group_id in ("p000000-a0", "p000001-a0")
+    )
+    with pytest.raises(RunFailed) as info:
+        await asyncio.wait_for(ctl.run(), 30)
+    text = str(info.value)
+    assert isinstance(info.value.__cause__, BaseExceptionGroup)  # the two errors did fail together
+    assert "sub-exception" not in text
+    assert text.startswith("rollout pump failed: 2 errors together: RuntimeError: generation worker sim-gen-")
+    for gid in ("p000000-a0", "p000001-a0"):
+        assert f"cancelled the request of {gid} itself" in text

@@ -547,6 +547,14 @@ def test_bad_eval_config_is_one_clear_error_before_start_up():
         load_config(None, ["eval.every_steps=-3"])
 
 
+def test_an_eval_dataset_that_repeats_prompt_ids_is_a_config_error_naming_them(monkeypatch):
+    twice = [Prompt("h1", (1, 2), "x"), Prompt("h2", (1, 3), "x"), Prompt("h1", (1, 4), "x")]
+    monkeypatch.setitem(sys.modules, "_sc_eval_dup", types.SimpleNamespace(twice=lambda n, d, s: twice[:n]))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["eval.enabled=true", "eval.dataset=_sc_eval_dup:twice"])
+    assert "1 duplicated prompt id(s): 'h1' (2 times)" in " ".join(str(info.value).split())
+
+
 def test_eval_dataset_with_no_prompts_or_no_held_out_split_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "_sc_eval_empty", types.SimpleNamespace(none=lambda n, d, s: []))
     with pytest.raises(ConfigError, match="gave no prompts") as info:

@@ -491,6 +491,29 @@ def test_a_prompt_history_line_is_exactly_what_json_dumps_writes(
     assert hist.read_text(encoding="utf-8") == json.dumps(_record_dict(rec)) + "\n"
 
 
+@pytest.mark.parametrize("history", [False, True])
+def test_a_prompt_id_taken_again_after_its_first_was_settled_is_refused_naming_it(tmp_path, history):
+    """A prompt source that repeats an id far apart: the first record left memory for the history
+    file, yet the ledger refuses a second record for the id, also after a resume."""
+    hist = tmp_path / "prompt_history.jsonl"
+    led = PromptLedger(hist if history else None)
+    for i in range(3):
+        led.take(prompt(i))
+    _settle_some(led, [0, 1])
+    with pytest.raises(LedgerError, match=r"prompt p0 taken from the dataloader twice \(the first is settled\)"):
+        led.take(prompt(0))
+    with pytest.raises(
+        LedgerError, match=r"prompt p2 taken from the dataloader twice \(the first is still in flight\)"
+    ):
+        led.take(prompt(2))
+    assert len(led) == 3
+    resumed = PromptLedger.from_dict(json.loads(json.dumps(led.checkpoint_dict())), hist if history else None)
+    for i in (1, 2):
+        with pytest.raises(LedgerError, match=f"prompt p{i} taken from the dataloader twice"):
+            resumed.take(prompt(i))
+    resumed.take(prompt(3))  # a new id is taken as ever
+
+
 def test_prompt_history_checkpoint_cuts_the_file_back_on_resume(tmp_path):
     hist = tmp_path / "prompt_history.jsonl"
     led = PromptLedger(hist)

@@ -155,6 +155,7 @@ def handmade_statistics() -> ControllerStatistics:
         ),
         sync=SyncRecord(count=5, total_s=2.5, last_s=0.75, last_drain_s=0.25, last_bytes=4096, aborted_in_flight=2),
         zero_variance_groups=3,
+        reward_failed=4,
         aborted_steps=1,
         step_retries=1,
         steps=6,
@@ -219,6 +220,8 @@ def test_families_of_a_handmade_record():
     assert value(m, "sc_grpo_groups_dropped_total", reason="generation_failed") == 2
     assert value(m, "sc_grpo_groups_dropped_total", reason="something_new") == 1
     assert value(m, "sc_grpo_groups_dropped_total", reason="zero_variance") == 0
+    assert value(m, "sc_grpo_groups_dropped_total", reason="reward_failed") == 0
+    assert value(m, "sc_grpo_reward_failed_groups_total") == 4
     assert value(m, "sc_grpo_groups_evicted_total", reason="stale") == 0
     assert value(m, "sc_grpo_prompt_retries_total") == 3
     # Sync as a summary: mean = 2.5 / 5.

@@ -286,6 +286,21 @@ def test_an_error_raised_inside_a_ray_actor_is_said_as_its_cause_in_one_line():
     )
 
 
+def test_errors_that_failed_together_are_each_named_nested_groups_flattened():
+    from single_controller.controller import RunFailed
+    from single_controller.errors import error_text
+
+    group = ExceptionGroup(
+        "unhandled errors in a TaskGroup",
+        [ValueError("bad value"), ExceptionGroup("inner", [KeyError("k"), OSError("disk on fire")])],
+    )
+    said = "3 errors together: ValueError: bad value; KeyError: 'k'; OSError: disk on fire"
+    assert error_text(group) == said
+    assert error_text(ExceptionGroup("one", [ExceptionGroup("nested", [OSError("alone")])])) == "OSError: alone"
+    failed = RunFailed("rollout", group, also=[("train", ExceptionGroup("g", [RuntimeError("rank 1 gone")]))])
+    assert str(failed) == f"rollout pump failed: {said}; the train pump failed too: RuntimeError: rank 1 gone"
+
+
 async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end_at_once():
     """`next_records(cursor, linger_s)`: after the first new record, the call waits up to `linger_s`
     for the ones behind it (one actor call for a few steps, not one per step), but returns as soon as

@@ -1,5 +1,8 @@
 """Tokenizer, digit tasks, rewards and `load_callable` (pure, no torch models)."""
 
+import sys
+import types
+
 import pytest
 
 from single_controller.data.tasks import (
@@ -63,3 +66,28 @@ def test_load_callable():
         load_callable("single_controller.data.tasks:TASKS")
     with pytest.raises(KeyError, match="unknown task"):
         load_task("addition")
+
+
+def _repeating_dataset(n, d, seed):
+    """A custom `module:function` dataset whose ids repeat: p1 twice, p3 three times."""
+    ids = ["p0", "p1", "p2", "p1", "p3", "p4", "p3", "p3"]
+    return [Prompt(pid, (1, 2, i), "x") for i, pid in enumerate(ids)]
+
+
+async def test_a_custom_dataset_that_repeats_prompt_ids_is_refused_as_it_loads_naming_them(monkeypatch):
+    from single_controller.config.loader import load_config
+    from single_controller.runtime.actor_host import ControllerHost, make_dataloader
+
+    monkeypatch.setitem(sys.modules, "_sc_dup_data", types.SimpleNamespace(prompts=_repeating_dataset))
+    cfg = load_config(None, ["task.name=_sc_dup_data:prompts", "backend.generation=sim", "backend.trainer=sim"])
+    said = "task dataset '_sc_dup_data:prompts' has 2 duplicated prompt id(s): 'p1' (2 times), 'p3' (3 times)"
+    with pytest.raises(ValueError) as info:
+        make_dataloader(cfg)
+    assert said in str(info.value)
+    # the run's setup refuses it before it starts any worker
+    host = ControllerHost(cfg)
+    started = []
+    monkeypatch.setattr(host, "_sim_workers", lambda: started.append("workers"))
+    with pytest.raises(ValueError, match="duplicated prompt id"):
+        await host.setup()
+    assert started == []

@@ -14,7 +14,7 @@ from single_controller.backends.torch.generation import GenerationActor, Generat
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import ModelConfig
 from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits
-from single_controller.protocols import GenerationFailed
+from single_controller.protocols import GenerationFailed, RewardFailed
 from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
 torch.set_num_threads(1)
@@ -68,6 +68,43 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
         tlp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"], req.sampling.temperature)
         assert (tlp[valid] - torch.cat(rows["gen_logprobs"])).abs().max() < 1e-5
     assert core.statistics().batches == 1 and core.statistics().groups == 4
+
+
+def _picky_reward(prompt, text):
+    """positional_match_reward, but it raises on PROMPTS[1] and gives a NaN on PROMPTS[2]."""
+    if prompt.prompt_id == PROMPTS[1].prompt_id:
+        raise ValueError("cannot parse the answer")
+    return float("nan") if prompt.prompt_id == PROMPTS[2].prompt_id else positional_match_reward(prompt, text)
+
+
+def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch_mates():
+    storage = InMemoryRowStorage()
+    core = GenerationCore(trained_like_model(), storage, _picky_reward, seed=0, version=1, name="gen-7")
+    results = core.generate([request(i) for i in range(4)])
+    raised, nan = results[1], results[2]
+    assert isinstance(raised, RewardFailed) and isinstance(nan, RewardFailed)
+    assert "gen-7: reward function failed on completion 0 of group grp1: ValueError: cannot parse" in str(raised)
+    assert "gen-7: reward function gave nan for completion 0 of group grp2" in str(nan)
+    # the batch-mates are answered and stored, in the batch's one put; nothing of the failed groups
+    assert [r.group_id for r in (results[0], results[3])] == ["grp0", "grp3"]
+    assert storage.statistics().puts == 1
+    assert storage.statistics().resident_rows == 8  # the 4 + 4 rows of grp0 and grp3, read below
+    for res, req in ((results[0], request(0)), (results[3], request(3))):
+        assert storage.get_rows_sync(req.row_keys, ["reward"])["reward"].tolist() == pytest.approx(list(res.rewards))
+    stats = core.statistics()
+    assert (stats.groups, stats.reward_failures, stats.rows) == (2, 2, 8)
+
+
+async def test_the_actor_answers_a_failed_reward_to_its_own_caller_only():
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=4, reward=_picky_reward)
+    await actor.update_weights(handle(0, seed=0))
+    out = await actor.generate_many([request(i) for i in range(4)])  # one batch
+    assert [type(r).__name__ for r in out] == ["GenerationResult", "RewardFailed", "RewardFailed", "GenerationResult"]
+    with pytest.raises(RewardFailed, match="group grp1"):
+        await actor.generate(request(1))
+    assert (await actor.generate(request(5))).group_id == "grp5"  # the actor serves on
+    await actor.close()
 
 
 def test_core_refuses_without_weights_and_bad_requests():

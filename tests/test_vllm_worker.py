@@ -35,7 +35,7 @@ from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
-from single_controller.protocols import GenerationFailed  # noqa: E402
+from single_controller.protocols import GenerationFailed, RewardFailed  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 # float32 on both sides, the same weights: measured max |diff| ~1e-6 (vLLM's CPU kernels vs torch).
@@ -218,6 +218,27 @@ def test_cancel_aborts_in_the_engine_and_stores_nothing(env, loop):
     assert all(r.version_end == state["version"] for r in results)
     assert storage.keys_of("cancel") == []
     assert run(loop, actor.cancel(req.group_id)) is False  # already gone
+
+
+def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch_mates(env, loop, monkeypatch):
+    actor, trainer, storage, state = env
+    reqs = _requests("rwd", 4)
+    bad = {reqs[1].prompt.prompt_id: "raise", reqs[2].prompt.prompt_id: "nan"}
+
+    def picky(prompt, text):
+        if bad.get(prompt.prompt_id) == "raise":
+            raise ValueError("cannot parse the answer")
+        return float("nan") if bad.get(prompt.prompt_id) == "nan" else 1.0
+
+    monkeypatch.setattr(actor, "reward_fn", picky)
+    results = run(loop, actor.generate_many(reqs))  # one call: the groups finish in the same engine steps
+    assert isinstance(results[1], RewardFailed) and "ValueError: cannot parse the answer" in str(results[1])
+    assert isinstance(results[2], RewardFailed) and "gave nan" in str(results[2])
+    for i in (0, 3):
+        assert results[i].group_id == reqs[i].group_id and results[i].rewards == (1.0,) * 4
+        assert len(storage.keys_of(f"rwd{i}")) == 4
+    assert storage.keys_of("rwd1") == storage.keys_of("rwd2") == []
+    storage.clear_rows_sync([k for i in (0, 3) for k in reqs[i].row_keys])
 
 
 def test_a_cancelled_call_stores_nothing(env, loop):

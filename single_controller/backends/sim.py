@@ -10,8 +10,10 @@ can tell which weights produced a reported eval point. The trainer group checks 
 machine, fetches every row it trains (so a missing row fails the step), and logs what each step trained.
 
 Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
-trainer failures at given (step, chunk, attempt), and a stall gate (`gate`) that blocks all
-generation until set.
+trainer failures at given (step, chunk, attempt), a stall gate (`gate`) that blocks all
+generation until set, and the rewards (`rewards`): a scripted reward that raises fails its group
+alone with `RewardFailed`, as a real worker's would; a non-finite one is passed on unchecked, as a
+worker that does not check would, so the advantage pump's own check is what meets it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from replay.fetch import with_advantages
 from replay.storage import RowStorage, column_nbytes
 from single_controller.backends.common.behind_finish import BehindFinish
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerFailed
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, RewardFailed, TrainerFailed
 from single_controller.types import (
     GenerationRequest,
     GenerationResult,
@@ -51,7 +53,8 @@ class Faults:
     train_fail: set[tuple[int, int, int]] = field(default_factory=set)  # (step, chunk, attempt) -> TrainerFailed
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
-    rewards: Callable[[str, int, int], tuple[float, ...]] | None = None  # replaces sim_rewards (e.g. all equal)
+    # replaces sim_rewards (e.g. all equal); one that raises fails its group alone (RewardFailed)
+    rewards: Callable[[str, int, int], tuple[float, ...]] | None = None
     die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
     restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
     # worker name -> hangs (a stopped process: no answer to anything, not even a cancel) once this
@@ -367,7 +370,10 @@ class SimGenerationWorker:
     def _result(self, request: GenerationRequest, attempt: int, version: int) -> GenerationResult:
         """What generating `request` at `version` answers: its rewards, G responses of the full length."""
         G, T = request.sampling.n, request.sampling.max_new_tokens
-        rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
+        try:
+            rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
+        except Exception as e:  # a scripted reward failure: this group's alone
+            raise RewardFailed(f"{self.name}: reward function failed on group {request.group_id}: {e!r}") from e
         return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
 
     def _starts(self, request: GenerationRequest) -> int:
@@ -418,8 +424,13 @@ class SimGenerationWorker:
             if plain is not None:  # a plain submission: its future takes the result itself
                 self._in_flight -= 1
                 if not served.done():
+                    try:
+                        result = self._result(plain, int(plain.group_id.rsplit("-a", 1)[1]), version)
+                    except RewardFailed as e:
+                        served.set_exception(e)
+                        continue
                     self.generated.append(plain.group_id)
-                    served.set_result(self._result(plain, int(plain.group_id.rsplit("-a", 1)[1]), version))
+                    served.set_result(result)
             elif not served.done():
                 served.set_result(version)
         self._computing = False

@@ -27,7 +27,7 @@ from single_controller.backends.torch.model import TinyGPT
 from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.config.schema import ModelConfig, TrainConfig
 from single_controller.data.tasks import TOKENIZER, load_task, positional_match_reward
-from single_controller.types import GenerationRequest, LossConfig, SamplingParams
+from single_controller.types import GenerationRequest, GenerationResult, LossConfig, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,10 @@ class _ReferenceLoop:
         t0 = time.perf_counter()
         results = self.gen.generate(requests)
         t1 = time.perf_counter()
-        done = [r for r in results if r is not None]
-        assert len(done) == len(results)  # None: a request cancelled meanwhile; nothing cancels one here
+        done = [r for r in results if isinstance(r, GenerationResult)]
+        # None: a request cancelled meanwhile (nothing cancels one here); RewardFailed: the reward
+        # function raised or gave a non-finite reward (positional_match_reward never does)
+        assert len(done) == len(results), results
         rewards = torch.tensor([r.rewards for r in done])  # [P, G]
         keys = [k for r in requests for k in r.row_keys]
         self.storage.put_rows_sync(keys, {"advantage": group_advantages(rewards).reshape(-1).float()})

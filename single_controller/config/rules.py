@@ -273,8 +273,9 @@ def pass_at_k_needs_sampling(cfg: Config) -> Problem | None:
 
 
 def eval_dataset_yields_prompts(cfg: Config) -> Problem | None:
-    """The eval dataset resolves (when named, or when eval is on) and, when eval is on, yields prompts."""
-    from single_controller.data.tasks import eval_dataset_name, load_eval_dataset
+    """The eval dataset resolves (when named, or when eval is on) and, when eval is on, yields prompts
+    with distinct ids."""
+    from single_controller.data.tasks import check_unique_prompt_ids, eval_dataset_name, load_eval_dataset
 
     e = cfg.eval
     if not e.enabled and e.dataset is None:
@@ -289,10 +290,14 @@ def eval_dataset_yields_prompts(cfg: Config) -> Problem | None:
     if not e.enabled:
         return None
     try:
-        n = len(list(fn(e.num_prompts, cfg.task.num_digits, cfg.seed))[: e.num_prompts])
+        prompts = list(fn(e.num_prompts, cfg.task.num_digits, cfg.seed))[: e.num_prompts]
     except Exception as err:  # user code: report it as a config problem, with its cause
         return Problem(paths, f"eval.dataset {name!r} failed to load: {type(err).__name__}: {err}")
-    if n > 0:
+    try:
+        check_unique_prompt_ids(prompts, f"eval.dataset {name!r}")
+    except ValueError as err:
+        return Problem(paths, str(err))
+    if prompts:
         return None
     return Problem(
         paths,

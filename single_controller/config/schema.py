@@ -105,9 +105,16 @@ class RolloutConfig:
     max_batch_groups: PositiveInt = 16
     """A generation worker batches up to this many pending groups into one sampling pass."""
     on_failure: Literal["retry", "drop"] = "retry"
-    """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it."""
+    """On a generation failure: `retry` the prompt (up to `max_retries`, then drop it) or `drop` it.
+    Neither applies to an abort the controller decides (`sync.drain_policy=abort`, the stale in-flight
+    rule): its prompt is always re-dispatched, uncharged; nor to a reward function that fails (it
+    raises, or gives a non-finite reward): that group alone is dropped with reason `reward_failed`
+    and its prompt is not retried, as a deterministic reward error would fail again."""
     max_retries: Count = 2
     """Retries of one prompt after generation failures before it is dropped with reason `generation_failed`."""
+    max_reward_failures_in_a_row: PositiveInt = 64
+    """Groups dropped as `reward_failed` in a row, none scored between, before the run stops with
+    `RewardFunctionFailing` (a reward function that fails on everything would drop every prompt)."""
     max_worker_restarts: Count = 3
     """Restart attempts for one generation worker that died, or hung (it missed the deadline of a
     request or a weight update): its prompts are re-dispatched uncharged, it is killed and restarted

@@ -13,6 +13,8 @@ Contract:
   `<task>.held_out`, ids `h00000`, ...) draw only those, distinct, so eval prompts and training
   prompts are disjoint by construction. `load_eval_prompts(cfg)` resolves `eval.dataset`.
 * A reward function is `fn(prompt, response_text) -> float` (see `protocols.RewardFunction`).
+* Prompt ids are unique within a dataset: `check_unique_prompt_ids` refuses one that repeats an
+  id (the training pool and the eval prompts are checked as they are loaded).
 * `load_callable("module:function")` resolves the `module:function` strings of the config.
 
 Nothing here downloads anything.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -227,7 +230,22 @@ def load_eval_dataset(task_name: str, dataset: str | None) -> Callable[[int, int
 def load_eval_prompts(cfg) -> list[Prompt]:
     """The eval prompts of a config (`eval.dataset`, `eval.num_prompts`, `task.num_digits`, `seed`)."""
     fn = load_eval_dataset(cfg.task.name, cfg.eval.dataset)
-    return list(fn(cfg.eval.num_prompts, cfg.task.num_digits, cfg.seed))[: cfg.eval.num_prompts]
+    prompts = list(fn(cfg.eval.num_prompts, cfg.task.num_digits, cfg.seed))[: cfg.eval.num_prompts]
+    check_unique_prompt_ids(prompts, f"eval dataset {eval_dataset_name(cfg.task.name, cfg.eval.dataset)!r}")
+    return prompts
+
+
+def check_unique_prompt_ids(prompts: Sequence[Prompt], what: str) -> None:
+    """Refuse a dataset in which two prompts share an id, naming the ids (the first ten): the
+    exactly-once prompt ledger and the group ids (`<prompt id>-a<attempt>`) key on it."""
+    counts = Counter(p.prompt_id for p in prompts)
+    repeated = [(pid, n) for pid, n in counts.items() if n > 1]
+    if repeated:
+        named = ", ".join(f"{pid!r} ({n} times)" for pid, n in repeated[:10])
+        more = f" and {len(repeated) - 10} more" if len(repeated) > 10 else ""
+        raise ValueError(
+            f"{what} has {len(repeated)} duplicated prompt id(s): {named}{more}; every prompt needs its own prompt_id"
+        )
 
 
 def load_task(name: str) -> Callable[[int, int, int], list[Prompt]]:

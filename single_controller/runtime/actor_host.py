@@ -42,15 +42,17 @@ log = logging.getLogger(__name__)
 
 class PromptStream:
     """The task's prompt pool, cycled in epochs and reshuffled each epoch (seeded). Prompt ids are
-    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on. Its
+    unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on: a pool
+    that repeats an id is refused as it is loaded, naming the ids. Its
     position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly.
     With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
     draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
 
     def __init__(self, cfg: Config):
-        from single_controller.data.tasks import load_eval_prompts, load_task
+        from single_controller.data.tasks import check_unique_prompt_ids, load_eval_prompts, load_task
 
-        self.pool = load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed)
+        self.pool = list(load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed))
+        check_unique_prompt_ids(self.pool, f"task dataset {cfg.task.name!r}")  # the pool is finite: all at once
         if cfg.eval.enabled:
             held_out = {p.token_ids for p in load_eval_prompts(cfg)}
             self.pool = [p for p in self.pool if p.token_ids not in held_out]
@@ -145,6 +147,7 @@ class ControllerHost:
 
     async def setup(self) -> dict:
         cfg = self.cfg
+        prompts = PromptStream(cfg)  # a dataset it refuses (e.g. a repeated prompt id) stops the run before any worker
         if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
             storage, gens, trainer = self._sim_workers()
         else:
@@ -156,7 +159,6 @@ class ControllerHost:
         from single_controller.state import Workers
 
         stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
-        prompts = PromptStream(cfg)
         saved = await self._load_checkpoint(trainer, prompts) if self.resume else None
         self.controller = Controller(
             cfg,
@@ -262,7 +264,7 @@ class ControllerHost:
     async def run(self) -> dict:
         """Run to the end; a failed run returns its cause (pump, error, traceback) instead of raising,
         so the driver can write every record and one readable paragraph."""
-        from single_controller.controller import RunFailed
+        from single_controller.controller import RunFailed, failure_text
 
         controller = self.controller
         assert controller is not None, "run() before setup()"
@@ -272,13 +274,12 @@ class ControllerHost:
             summary = await controller.run()
             steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
         except RunFailed as e:
-            from single_controller.errors import error_text
-
             cause = e.__cause__ or e
             failure = {
                 "pump": e.pump,
-                "error": error_text(cause),
-                "traceback": "".join(traceback.format_exception(cause)),
+                "error": failure_text(cause, e.also),
+                "traceback": "".join(traceback.format_exception(cause))
+                + "".join(f"\nThe {p} pump failed too:\n" + "".join(traceback.format_exception(x)) for p, x in e.also),
             }
             steps, reason, checkpoint = controller.state.versions.trainer, f"failed: {e}", e.checkpoint
         finally:

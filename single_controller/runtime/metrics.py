@@ -67,7 +67,14 @@ BUFFER_STATES = ("reserved", "committed", "ready", "selected", "clearing")
 STORAGE_OPS = ("put", "get", "clear")
 # Reasons are label values of counters; the known ones are exported at 0 from the start so that
 # rate() and the dashboard have a series before the first event. Others appear when they happen.
-KNOWN_DROP_REASONS = ("generation_failed", "zero_variance", "stale_in_flight", "run_ended", "run_failed")
+KNOWN_DROP_REASONS = (
+    "generation_failed",
+    "reward_failed",
+    "zero_variance",
+    "stale_in_flight",
+    "run_ended",
+    "run_failed",
+)
 KNOWN_EVICT_REASONS = ("stale",)
 
 StatsFn = Callable[[], ControllerStatistics]
@@ -331,6 +338,11 @@ def _step_families(f: _Families, s: ControllerStatistics) -> None:
     )
     f.counter("generation_worker_deaths", "Generation workers found dead.", s.worker_deaths)
     f.counter("generation_worker_restarts", "Dead generation workers restarted.", s.worker_restarts)
+    f.counter(
+        "reward_failed_groups",
+        "Groups dropped because their reward function raised or gave a non-finite reward.",
+        s.reward_failed,
+    )
     f.counter(
         "tokens_generated", "Response tokens generated (every committed group, trained or not).", s.tokens_generated
     )

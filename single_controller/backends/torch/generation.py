@@ -7,7 +7,9 @@ GENERATION_FIELDS, keys `request.row_keys`; no per-row tags: a row's key names i
 `token_versions` its weights, and TransferQueue's per-row tags cost the writer ~20 % of a put); eval
 requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
 greedily. The response text given to
-the reward function excludes a final stop token. It stamps results with `version`, the policy
+the reward function excludes a final stop token. A group whose reward function raises or gives a
+non-finite reward is answered with `RewardFailed` and none of its rows is stored; its batch-mates
+are answered and stored as ever (`backends/common/rewards.py`). It stamps results with `version`, the policy
 version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
 
 `GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
@@ -35,13 +37,14 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
+from single_controller.backends.common.rewards import score_group
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
 from single_controller.config.schema import ModelConfig
 from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
-from single_controller.protocols import GenerationFailed
+from single_controller.protocols import GenerationFailed, RewardFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -57,6 +60,7 @@ class GenerationStatistics:
     weight_updates: int
     last_batch_s: float
     eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
+    reward_failures: int = 0  # groups answered with RewardFailed (not counted in `groups`, none stored)
 
 
 # One sampled row: (token ids [n], logprobs [n], mask [n], response text, n).
@@ -73,14 +77,16 @@ class GenerationCore:
         tokenizer: CharTokenizer = TOKENIZER,
         seed: int = 0,
         version: int | None = None,
+        name: str = "torch generation",
     ):
+        self.name = name  # for the errors it reports
         self.policy = policy
         self.storage = storage  # has put_rows_sync(keys, columns)
         self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = tokenizer
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
-        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0)
+        self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0, reward_failures=0)
         self._last_batch_s = 0.0
         # Cancel vs. write: a cancelled group's rows must never be written after its cancel returns.
         # Both take this lock; the write skips groups cancelled before it.
@@ -112,8 +118,9 @@ class GenerationCore:
         self.version = v
         self._counts["weight_updates"] += 1
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | None]:
-        """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not stored)."""
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | RewardFailed | None]:
+        """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not
+        stored; `RewardFailed`: its reward function failed, not stored)."""
         started = time.perf_counter()
         if self.version is None:
             raise GenerationFailed("no weights loaded yet (update_weights first)")
@@ -165,30 +172,25 @@ class GenerationCore:
 
     def _score_and_store(
         self, requests: Sequence[GenerationRequest], responses: list[list[_Row]], version: int, started: float
-    ) -> list[GenerationResult | None]:
-        """Under the write lock: score, store the rows of every group not cancelled meanwhile."""
+    ) -> list[GenerationResult | RewardFailed | None]:
+        """Under the write lock: score, store the rows of every group not cancelled meanwhile and
+        scored (a group whose reward fails is answered with its `RewardFailed`, alone)."""
         keys: list[str] = []
-        results: list[GenerationResult | None] = []
+        results: list[GenerationResult | RewardFailed | None] = []
         lengths: list[int] = []
         cols: dict[str, list] = {
-            "prompt_ids": [],
-            "response_ids": [],
-            "gen_logprobs": [],
-            "response_mask": [],
-            "reward": [],
+            k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "reward")
         }
-        cancelled = self._cancelled
         eval_rows = eval_tokens = n_eval = 0
-        for r, rows in zip(requests, responses):
-            if r.group_id in cancelled:
-                results.append(None)  # cancelled while sampling: no result wanted, no row stored
+        for r, rows, rewards in zip(requests, responses, self._score(requests, responses)):
+            if not isinstance(rewards, tuple):
+                results.append(rewards)  # None (cancelled) or RewardFailed (this group alone): no row stored
                 continue
             prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
-            rewards = [float(self.reward_fn(r.prompt, text)) for *_, text, _ in rows]
             results.append(
                 GenerationResult(
                     group_id=r.group_id,
-                    rewards=tuple(rewards),
+                    rewards=rewards,
                     response_lengths=tuple(n for *_, n in rows),
                     prompt_length=len(r.prompt.token_ids),
                     version_start=version,
@@ -214,14 +216,32 @@ class GenerationCore:
             )
             columns["reward"] = torch.tensor(cols["reward"], dtype=torch.float32)
             self.storage.put_rows_sync(keys, columns)
-        self._written.update(res.group_id for res in results if res is not None)
+        answered = [res for res in results if isinstance(res, GenerationResult)]
+        self._written.update(res.group_id for res in answered)
         self._counts["batches"] += 1
-        self._counts["groups"] += sum(res is not None for res in results) - n_eval
+        self._counts["groups"] += len(answered) - n_eval
+        self._counts["reward_failures"] += sum(isinstance(res, RewardFailed) for res in results)
         self._counts["eval_requests"] += n_eval
         self._counts["rows"] += len(keys) + eval_rows
         self._counts["tokens"] += sum(lengths) + eval_tokens
         self._last_batch_s = time.perf_counter() - started
         return results
+
+    def _score(
+        self, requests: Sequence[GenerationRequest], responses: list[list[_Row]]
+    ) -> list[tuple[float, ...] | RewardFailed | None]:
+        """Each group's rewards: None for a group cancelled while sampling (no result wanted), its
+        `RewardFailed` for one whose reward function failed."""
+        out: list[tuple[float, ...] | RewardFailed | None] = []
+        for r, rows in zip(requests, responses):
+            if r.group_id in self._cancelled:
+                out.append(None)
+                continue
+            try:
+                out.append(score_group(self.reward_fn, r.prompt, [text for *_, text, _ in rows], r.group_id, self.name))
+            except RewardFailed as e:
+                out.append(e)
+        return out
 
     def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
         return GenerationStatistics(
@@ -259,7 +279,9 @@ class GenerationActor:
         if policy is None:
             policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
         # The storage client connects on first use (or connect()): storage may still be starting.
-        self._core = GenerationCore(policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed)
+        self._core = GenerationCore(
+            policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed, name=name
+        )
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = (
             collections.deque()
@@ -474,6 +496,8 @@ class GenerationActor:
                 if not fut.done():
                     if res is None:
                         fut.set_exception(GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+                    elif isinstance(res, RewardFailed):
+                        fut.set_exception(res)  # its group alone
                     else:
                         fut.set_result(res)
         finally:

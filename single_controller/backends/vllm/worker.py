@@ -10,7 +10,9 @@ thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, 
   group finishes, its completions are decoded with the tasks' tokenizer, scored by the reward
   function here, and ALL groups finished in one engine step are written in ONE put (fields
   `GENERATION_FIELDS`, keys `request.row_keys`; empty `row_keys`: score only, store nothing).
-  Returns one `GenerationResult` (or the `GenerationFailed` that ended it) per request.
+  Returns one `GenerationResult` (or the `GenerationFailed` that ended it) per request: a group
+  whose reward function raises or gives a non-finite reward is answered with `RewardFailed` and
+  not stored, alone (`backends/common/rewards.py`).
 * Per-token versions: the engine labels every output token with the weight version it was sampled
   with (`set_weight_version` at each update); rows carry them as `token_versions`, and a group's
   `version_start` / `version_end` are its oldest / newest token's.
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from replay.storage import Columns, LazyRowStorage
+from single_controller.backends.common.rewards import score_group
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
@@ -342,6 +345,7 @@ class VllmGenerationActor:
         cols: dict[str, list] = {
             k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")
         }
+        texts: list[str] = []
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != req.sampling.n:
             raise GenerationFailed(
@@ -361,7 +365,9 @@ class VllmGenerationActor:
             cols["gen_logprobs"].append(torch.tensor(lps, dtype=torch.float32))
             cols["response_mask"].append(torch.ones(len(ids), dtype=torch.bool))
             cols["token_versions"].append(torch.tensor(versions, dtype=torch.long))
-            cols["reward"].append(float(self.reward_fn(req.prompt, TOKENIZER.decode(text_ids))))
+            texts.append(TOKENIZER.decode(text_ids))
+        # RewardFailed for this group alone: `_store` delivers it to the group's caller
+        cols["reward"] = list(score_group(self.reward_fn, req.prompt, texts, req.group_id, self.name))
         all_versions = [v for t in cols["token_versions"] for v in t.tolist()] or [self.version]
         result = GenerationResult(
             group_id=req.group_id,
