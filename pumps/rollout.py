@@ -94,7 +94,9 @@ async def _pump_loop(state: RunState, flights: _Flights, children: asyncio.TaskG
             raise flights.bug
         for w in _needs_restart(state):
             state.health.restarting.add(w.name)
-            children.create_task(_restart(state, w), name=f"restart {w.name}")
+            task = children.create_task(_restart(state, w), name=f"restart {w.name}")
+            flights.restarts.add(task)
+            task.add_done_callback(flights.restarts.discard)
         if _finished(state):
             # At the run's end the groups still in flight are discarded (their prompts `run_ended`),
             # then the pump ends. At an interrupt they are only withdrawn (`flights.close`): still
@@ -234,6 +236,7 @@ class _Flights:
     pending: dict[str, _Flight] = field(default_factory=dict)
     bug: BaseException | None = None  # raised in a done callback: the pump raises it
     closed: bool = False
+    restarts: set[asyncio.Task] = field(default_factory=set)  # worker restarts under way
 
     def submit(self, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
         state = self.state
@@ -272,6 +275,8 @@ class _Flights:
         """The pump is over: withdraw what is still in flight (a run that failed elsewhere leaves no
         request writing rows behind it); the run's teardown settles those groups."""
         self.closed = True
+        for task in self.restarts:  # a restart takes up to `timeouts.setup_s`: the run's end does not wait
+            task.cancel()
         left, self.pending = list(self.pending.values()), {}
         for flight in left:
             self.state.in_flight_requests.pop(flight.rec.group_id, None)

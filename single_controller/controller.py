@@ -355,12 +355,18 @@ class Controller:
                 keep=self.cfg.checkpoint.keep,
                 clock=st.clock,
             ),
-            self.cfg.timeouts.train_call_s,
+            self._checkpoint_deadline(),
             f"checkpoint of step {step}",
         )
         self._last_checkpoint_t, self._last_checkpoint_step = st.clock(), step
         self._committing = asyncio.ensure_future(commit_checkpoint(staged, st.clock))
         return await self._checkpoint_committed() if durable else None
+
+    def _checkpoint_deadline(self) -> float:
+        """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the newest checkpoint."""
+        t = self.cfg.timeouts
+        gib = self.last_checkpoint.num_bytes / 2**30 if self.last_checkpoint is not None else 0.0
+        return t.checkpoint_s + t.checkpoint_s_per_gib * gib
 
     async def _checkpoint_committed(self) -> CheckpointInfo | None:
         """Wait for the checkpoint being committed in the background, if any (None: there is none)."""
@@ -369,7 +375,7 @@ class Controller:
             return None
         try:
             info = await within(
-                asyncio.shield(task), self.cfg.timeouts.train_call_s, "checkpoint commit (fsync, rename, latest)"
+                asyncio.shield(task), self._checkpoint_deadline(), "checkpoint commit (fsync, rename, latest)"
             )
         finally:
             if task.done():

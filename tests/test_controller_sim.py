@@ -906,6 +906,25 @@ def _sim_controller(cfg, run_dir):
     return Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), run_dir=str(run_dir)), trainer
 
 
+async def test_a_checkpoint_slower_than_a_train_call_has_its_own_deadline(tmp_path):
+    """Writing a real model's state takes minutes: a checkpoint is held to `timeouts.checkpoint_s`
+    (plus its size), not to the split-API calls' `train_call_s`."""
+    cfg = make_cfg(
+        steps=4, P=2, G=2, L=1, checkpoint={"every_steps": 2}, timeouts={"train_call_s": 0.2, "checkpoint_s": 5}
+    )
+    ctl, trainer = _sim_controller(cfg, tmp_path)
+    real_save = trainer.save_state
+
+    async def slow_save(directory):
+        await asyncio.sleep(0.5)  # longer than a train call may take
+        await real_save(directory)
+
+    trainer.save_state = slow_save
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 4 and summary.checkpoint is not None and summary.checkpoint.step == 4
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
 async def test_a_periodic_checkpoint_commits_in_the_background_while_training_goes_on(tmp_path, monkeypatch):
     """The fsyncs, rename and `latest` of a periodic checkpoint do not hold up training: steps go on
     while step 2's checkpoint is still being committed, and `latest` names it only once it is."""
@@ -1007,6 +1026,25 @@ async def test_a_hung_generation_worker_is_replaced_and_the_run_loses_no_prompt(
     records = list(ctl.state.prompts.records())
     assert [r for r in records if r.fate == "dropped" and r.reason != "run_ended"] == []
     assert any(r.uncharged for r in records)
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_the_run_ends_without_waiting_for_a_worker_restart_under_way():
+    """A restart may take `timeouts.setup_s` (minutes); the end of a run (here its last step; a
+    SIGTERM's promise is 30 s) does not wait for it."""
+
+    class SlowRestart(SimGenerationWorker):
+        async def restart(self, weights):
+            await asyncio.sleep(3600)
+
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage, train_group_s=0.001)
+    faults = Faults(die_after={"g0": 2})
+    gens = [SlowRestart(f"g{i}", storage, group_s=0.002, faults=faults) for i in range(2)]
+    ctl = Controller(make_cfg(steps=6, P=4, G=2, L=1), sim_prompts(), storage, Workers(gens, trainer))
+    summary = await asyncio.wait_for(ctl.run(), 20)
+    assert summary.steps == 6 and ctl.state.counters.worker_deaths == 1
+    assert ctl.state.health.restarting == set()
     await assert_clean_end(ctl, trainer, storage)
 
 

@@ -297,3 +297,36 @@ def test_kill_9_of_a_trainer_rank_stops_with_a_named_error_and_a_resumable_check
     k = summary["checkpoint"]["step"]
     _run_to_end(_cmd(tmp_path, f"run.max_steps={k + 3}", resume=run_dir), tmp_path)
     _check_exactly_once(run_dir, k + 3)
+
+
+def test_kill_9_of_a_trainer_rank_with_auto_resume_heals_the_run_in_place(tmp_path):
+    """`run.auto_resume`: the run starts again from its newest checkpoint in the same process and
+    run directory, and finishes with the ledger exactly-once."""
+    steps = 40
+    proc = _start(_cmd(tmp_path, f"run.max_steps={steps}", "checkpoint.every_steps=3", "run.auto_resume=2"), tmp_path)
+    try:
+        _wait_for_step(proc, 6)
+        (rank,) = _actor_pids(proc.pid, "TrainerRankActor")
+        os.kill(rank, signal.SIGKILL)
+        t_kill = time.monotonic()
+        seen, t_again = [], None
+        for line in proc.stdout:  # to the first step line after the auto-resume: training again
+            seen.append(line)
+            if any("auto-resume" in x for x in seen) and re.match(r"step\s+\d+/", line):
+                t_again = time.monotonic()
+                break
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen) + out
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"auto-resume 1/2: TrainerRankDied: trainer rank 0 died", out), out[-3000:]
+    (run_dir,) = list(tmp_path.glob("embedded-*"))  # the same directory
+    _check_exactly_once(run_dir, steps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failure"] is None and summary["resumed_from"] is not None
+    resumed = [line for line in out.splitlines() if "resuming" in line and str(run_dir) in line]
+    assert len(resumed) == 1, out[-3000:]
+    assert t_again is not None
+    print(f"kill -9 of the trainer rank to training again: {t_again - t_kill:.1f} s")

@@ -44,6 +44,11 @@ class RunConfig:
     """Show a progress bar on the console (one log line per step is printed regardless)."""
     plot: bool = True
     """Write `curves.png` (reward, staleness, pump waits over time) into the run directory at the end."""
+    auto_resume: Count = 0
+    """Times a run whose trainer rank died (or whose optimizer step failed partway) heals itself: it
+    starts again from its newest checkpoint, in the same process and run directory (Ray, the
+    workers and the storage are started anew), and trains on; the prompt ledger stays exactly-once.
+    0: it stops with a resumable checkpoint and the command that resumes it."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,12 @@ class TimeoutConfig:
     """Deadline of one row-storage call."""
     setup_s: Positive = 180.0
     """Deadline of starting workers and storage."""
+    checkpoint_s: Positive = 600.0
+    """Deadline of writing (staging, then committing) one checkpoint and of loading one at resume,
+    plus `checkpoint_s_per_gib` for each GiB the newest checkpoint took (a real model's state takes
+    minutes to write: not the split-API calls' deadline)."""
+    checkpoint_s_per_gib: NonNegative = 60.0
+    """Seconds added to `checkpoint_s` per GiB of the newest checkpoint written (or loaded)."""
 
 
 @dataclass(frozen=True)

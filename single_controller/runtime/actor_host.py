@@ -23,6 +23,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from single_controller.config.schema import Config
@@ -99,7 +100,6 @@ def make_dataloader(cfg: Config) -> Iterator[Prompt]:
 
 def run_id_of(run_dir: str | None) -> str:
     """The run id kept in the run directory (`RunDirectory`), else a fresh random one."""
-    from pathlib import Path
 
     from single_controller.runtime.run_dir import RUN_ID_FILE
 
@@ -204,7 +204,7 @@ class ControllerHost:
         saved = read_controller_state(path)
         check_compatible(saved, self.cfg, path)
         step = await within(
-            trainer.load_state(str(path / "trainer")), self.cfg.timeouts.train_call_s, f"trainer.load_state({path})"
+            trainer.load_state(str(path / "trainer")), _load_deadline(self.cfg, path), f"trainer.load_state({path})"
         )
         if step != saved["step"]:
             raise RuntimeError(f"{path}: the trainer state is at step {step}, the controller state at {saved['step']}")
@@ -277,6 +277,7 @@ class ControllerHost:
             cause = e.__cause__ or e
             failure = {
                 "pump": e.pump,
+                "type": type(cause).__name__,
                 "error": failure_text(cause, e.also),
                 "traceback": "".join(traceback.format_exception(cause))
                 + "".join(f"\nThe {p} pump failed too:\n" + "".join(traceback.format_exception(x)) for p, x in e.also),
@@ -401,3 +402,9 @@ class ControllerHost:
         finally:
             if stopping_metrics is not None:
                 await stopping_metrics
+
+
+def _load_deadline(cfg: Config, checkpoint: Path) -> float:
+    """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the checkpoint to load."""
+    size = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    return cfg.timeouts.checkpoint_s + cfg.timeouts.checkpoint_s_per_gib * size / 2**30

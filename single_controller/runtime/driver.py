@@ -71,6 +71,41 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
 
         if prepare_model_dir(cfg.model, cfg.seed):
             say(f"wrote a random-init model to {cfg.model.path}")
+    code, run_path = _run_once(cfg, resume_dir)
+    for attempt in range(1, cfg.run.auto_resume + 1):
+        why = _healable_failure(run_path) if code == EXIT_FAILED else None
+        if why is None:
+            break
+        say(f"auto-resume {attempt}/{cfg.run.auto_resume}: {why}; starting again from the newest checkpoint")
+        code, _ = _run_once(cfg, run_path)
+    return code
+
+
+# Failures a restart from the newest checkpoint heals (`run.auto_resume`): the trainer's process or
+# state is gone, the ledger and the checkpoint are not.
+HEALABLE = ("TrainerRankDied", "TrainerStateLost")
+
+
+def _healable_failure(run_path: str) -> str | None:
+    """What failed the run in `run_path` (its summary.json), when a resume heals it and a checkpoint exists."""
+    import json
+
+    from single_controller.checkpoint import CheckpointError, latest_checkpoint
+
+    summary = json.loads((Path(run_path) / "summary.json").read_text(encoding="utf-8"))
+    failure = summary.get("failure") or {}
+    if failure.get("type") not in HEALABLE:
+        return None
+    try:
+        latest_checkpoint(run_path)
+    except CheckpointError:
+        return None
+    return str(failure["error"]).split("\n", 1)[0]
+
+
+def _run_once(cfg: Config, resume_dir: str | None) -> tuple[int, str]:
+    """One drive of the run (a new run directory, or `resume_dir` resumed from its newest
+    checkpoint): its exit code and its run directory."""
     t_start = time.perf_counter()
     run_dir = _open_run_dir(cfg, resume_dir)
     try:
@@ -86,7 +121,7 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         code = EXIT_INTERRUPTED
     finally:
         run_dir.close()
-    return code
+    return code, str(run_dir.path)
 
 
 def _open_run_dir(cfg: Config, resume_dir: str | None) -> RunDirectory:
@@ -326,7 +361,7 @@ async def _write_records(
         )
     record = {k: v for k, v in summary.items() if k != "failure"}
     if failure is not None:
-        record["failure"] = {"pump": failure.get("pump"), "error": failure["error"]}
+        record["failure"] = {"pump": failure.get("pump"), "type": failure.get("type"), "error": failure["error"]}
     record["startup_s"] = (t_ready - t_start) if t_ready is not None else None
     record["command_s"] = time.perf_counter() - t_start
     try:
