@@ -493,8 +493,32 @@ class PromptLedger:
         """The records in memory: every one, or (with a history file) the unsettled ones."""
         return self._prompts.values()
 
+    def write_json(self, path: str | os.PathLike[str]) -> int:
+        """Write the whole ledger to `path` as `{"prompts": [...]}` (the end-of-run
+        `prompt_ledger.json`), streamed: the history file's lines are copied as they are (the
+        prompts settled, in the order they settled), then the records in memory; nothing is held
+        whole, whatever the run's length. Written aside and renamed. Returns the prompts written."""
+        tmp = f"{os.fspath(path)}.tmp"
+        n = 0
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write('{"prompts": [\n')
+            if self._history_path is not None:
+                if self._history is not None:
+                    self._history.flush()
+                with open(self._history_path, encoding="utf-8") as f:
+                    for line in f:
+                        out.write(("" if n == 0 else ",\n") + line.rstrip("\n"))
+                        n += 1
+            for rec in self._prompts.values():
+                out.write(("" if n == 0 else ",\n") + json.dumps(_record_dict(rec)))
+                n += 1
+            out.write("\n]}\n")
+        os.replace(tmp, path)
+        return n
+
     def to_dict(self) -> dict[str, Any]:
-        """The whole ledger, JSON-serializable (the end-of-run `prompt_ledger.json`)."""
+        """The whole ledger, JSON-serializable, in the order the prompts were taken (held whole in
+        memory: the end of a run writes `write_json` instead)."""
         prompts = [_record_dict(r) for r in self._prompts.values()]
         if self._history_path is not None:
             if self._history is not None:

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -330,3 +331,72 @@ def test_kill_9_of_a_trainer_rank_with_auto_resume_heals_the_run_in_place(tmp_pa
     assert len(resumed) == 1, out[-3000:]
     assert t_again is not None
     print(f"kill -9 of the trainer rank to training again: {t_again - t_kill:.1f} s")
+
+
+def _interrupted_cleanly(run_dir: Path) -> dict:
+    """After an interrupt: each step done trained P prompts once, no prompt is in the ledger twice,
+    none was settled `run_ended` (what was not trained is left for the resume), no key is left."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    assert len({p["prompt_id"] for p in ledger}) == len(ledger), "a prompt appears twice in the ledger"
+    per_step = Counter(p["step"] for p in ledger if p["fate"] == "trained")
+    assert per_step == {s: P for s in range(summary["steps"])}, per_step
+    assert not [p for p in ledger if p["reason"] == "run_ended"], "an interrupt settled prompts run_ended"
+    assert summary["storage_keys_left"] == 0, summary.get("storage_keys_left_sample")
+    return summary
+
+
+def test_sigterm_at_random_moments_then_resume_loses_and_repeats_nothing(tmp_path):
+    """Interrupt equivalence: SIGTERM at random moments (inside a step or between), `--resume`
+    each time, to success 0.9: no prompt lost or trained twice, no key left."""
+    interrupts = int(os.environ.get("SC_GRPO_INTERRUPTS", "5"))
+    rng = random.Random(int(os.environ.get("SC_GRPO_CRASH_SEED", "0")))
+    run_dir, steps, report = None, 0, []
+    success = ("run.stop_at_success_rate=0.9", "checkpoint.every_steps=1000")
+    for i in range(interrupts):
+        cmd = _cmd(tmp_path, "run.max_steps=100000", *success, resume=run_dir)
+        proc = _start(cmd, tmp_path)
+        try:
+            _wait_for_step(proc, steps + rng.randint(1, 8))
+            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 130, out[-3000:]
+        if run_dir is None:
+            (run_dir,) = list(tmp_path.glob("embedded-*"))
+        steps = _interrupted_cleanly(run_dir)["checkpoint"]["step"]
+        report.append({"interrupt": i, "checkpoint_step": steps})
+    _run_to_end(_cmd(tmp_path, "run.max_steps=100000", *success, resume=run_dir), tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("success rate"), summary["stop_reason"]
+    _check_exactly_once(run_dir, summary["steps"])
+    print(json.dumps({"interrupts": report, "steps": summary["steps"]}))
+
+
+def test_a_reward_that_raises_or_gives_nan_for_some_prompts_costs_only_their_groups(tmp_path):
+    """1 prompt in 20 raises in the reward function, another 1 in 20 scores NaN: the run learns to
+    0.9 anyway, those groups dropped `reward_failed` and counted."""
+    out = _run_to_end(
+        _cmd(
+            tmp_path,
+            "run.max_steps=400",
+            "run.stop_at_success_rate=0.9",
+            "task.reward_fn=tests.flaky_rewards:positional_match_or_fail",
+        ),
+        ROOT,
+    )
+    (run_dir,) = list(tmp_path.glob("embedded-*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("success rate"), out[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    failed = records[-1]["rollout/reward_failed"]
+    assert failed > 0
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    dropped = [p for p in ledger if p["fate"] == "dropped" and p["reason"] == "reward_failed"]
+    bad = [p for p in ledger if zlib.crc32(p["prompt_id"].encode()) % 20 in (0, 1)]
+    assert dropped and {p["prompt_id"] for p in dropped} <= {p["prompt_id"] for p in bad}  # only theirs
+    assert not [p for p in bad if p["fate"] == "trained"]
+    print(json.dumps({"steps": summary["steps"], "reward_failed_groups": failed, "dropped": len(dropped)}))

@@ -186,6 +186,26 @@ def test_prompt_ledger_is_exactly_once_and_serializable():
     assert (s.taken, s.settled, s.trained, s.retries) == (2, 1, 1, 1)
 
 
+@pytest.mark.parametrize("history", [False, True])
+def test_the_ledger_streamed_to_a_file_holds_every_prompt_once(tmp_path, history):
+    """`write_json` (the end-of-run prompt_ledger.json) copies the history file's lines as they are
+    and adds the records in memory: the same records as `to_dict`, in settle order."""
+    pl = PromptLedger(history=str(tmp_path / "history.jsonl") if history else None)
+    for i in range(6):
+        pl.take(prompt(i))
+        pl.add_attempt(f"p{i}", f"p{i}-a0")
+    pl.settle("p3", "trained", step=0)
+    pl.settle("p1", "dropped", reason="zero_variance")
+    pl.settle_trained(["p0", "p5"], step=1)
+    assert pl.write_json(tmp_path / "ledger.json") == 6
+    written = json.loads((tmp_path / "ledger.json").read_text())["prompts"]
+    assert sorted(written, key=lambda d: d["order"]) == pl.to_dict()["prompts"]
+    if history:  # the settled ones first, as they settled, then the ones still in memory
+        assert [d["prompt_id"] for d in written[:4]] == ["p3", "p1", "p0", "p5"]
+    assert not (tmp_path / "ledger.json.tmp").exists()
+    pl.close()
+
+
 # -- sampler --------------------------------------------------------------------------------
 def test_admission_gate():
     s = StalenessSampler(SamplerConfig(max_lookahead_versions=0, max_staleness_versions=0))

@@ -369,8 +369,11 @@ class ControllerHost:
             trainer.save_checkpoint(directory), self.cfg.timeouts.train_call_s, "trainer checkpoint save"
         )
 
-    async def prompt_ledger(self) -> dict | None:
-        return None if self.controller is None else self.controller.state.prompts.to_dict()
+    async def write_prompt_ledger(self, path: str) -> int | None:
+        """The whole prompt ledger to `path` (streamed, off the event loop); the prompts written."""
+        if self.controller is None:
+            return None
+        return await asyncio.to_thread(self.controller.state.prompts.write_json, path)
 
     async def close(self) -> None:
         if self.controller is not None:

@@ -365,9 +365,10 @@ async def _write_records(
     record["startup_s"] = (t_ready - t_start) if t_ready is not None else None
     record["command_s"] = time.perf_counter() - t_start
     try:
-        ledger = await within(call("prompt_ledger"), 60, "controller prompt ledger")
-        if ledger is not None:
-            run_dir.write_json("prompt_ledger.json", ledger)
+        # streamed by the controller's host into the run directory (local to it): a long run's
+        # ledger is never one value in memory or on the wire
+        path = str(Path(run_dir.path) / "prompt_ledger.json")
+        await within(call("write_prompt_ledger", path), cfg.timeouts.checkpoint_s, "writing prompt_ledger.json")
     except Exception as e:
         record["prompt_ledger_error"] = f"{type(e).__name__}: {e}"
     run_dir.write_json("summary.json", record)
