@@ -552,6 +552,8 @@ class Controller:
                     if g.state not in TERMINAL:
                         st.ledger.drop(g.group_id, reason)
                     st.ledger.release(g.group_id)
+        if st.stop.abandon_open_step and not failed and self.last_checkpoint is not None:
+            return  # an interrupt: what was not trained is the checkpoint's, for the resume (not run_ended)
         for pid in st.prompts.unsettled():
             st.prompts.settle(pid, "dropped", reason=reason)
 
