@@ -22,6 +22,7 @@ by `RAY_RAYLET_PID` (workers of our raylets), never by name.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -384,3 +385,48 @@ def test_spread_refuses_more_ranks_than_nodes(cluster, tq_server, tmp_path):
     )
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     assert "trainer_placement=spread" in run.stderr and "2 alive node(s)" in run.stderr, run.stderr[-3000:]
+
+
+def test_sigterm_then_resume_on_attached_storage_leaves_no_key_and_loses_no_prompt(cluster, tq_server, tmp_path):
+    """Interrupt equivalence on a TransferQueue that outlives the run (`storage.attach`): SIGTERM at
+    random moments, `--resume` each time, to the end: every prompt trained once, and the run's
+    partition gone at the end (no key left); the foreign keys untouched."""
+    import random
+
+    rng, env, steps = random.Random(1), cluster.env, 16
+    overrides = (f"run.max_steps={steps}", "checkpoint.every_steps=1000")
+    run_dir = None
+    for _ in range(3):
+        if run_dir is None:
+            cmd = _run_cmd(tmp_path, "i", cluster.address, *overrides)
+        else:
+            cmd = [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir), *overrides]
+        run = Lines(cmd, cwd=tmp_path, env=env)
+        try:
+            run.wait_for(f"step {rng.randint(1, 3):>3}/", START_S)
+            time.sleep(rng.uniform(0.0, 0.3))
+            run.kill_group(signal.SIGINT)  # the driver's session: as Ctrl-C or a SIGTERM to it
+            assert run.proc.wait(timeout=60) == 130, run.tail()
+        finally:
+            run.kill_group(signal.SIGKILL)
+        run_dir = run_dir or next(tmp_path.glob("i-*"))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["storage_keys_left"] == 0, summary.get("storage_keys_left_sample")
+    final = subprocess.run(
+        [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir), *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["storage_keys_left"] == 0
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    assert len({p["prompt_id"] for p in ledger}) == len(ledger)
+    per_step = collections.Counter(p["step"] for p in ledger if p["fate"] == "trained")
+    assert per_step == {k: 16 for k in range(steps)}, per_step
+    listing = _storage_list(cluster.address, env)
+    assert summary["storage_partition"] not in listing, listing  # dropped when it ended empty
+    assert listing.get("rollout") == ["sentinel"] and listing.get("other") == ["sentinel"], listing
