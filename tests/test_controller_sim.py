@@ -1029,6 +1029,16 @@ async def test_a_hung_generation_worker_is_replaced_and_the_run_loses_no_prompt(
     await assert_clean_end(ctl, trainer, storage)
 
 
+def _two_workers_g0_dies(worker_cls, *, after: int):
+    """A 6-step controller over two generation workers of `worker_cls`; g0 dies after `after` groups."""
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage, train_group_s=0.001)
+    faults = Faults(die_after={"g0": after})
+    gens = [worker_cls(f"g{i}", storage, group_s=0.002, faults=faults) for i in range(2)]
+    ctl = Controller(make_cfg(steps=6, P=4, G=2, L=1), sim_prompts(), storage, Workers(gens, trainer))
+    return ctl, gens, trainer, storage
+
+
 async def test_the_run_ends_without_waiting_for_a_worker_restart_under_way():
     """A restart may take `timeouts.setup_s` (minutes); the end of a run (here its last step; a
     SIGTERM's promise is 30 s) does not wait for it."""
@@ -1037,11 +1047,7 @@ async def test_the_run_ends_without_waiting_for_a_worker_restart_under_way():
         async def restart(self, weights):
             await asyncio.sleep(3600)
 
-    storage = InMemoryRowStorage()
-    _, trainer = sim_workers(storage, train_group_s=0.001)
-    faults = Faults(die_after={"g0": 2})
-    gens = [SlowRestart(f"g{i}", storage, group_s=0.002, faults=faults) for i in range(2)]
-    ctl = Controller(make_cfg(steps=6, P=4, G=2, L=1), sim_prompts(), storage, Workers(gens, trainer))
+    ctl, gens, trainer, storage = _two_workers_g0_dies(SlowRestart, after=2)
     summary = await asyncio.wait_for(ctl.run(), 20)
     assert summary.steps == 6 and ctl.state.counters.worker_deaths == 1
     assert ctl.state.health.restarting == set()
@@ -1056,11 +1062,7 @@ async def test_a_failed_restart_is_tried_again_while_restarts_remain():
                 raise GenerationFailed(f"{self.name}: restart failed once")
             await super().restart(weights)
 
-    storage = InMemoryRowStorage()
-    _, trainer = sim_workers(storage, train_group_s=0.001)
-    faults = Faults(die_after={"g0": 3})
-    gens = [FailsOnce(f"g{i}", storage, group_s=0.002, faults=faults) for i in range(2)]
-    ctl = Controller(make_cfg(steps=6, P=4, G=2, L=1), sim_prompts(), storage, Workers(gens, trainer))
+    ctl, gens, trainer, storage = _two_workers_g0_dies(FailsOnce, after=3)
     summary = await asyncio.wait_for(ctl.run(), 30)
     assert summary.steps == 6
     assert gens[0].restarts == 1 and ctl.state.health.given_up == set()

@@ -205,15 +205,17 @@ def _generation_actor_pids(session: int) -> list[int]:
     return out
 
 
-def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
-    proc = _start(
-        _cmd(tmp_path, "run.max_steps=14", "backend.num_generation_workers=2", "rollout.max_retries=0"), tmp_path
-    )
+def _signal_a_generation_worker_mid_run(tmp_path: Path, sig: int, steps: int, *overrides: str) -> list[dict]:
+    """Run `steps` steps with 2 generation workers and max_retries=0, send `sig` to one of them at
+    step 5; the run must finish with every prompt trained once and none dropped for a charged
+    failure (the worker's prompts went again uncharged). Returns the step records."""
+    workers = ("backend.num_generation_workers=2", "rollout.max_retries=0")
+    proc = _start(_cmd(tmp_path, f"run.max_steps={steps}", *workers, *overrides), tmp_path)
     try:
         _wait_for_step(proc, 5)
         victims = _generation_actor_pids(proc.pid)
         assert len(victims) == 2, victims
-        os.kill(victims[0], signal.SIGKILL)
+        os.kill(victims[0], sig)
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -221,12 +223,15 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out
     (run_dir,) = list(tmp_path.glob("embedded-*"))
-    by_id = _check_exactly_once(run_dir, 14)
-    # max_retries=0: a charged failure would have dropped its prompt; the dead worker's were re-dispatched
+    by_id = _check_exactly_once(run_dir, steps)
     assert not [p for p in by_id.values() if p["fate"] == "dropped" and p["reason"] != "run_ended"]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
+    records = _signal_a_generation_worker_mid_run(tmp_path, signal.SIGKILL, 14)
     # (whether groups were in flight on it at the kill is timing; the sim tests pin that they are
     # re-dispatched uncharged)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["rollout/worker_deaths"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1  # the dip is visible in the metrics
     # (the restart itself is tested in test_torch_ray.py: a new process takes seconds to import torch)
@@ -235,31 +240,13 @@ def test_kill_9_of_a_generation_worker_mid_run_costs_no_prompt(tmp_path):
 def test_sigstop_of_a_generation_worker_mid_run_replaces_it_and_costs_no_prompt(tmp_path):
     """A hung worker (SIGSTOP: alive, answering nothing) misses its deadlines: it is taken out of
     routing, killed and restarted, its prompts go again uncharged, and the run finishes."""
-    overrides = ("run.max_steps=200", "backend.num_generation_workers=2", "rollout.max_retries=0")
+    t0 = time.monotonic()
     deadlines = ("timeouts.generate_s=5", "timeouts.weight_sync_s=5")
-    proc = _start(_cmd(tmp_path, *overrides, *deadlines), tmp_path)
-    t_stop = None
-    try:
-        _wait_for_step(proc, 5)
-        victims = _generation_actor_pids(proc.pid)
-        assert len(victims) == 2, victims
-        os.kill(victims[0], signal.SIGSTOP)
-        t_stop = time.monotonic()
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-4000:]
-    assert "Traceback" not in out
-    (run_dir,) = list(tmp_path.glob("embedded-*"))
-    by_id = _check_exactly_once(run_dir, 200)
-    # max_retries=0: a charged failure would have dropped its prompt
-    assert not [p for p in by_id.values() if p["fate"] == "dropped" and p["reason"] != "run_ended"]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _signal_a_generation_worker_mid_run(tmp_path, signal.SIGSTOP, 200, *deadlines)
     assert records[-1]["rollout/worker_deaths"] == 1 and records[-1]["rollout/worker_restarts"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1
     assert records[-1]["rollout/workers_routable"] == 2  # replaced: both serve again at the end
-    print(f"SIGSTOP to the end of the run: {time.monotonic() - t_stop:.1f} s")
+    print(f"the whole run, SIGSTOP at step 5: {time.monotonic() - t0:.1f} s")
 
 
 def _actor_pids(session: int, cls: str) -> list[int]:
