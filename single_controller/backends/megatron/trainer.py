@@ -320,8 +320,8 @@ class MegatronTrainerCore:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resume state between steps: its parameter shard and optimizer state (the
-        abort snapshot's contents), RNG, next step."""
+        """This rank's resume state between steps: its parameter shard and optimizer state (a
+        `_Snapshot`: everything an optimizer step changes), RNG, next step."""
         self.steps.require_closed("state_dict")
         return {
             "layout": self.layout(),
