@@ -393,7 +393,9 @@ def test_sigterm_then_resume_on_attached_storage_leaves_no_key_and_loses_no_prom
     partition gone at the end (no key left); the foreign keys untouched."""
     import random
 
-    rng, env, steps = random.Random(1), cluster.env, 16
+    # 48 steps: three drives of at most a few step lines (~0.06 s each) + 0.3 s never reach the end,
+    # so every drive is interrupted, not finished (16 steps once let the third drive finish first)
+    rng, env, steps = random.Random(1), cluster.env, 48
     overrides = (f"run.max_steps={steps}", "checkpoint.every_steps=1000")
     run_dir = None
     for _ in range(3):
