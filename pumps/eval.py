@@ -41,9 +41,9 @@ from single_controller.types import GenerationRequest, GenerationResult, Prompt,
 PUMP = "eval"
 
 
-def eval_sampling(state: RunState, stop_token_id: int | None) -> SamplingParams:
+def eval_sampling(state: RunState, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     e = state.cfg.eval
-    return SamplingParams(e.num_samples, e.temperature, e.top_p, eval_max_new_tokens(state.cfg), stop_token_id)
+    return SamplingParams(e.num_samples, e.temperature, e.top_p, eval_max_new_tokens(state.cfg), stop_token_ids)
 
 
 def eval_metrics(results: Sequence[GenerationResult], success_reward: float) -> dict[str, float]:
@@ -123,11 +123,11 @@ async def eval_pump(
     tracker: EvalTracker,
     on_point: Callable[[EvalPoint], None],
     *,
-    stop_token_id: int | None = None,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> None:
     cfg = state.cfg.eval
     clk = state.pumps[PUMP]
-    sampling = eval_sampling(state, stop_token_id)
+    sampling = eval_sampling(state, stop_token_ids)
     evaluated: int | None = None  # the last version a point was reported (or a round abandoned) for
     due = 0
     try:

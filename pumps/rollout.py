@@ -61,13 +61,13 @@ class NoGenerationWorkers(RuntimeError):
     """Every generation worker is dead and none could be restarted."""
 
 
-def sampling_params(state: RunState, stop_token_id: int | None) -> SamplingParams:
+def sampling_params(state: RunState, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     r = state.cfg.rollout
-    return SamplingParams(r.group_size, r.temperature, r.top_p, r.max_new_tokens, stop_token_id)
+    return SamplingParams(r.group_size, r.temperature, r.top_p, r.max_new_tokens, stop_token_ids)
 
 
-async def rollout_pump(state: RunState, *, stop_token_id: int | None = None) -> None:
-    sampling = sampling_params(state, stop_token_id)
+async def rollout_pump(state: RunState, *, stop_token_ids: tuple[int, ...] = ()) -> None:
+    sampling = sampling_params(state, stop_token_ids)
     try:
         async with asyncio.TaskGroup() as children:
             flights = _Flights(state, children)

@@ -133,7 +133,7 @@ class Controller:
         storage: RowStorage,
         workers: Workers,
         *,
-        stop_token_id: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
         on_step: Callable[[dict], None] | None = None,
         clock: Callable[[], float] | None = None,
         run_dir: str | None = None,
@@ -157,7 +157,7 @@ class Controller:
             else PromptLedger(prompt_history)
         )
         self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
-        self.stop_token_id = stop_token_id
+        self.stop_token_ids = stop_token_ids
         self.on_step = on_step
         # The last HISTORY_KEPT step records (every record also goes to `on_step`, which streams it
         # to metrics.jsonl): the controller's memory stays flat over a long run.
@@ -207,7 +207,7 @@ class Controller:
         gc.freeze()
         try:
             async with asyncio.TaskGroup() as pumps:
-                tasks["rollout"] = pumps.create_task(rollout_pump(st, stop_token_id=self.stop_token_id))
+                tasks["rollout"] = pumps.create_task(rollout_pump(st, stop_token_ids=self.stop_token_ids))
                 tasks["advantage"] = pumps.create_task(advantage_pump(st))
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
@@ -219,7 +219,7 @@ class Controller:
                             self.eval_prompts,
                             self.eval_tracker,
                             self._record_eval,
-                            stop_token_id=self.stop_token_id,
+                            stop_token_ids=self.stop_token_ids,
                         )
                     )
         except BaseException as e:

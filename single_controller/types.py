@@ -18,6 +18,10 @@ class Prompt:
     prompt_id: str
     token_ids: tuple[int, ...]
     answer: str = ""  # what the reward function needs to score a response (small)
+    # The prompt as the dataset gave it (a string or a list of {role, content} messages); None: decode token_ids.
+    raw_prompt: Any = None
+    # The dataset's other columns, passed to reward functions by name.
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0.0 means greedy (argmax), as in vLLM; logprobs are then reported at temperature 1
     top_p: float = 1.0
     max_new_tokens: int = 3
-    stop_token_id: int | None = None  # generation of a row ends after this token
+    stop_token_ids: tuple[int, ...] = ()  # generation of a row ends after any of these tokens (e.g. every EOS)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
+from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
 from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
 from single_controller.backends.torch.model import build_policy, load_hf_policy, save_policy, state_module  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
@@ -69,13 +70,21 @@ def test_model_dir_problems_name_what_is_wrong(tmp_path, model_dir):
     (problem,) = hf_model.model_dir_problems(small, vllm_cpu=True)
     assert "head_dim 16" in problem and "vLLM's CPU attention" in problem
 
-    other = tmp_path / "other_vocab"
+    other = tmp_path / "other_vocab"  # a 19-token model given a 300-token tokenizer
     hf_model.init_model(other, hidden_size=64)
-    data = json.loads((other / "tokenizer.json").read_text())
-    data["model"]["vocab"] = {k: (v + 1) % TOKENIZER.vocab_size for k, v in data["model"]["vocab"].items()}
-    (other / "tokenizer.json").write_text(json.dumps(data))
+    write_bpe_tokenizer(other, 300)
     (problem,) = hf_model.model_dir_problems(other)
-    assert "does not match the tasks' character tokenizer" in problem
+    assert f"vocab_size {TOKENIZER.vocab_size} < the tokenizer's 300 tokens" in problem
+
+
+def test_a_built_in_task_with_a_model_of_another_tokenizer_is_refused_before_anything_starts(tmp_path):
+    bpe = hf_model.init_model(tmp_path / "bpe", hidden_size=64, tokenizer="bpe", vocab_size=300)
+    with pytest.raises(ConfigError, match="(?s)character tokenizer, but the model in.*has another"):
+        check_environment(load_config(None, [f"model.path={bpe}"]))
+    new = f"model.path={tmp_path / 'new'}"
+    with pytest.raises(ConfigError, match="(?s)model.create would write a BPE"):
+        check_environment(load_config(None, [new, "model.create=true", "model.tokenizer=bpe"]))
+    check_environment(load_config(None, [new, "model.create=true"]))  # auto: char for a built-in task
 
 
 def test_bad_model_dirs_are_reported_before_anything_starts(tmp_path, model_dir):

@@ -40,7 +40,7 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
         request(0),
         request(1, n=3, temperature=0.8, top_p=0.9),
         request(2, n=2, prompt=four_digit, max_new_tokens=4),
-        request(3, n=5, max_new_tokens=6, stop_token_id=TOKENIZER.eos_id),
+        request(3, n=5, max_new_tokens=6, stop_token_ids=(TOKENIZER.eos_id,)),
     ]
     results = core.generate(reqs)
     assert storage.statistics().puts == 1 and storage.statistics().rows_put == 4 + 3 + 2 + 5
@@ -55,10 +55,10 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
         ):
             assert prompt_ids.tolist() == list(req.prompt.token_ids)
             assert mask.all() and len(mask) == len(ids) == len(lp) <= req.sampling.max_new_tokens
-            stop = req.sampling.stop_token_id
-            if stop is not None and len(ids) < req.sampling.max_new_tokens:
-                assert ids[-1] == stop and (ids[:-1] != stop).all()
-            text = TOKENIZER.decode(ids[:-1] if stop is not None and ids[-1] == stop else ids)
+            stop = req.sampling.stop_token_ids
+            if stop and len(ids) < req.sampling.max_new_tokens:
+                assert ids[-1] in stop and not any(t in stop for t in ids[:-1].tolist())
+            text = TOKENIZER.decode(ids[:-1] if stop and ids[-1] in stop else ids)
             assert storage.tags(k) == {}  # provenance is in the row itself: its key and token_versions
             assert (rows["token_versions"][req.row_keys.index(k)] == 3).all()
             assert positional_match_reward(req.prompt, text) == pytest.approx(

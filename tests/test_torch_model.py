@@ -63,7 +63,7 @@ def test_generation_logprobs_equal_trainer_logprobs(temperature, top_p, stop):
         max_new_tokens=6,
         temperature=temperature,
         top_p=top_p,
-        stop_token_id=stop,
+        stop_token_ids=() if stop is None else (stop,),
         generator=torch.Generator().manual_seed(0),
     )
     rows = [out.row(i) for i in range(len(prompts))]
@@ -83,7 +83,7 @@ def test_stop_token_masks_the_rest_of_the_row():
         m.tok_emb.weight[TOKENIZER.eos_id] = 1.0
         m.ln_f.weight.zero_()
         m.ln_f.bias.copy_(m.tok_emb.weight[TOKENIZER.eos_id] * 30)
-    out = sample(m, _prompts(4), max_new_tokens=5, stop_token_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+    out = sample(m, _prompts(4), max_new_tokens=5, stop_token_ids=(TOKENIZER.eos_id,), pad_id=TOKENIZER.pad_id)
     assert out.lengths.tolist() == [1, 1, 1, 1]
     assert out.mask.tolist() == [[True] + [False] * 4] * 4
     assert out.tokens[:, 1:].eq(TOKENIZER.pad_id).all() and out.logprobs[:, 1:].eq(0).all()

@@ -105,13 +105,13 @@ def model_directory(cfg: Config) -> list[Problem]:
                 )
             )
         return out
-    longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
+    if cfg.data.train_files:
+        longest = (cfg.data.max_prompt_tokens or 0) + cfg.rollout.max_new_tokens
+    else:
+        longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
     for msg in hf_model.model_dir_problems(m.path, vllm_cpu=vllm_cpu, min_positions=longest):
         out.append(Problem(("model.path",), f"model.path: {msg}"))
     return out
-
-
-CHECKS: tuple[Check, ...] = (backend_packages, model_directory)
 
 
 # ---------------------------------------------------------------- Megatron on this machine
@@ -199,3 +199,58 @@ MEGATRON_CHECKS: tuple[Check, ...] = (
     megatron_cpu_emulation_without_cuda,
     megatron_ranks_fit_the_gpus,
 )
+
+
+# ---------------------------------------------------------------- prompts and the model's tokenizer
+
+
+def _tokenizer_if_available(cfg: Config):
+    """The run's tokenizer, or None while `model.create` has not written the directory yet."""
+    from single_controller.data.tokenizer import load_tokenizer
+
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        return None
+    return load_tokenizer(cfg.model.path)
+
+
+def dataset_files(cfg: Config) -> list[Problem]:
+    """`data.train_files` / `data.eval_files` load: files, columns, prompt shapes, unique ids, the
+    chat template (rendered with the model's tokenizer when its directory exists already)."""
+    from single_controller.data.files import file_prompts
+
+    out = []
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
+        if not files:
+            continue
+        try:
+            file_prompts(files, cfg.data, _tokenizer_if_available(cfg), key)
+        except (ValueError, OSError, ImportError) as e:  # DatasetError, a duplicate id, an unreadable file
+            out.append(Problem((key,), f"{key}: {e}"))
+    return out
+
+
+def task_speaks_the_models_tokenizer(cfg: Config) -> list[Problem]:
+    """The built-in digit tasks' prompts are character-tokenizer ids: their model must use that tokenizer."""
+    from single_controller.data.tokenizer import is_char_tokenizer_dir
+
+    m = cfg.model
+    if cfg.data.train_files or cfg.task.name not in DIGIT_TASKS or m.path is None:
+        return []
+    exists = (Path(m.path) / "config.json").is_file()
+    if exists and is_char_tokenizer_dir(m.path):
+        return []
+    if not exists and (not m.create or m.tokenizer != "bpe"):
+        return []
+    what = "model.create would write a BPE tokenizer" if not exists else f"the model in {m.path!r} has another"
+    return [
+        Problem(
+            ("task.name", "model.path"),
+            f"task {cfg.task.name!r} is written in the digit tasks' character tokenizer, but {what}: give the "
+            "prompts as a dataset file (data.train_files; examples/chat_model/ has reverse_digits as chat "
+            "prompts), or use a character-tokenizer model (model.tokenizer=char; `sc-grpo init-model "
+            "--tokenizer char`)",
+        )
+    ]
+
+
+CHECKS: tuple[Check, ...] = (backend_packages, model_directory, task_speaks_the_models_tokenizer, dataset_files)

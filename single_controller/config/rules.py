@@ -112,7 +112,7 @@ def heads_divide_the_hidden_size(cfg: Config) -> Problem | None:
 
 def sequences_fit_the_model(cfg: Config) -> Problem | None:
     """A digit task's longest sequence (prompt + new tokens, eval's included when on) fits max_seq_len."""
-    if cfg.task.name not in DIGIT_TASKS:
+    if cfg.task.name not in DIGIT_TASKS or cfg.data.train_files:
         return None
     r = cfg.rollout
     longest = cfg.task.num_digits + 2 + max(r.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
@@ -278,8 +278,9 @@ def eval_dataset_yields_prompts(cfg: Config) -> Problem | None:
     from single_controller.data.tasks import check_unique_prompt_ids, eval_dataset_name, load_eval_dataset
 
     e = cfg.eval
-    if not e.enabled and e.dataset is None:
-        return None  # the default held-out split is only looked up when eval is on
+    if cfg.data.eval_files or (not e.enabled and e.dataset is None):
+        # files are checked with the machine (`environment.dataset_files`); the default split only with eval on
+        return None
     name = eval_dataset_name(cfg.task.name, e.dataset)
     paths = ("eval.dataset",) if e.dataset is not None else ("eval.dataset", "task.name")
     try:

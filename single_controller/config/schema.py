@@ -68,6 +68,35 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training prompts from dataset files (`.jsonl`, `.json`, `.parquet`), in place of `task.name`;
+    empty: the task's generated prompts. Each row has a prompt column (`prompt_key`: a string, or a
+    list of `{role, content}` messages), an answer column (`answer_key`) and optionally an id column;
+    every other column is passed to the reward functions by name."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out prompts for the eval pump from dataset files (same columns), in place of `eval.dataset`."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages `{role, content}`."""
+    answer_key: str | None = "answer"
+    """Column holding what the reward scores against (`Prompt.answer`); null: no answer column."""
+    id_key: str | None = None
+    """Column holding a unique prompt id (refused if two rows share one); null: `<file stem>-<row>`."""
+    chat_template: bool = True
+    """Render string prompts through the tokenizer's chat template as one user message (with
+    `add_generation_prompt`); false: encode them raw. Chat-message prompts always use the template."""
+    system_prompt: str | None = None
+    """A system message put before every templated prompt that has none (null: none)."""
+    max_prompt_tokens: PositiveInt | None = None
+    """Longest prompt, in tokens after the template; longer ones are handled by `overlong_prompts`.
+    Also bounds the vLLM engine's context (`max_prompt_tokens + rollout.max_new_tokens`). Null: no limit
+    but the model's positions."""
+    overlong_prompts: Literal["filter", "error"] = "filter"
+    """A prompt over `max_prompt_tokens`: `filter` drops it (counted in the run's start record and
+    `summary.json` as `data_prompts_too_long`), `error` refuses the dataset, naming the row."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     d_model: PositiveInt = 64
     """Hidden size of the embedded tiny transformer."""
@@ -88,6 +117,13 @@ class ModelConfig:
     """When `path` does not exist yet, write a random-init tiny model there first (as `sc-grpo
     init-model` does): architecture `arch`, hidden size `d_model`, `n_layers` layers, `n_heads` heads
     (head_dim = d_model / n_heads), `max_seq_len` positions, seeded by `seed`."""
+    tokenizer: Literal["auto", "bpe", "char"] = "auto"
+    """Tokenizer `create` writes: `bpe` (byte-level BPE, digits split one per token, a ChatML chat
+    template: an instruct model's layout), `char` (the built-in digit tasks' character tokenizer:
+    those tasks need it), or `auto`: `bpe` when the prompts come from `data.train_files`, else `char`."""
+    tokenizer_vocab_size: Annotated[int, Ge(259)] = 512
+    """Tokens of the `bpe` tokenizer `create` writes (256 bytes + 3 special + merges; 259: no merges,
+    every letter its own token)."""
     arch: Literal["llama", "gpt2"] = "llama"
     """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU) or `gpt2`
     (GPT2LMHeadModel: learned absolute positions, like the embedded TinyGPT); untied embeddings."""
@@ -385,6 +421,7 @@ class Config:
     """Seed of the model init, the prompt order and sampling."""
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

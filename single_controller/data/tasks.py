@@ -61,6 +61,25 @@ class CharTokenizer:
     def eos_id(self) -> int:
         return self.alphabet.index(EOS_CHAR)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        from single_controller.data.tokenizer import NoChatTemplate
+
+        raise NoChatTemplate(
+            "the character tokenizer of the embedded model has no chat template: give string prompts with "
+            "data.chat_template=false, or a model directory whose tokenizer has one (`sc-grpo init-model`)"
+        )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def encode(self, text: str) -> list[int]:
         try:
             return [self.alphabet.index(ch) for ch in text]

@@ -50,17 +50,16 @@ class PromptStream:
     draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
 
     def __init__(self, cfg: Config):
-        from single_controller.data.tasks import check_unique_prompt_ids, load_eval_prompts, load_task
+        from single_controller.data.sources import eval_prompts, train_prompts
 
-        self.pool = list(load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed))
-        check_unique_prompt_ids(self.pool, f"task dataset {cfg.task.name!r}")  # the pool is finite: all at once
+        loaded = train_prompts(cfg)
+        self.pool, self.too_long = loaded.prompts, loaded.too_long
         if cfg.eval.enabled:
-            held_out = {p.token_ids for p in load_eval_prompts(cfg)}
+            held_out = {p.token_ids for p in eval_prompts(cfg)}
             self.pool = [p for p in self.pool if p.token_ids not in held_out]
             if not self.pool:
-                raise ValueError(
-                    f"every prompt of task {cfg.task.name!r} is also an eval prompt: nothing left to train on"
-                )
+                what = "data.train_files" if cfg.data.train_files else f"task {cfg.task.name!r}"
+                raise ValueError(f"every prompt of {what} is also an eval prompt: nothing left to train on")
         self._rng = random.Random(cfg.seed)
         self.epoch = -1
         self.cursor = 0
@@ -81,7 +80,7 @@ class PromptStream:
             self._new_epoch()
         p = self.pool[self._order[self.cursor]]
         self.cursor += 1
-        return Prompt(f"e{self.epoch}-{p.prompt_id}", p.token_ids, p.answer)
+        return Prompt(f"e{self.epoch}-{p.prompt_id}", p.token_ids, p.answer, p.raw_prompt, p.columns)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
@@ -144,10 +143,14 @@ class ControllerHost:
         self._storage: TQRowStorage | None = None
         self._started_tq = False
         self.setup_times: dict[str, float] = {}
+        self.data_prompts_too_long = 0  # dataset prompts over data.max_prompt_tokens, dropped at load
 
     async def setup(self) -> dict:
         cfg = self.cfg
         prompts = PromptStream(cfg)  # a dataset it refuses (e.g. a repeated prompt id) stops the run before any worker
+        self.data_prompts_too_long = prompts.too_long
+        if prompts.too_long:
+            log.warning("dropped %d dataset prompt(s) longer than data.max_prompt_tokens", prompts.too_long)
         if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
             storage, gens, trainer = self._sim_workers()
         else:
@@ -155,22 +158,23 @@ class ControllerHost:
         # Imported only now (torch, via the ledger's row schema): the worker processes were started
         # first, so their own imports run beside this one.
         from single_controller.controller import Controller
-        from single_controller.data.tasks import TOKENIZER, load_eval_prompts
+        from single_controller.data.sources import eval_prompts
+        from single_controller.data.tokenizer import load_tokenizer
         from single_controller.state import Workers
 
-        stop = TOKENIZER.eos_id if cfg.rollout.stop_at_eos else None
+        stop = load_tokenizer(cfg.model.path).eos_ids if cfg.rollout.stop_at_eos else ()
         saved = await self._load_checkpoint(trainer, prompts) if self.resume else None
         self.controller = Controller(
             cfg,
             prompts,
             storage,
             Workers(gens, trainer),
-            stop_token_id=stop,
+            stop_token_ids=stop,
             on_step=self._on_step,
             run_dir=self.run_dir,
             resume=saved,
             dataloader_state=prompts.state,
-            eval_prompts=load_eval_prompts(cfg) if cfg.eval.enabled else (),
+            eval_prompts=eval_prompts(cfg) if cfg.eval.enabled else (),
             on_eval=self._on_step,
             wall_offset_s=self.wall_offset_s,
             # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
@@ -311,6 +315,7 @@ class ControllerHost:
             "checkpoint": asdict(checkpoint) if checkpoint is not None else None,
             "resumed_from": self.resumed_from,
             "prompts": asdict(st.prompts),
+            "data_prompts_too_long": self.data_prompts_too_long,
             "storage": asdict(st.storage),
             "teardown_errors": list(controller.state.teardown_errors),
             "eval": controller.eval_history[-1] if controller.eval_history else None,

@@ -69,7 +69,7 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     if cfg.model.path is not None and cfg.model.create:
         from single_controller.backends.common.hf_model import prepare_model_dir
 
-        if prepare_model_dir(cfg.model, cfg.seed):
+        if prepare_model_dir(cfg.model, cfg.seed, data_files=bool(cfg.data.train_files)):
             say(f"wrote a random-init model to {cfg.model.path}")
     code, run_path = _run_once(cfg, resume_dir)
     for attempt in range(1, cfg.run.auto_resume + 1):

@@ -24,13 +24,24 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+# A tokenizer transformers can load: the fast tokenizer file, a SentencePiece model, or a BPE vocabulary.
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Head sizes vLLM's CPU attention backend runs (measured: head_dim 16 fails with "Unsupported CPU
 # attention configuration"); any head size runs on a GPU.
 # RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
 # dimensions barely turn over 10 positions, leaving the model little positional signal.
 ROPE_THETA = 100.0
 ARCHS = ("llama", "gpt2")
+# `bpe`: a byte-level BPE with a chat template, as instruct models ship (`data.bpe`); `char`: the digit
+# tasks' character tokenizer (what the built-in tasks and the embedded model speak).
+TOKENIZER_KINDS = ("bpe", "char")
 VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, *range(160, 513, 16)})
 
 
@@ -57,8 +68,6 @@ def positions_of(config: dict[str, Any]) -> int:
 def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_positions: int = 0) -> list[str]:
     """Everything wrong with `path` as a run's model directory (empty: usable). `vllm_cpu`: also
     check that vLLM's CPU attention supports its head size; `min_positions`: the longest sequence."""
-    from single_controller.data.tasks import TOKENIZER
-
     p = Path(path)
     if not p.is_dir():
         return [f"model directory {str(p)!r} does not exist (create one with `sc-grpo init-model {p}`)"]
@@ -73,23 +82,17 @@ def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_position
             out.append(f"{p / CONFIG_FILE} is not readable JSON: {e}")
     if not list(p.glob("*.safetensors")):
         out.append(f"model directory {str(p)!r} has no *.safetensors weights")
-    if not (p / "tokenizer.json").is_file():
+    tokens = None
+    if not any((p / name).is_file() for name in TOKENIZER_SOURCES):
         out.append(
-            f"model directory {str(p)!r} has no tokenizer (tokenizer.json); every backend needs the "
-            "tokenizer next to the weights (`sc-grpo init-model` writes one)"
+            f"model directory {str(p)!r} has no tokenizer ({' or '.join(TOKENIZER_SOURCES)}); every backend "
+            "loads the tokenizer from the model directory (`sc-grpo init-model` writes one)"
         )
-    else:
+    elif (p / "tokenizer.json").is_file():
         try:
-            vocab = json.loads((p / "tokenizer.json").read_text())["model"]["vocab"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            tokens = tokenizer_json_size(p / "tokenizer.json")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             out.append(f"{p / 'tokenizer.json'} has no readable vocabulary: {e!r}")
-        else:
-            want = {ch: i for i, ch in enumerate(TOKENIZER.alphabet)}
-            if vocab != want:
-                out.append(
-                    f"the tokenizer in {str(p)!r} does not match the tasks' character tokenizer "
-                    f"(token i must be {TOKENIZER.alphabet!r}[i]); write the model with `sc-grpo init-model`"
-                )
     if config is not None:
         try:
             hd = head_dim_of(config)
@@ -99,9 +102,9 @@ def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_position
                     "80, 96, 112, 128, 160..512 in steps of 16); use a model with head_dim 32, e.g. "
                     "hidden_size 64 with 2 attention heads"
                 )
-            if int(config.get("vocab_size", 0)) < TOKENIZER.vocab_size:
+            if tokens is not None and int(config.get("vocab_size", 0)) < tokens:
                 out.append(
-                    f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {TOKENIZER.vocab_size}"
+                    f"{p / CONFIG_FILE}: vocab_size {config.get('vocab_size')} < the tokenizer's {tokens} tokens"
                 )
             if positions_of(config) < min_positions:
                 out.append(
@@ -111,6 +114,15 @@ def model_dir_problems(path: str | Path, *, vllm_cpu: bool = False, min_position
         except (KeyError, TypeError, ValueError) as e:
             out.append(f"{p / CONFIG_FILE} lacks a field every backend needs: {e!r}")
     return out
+
+
+def tokenizer_json_size(path: str | Path) -> int:
+    """Token ids a `tokenizer.json` can produce: 1 + its largest id (vocabulary and added tokens)."""
+    data = json.loads(Path(path).read_text())
+    vocab = data["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE/WordLevel, Unigram
+    ids += [int(t["id"]) for t in data.get("added_tokens") or ()]
+    return 1 + max(ids)
 
 
 def write_tokenizer(directory: str | Path) -> None:
@@ -142,6 +154,8 @@ def init_model(
     init_std: float = 0.02,
     rope_theta: float = ROPE_THETA,
     arch: str = "llama",
+    tokenizer: str = "char",
+    vocab_size: int = 512,
 ) -> Path:
     """Write a random-init causal LM (untied embeddings, float32) and the character tokenizer into
     `directory` (created; existing files are overwritten). Returns the directory.
@@ -154,6 +168,9 @@ def init_model(
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
+    tok = (tokenizer, vocab_size)
     sizes = dict(
         hidden_size=hidden_size,
         num_layers=num_layers,
@@ -162,9 +179,9 @@ def init_model(
         max_positions=max_positions,
     )
     if arch == "gpt2":
-        return _write(directory, _gpt2_config(**sizes, init_std=init_std), transformers.GPT2LMHeadModel, seed)
+        return _write(directory, _gpt2_config(**sizes, init_std=init_std), transformers.GPT2LMHeadModel, seed, tok)
     config = _llama_config(**sizes, init_std=init_std, head_dim=head_dim, rope_theta=rope_theta)
-    return _write(directory, config, transformers.LlamaForCausalLM, seed)
+    return _write(directory, config, transformers.LlamaForCausalLM, seed, tok)
 
 
 def _gpt2_config(
@@ -230,20 +247,38 @@ def _llama_config(
     )
 
 
-def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
+def _write(directory: str | Path, config: Any, model_cls: Any, seed: int, tokenizer: tuple[str, int]) -> Path:
+    """The tokenizer first (its size and special ids go into `config`), then the random-init weights."""
     import torch
 
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    kind, vocab_size = tokenizer
+    if kind == "bpe":
+        from single_controller.data.bpe import EOS_TOKEN, PAD_TOKEN, write_bpe_tokenizer
+
+        config.vocab_size = write_bpe_tokenizer(out, vocab_size, seed=0)  # the same tokenizer for every seed
+        vocab = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+        ids = {t["content"]: int(t["id"]) for t in vocab}
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = None, ids[EOS_TOKEN], ids[PAD_TOKEN]
+    else:
+        write_tokenizer(out)
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
         torch.manual_seed(seed)
         model = model_cls(config).float()
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    write_tokenizer(out)
     return out
 
 
-def prepare_model_dir(model_cfg, seed: int) -> bool:
+def created_tokenizer(kind: str, data_files: bool) -> str:
+    """`model.tokenizer` resolved: `auto` is `bpe` for prompts from dataset files, else `char` (the
+    built-in digit tasks speak the character tokenizer)."""
+    if kind != "auto":
+        return kind
+    return "bpe" if data_files else "char"
+
+
+def prepare_model_dir(model_cfg, seed: int, data_files: bool = False) -> bool:
     """Write the model `model.create` asks for when `model.path` does not exist yet (into a temporary
     sibling first, then renamed: a crash never leaves a half-written directory). True if written."""
     if model_cfg.path is None or not model_cfg.create or Path(model_cfg.path).exists():
@@ -260,6 +295,8 @@ def prepare_model_dir(model_cfg, seed: int) -> bool:
         seed=seed,
         init_std=model_cfg.init_std,
         arch=model_cfg.arch,
+        tokenizer=created_tokenizer(model_cfg.tokenizer, bool(data_files)),
+        vocab_size=model_cfg.tokenizer_vocab_size,
     )
     tmp.rename(target)
     return True
@@ -270,7 +307,7 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(str(out), safe_serialization=True)
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, "tokenizer.model", "vocab.json", "merges.txt"):
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, out / name)
     return out
@@ -293,6 +330,14 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument(
+        "--tokenizer",
+        choices=TOKENIZER_KINDS,
+        default="bpe",
+        help="bpe: byte-level BPE, digits split, ChatML chat template (default); char: the digit tasks' "
+        "character tokenizer (what the built-in tasks need)",
+    )
+    parser.add_argument("--vocab-size", type=int, default=512, help="bpe only: 259 = no merges (letters split)")
     args = parser.parse_args(argv)
     if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
         parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
@@ -310,6 +355,8 @@ def main_init_model(argv: list[str] | None = None) -> int:
         seed=args.seed,
         rope_theta=args.rope_theta,
         arch=args.arch,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
     )
     cfg = read_config(path)
     hidden = cfg["hidden_size"] if "hidden_size" in cfg else cfg["n_embd"]

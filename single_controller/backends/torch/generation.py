@@ -43,7 +43,8 @@ from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
 from single_controller.config.schema import ModelConfig
-from single_controller.data.tasks import TOKENIZER, CharTokenizer, load_callable
+from single_controller.data.tasks import TOKENIZER, load_callable
+from single_controller.data.tokenizer import RunTokenizer, load_tokenizer
 from single_controller.protocols import GenerationFailed, RewardFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
@@ -74,7 +75,7 @@ class GenerationCore:
         storage: Any,
         reward_fn: Callable | str,
         *,
-        tokenizer: CharTokenizer = TOKENIZER,
+        tokenizer: RunTokenizer = TOKENIZER,
         seed: int = 0,
         version: int | None = None,
         name: str = "torch generation",
@@ -132,7 +133,7 @@ class GenerationCore:
         passes: dict[tuple, list[int]] = collections.defaultdict(list)
         for i, r in enumerate(requests):
             s = r.sampling
-            passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_id)].append(i)
+            passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids)].append(i)
         # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
         # tensors are split from the pass's outputs in one call per field (slicing them row by row
         # cost ~10 us a row); every storage copies what it is given.
@@ -148,7 +149,7 @@ class GenerationCore:
                 max_new_tokens=max_new,
                 temperature=1.0 if greedy else temperature,
                 top_p=top_p,
-                stop_token_id=stop,
+                stop_token_ids=stop,
                 pad_id=self.tokenizer.pad_id,
                 generator=self.generator,
                 greedy=greedy,
@@ -161,9 +162,7 @@ class GenerationCore:
                 for _ in range(requests[i].sampling.n):
                     n = lengths[row]
                     # The reward sees the text without a final stop token.
-                    text_ids = token_lists[row][
-                        : n - 1 if stop is not None and n and token_lists[row][n - 1] == stop else n
-                    ]
+                    text_ids = token_lists[row][: n - 1 if n and token_lists[row][n - 1] in stop else n]
                     responses[i].append((ids[row], lps[row], masks[row], self.tokenizer.decode(text_ids), n))
                     row += 1
 
@@ -280,7 +279,12 @@ class GenerationActor:
             policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
         # The storage client connects on first use (or connect()): storage may still be starting.
         self._core = GenerationCore(
-            policy.requires_grad_(False), LazyRowStorage(storage_factory), reward_fn, seed=seed, name=name
+            policy.requires_grad_(False),
+            LazyRowStorage(storage_factory),
+            reward_fn,
+            tokenizer=load_tokenizer(model_cfg.path),
+            seed=seed,
+            name=name,
         )
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = (

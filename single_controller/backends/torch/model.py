@@ -253,7 +253,15 @@ def build_tinygpt(cfg: ModelConfig, vocab_size: int, seed: int) -> TinyGPT:
     if cfg.checkpoint is None:
         return TinyGPT(cfg, vocab_size, seed=seed)
     model = load_tinygpt(cfg.checkpoint)
-    want = dataclasses.replace(cfg, checkpoint=None, path=None, create=False, arch=ModelConfig.arch)
+    want = dataclasses.replace(
+        cfg,
+        checkpoint=None,
+        path=None,
+        create=False,
+        arch=ModelConfig.arch,
+        tokenizer=ModelConfig.tokenizer,
+        tokenizer_vocab_size=ModelConfig.tokenizer_vocab_size,
+    )
     if model.cfg != want or model.vocab_size != vocab_size:
         raise ValueError(
             f"checkpoint {cfg.checkpoint} has {model.cfg} (vocab {model.vocab_size}); "

@@ -7,7 +7,7 @@ policy. The trainer computes the same quantity (`model.token_logprobs` with the 
 for identical weights and tokens the two agree to float rounding; top-p only restricts which tokens
 can be drawn (as vLLM reports logprobs), which keeps every importance ratio finite.
 
-A row that emits `stop_token_id` stops: the stop token is its last real token, and every later
+A row that emits one of `stop_token_ids` stops: the stop token is its last real token, and every later
 position has `mask` False, token `pad_id` and logprob 0. `SampleOutput.row(i)` gives the real tokens
 of row i (up to and including the stop token). Sampling ends early once every row has stopped.
 """
@@ -53,7 +53,7 @@ def sample(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
-    stop_token_id: int | None = None,
+    stop_token_ids: tuple[int, ...] = (),
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     greedy: bool = False,
@@ -73,6 +73,7 @@ def sample(
     logprobs = torch.zeros(B, max_new_tokens)
     mask = torch.zeros(B, max_new_tokens, dtype=torch.bool)
     alive = torch.ones(B, dtype=torch.bool)  # [B] rows that have not emitted the stop token
+    stops = torch.tensor(stop_token_ids, dtype=torch.long) if stop_token_ids else None
     cache = policy.new_cache(B, Tp + max_new_tokens)
     logits = policy.forward_cached(prompt_ids, cache)[:, -1]  # [B, V]
     for t in range(max_new_tokens):
@@ -82,8 +83,8 @@ def sample(
         tokens[:, t] = tok.masked_fill(~alive, pad_id)
         logprobs[:, t] = logp.gather(1, tok[:, None]).squeeze(1).masked_fill(~alive, 0.0).float()
         mask[:, t] = alive
-        if stop_token_id is not None:
-            alive = alive & (tok != stop_token_id)
+        if stops is not None:
+            alive = alive & ~torch.isin(tok, stops)
         if t + 1 == max_new_tokens or not alive.any():
             break
         logits = policy.forward_cached(tok[:, None], cache)[:, -1]  # [B, V]

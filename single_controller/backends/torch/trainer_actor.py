@@ -23,7 +23,7 @@ from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import build_policy, save_policy, state_module
 from single_controller.backends.torch.trainer import TrainerCore, TrainerStatistics
 from single_controller.config.schema import Config
-from single_controller.data.tasks import TOKENIZER
+from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import TrainStepStateError
 from single_controller.types import LossConfig
 
@@ -73,7 +73,7 @@ class TrainerRankActor(RankStepCalls):
             )
             pg = dist.group.WORLD
         device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
-        policy = build_policy(self.cfg.model, TOKENIZER.vocab_size, seed=self.cfg.seed).to(
+        policy = build_policy(self.cfg.model, load_tokenizer(self.cfg.model.path).vocab_size, seed=self.cfg.seed).to(
             device=device, dtype=self.dtype
         )
         self.core = TrainerCore(

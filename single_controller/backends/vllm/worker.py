@@ -7,7 +7,7 @@ thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, 
 
 * `generate_many(requests)`: each group is one engine request with n = G, sampled-token logprobs
   (`processed_logprobs`: log_softmax(logits / temperature), what the trainer recomputes). When a
-  group finishes, its completions are decoded with the tasks' tokenizer, scored by the reward
+  group finishes, its completions are decoded with the model directory's tokenizer, scored by the reward
   function here, and ALL groups finished in one engine step are written in ONE put (fields
   `GENERATION_FIELDS`, keys `request.row_keys`; empty `row_keys`: score only, store nothing).
   Returns one `GenerationResult` (or the `GenerationFailed` that ended it) per request: a group
@@ -48,7 +48,8 @@ from single_controller.backends.common.weights import WeightSnapshot, resolve_sn
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.config.schema import Config
-from single_controller.data.tasks import TOKENIZER, load_callable
+from single_controller.data.tasks import load_callable
+from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
@@ -87,6 +88,19 @@ def checkpoint_names(model_dir: str) -> set[str]:
     return names
 
 
+def max_model_len(cfg: Config, positions: int) -> int:
+    """The engine's context: the model's positions, or less when the data bounds the sequences
+    (`data.max_prompt_tokens` + the most new tokens; for the digit tasks, `model.max_seq_len`)."""
+    from single_controller.config.schema import eval_max_new_tokens
+
+    if cfg.data.train_files:
+        if cfg.data.max_prompt_tokens is None:
+            return positions
+        new = max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
+        return min(positions, cfg.data.max_prompt_tokens + new)
+    return min(positions, cfg.model.max_seq_len)
+
+
 def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
     v, path = cfg.vllm, cfg.model.path
@@ -100,7 +114,7 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
         dtype="float32",
         seed=seed,
         enforce_eager=v.enforce_eager,
-        max_model_len=min(positions, cfg.model.max_seq_len),
+        max_model_len=max_model_len(cfg, positions),
         max_num_seqs=v.max_num_seqs,
         distributed_executor_backend="uni",  # the engine in this process: nothing to clean up elsewhere
         worker_extension_cls="single_controller.backends.vllm.extension.WeightLoader",
@@ -128,6 +142,7 @@ class VllmGenerationActor:
             raise ValueError("the vLLM backend needs model.path (a Hugging Face model directory)")
         self.name, self.cfg = name, cfg
         self.reward_fn = load_callable(cfg.task.reward_fn)
+        self.tokenizer = load_tokenizer(cfg.model.path)  # the model directory's, as the engine's own
         self.storage = LazyRowStorage(storage_factory)
         self._names = checkpoint_names(cfg.model.path)
         # Everything the engine runs (start, steps, weight loads) runs on ONE thread: vLLM's CPU
@@ -210,9 +225,9 @@ class VllmGenerationActor:
             top_p=s.top_p,
             max_tokens=s.max_new_tokens,
             logprobs=0,  # the sampled token's own logprob
-            ignore_eos=True,  # the task decides what ends a completion: stop_token_id or the length
-            stop_token_ids=[s.stop_token_id] if s.stop_token_id is not None else None,
-            detokenize=False,  # decoded with the tasks' tokenizer, one character per token
+            ignore_eos=True,  # the run decides what ends a completion: stop_token_ids or the length
+            stop_token_ids=list(s.stop_token_ids) or None,
+            detokenize=False,  # decoded for the reward with the model directory's tokenizer (load_tokenizer)
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -340,7 +355,7 @@ class VllmGenerationActor:
 
     def _rows(self, g: _Group, out: Any) -> tuple[dict[str, list], GenerationResult]:
         req = g.request
-        stop = req.sampling.stop_token_id
+        stop = req.sampling.stop_token_ids
         prompt = torch.tensor(req.prompt.token_ids, dtype=torch.long)
         cols: dict[str, list] = {
             k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "reward")
@@ -359,13 +374,13 @@ class VllmGenerationActor:
             versions = [self.version] * len(ids)
             for span in c.weight_versions or ():
                 versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
-            text_ids = ids[:-1] if stop is not None and ids and ids[-1] == stop else ids
+            text_ids = ids[:-1] if ids and ids[-1] in stop else ids
             cols["prompt_ids"].append(prompt)
             cols["response_ids"].append(torch.tensor(ids, dtype=torch.long))
             cols["gen_logprobs"].append(torch.tensor(lps, dtype=torch.float32))
             cols["response_mask"].append(torch.ones(len(ids), dtype=torch.bool))
             cols["token_versions"].append(torch.tensor(versions, dtype=torch.long))
-            texts.append(TOKENIZER.decode(text_ids))
+            texts.append(self.tokenizer.decode(text_ids))
         # RewardFailed for this group alone: `_store` delivers it to the group's caller
         cols["reward"] = list(score_group(self.reward_fn, req.prompt, texts, req.group_id, self.name))
         all_versions = [v for t in cols["token_versions"] for v in t.tolist()] or [self.version]

@@ -1,0 +1,155 @@
+"""Prompts from dataset files: JSONL, JSON and parquet, rendered to token ids with the model's tokenizer.
+
+Contract:
+* `read_records(path)` reads one file as a list of dicts: `.jsonl` (one JSON object per line),
+  `.json` (a list of objects, or `{"data": [...]}`), `.parquet`. Parquet goes through `pyarrow`
+  (`pyarrow.parquet`), the reference reader of the format, light next to HF `datasets` (which
+  would bring fsspec, multiprocess and a cache directory for what is a read of a few MB); JSON and
+  JSONL go through the standard library, which keeps nested chat messages exactly as written.
+* `file_prompts(files, data_cfg, tokenizer, what)` makes `Prompt`s: the prompt column
+  (`data.prompt_key`) is a string or a list of `{role, content}` messages; messages always go
+  through the tokenizer's chat template (`add_generation_prompt=True`), a string does when
+  `data.chat_template` is true (as one user message), else it is encoded raw. `data.system_prompt`,
+  when set, is prepended as a system message (to templated prompts). `answer` comes from
+  `data.answer_key`; ids from `data.id_key` (else `<file stem>-<line>`); every other column rides
+  along in `Prompt.columns` for the reward functions; `Prompt.raw_prompt` keeps the prompt as given.
+* Refused at load, each with one error naming file, row and column: a missing file, a missing
+  prompt/answer/id column, a prompt that is neither a string nor a list of messages, duplicate ids
+  (`tasks.check_unique_prompt_ids`), a chat prompt with a tokenizer that has no chat template.
+* Prompts longer than `data.max_prompt_tokens` are dropped and counted (`LoadedPrompts.too_long`),
+  or refused when `data.overlong_prompts` is `error`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from single_controller.data.tokenizer import NoChatTemplate, RunTokenizer
+from single_controller.types import Prompt
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DatasetError(ValueError):
+    """A dataset file or one of its rows cannot make prompts (named in the message)."""
+
+
+@dataclass(frozen=True)
+class LoadedPrompts:
+    prompts: list[Prompt]
+    too_long: int  # prompts dropped for exceeding data.max_prompt_tokens
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a JSONL, JSON or parquet file, as dicts."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset file {str(p)!r} does not exist")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows: list = pq.read_table(p).to_pylist()
+    elif suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise DatasetError(f"{p}:{n}: not a JSON object: {e}") from None
+    elif suffix == ".json":
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise DatasetError(f"{p}: not JSON: {e}") from None
+        rows = data.get("data") if isinstance(data, dict) else data
+        if not isinstance(rows, list):
+            raise DatasetError(f"{p}: a .json dataset is a list of objects (or {{'data': [...]}})")
+    else:
+        raise DatasetError(f"dataset file {str(p)!r}: unknown format {suffix!r} (use one of {', '.join(SUFFIXES)})")
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{p}: row {n} is a {type(row).__name__}, not an object with columns")
+    return rows
+
+
+def _messages(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """`value` as chat messages, None when it is a string; refuses anything else."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) for m in value):
+        for m in value:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DatasetError(f"{where}: a chat message needs string 'role' and 'content', got {dict(m)!r}")
+        return [dict(m) for m in value]
+    raise DatasetError(f"{where}: the prompt is a {type(value).__name__}; expected a string or a list of messages")
+
+
+def render_prompt(value: Any, data_cfg, tokenizer: RunTokenizer, where: str) -> list[int]:
+    """Token ids of one prompt as the config says (chat template or raw)."""
+    messages = _messages(value, where)
+    if messages is None and not data_cfg.chat_template:
+        return tokenizer.encode_prompt(value)
+    if messages is None:
+        messages = [{"role": "user", "content": value}]
+    if data_cfg.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
+    try:
+        return tokenizer.render_chat(messages, add_generation_prompt=True)
+    except NoChatTemplate as e:
+        raise DatasetError(f"{where}: {e}") from None
+
+
+def _column(row: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in row:
+        raise DatasetError(f"{where}: no column {key!r} (columns: {sorted(row)})")
+    return row[key]
+
+
+def _row_prompt(
+    row: Mapping[str, Any], data_cfg, tokenizer: RunTokenizer | None, where: str, default_id: str
+) -> Prompt:
+    raw = _column(row, data_cfg.prompt_key, where)
+    answer = "" if data_cfg.answer_key is None else _column(row, data_cfg.answer_key, where)
+    pid = default_id if data_cfg.id_key is None else str(_column(row, data_cfg.id_key, where))
+    used = {data_cfg.prompt_key, data_cfg.answer_key, data_cfg.id_key}
+    columns = {k: v for k, v in row.items() if k not in used}
+    if tokenizer is None:  # checked, not rendered (the model directory is not written yet)
+        _messages(raw, where)
+        ids: list[int] = []
+    else:
+        ids = render_prompt(raw, data_cfg, tokenizer, where)
+    return Prompt(pid, tuple(ids), answer if isinstance(answer, str) else json.dumps(answer), raw, columns)
+
+
+def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None, what: str) -> LoadedPrompts:
+    """The prompts of `files` in order (ids unique over all of them), overlong ones dropped or refused.
+    `tokenizer=None` checks the rows (columns, prompt shapes, ids) without rendering them."""
+    from single_controller.data.tasks import check_unique_prompt_ids
+
+    prompts: list[Prompt] = []
+    too_long = 0
+    limit = data_cfg.max_prompt_tokens
+    for f in files:
+        for n, row in enumerate(read_records(f), 1):
+            where = f"{what} {f}, row {n}"
+            p = _row_prompt(row, data_cfg, tokenizer, where, f"{Path(f).stem}-{n:06d}")
+            if limit is not None and len(p.token_ids) > limit:
+                if data_cfg.overlong_prompts == "error":
+                    raise DatasetError(
+                        f"{where}: the prompt has {len(p.token_ids)} tokens, more than data.max_prompt_tokens={limit} "
+                        "(data.overlong_prompts=filter drops such prompts instead)"
+                    )
+                too_long += 1
+                continue
+            prompts.append(p)
+    if not prompts:
+        why = f" ({too_long} longer than {limit} tokens)" if too_long else ""
+        raise DatasetError(f"{what} {list(files)}: no prompt left{why}")
+    check_unique_prompt_ids(prompts, f"{what} {list(files)}")
+    return LoadedPrompts(prompts, too_long)
