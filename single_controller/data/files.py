@@ -151,5 +151,8 @@ def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None,
     if not prompts:
         why = f" ({too_long} longer than {limit} tokens)" if too_long else ""
         raise DatasetError(f"{what} {list(files)}: no prompt left{why}")
-    check_unique_prompt_ids(prompts, f"{what} {list(files)}")
+    try:
+        check_unique_prompt_ids(prompts, f"{what} {list(files)}")
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
     return LoadedPrompts(prompts, too_long)

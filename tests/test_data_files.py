@@ -1,0 +1,143 @@
+"""Dataset files (`data.train_files`): JSONL/JSON/parquet, chat templates, columns, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from single_controller.config.loader import ConfigError, check_environment, load_config
+from single_controller.config.schema import DataConfig
+from single_controller.data.bpe import write_bpe_tokenizer
+from single_controller.data.files import DatasetError, file_prompts, read_records
+from single_controller.data.tasks import TOKENIZER
+from single_controller.data.tokenizer import load_tokenizer
+
+ROWS = [
+    {"id": "a", "prompt": [{"role": "user", "content": "123"}], "answer": "321", "level": 1},
+    {"id": "b", "prompt": "456", "answer": 654, "level": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bpe")
+    write_bpe_tokenizer(d, 300)
+    return load_tokenizer(str(d))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_three_formats_read_the_same_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"id": "a", "prompt": [{"role": "user", "content": "1"}], "answer": "1"},
+        {"id": "b", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "2"}], "answer": "2"},
+    ]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "w.json").write_text(json.dumps({"data": rows}))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for f in (jsonl, tmp_path / "d.json", tmp_path / "w.json", tmp_path / "d.parquet"):
+        assert read_records(f) == rows, f
+
+
+def test_chat_prompts_are_the_templates_token_ids_and_columns_ride_along(tmp_path, bpe):
+    f = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = DataConfig(train_files=[f], id_key="id", system_prompt="Reverse.")
+    a, b = file_prompts([f], cfg, bpe, "data.train_files").prompts
+    chat = bpe.tok.apply_chat_template(
+        [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "123"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert chat.endswith("<|im_start|>assistant\n")
+    assert list(a.token_ids) == bpe.tok.encode(chat, add_special_tokens=False)
+    assert (a.prompt_id, a.answer, a.raw_prompt, dict(a.columns)) == ("a", "321", ROWS[0]["prompt"], {"level": 1})
+    assert b.answer == "654" and b.raw_prompt == "456"  # a string prompt is one user message
+    assert bpe.decode(b.token_ids) == "system\nReverse.\nuser\n456\nassistant\n"  # special tokens skipped
+    raw = file_prompts([f], DataConfig(chat_template=False, id_key="id"), bpe, "x").prompts[1]
+    assert list(raw.token_ids) == bpe.encode("456") and all(t in bpe.encode("0123456789") for t in raw.token_ids)
+
+
+def test_digits_are_split_one_per_token(bpe):
+    ids = bpe.encode("2026 is 1000")
+    digits = [bpe.decode([i]) for i in ids if bpe.decode([i]).strip().isdigit()]
+    assert digits == list("20261000")
+
+
+@pytest.mark.parametrize(
+    "rows, kwargs, match",
+    [
+        ([{"id": "a", "answer": "1"}], {}, r"row 1: no column 'prompt' \(columns: \['answer', 'id'\]\)"),
+        ([{"id": "a", "prompt": "1"}], {}, r"row 1: no column 'answer'"),
+        ([{"prompt": "1", "answer": "1"}], {}, r"row 1: no column 'id'"),
+        (
+            [{"id": "a", "prompt": 5, "answer": "1"}],
+            {},
+            r"the prompt is a int; expected a string or a list of messages",
+        ),
+        ([{"id": "a", "prompt": [{"role": "user"}], "answer": "1"}], {}, r"needs string 'role' and 'content'"),
+        (
+            [{"id": "a", "prompt": "1", "answer": "1"}, {"id": "a", "prompt": "2", "answer": "2"}],
+            {},
+            r"'a' \(2 times\)",
+        ),
+        ([{"id": "a", "prompt": "1" * 40, "answer": "1"}], {"overlong_prompts": "error"}, r"row 1: the prompt has \d+"),
+    ],
+)
+def test_bad_rows_are_refused_naming_file_row_and_column(tmp_path, bpe, rows, kwargs, match):
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DatasetError, match=match):
+        file_prompts([f], DataConfig(id_key="id", max_prompt_tokens=20, **kwargs), bpe, "data.train_files")
+
+
+def test_overlong_prompts_are_dropped_and_counted(tmp_path, bpe):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1" * n, "answer": ""} for n in (1, 30, 2, 40)])
+    loaded = file_prompts([f], DataConfig(max_prompt_tokens=20), bpe, "data.train_files")
+    assert [p.prompt_id for p in loaded.prompts] == ["d-000001", "d-000003"] and loaded.too_long == 2
+
+
+def test_a_chat_prompt_for_a_tokenizer_without_a_template_is_refused(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    with pytest.raises(DatasetError, match="has no chat template"):
+        file_prompts([f], DataConfig(id_key="id"), TOKENIZER, "data.train_files")
+
+
+def problem(*overrides: str) -> str:
+    """The environment check's error for a config, its lines joined (messages wrap at 100 columns)."""
+    with pytest.raises(ConfigError) as e:
+        check_environment(load_config(None, list(overrides)))
+    return " ".join(str(e.value).split())
+
+
+def test_bad_dataset_files_are_one_clear_error_before_anything_starts(tmp_path):
+    msg = problem(f"data.train_files=[{tmp_path / 'nope.jsonl'}]")
+    assert f"data.train_files: dataset file '{tmp_path / 'nope.jsonl'}' does not exist" in msg
+    f = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    # the embedded model's character tokenizer has no chat template
+    msg = problem(f"data.train_files=[{f}]", "data.id_key=id")
+    assert f"data.train_files {f}, row 1: the character tokenizer of the embedded model has no chat template" in msg
+    (tmp_path / "x.csv").write_text("")
+    msg = problem(f"data.eval_files=[{tmp_path / 'x.csv'}]", "eval.enabled=true")
+    assert f"data.eval_files: dataset file '{tmp_path / 'x.csv'}': unknown format '.csv'" in msg
+
+
+def test_the_dataloader_over_files_keeps_columns_and_its_exact_position(tmp_path, bpe):
+    from single_controller.runtime.actor_host import PromptStream
+
+    rows = [{"id": f"r{i}", "prompt": str(i), "answer": str(i)[::-1], "n": i} for i in range(7)]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = load_config(None, [f"data.train_files=[{f}]", "data.id_key=id", "data.chat_template=false"])
+    stream = PromptStream(cfg)
+    taken = [next(stream) for _ in range(10)]  # into the second epoch
+    assert {p.prompt_id for p in taken[:7]} == {f"e0-r{i}" for i in range(7)}
+    assert all(p.columns == {"n": int(p.raw_prompt)} and p.answer == p.raw_prompt[::-1] for p in taken)
+    again = PromptStream(cfg)
+    again.seek(6)
+    assert [next(again) for _ in range(4)] == taken[6:]
