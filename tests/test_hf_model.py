@@ -3,8 +3,6 @@ run starts, and the torch trainer + torch generation worker on that same model."
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="the HF model directory needs transformers (the `hf` extra)")
@@ -15,12 +13,12 @@ import torch  # noqa: E402
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
-from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
 from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
 from single_controller.backends.torch.model import build_policy, load_hf_policy, save_policy, state_module  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import ConfigError, check_environment, load_config  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.runtime.cli import main as cli_main  # noqa: E402
 from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402

@@ -18,7 +18,7 @@ from single_controller.backends import registry
 from single_controller.backends.common import hf_model
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.rules import DIGIT_TASKS
-from single_controller.config.schema import Config
+from single_controller.config.schema import Config, prompts_from_data
 
 __all__ = ["CHECKS", "MEGATRON_CHECKS", "check_environment", "environment_problems"]
 
@@ -105,7 +105,7 @@ def model_directory(cfg: Config) -> list[Problem]:
                 )
             )
         return out
-    if cfg.data.train_files:
+    if prompts_from_data(cfg):
         longest = (cfg.data.max_prompt_tokens or 0) + cfg.rollout.max_new_tokens
     else:
         longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
@@ -219,6 +219,13 @@ def dataset_files(cfg: Config) -> list[Problem]:
     from single_controller.data.files import file_prompts
 
     out = []
+    if cfg.data.reasoning_gym.task is not None:
+        from single_controller.data.reasoning_gym_source import rg_prompts
+
+        try:
+            rg_prompts(cfg, _tokenizer_if_available(cfg), "train")
+        except (ValueError, ImportError) as e:
+            out.append(Problem(("data.reasoning_gym",), str(e)))
     for key, files in (("data.train_files", cfg.data.train_files), ("data.eval_files", cfg.data.eval_files)):
         if not files:
             continue
@@ -234,7 +241,7 @@ def task_speaks_the_models_tokenizer(cfg: Config) -> list[Problem]:
     from single_controller.data.tokenizer import is_char_tokenizer_dir
 
     m = cfg.model
-    if cfg.data.train_files or cfg.task.name not in DIGIT_TASKS or m.path is None:
+    if prompts_from_data(cfg) or cfg.task.name not in DIGIT_TASKS or m.path is None:
         return []
     exists = (Path(m.path) / "config.json").is_file()
     if exists and is_char_tokenizer_dir(m.path):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from single_controller.config.problems import Problem
-from single_controller.config.schema import Config, eval_max_new_tokens, required_capacity
+from single_controller.config.schema import Config, eval_max_new_tokens, prompts_from_data, required_capacity
 
 __all__ = ["DIGIT_TASKS", "RULES", "Rule", "rule_problems"]
 
@@ -112,7 +112,7 @@ def heads_divide_the_hidden_size(cfg: Config) -> Problem | None:
 
 def sequences_fit_the_model(cfg: Config) -> Problem | None:
     """A digit task's longest sequence (prompt + new tokens, eval's included when on) fits max_seq_len."""
-    if cfg.task.name not in DIGIT_TASKS or cfg.data.train_files:
+    if cfg.task.name not in DIGIT_TASKS or prompts_from_data(cfg):
         return None
     r = cfg.rollout
     longest = cfg.task.num_digits + 2 + max(r.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
@@ -337,6 +337,16 @@ def reward_fn_resolves(cfg: Config) -> Problem | None:
     return None
 
 
+def one_source_of_prompts(cfg: Config) -> Problem | None:
+    d = cfg.data
+    if not (d.train_files and d.reasoning_gym.task is not None):
+        return None
+    return Problem(
+        ("data.train_files", "data.reasoning_gym.task"),
+        "data.train_files and data.reasoning_gym.task both name the training prompts: keep one",
+    )
+
+
 def checkpoint_exists(cfg: Config) -> Problem | None:
     ckpt = cfg.model.checkpoint
     if ckpt is None or (Path(ckpt) / "config.json").is_file():
@@ -373,6 +383,7 @@ RULES: tuple[Rule, ...] = (
     task_resolves,
     reward_fn_resolves,
     checkpoint_exists,
+    one_source_of_prompts,
 )
 
 

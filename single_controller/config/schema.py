@@ -12,7 +12,7 @@ defaults elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Interval
 
@@ -68,6 +68,30 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class ReasoningGymConfig:
+    task: str | None = None
+    """A reasoning-gym task (`spell_backward`, `basic_arithmetic`, ... any of its procedural datasets)
+    whose items are the training prompts, scored by that task's own `score_answer` (the
+    `reasoning_gym` reward); null: off."""
+    size: PositiveInt = 1000
+    """Items in the training set (the dataloader cycles through them in epochs)."""
+    seed: Count | None = None
+    """Seed of the training items (null: the run's `seed`); the eval items use seed + 1 (with eval on,
+    any training item whose prompt is also an eval prompt is dropped: the two are disjoint)."""
+    eval_size: PositiveInt = 64
+    """Items in the held-out eval set (eval.enabled)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The task's own options (e.g. `{min_word_len: 3, max_word_len: 4}` for spell_backward)."""
+    template: str = "{question}"
+    """The prompt, as a Python format string over the item: `{question}`, `{answer}` or metadata fields
+    as `{metadata[word]}` (compact prompts for tiny models, which cannot read long instructions)."""
+    extract: Literal["answer_tag", "last_line", "full"] = "answer_tag"
+    """What of a completion is scored: `answer_tag` the text inside the last `<answer>...</answer>`
+    (the whole completion when there is none), `last_line` its last non-empty line, `full` all of it
+    (stripped)."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
     """Training prompts from dataset files (`.jsonl`, `.json`, `.parquet`), in place of `task.name`;
@@ -91,6 +115,8 @@ class DataConfig:
     """Longest prompt, in tokens after the template; longer ones are handled by `overlong_prompts`.
     Also bounds the vLLM engine's context (`max_prompt_tokens + rollout.max_new_tokens`). Null: no limit
     but the model's positions."""
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """Training (and eval) prompts built by a reasoning-gym task, in place of files and `task.name`."""
     overlong_prompts: Literal["filter", "error"] = "filter"
     """A prompt over `max_prompt_tokens`: `filter` drops it (counted in the run's start record and
     `summary.json` as `data_prompts_too_long`), `error` refuses the dataset, naming the row."""
@@ -444,6 +470,12 @@ def required_capacity(cfg: Config) -> int:
     """Groups the lookahead can have resident at once: every live group targets one of the steps
     v .. v+L, each holding at most groups_per_step, so fewer slots can deadlock a refill."""
     return (cfg.sampler.max_lookahead_versions + 1) * cfg.train.groups_per_step
+
+
+def prompts_from_data(cfg: Config) -> bool:
+    """The training prompts come from `data` (files or a reasoning-gym task), rendered with the
+    model's tokenizer, not from `task.name`'s generator."""
+    return bool(cfg.data.train_files) or cfg.data.reasoning_gym.task is not None
 
 
 def eval_max_new_tokens(cfg: Config) -> int:

@@ -1,6 +1,9 @@
 """Where a run's prompts come from: dataset files (`data.train_files`), or the task's generator.
 
 Contract:
+* Sources, first match: `data.reasoning_gym.task` (`reasoning_gym_source`), `data.train_files`
+  (`files`), else the task's generator (`task.name`). Eval: `data.eval_files`, else the reasoning-gym
+  task's held-out items, else `eval.dataset` / the task's held-out split.
 * `train_prompts(cfg)` is the training pool (`LoadedPrompts`: the prompts and how many were too
   long); `eval_prompts(cfg)` the held-out ones (`data.eval_files`, else `eval.dataset` / the task's
   held-out split, `eval.num_prompts` at most). Both tokenize with the model's own tokenizer
@@ -34,6 +37,10 @@ def data_limits(cfg):
 
 
 def train_prompts(cfg) -> LoadedPrompts:
+    if cfg.data.reasoning_gym.task is not None:
+        from single_controller.data.reasoning_gym_source import rg_prompts
+
+        return rg_prompts(dataclasses.replace(cfg, data=data_limits(cfg)), load_tokenizer(cfg.model.path), "train")
     if cfg.data.train_files:
         tokenizer = load_tokenizer(cfg.model.path)
         return file_prompts(cfg.data.train_files, data_limits(cfg), tokenizer, "data.train_files")
@@ -45,6 +52,11 @@ def train_prompts(cfg) -> LoadedPrompts:
 
 
 def eval_prompts(cfg) -> list[Prompt]:
+    if cfg.data.reasoning_gym.task is not None and not cfg.data.eval_files:
+        from single_controller.data.reasoning_gym_source import rg_prompts
+
+        loaded = rg_prompts(dataclasses.replace(cfg, data=data_limits(cfg)), load_tokenizer(cfg.model.path), "eval")
+        return loaded.prompts[: cfg.eval.num_prompts]
     if cfg.data.eval_files:
         tokenizer = load_tokenizer(cfg.model.path)
         loaded = file_prompts(cfg.data.eval_files, data_limits(cfg), tokenizer, "data.eval_files")

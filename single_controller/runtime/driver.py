@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from single_controller.config.schema import Config
+from single_controller.config.schema import Config, prompts_from_data
 from single_controller.errors import error_text
 from single_controller.runtime.console import ConsoleReporter, say
 from single_controller.runtime.records import is_eval_record
@@ -69,7 +69,7 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     if cfg.model.path is not None and cfg.model.create:
         from single_controller.backends.common.hf_model import prepare_model_dir
 
-        if prepare_model_dir(cfg.model, cfg.seed, data_files=bool(cfg.data.train_files)):
+        if prepare_model_dir(cfg.model, cfg.seed, data_files=prompts_from_data(cfg)):
             say(f"wrote a random-init model to {cfg.model.path}")
     code, run_path = _run_once(cfg, resume_dir)
     for attempt in range(1, cfg.run.auto_resume + 1):

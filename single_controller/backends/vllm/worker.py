@@ -91,9 +91,9 @@ def checkpoint_names(model_dir: str) -> set[str]:
 def max_model_len(cfg: Config, positions: int) -> int:
     """The engine's context: the model's positions, or less when the data bounds the sequences
     (`data.max_prompt_tokens` + the most new tokens; for the digit tasks, `model.max_seq_len`)."""
-    from single_controller.config.schema import eval_max_new_tokens
+    from single_controller.config.schema import eval_max_new_tokens, prompts_from_data
 
-    if cfg.data.train_files:
+    if prompts_from_data(cfg):
         if cfg.data.max_prompt_tokens is None:
             return positions
         new = max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
