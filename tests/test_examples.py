@@ -60,7 +60,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_the_examples_are_there_and_listed():
-    assert NAMES == ["custom_dataset", "custom_reward", "gpu", "hf_model"]
+    assert NAMES == ["chat_model", "custom_dataset", "custom_reward", "gpu", "hf_model"]
     listed = (EXAMPLES / "README.md").read_text()
     for name in NAMES:
         config = EXAMPLES / name / "config.yaml"
@@ -132,12 +132,36 @@ def test_custom_dataset_example_trains_the_files_prompts(tmp_path):
 def test_hf_model_example_trains_a_directory_written_by_init_model(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra")
     model = tmp_path / "model"
-    ok(sc_grpo("init-model", str(model), "--arch", "gpt2", "--hidden-size", "64", "--head-dim", "32", timeout=120))
+    init = ("init-model", str(model), "--arch", "gpt2", "--hidden-size", "64", "--head-dim", "32", "--tokenizer", "char")
+    ok(sc_grpo(*init, timeout=120))
     ok(sc_grpo("run", "examples/hf_model/config.yaml", f"model.path={model}", f"run.output_dir={tmp_path}", *QUICK))
     (run_dir,) = tmp_path.glob("hf_model-*")
     assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]
     saved = json.loads((run_dir / "checkpoint" / "config.json").read_text())
     assert saved["model_type"] == "gpt2" and (run_dir / "checkpoint" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_chat_model_example_trains_chat_prompts_of_a_bpe_model_it_writes(tmp_path):
+    model = tmp_path / "model"
+    ok(sc_grpo("run", "examples/chat_model/config.yaml", f"model.path={model}", f"run.output_dir={tmp_path}", *QUICK))
+    (run_dir,) = tmp_path.glob("chat_model-*")
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]
+    from single_controller.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(model))
+    assert tok.has_chat_template and tok.eos_ids == (tok.tok.convert_tokens_to_ids("<|im_end|>"),)
+    rows = {
+        json.loads(line)["id"]: json.loads(line)
+        for line in (EXAMPLES / "chat_model/train.jsonl").read_text().splitlines()
+    }
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    for p in ledger[:20]:
+        row = rows[p["prompt_id"].split("-", 1)[1]]
+        assert p["token_ids"] == tok.render_chat(row["prompt"]) and p["answer"] == row["answer"]
+    saved = json.loads((run_dir / "checkpoint" / "tokenizer_config.json").read_text())
+    assert "<|im_start|>assistant" in saved["chat_template"]  # the trained model keeps its template
 
 
 def _two_gpus() -> bool:
