@@ -38,6 +38,7 @@ import functools
 from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState
+from single_controller.config.schema import rollout_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import (
     GenerationFailed,
@@ -63,7 +64,8 @@ class NoGenerationWorkers(RuntimeError):
 
 def sampling_params(state: RunState, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     r = state.cfg.rollout
-    return SamplingParams(r.group_size, r.temperature, r.top_p, r.max_new_tokens, stop_token_ids)
+    new_tokens = rollout_max_new_tokens(state.cfg)
+    return SamplingParams(r.group_size, r.temperature, r.top_p, new_tokens, stop_token_ids)
 
 
 async def rollout_pump(state: RunState, *, stop_token_ids: tuple[int, ...] = ()) -> None:

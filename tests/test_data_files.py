@@ -117,11 +117,11 @@ def problem(*overrides: str) -> str:
 
 
 def test_bad_dataset_files_are_one_clear_error_before_anything_starts(tmp_path):
-    msg = problem(f"data.train_files=[{tmp_path / 'nope.jsonl'}]")
+    msg = problem(f"data.train_files=[{tmp_path / 'nope.jsonl'}]", "rollout.max_new_tokens=4")
     assert f"data.train_files: dataset file '{tmp_path / 'nope.jsonl'}' does not exist" in msg
     f = write_jsonl(tmp_path / "d.jsonl", ROWS)
     # the embedded model's character tokenizer has no chat template
-    msg = problem(f"data.train_files=[{f}]", "data.id_key=id")
+    msg = problem(f"data.train_files=[{f}]", "data.id_key=id", "rollout.max_new_tokens=4")
     assert f"data.train_files {f}, row 1: the character tokenizer of the embedded model has no chat template" in msg
     (tmp_path / "x.csv").write_text("")
     msg = problem(f"data.eval_files=[{tmp_path / 'x.csv'}]", "eval.enabled=true")
@@ -133,7 +133,9 @@ def test_the_dataloader_over_files_keeps_columns_and_its_exact_position(tmp_path
 
     rows = [{"id": f"r{i}", "prompt": str(i), "answer": str(i)[::-1], "n": i} for i in range(7)]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
-    cfg = load_config(None, [f"data.train_files=[{f}]", "data.id_key=id", "data.chat_template=false"])
+    cfg = load_config(
+        None, [f"data.train_files=[{f}]", "data.id_key=id", "data.chat_template=false", "rollout.max_new_tokens=2"]
+    )
     stream = PromptStream(cfg)
     taken = [next(stream) for _ in range(10)]  # into the second epoch
     assert {p.prompt_id for p in taken[:7]} == {f"e0-r{i}" for i in range(7)}

@@ -132,7 +132,8 @@ def test_custom_dataset_example_trains_the_files_prompts(tmp_path):
 def test_hf_model_example_trains_a_directory_written_by_init_model(tmp_path):
     pytest.importorskip("transformers", reason="the hf extra")
     model = tmp_path / "model"
-    init = ("init-model", str(model), "--arch", "gpt2", "--hidden-size", "64", "--head-dim", "32", "--tokenizer", "char")
+    init = ("init-model", str(model), "--arch", "gpt2", "--hidden-size", "64", "--head-dim", "32")
+    init += ("--tokenizer", "char")
     ok(sc_grpo(*init, timeout=120))
     ok(sc_grpo("run", "examples/hf_model/config.yaml", f"model.path={model}", f"run.output_dir={tmp_path}", *QUICK))
     (run_dir,) = tmp_path.glob("hf_model-*")

@@ -18,7 +18,7 @@ from single_controller.backends import registry
 from single_controller.backends.common import hf_model
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.rules import DIGIT_TASKS
-from single_controller.config.schema import Config, prompts_from_data
+from single_controller.config.schema import Config, prompts_from_data, rollout_max_new_tokens
 
 __all__ = ["CHECKS", "MEGATRON_CHECKS", "check_environment", "environment_problems"]
 
@@ -106,9 +106,9 @@ def model_directory(cfg: Config) -> list[Problem]:
             )
         return out
     if prompts_from_data(cfg):
-        longest = (cfg.data.max_prompt_tokens or 0) + cfg.rollout.max_new_tokens
+        longest = (cfg.data.max_prompt_tokens or 0) + rollout_max_new_tokens(cfg)
     else:
-        longest = cfg.task.num_digits + 2 + cfg.rollout.max_new_tokens if cfg.task.name in DIGIT_TASKS else 0
+        longest = cfg.task.num_digits + 2 + rollout_max_new_tokens(cfg) if cfg.task.name in DIGIT_TASKS else 0
     for msg in hf_model.model_dir_problems(m.path, vllm_cpu=vllm_cpu, min_positions=longest):
         out.append(Problem(("model.path",), f"model.path: {msg}"))
     return out

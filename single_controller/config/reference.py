@@ -64,12 +64,20 @@ def _section_rows(cls: type, docs: dict[str, dict[str, str]], missing: list[str]
     return rows
 
 
+def _sections(cls: type, prefix: str) -> list[tuple[str, type]]:
+    """(dotted name, class) of `cls` and of every section nested in it, depth first."""
+    out: list[tuple[str, type]] = [(prefix, cls)]
+    hints = fields.hints(cls)
+    for f in dataclasses.fields(cls):
+        if fields.is_section(hints[f.name]):
+            out += _sections(hints[f.name], f"{prefix}.{f.name}" if prefix else f.name)
+    return out
+
+
 def config_reference_markdown() -> str:
     """One markdown table per config section: field, type, default and the field's docstring."""
     docs = fields.field_docs()
-    hints = fields.hints(Config)
-    sections: list[tuple[str, type]] = [("", Config)]
-    sections += [(f.name, hints[f.name]) for f in dataclasses.fields(Config) if fields.is_section(hints[f.name])]
+    sections = _sections(Config, "")
     out = [
         f"<!-- generated from single_controller/config/schema.py by `{_COMMAND}`; do not edit by hand -->",
         "",

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from single_controller.config.problems import Problem
-from single_controller.config.schema import Config, eval_max_new_tokens, prompts_from_data, required_capacity
+from single_controller.config.schema import (
+    Config,
+    eval_max_new_tokens,
+    prompts_from_data,
+    required_capacity,
+    rollout_max_new_tokens,
+)
 
 __all__ = ["DIGIT_TASKS", "RULES", "Rule", "rule_problems"]
 
@@ -114,15 +120,15 @@ def sequences_fit_the_model(cfg: Config) -> Problem | None:
     """A digit task's longest sequence (prompt + new tokens, eval's included when on) fits max_seq_len."""
     if cfg.task.name not in DIGIT_TASKS or prompts_from_data(cfg):
         return None
-    r = cfg.rollout
-    longest = cfg.task.num_digits + 2 + max(r.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
+    new = rollout_max_new_tokens(cfg)
+    longest = cfg.task.num_digits + 2 + max(new, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
     if cfg.model.max_seq_len >= longest:
         return None
     return Problem(
         ("model.max_seq_len", "task.num_digits", "rollout.max_new_tokens"),
         f"model.max_seq_len ({cfg.model.max_seq_len}) is shorter than the longest sequence: "
         f"a {cfg.task.name} prompt has task.num_digits + 2 = {cfg.task.num_digits + 2} tokens, "
-        f"plus the most new tokens (rollout.max_new_tokens = {r.max_new_tokens}, or "
+        f"plus the most new tokens (rollout.max_new_tokens = {new}, or "
         f"eval.max_new_tokens when eval is on) gives {longest}",
     )
 
@@ -337,6 +343,16 @@ def reward_fn_resolves(cfg: Config) -> Problem | None:
     return None
 
 
+def data_prompts_set_their_new_tokens(cfg: Config) -> Problem | None:
+    if cfg.rollout.max_new_tokens is not None or not prompts_from_data(cfg):
+        return None
+    return Problem(
+        ("rollout.max_new_tokens",),
+        "rollout.max_new_tokens is null, which only the generated digit tasks resolve (to task.num_digits); "
+        "prompts from data.train_files or data.reasoning_gym need the completion budget set, e.g. 256",
+    )
+
+
 def one_source_of_prompts(cfg: Config) -> Problem | None:
     d = cfg.data
     if not (d.train_files and d.reasoning_gym.task is not None):
@@ -384,6 +400,7 @@ RULES: tuple[Rule, ...] = (
     reward_fn_resolves,
     checkpoint_exists,
     one_source_of_prompts,
+    data_prompts_set_their_new_tokens,
 )
 
 

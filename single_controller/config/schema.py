@@ -163,8 +163,10 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: Fraction = 1.0
     """Nucleus sampling mass (1.0 = full vocabulary)."""
-    max_new_tokens: PositiveInt = 3
-    """Tokens generated per completion at most."""
+    max_new_tokens: PositiveInt | None = None
+    """Tokens generated per completion at most. Null: `task.num_digits` for the generated tasks (their
+    answers' length); prompts from `data` (files, reasoning-gym) must set it (no toy default leaks into
+    a real run)."""
     stop_at_eos: bool = False
     """End a completion at the EOS token (otherwise exactly `max_new_tokens` are generated)."""
     max_in_flight_groups: PositiveInt = 32
@@ -480,7 +482,13 @@ def prompts_from_data(cfg: Config) -> bool:
 
 def eval_max_new_tokens(cfg: Config) -> int:
     """Tokens per eval completion: `eval.max_new_tokens`, or the rollouts' when null."""
-    return cfg.eval.max_new_tokens if cfg.eval.max_new_tokens is not None else cfg.rollout.max_new_tokens
+    return cfg.eval.max_new_tokens if cfg.eval.max_new_tokens is not None else rollout_max_new_tokens(cfg)
+
+
+def rollout_max_new_tokens(cfg: Config) -> int:
+    """Tokens per rollout completion: `rollout.max_new_tokens`, or the digit tasks' answer length when
+    null (config rule `data_prompts_set_their_new_tokens` refuses null for prompts from data)."""
+    return cfg.rollout.max_new_tokens if cfg.rollout.max_new_tokens is not None else cfg.task.num_digits
 
 
 def resolved_capacity(cfg: Config) -> int:

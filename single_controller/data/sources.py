@@ -23,7 +23,7 @@ from single_controller.types import Prompt
 def data_limits(cfg):
     """`cfg.data` with `max_prompt_tokens` bounded by what the model holds: its positions less the
     most new tokens (a longer prompt could never be generated from)."""
-    from single_controller.config.schema import eval_max_new_tokens
+    from single_controller.config.schema import eval_max_new_tokens, rollout_max_new_tokens
 
     if cfg.model.path is None:
         positions = cfg.model.max_seq_len
@@ -31,7 +31,7 @@ def data_limits(cfg):
         from single_controller.backends.common.hf_model import positions_of, read_config
 
         positions = positions_of(read_config(cfg.model.path)) or cfg.model.max_seq_len
-    room = positions - max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
+    room = positions - max(rollout_max_new_tokens(cfg), eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
     limit = room if cfg.data.max_prompt_tokens is None else min(room, cfg.data.max_prompt_tokens)
     return dataclasses.replace(cfg.data, max_prompt_tokens=max(1, limit))
 

@@ -91,12 +91,12 @@ def checkpoint_names(model_dir: str) -> set[str]:
 def max_model_len(cfg: Config, positions: int) -> int:
     """The engine's context: the model's positions, or less when the data bounds the sequences
     (`data.max_prompt_tokens` + the most new tokens; for the digit tasks, `model.max_seq_len`)."""
-    from single_controller.config.schema import eval_max_new_tokens, prompts_from_data
+    from single_controller.config.schema import eval_max_new_tokens, prompts_from_data, rollout_max_new_tokens
 
     if prompts_from_data(cfg):
         if cfg.data.max_prompt_tokens is None:
             return positions
-        new = max(cfg.rollout.max_new_tokens, eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
+        new = max(rollout_max_new_tokens(cfg), eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
         return min(positions, cfg.data.max_prompt_tokens + new)
     return min(positions, cfg.model.max_seq_len)
 
