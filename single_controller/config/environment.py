@@ -1,10 +1,11 @@
 """What a valid configuration needs from this machine before anything starts.
 
 `environment_problems(cfg)` lists what this machine lacks for `cfg`: the backends' packages (naming
-the pip extra that installs them), a usable model directory (`model.path`: exists with weights and a
-matching tokenizer, or `model.create` will write one with a head size the engine runs), and for the
-Megatron trainer a layout the model and the visible GPUs allow. `sc-grpo run` checks it before any
-process starts (`check_environment`); `load_config` does not, so every shipped config loads anywhere.
+the pip extra that installs them), the packages of `run.loggers`, a usable model directory
+(`model.path`: exists with weights and a matching tokenizer, or `model.create` will write one with a
+head size the engine runs), and for the Megatron trainer a layout the model and the visible GPUs
+allow. `sc-grpo run` checks it before any process starts (`check_environment`); `load_config` does
+not, so every shipped config loads anywhere.
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ def _how_to_install(cfg: Config, backend: str, extra: str) -> str:
     if backend == "vllm" and cfg.vllm.device == "cpu":
         how += " (with vllm.device=cuda, the `vllm` extra instead)"
     return how
+
+
+# The package each of `run.loggers` imports (as a module, as pip names it); jsonl needs none.
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def logger_packages(cfg: Config) -> list[Problem]:
+    """Each logger of `run.loggers` finds its package here, or the pip package is named."""
+    out: list[Problem] = []
+    for name in cfg.run.loggers:
+        package = LOGGER_PACKAGES.get(name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            out.append(
+                Problem(
+                    ("run.loggers",),
+                    f"run.loggers names {name}, which needs the `{package}` package, not installed: pip "
+                    f"install {package} (or the `loggers` extra: pip install -c constraints-cpu.txt -e '.[loggers]')",
+                )
+            )
+    return out
 
 
 # ---------------------------------------------------------------- the model directory
@@ -260,4 +281,10 @@ def task_speaks_the_models_tokenizer(cfg: Config) -> list[Problem]:
     ]
 
 
-CHECKS: tuple[Check, ...] = (backend_packages, model_directory, task_speaks_the_models_tokenizer, dataset_files)
+CHECKS: tuple[Check, ...] = (
+    backend_packages,
+    logger_packages,
+    model_directory,
+    task_speaks_the_models_tokenizer,
+    dataset_files,
+)

@@ -72,8 +72,11 @@ def base_type(tp: Any) -> Any:
 
 
 def choices_of(tp: Any) -> tuple[str, ...] | None:
-    """The words a `Literal[...]` field allows; None for other fields."""
+    """The words a `Literal[...]` field allows (each item of a `tuple[Literal[...], ...]` field); None
+    for other fields."""
     inner = base_type(tp)
+    if typing.get_origin(inner) is tuple:
+        return choices_of(typing.get_args(inner)[0])
     return typing.get_args(inner) if typing.get_origin(inner) is typing.Literal else None
 
 
@@ -112,14 +115,16 @@ def type_name(tp: Any) -> str:
     `` `retry` / `drop` ``."""
     inner, optional, _ = _strip(tp)
     choices = choices_of(inner)
-    if choices is not None:
-        name = " / ".join(f"`{c}`" for c in choices)
-    elif typing.get_origin(inner) is tuple:
+    if typing.get_origin(inner) is tuple:
         args = [base_type(a) for a in typing.get_args(inner)]
         if args and args[-1] is not Ellipsis and len(set(args)) == 1:
             name = f"list of {len(args)} {args[0].__name__}s"
+        elif choices is not None:
+            name = "list of " + " / ".join(f"`{c}`" for c in choices)
         else:
             name = "list"
+    elif choices is not None:
+        name = " / ".join(f"`{c}`" for c in choices)
     else:
         name = getattr(inner, "__name__", str(inner))
     return f"{name} or null" if optional else name

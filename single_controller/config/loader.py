@@ -289,11 +289,12 @@ def _numbers_as_text(values: dict[str, Any]) -> None:
 
 def _value_message(path: str, err: Any, value: Any) -> str:
     """What is wrong with one field's value, from pydantic's error and the field's declaration."""
-    if err["type"] == "literal_error":
-        choices = CHOICES[path]
-        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    if err["type"] == "literal_error":  # of the field, or of one item of a list of choices
+        choices, bad = CHOICES[path], err["input"]
+        close = difflib.get_close_matches(str(bad), choices, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"{path}: must be one of {', '.join(choices)}; got {value!r}{hint}"
+        what = "each item must" if isinstance(value, list) else "must"
+        return f"{path}: {what} be one of {', '.join(choices)}; got {bad!r}{hint}"
     if err["type"] in _BOUND_ERRORS:
         return f"{path}: must be {fields.bound_text(BOUNDS[path])}, got {err['input']!r}"
     reason = {"missing": "too few items", "too_long": "too many items"}.get(err["type"], err["msg"])

@@ -49,6 +49,14 @@ class RunConfig:
     starts again from its newest checkpoint, in the same process and run directory (Ray, the
     workers and the storage are started anew), and trains on; the prompt ledger stays exactly-once.
     0: it stops with a resumable checkpoint and the command that resumes it."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where each step's record goes besides the console (the driver writes them, never the controller):
+    `jsonl` is `metrics.jsonl`, always written whatever this says (resume, the plot and the benchmarks
+    read it); `tensorboard`: event files under `<run dir>/tensorboard/` (the `tensorboard` package);
+    `wandb`: a Weights & Biases run under `<run dir>/wandb/`, offline unless `WANDB_MODE` says otherwise
+    (the `wandb` package). A logger that fails is disabled with one warning; the run goes on."""
+    wandb_project: str | None = None
+    """The W&B project of a run with `wandb` in `loggers`; null: `run.name`."""
 
 
 @dataclass(frozen=True)

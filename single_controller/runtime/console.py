@@ -2,7 +2,9 @@
 
 Contract:
 - `say(message)` writes one of sc-grpo's own lines (`sc-grpo: <message>`): start-up, the summary
-  on stdout; with `err=True` an interrupt, a failure or where to look next on stderr. Diagnostics
+  on stdout; with `err=True` an interrupt, a failure or where to look next on stderr. Each line is
+  also a log record of `sc_grpo.driver` (INFO; WARNING with `err`), which a run's `run.log` keeps
+  (`runtime.logs.run_log`) and no console shows a second time. Diagnostics
   of the components go through `logging` instead (`runtime.logs`: shown with `sc-grpo run -v`),
   and the worker processes' output goes to files in the run directory (`backends.common.worker_logs`).
 - `ConsoleReporter(cfg)` prints one line per step (`step(record)`) from the run's records, plus a
@@ -12,20 +14,25 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
 
 from single_controller.config.schema import Config
+from single_controller.runtime.logs import line_logger
 from single_controller.runtime.records import EVAL_VERSION_KEY, STEP_KEY
 
 __all__ = ["ConsoleReporter", "format_eval_line", "format_step_line", "say"]
 
+_driver_lines = line_logger("driver")
+
 
 def say(message: str, *, err: bool = False) -> None:
-    """`sc-grpo: <message>` on stdout (stderr with `err`), flushed at once."""
+    """`sc-grpo: <message>` on stdout (stderr with `err`), flushed at once; also to run.log."""
     print(f"sc-grpo: {message}", file=sys.stderr if err else sys.stdout, flush=True)
+    _driver_lines.log(logging.WARNING if err else logging.INFO, message)
 
 
 # (metric key, label, format) in the order they appear on a step line

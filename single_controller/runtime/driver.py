@@ -12,8 +12,11 @@ the console: which pump, what happened, where the checkpoint is, how to resume, 
 logs are.
 
 The console carries sc-grpo's own lines only (`runtime.console`): start-up, one line per step, the
-summary, errors. The Ray processes of a run (the controller host, the workers) write their output
-to `<run dir>/logs/<name>.log` (`backends.common.worker_logs`), none of it to this console.
+summary, errors; `<run dir>/run.log` keeps them as log records (`runtime.logs.run_log`), with the
+sample completions the records carry. The Ray processes of a run (the controller host, the workers)
+write their output to `<run dir>/logs/<name>.log` (`backends.common.worker_logs`), none of it to this
+console. Each record also goes to the loggers of `run.loggers` (`runtime.loggers`: TensorBoard, W&B),
+here in the driver, off the controller's path.
 
 SIGTERM / SIGINT: the first one asks the controller to stop on the last finished step (the step in
 progress is aborted) and to checkpoint it; the run then exits normally with code 130. A second one,
@@ -41,10 +44,13 @@ from typing import Any
 from single_controller.config.schema import Config, prompts_from_data
 from single_controller.errors import error_text
 from single_controller.runtime.console import ConsoleReporter, say
-from single_controller.runtime.records import is_eval_record
+from single_controller.runtime.loggers import RecordLoggers, sample_of, sample_text
+from single_controller.runtime.logs import RUN_LOG, line_logger, run_log
+from single_controller.runtime.records import STEP_KEY, is_eval_record
 from single_controller.runtime.run_dir import RunDirectory
 
 log = logging.getLogger(__name__)
+step_lines, sample_lines, driver_lines = line_logger("steps"), line_logger("samples"), line_logger("driver")
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -76,7 +82,8 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
         why = _healable_failure(run_path) if code == EXIT_FAILED else None
         if why is None:
             break
-        say(f"auto-resume {attempt}/{cfg.run.auto_resume}: {why}; starting again from the newest checkpoint")
+        with run_log(Path(run_path) / RUN_LOG):
+            say(f"auto-resume {attempt}/{cfg.run.auto_resume}: {why}; starting again from the newest checkpoint")
         code, _ = _run_once(cfg, run_path)
     return code
 
@@ -107,36 +114,37 @@ def _run_once(cfg: Config, resume_dir: str | None) -> tuple[int, str]:
     """One drive of the run (a new run directory, or `resume_dir` resumed from its newest
     checkpoint): its exit code and its run directory."""
     t_start = time.perf_counter()
-    run_dir = _open_run_dir(cfg, resume_dir)
-    try:
-        if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
-            from single_controller.runtime.ray_session import new_event_loop
+    run_dir, opened = _open_run_dir(cfg, resume_dir)
+    with run_log(run_dir.path / RUN_LOG):
+        say(opened)
+        try:
+            if cfg.backend.generation == "sim":  # then the trainer is sim too (config validation)
+                from single_controller.runtime.ray_session import new_event_loop
 
-            with asyncio.Runner(loop_factory=new_event_loop) as runner:
-                code = runner.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
-        else:
-            code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
-    except KeyboardInterrupt:
-        say("interrupted; everything was shut down", err=True)
-        code = EXIT_INTERRUPTED
-    finally:
-        run_dir.close()
+                with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                    code = runner.run(_drive_local(cfg, run_dir, t_start, resume_dir is not None))
+            else:
+                code = _run_on_ray(cfg, run_dir, t_start, resume_dir is not None)
+        except KeyboardInterrupt:
+            say("interrupted; everything was shut down", err=True)
+            code = EXIT_INTERRUPTED
+        finally:
+            run_dir.close()
     return code, str(run_dir.path)
 
 
-def _open_run_dir(cfg: Config, resume_dir: str | None) -> RunDirectory:
-    """A new run directory, or `resume_dir` reopened at its newest checkpoint (checked first)."""
+def _open_run_dir(cfg: Config, resume_dir: str | None) -> tuple[RunDirectory, str]:
+    """A new run directory, or `resume_dir` reopened at its newest checkpoint (checked first); and
+    the console line that says which."""
     if resume_dir is None:
         run_dir = RunDirectory.create(cfg)
-        say(f"run directory {run_dir.path}")
-        return run_dir
+        return run_dir, f"run directory {run_dir.path}"
     from single_controller.checkpoint import latest_checkpoint, read_controller_state
 
     step = _check_resumable(cfg, resume_dir)  # before anything starts
     recovered = read_controller_state(latest_checkpoint(resume_dir)).get("records", [])
     run_dir = RunDirectory.reopen(resume_dir, cfg, from_step=step, recovered=recovered)
-    say(f"resuming {run_dir.path} from the checkpoint of step {step}")
-    return run_dir
+    return run_dir, f"resuming {run_dir.path} from the checkpoint of step {step}"
 
 
 def _check_resumable(cfg: Config, resume_dir: str) -> int:
@@ -223,7 +231,8 @@ async def _drive(
     on_interrupt: Callable[[Callable[[str], None]], None],
 ) -> int:
     """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
-    drive = _Drive(cfg, run_dir, t_start, call)
+    # the loggers start before the controller's setup (W&B's takes a second or two)
+    drive = _Drive(cfg, run_dir, t_start, call, RecordLoggers.open(cfg, run_dir))
     on_interrupt(drive.stop)
     try:
         await drive.run()
@@ -242,8 +251,15 @@ class _Drive:
     """One drive of a `ControllerHost` through `call(method, *args)`: its summary as it stands, the
     interrupts received, and the console lines of each stage."""
 
-    def __init__(self, cfg: Config, run_dir: RunDirectory, t_start: float, call: Callable[..., Awaitable[Any]]):
-        self.cfg, self.run_dir, self.t_start, self.call = cfg, run_dir, t_start, call
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: RunDirectory,
+        t_start: float,
+        call: Callable[..., Awaitable[Any]],
+        loggers: RecordLoggers,
+    ):
+        self.cfg, self.run_dir, self.t_start, self.call, self.loggers = cfg, run_dir, t_start, call, loggers
         self.summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
         self.t_ready: float | None = None
         self.interrupted: list[str] = []
@@ -313,7 +329,11 @@ class _Drive:
             since = time.perf_counter() - self.t_start
         rec = {**rec, "time/since_launch_s": since}
         self.run_dir.append_metrics(rec)
-        (reporter.eval if is_eval_record(rec) else reporter.step)(rec)
+        step_lines.info((reporter.eval if is_eval_record(rec) else reporter.step)(rec))
+        sample = sample_of(rec)
+        if sample is not None:  # run.log only: the console stays one line a step
+            sample_lines.info(sample_text(rec.get(STEP_KEY), sample))
+        self.loggers.log(rec)
 
     def failed(self, e: Exception) -> None:
         error = error_text(e)
@@ -329,6 +349,8 @@ class _Drive:
             log.info("controller closed in %.1fs", time.perf_counter() - t0)
         except Exception as e:
             say(f"close failed: {e}", err=True)
+        finally:
+            self.loggers.close()
 
     def exit_code(self) -> int:
         if self.summary["failure"] is not None:
@@ -388,3 +410,4 @@ def _print_failure(run_dir: RunDirectory, summary: dict) -> None:
     if run_dir.logs_path.is_dir():
         lines.append(f"  worker logs:     {run_dir.logs_path}")
     print("\n".join(lines), file=sys.stderr, flush=True)
+    driver_lines.error("\n".join(lines))

@@ -7,6 +7,14 @@ is how a command of the CLI shows them on stderr while it runs:
 - v = 1 (`-v`): INFO and up, v >= 2 (`-vv`): DEBUG and up, each with its time, level and component.
 Only sc-grpo's own packages are shown (`PACKAGE_LOGGERS`), not the libraries'. On exit the loggers
 are as they were. Worker processes log to their files instead (`backends.common.worker_logs`).
+
+`run.log` in a run directory (`run_log(path)`, opened by `sc-grpo run` for each drive of the run,
+appended to on resume) holds what the console showed, as log records with their time, level and
+component: sc-grpo's own console lines under `sc_grpo.<component>` (`line_logger`: `sc_grpo.driver`
+for start-up, the summary, interrupts and failures; `sc_grpo.steps` for the step and eval lines;
+`sc_grpo.samples` for the sample completions, which are on no console), and the components' INFO and
+up (warnings included). The `sc_grpo` loggers never reach the console through `logging` (their lines
+are printed there already): they do not propagate, and write nowhere outside `run_log`.
 """
 
 from __future__ import annotations
@@ -15,11 +23,24 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from single_controller.backends.common.worker_logs import FILE_FORMAT, PACKAGE_LOGGERS
 
 QUIET_FORMAT = "sc-grpo: %(message)s"
 LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
+RUN_LOG = "run.log"
+LINES_LOGGER = "sc_grpo"  # the parent of the console lines' loggers
+
+_lines = logging.getLogger(LINES_LOGGER)
+_lines.addHandler(logging.NullHandler())  # outside `run_log`, nowhere (not Python's last-resort stderr)
+_lines.propagate = False  # a handler on the root logger (a library's, a test's) never prints them again
+_lines.setLevel(logging.INFO)
+
+
+def line_logger(component: str) -> logging.Logger:
+    """`sc_grpo.<component>`: the logger of `component`'s console lines, for run.log (see the docstring)."""
+    return logging.getLogger(f"{LINES_LOGGER}.{component}")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -56,3 +77,27 @@ def console_logging(verbosity: int = 0) -> Iterator[None]:
         for logger, old_level in saved:
             logger.removeHandler(handler)
             logger.setLevel(old_level)
+
+
+@contextlib.contextmanager
+def run_log(path: str | Path) -> Iterator[None]:
+    """For the body, append the console lines (`line_logger`) and sc-grpo's components' INFO and up
+    (`PACKAGE_LOGGERS`) to the file `path`, one record a line (a sample's record spans several). A
+    logger quieter than INFO is made INFO for the body; the console's handler keeps its own level."""
+    handler = logging.FileHandler(path, encoding="utf-8")  # appends: a resumed run continues the file
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter(FILE_FORMAT))
+    saved = []
+    for name in (LINES_LOGGER, *PACKAGE_LOGGERS):
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, old_level in saved:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+        handler.close()

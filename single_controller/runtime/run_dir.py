@@ -12,7 +12,9 @@ Contract:
 - A resume writes the config it runs with as `config.resume.yaml`; the next resume starts from it
   (`resume_config`), so overrides given to one resume stay in force until another overrides them.
 - `logs/` holds the output of the run's worker processes, one file per worker
-  (`backends.common.worker_logs`).
+  (`backends.common.worker_logs`); `run.log` what the console showed, as log records
+  (`runtime.logs.run_log`); `tensorboard/` and `wandb/` the records of those `run.loggers`
+  (`runtime.loggers`).
 - `save_plot()` renders `curves.png` from metrics.jsonl (`runtime.plots`); `start_plot()` does it on
   a background thread that `close()` waits for.
 """
@@ -82,6 +84,7 @@ class RunDirectory:
         self.run_id = f"{path.name}-{secrets.token_hex(3)}"
         (path / RUN_ID_FILE).write_text(self.run_id + "\n", encoding="utf-8")
         self.wall_offset_s = 0.0  # the run's wall clock when this part started (a resume continues it)
+        self.resumed_from: int | None = None  # the checkpoint's step a resume trains on from
         self._t0 = time.monotonic()
         self._metrics: TextIO | None = open(self.metrics_path, "a", encoding="utf-8")
 
@@ -121,6 +124,7 @@ class RunDirectory:
         # the clock goes on from the latest record kept: a resumed run never steps back in time
         self.wall_offset_s = max((float(r.get(WALL_KEY) or 0.0) for r in kept), default=0.0)
         self._t0 = time.monotonic() - self.wall_offset_s
+        self.resumed_from = from_step
         self._metrics = open(self.metrics_path, "a", encoding="utf-8")
         return self
 
