@@ -53,6 +53,38 @@ def test_init_model_command(tmp_path):
     assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (128, 4)
 
 
+# Per arch: the HF class, and which attention extras a layer's tensors show (q/k/v biases, per-head q/k norms)
+ARCH_LAYOUT = {
+    "llama": ("LlamaForCausalLM", False, False),
+    "qwen2": ("Qwen2ForCausalLM", True, False),
+    "qwen3": ("Qwen3ForCausalLM", False, True),
+    "gpt2": ("GPT2LMHeadModel", False, False),
+}
+
+
+@pytest.mark.parametrize("arch", hf_model.ARCHS)
+def test_init_model_command_writes_each_arch_with_its_attention_extras(arch, tmp_path):
+    assert set(ARCH_LAYOUT) == set(hf_model.ARCHS)
+    assert cli_main(["init-model", str(tmp_path / arch), "--arch", arch, "--seed", "1"]) == 0
+    cfg = hf_model.read_config(tmp_path / arch)
+    cls, qkv_bias, qk_norm = ARCH_LAYOUT[arch]
+    assert cfg["architectures"] == [cls] and cfg["tie_word_embeddings"] is False
+    assert hf_model.head_dim_of(cfg) == 32 and cfg.get("num_hidden_layers", cfg.get("n_layer")) == 2
+    if arch in ("qwen2", "qwen3"):  # Qwen3 names its head size; Qwen2's is hidden_size / heads, as in real ones
+        assert ("head_dim" in cfg) is (arch == "qwen3")
+    ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
+    assert ids == (TOKENIZER.vocab_size, TOKENIZER.bos_id, TOKENIZER.eos_id, TOKENIZER.pad_id)
+    if arch != "gpt2":
+        assert cfg["rope_parameters"]["rope_theta"] == hf_model.ROPE_THETA
+    assert hf_model.model_dir_problems(tmp_path / arch, vllm_cpu=True, min_positions=8) == []
+    with safetensors.safe_open(str(tmp_path / arch / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert ("model.layers.1.self_attn.q_proj.bias" in names) is qkv_bias
+    assert ({"model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"} <= names) is qk_norm
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / arch))
+    assert type(model).__name__ == cls
+
+
 def test_model_dir_problems_name_what_is_wrong(tmp_path, model_dir):
     (missing,) = hf_model.model_dir_problems(tmp_path / "absent")
     assert "does not exist" in missing and "sc-grpo init-model" in missing
@@ -103,7 +135,7 @@ def test_prepare_model_dir_writes_once(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", hf_model.ARCHS)
 def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
     parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
@@ -114,7 +146,7 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     snap = trainer.publish_weights(0)
     names = {e.name for e in snap.manifest.entries}
     assert "lm_head.weight" in names  # HF checkpoint names, no adapter prefix; untied head
-    assert ("model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight") in names
+    assert ("transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight") in names
     with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert names == set(f.keys())  # exactly the checkpoint's tensors
 

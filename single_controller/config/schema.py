@@ -88,9 +88,11 @@ class ModelConfig:
     """When `path` does not exist yet, write a random-init tiny model there first (as `sc-grpo
     init-model` does): architecture `arch`, hidden size `d_model`, `n_layers` layers, `n_heads` heads
     (head_dim = d_model / n_heads), `max_seq_len` positions, seeded by `seed`."""
-    arch: Literal["llama", "gpt2"] = "llama"
-    """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU) or `gpt2`
-    (GPT2LMHeadModel: learned absolute positions, like the embedded TinyGPT); untied embeddings."""
+    arch: Literal["llama", "qwen2", "qwen3", "gpt2"] = "llama"
+    """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU), `qwen2`
+    (Qwen2ForCausalLM: Llama's plus q/k/v biases), `qwen3` (Qwen3ForCausalLM: Llama's plus an RMSNorm
+    of each query and key head) or `gpt2` (GPT2LMHeadModel: learned absolute positions, like the
+    embedded TinyGPT); untied embeddings."""
 
 
 @dataclass(frozen=True)

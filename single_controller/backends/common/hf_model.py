@@ -7,8 +7,9 @@ parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...
 backend can feed any generation backend.
 
 Contract:
-* `init_model(dir, ...)` writes a tiny random-init `LlamaForCausalLM` (untied embeddings) plus a
-  character-level tokenizer whose token i is `tasks.TOKENIZER`'s character i, offline (no hub).
+* `init_model(dir, ..., arch=...)` writes a tiny random-init causal LM of one of `ARCHS` (Llama,
+  Qwen2, Qwen3 or GPT-2; untied embeddings) plus a character-level tokenizer whose token i is
+  `tasks.TOKENIZER`'s character i, offline (no hub).
 * `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
   torch or transformers (read by `config_loader` before any process starts).
 * `save_hf_policy` writes a policy wrapping a transformers model (`.model`) back as a model
@@ -30,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
 # dimensions barely turn over 10 positions, leaving the model little positional signal.
 ROPE_THETA = 100.0
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
 VLLM_CPU_HEAD_DIMS = frozenset({32, 64, 80, 96, 112, 128, *range(160, 513, 16)})
 
 
@@ -146,9 +147,14 @@ def init_model(
     """Write a random-init causal LM (untied embeddings, float32) and the character tokenizer into
     `directory` (created; existing files are overwritten). Returns the directory.
 
-    `arch="llama"`: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU). `arch="gpt2"`: GPT2LMHeadModel (learned
-    absolute positions, LayerNorm, GELU MLP), the architecture of the embedded TinyGPT."""
+    `arch` (one of `ARCHS`): `llama` LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); `qwen2` Qwen2ForCausalLM
+    (Llama's layout plus biases on q/k/v); `qwen3` Qwen3ForCausalLM (Llama's layout plus an RMSNorm
+    of each query and key head, `q_norm`/`k_norm`, before RoPE; explicit `head_dim`); `gpt2`
+    GPT2LMHeadModel (learned absolute positions, LayerNorm, GELU MLP), the architecture of the
+    embedded TinyGPT."""
     import transformers
+
+    from single_controller.data.tasks import TOKENIZER
 
     if hidden_size % head_dim:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
@@ -160,23 +166,40 @@ def init_model(
         heads=hidden_size // head_dim,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
+        init_std=init_std,
+    )
+    # the tokenizer's sizes and special ids, as HF config fields
+    vocab = dict(
+        vocab_size=TOKENIZER.vocab_size,
+        bos_token_id=TOKENIZER.bos_id,
+        eos_token_id=TOKENIZER.eos_id,
+        pad_token_id=TOKENIZER.pad_id,
     )
     if arch == "gpt2":
-        return _write(directory, _gpt2_config(**sizes, init_std=init_std), transformers.GPT2LMHeadModel, seed)
-    config = _llama_config(**sizes, init_std=init_std, head_dim=head_dim, rope_theta=rope_theta)
-    return _write(directory, config, transformers.LlamaForCausalLM, seed)
+        return _write(directory, _gpt2_config(**sizes, vocab=vocab), transformers.GPT2LMHeadModel, seed)
+    rope = dict(sizes, vocab=vocab, head_dim=head_dim, rope_theta=rope_theta)
+    if arch == "qwen2":
+        return _write(directory, _qwen2_config(**rope), transformers.Qwen2ForCausalLM, seed)
+    if arch == "qwen3":
+        return _write(directory, _qwen3_config(**rope), transformers.Qwen3ForCausalLM, seed)
+    return _write(directory, _llama_config(**rope), transformers.LlamaForCausalLM, seed)
 
 
 def _gpt2_config(
-    *, hidden_size: int, num_layers: int, heads: int, intermediate_size: int, max_positions: int, init_std: float
+    *,
+    hidden_size: int,
+    num_layers: int,
+    heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    init_std: float,
+    vocab: dict[str, int],
 ) -> Any:
+    """`vocab`: vocab_size, bos_token_id, eos_token_id, pad_token_id (the tokenizer's)."""
     import transformers
-
-    from single_controller.data.tasks import TOKENIZER
 
     # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`); their annotated signature omits it
     return transformers.GPT2Config(  # type: ignore[call-arg]
-        vocab_size=TOKENIZER.vocab_size,
         n_embd=hidden_size,
         n_layer=num_layers,
         n_head=heads,
@@ -187,14 +210,12 @@ def _gpt2_config(
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=False,
-        bos_token_id=TOKENIZER.bos_id,
-        eos_token_id=TOKENIZER.eos_id,
-        pad_token_id=TOKENIZER.pad_id,
         torch_dtype="float32",
+        **vocab,
     )
 
 
-def _llama_config(
+def _rope_fields(
     *,
     hidden_size: int,
     num_layers: int,
@@ -202,32 +223,51 @@ def _llama_config(
     intermediate_size: int,
     max_positions: int,
     init_std: float,
-    head_dim: int,
     rope_theta: float,
-) -> Any:
-    import transformers
-
-    from single_controller.data.tasks import TOKENIZER
-
-    # torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`);
-    # their annotated signature omits them
-    return transformers.LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=TOKENIZER.vocab_size,
+    vocab: dict[str, int],
+) -> dict[str, Any]:
+    """The config fields Llama, Qwen2 and Qwen3 share (MHA: as many key/value heads as query heads)."""
+    return dict(
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        head_dim=head_dim,
         max_position_embeddings=max_positions,
         initializer_range=init_std,
         tie_word_embeddings=False,
         rope_theta=rope_theta,
-        pad_token_id=TOKENIZER.pad_id,
-        bos_token_id=TOKENIZER.bos_id,
-        eos_token_id=TOKENIZER.eos_id,
         torch_dtype="float32",
+        **vocab,
     )
+
+
+def _llama_config(*, head_dim: int, **fields: Any) -> Any:
+    """`fields`: `_rope_fields`' arguments (sizes, init_std, rope_theta, the tokenizer's `vocab`)."""
+    import transformers
+
+    # torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`);
+    # their annotated signature omits them
+    return transformers.LlamaConfig(head_dim=head_dim, **_rope_fields(**fields))  # type: ignore[misc]
+
+
+def _qwen2_config(*, head_dim: int, **fields: Any) -> Any:
+    """Qwen2 always has q/k/v biases (no config field); its head size is hidden_size / heads (no
+    `head_dim` field in Qwen2's configs), which `init_model`'s sizes make equal to `head_dim`."""
+    import transformers
+
+    if fields["hidden_size"] != fields["heads"] * head_dim:
+        raise ValueError(
+            f"a Qwen2 head is hidden_size / heads = {fields['hidden_size']} / {fields['heads']}, not {head_dim}"
+        )
+    return transformers.Qwen2Config(**_rope_fields(**fields))  # type: ignore[misc]
+
+
+def _qwen3_config(*, head_dim: int, **fields: Any) -> Any:
+    """Qwen3: no q/k/v biases (`attention_bias`), an RMSNorm per query/key head, explicit `head_dim`."""
+    import transformers
+
+    return transformers.Qwen3Config(head_dim=head_dim, attention_bias=False, **_rope_fields(**fields))  # type: ignore[misc]
 
 
 def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
@@ -277,13 +317,14 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
 
 
 def main_init_model(argv: list[str] | None = None) -> int:
-    """`sc-grpo init-model DIR`: write a tiny random-init Llama + the character tokenizer."""
+    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + the character tokenizer."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="sc-grpo init-model",
-        description="Write a tiny random-init LlamaForCausalLM and the digit tasks' character tokenizer "
-        "into DIR (a Hugging Face model directory, loadable offline by transformers and vLLM).",
+        description="Write a tiny random-init causal LM (--arch: LlamaForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM or GPT2LMHeadModel) and the digit tasks' character tokenizer into DIR (a Hugging "
+        "Face model directory, loadable offline by transformers and vLLM).",
     )
     parser.add_argument("dir", metavar="DIR")
     parser.add_argument("--hidden-size", type=int, default=64)
@@ -291,8 +332,14 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
     parser.add_argument("--max-positions", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="RoPE archs (llama, qwen2, qwen3) only")
+    parser.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default="llama",
+        help="llama (RoPE, RMSNorm, SwiGLU), qwen2 (llama + q/k/v biases), qwen3 (llama + per-head q/k RMSNorm), "
+        "gpt2 (learned positions, LayerNorm, GELU)",
+    )
     args = parser.parse_args(argv)
     if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
         parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
