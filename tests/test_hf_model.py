@@ -1,9 +1,15 @@
-"""The Hugging Face model directory shared by every backend: init-model, the checks run before a
-run starts, and the torch trainer + torch generation worker on that same model."""
+"""The Hugging Face model directory shared by every backend: init-model (every architecture), the
+checks run before a run starts, the torch trainer + torch generation worker on that same model, and a
+short `sc-grpo run` (torch generation, torch trainer) on a directory `model.create` writes."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +184,44 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     back = load_hf_policy(out)
     for (n, a), (_, b) in zip(state_module(trainer.policy).named_parameters(), state_module(back).named_parameters()):
         assert torch.equal(a, b), n
+
+
+# gpt2's short run is test_examples' hf_model example (a directory `sc-grpo init-model --arch gpt2` wrote)
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("arch", [a for a in hf_model.ARCHS if a != "gpt2"])
+def test_a_short_run_trains_the_model_create_writes_for_each_arch(arch, tmp_path):
+    """`sc-grpo run configs/embedded.yaml` (torch generation, torch trainer) on the directory that
+    `model.create` writes for `arch`: three steps, every one training, and the trained policy saved
+    as a model directory of the same architecture."""
+    root = Path(__file__).resolve().parents[1]
+    exe = shutil.which("sc-grpo") or str(Path(sys.executable).with_name("sc-grpo"))
+    args = [
+        f"model.path={tmp_path / arch}",
+        "model.create=true",
+        f"model.arch={arch}",
+        "model.n_heads=2",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "run.max_steps=3",
+        "run.stop_at_success_rate=null",
+        "run.progress_bar=false",
+        "run.plot=false",
+        "metrics.port=0",
+    ]
+    proc = subprocess.run(
+        [exe, "run", "configs/embedded.yaml", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert hf_model.read_config(tmp_path / arch)["model_type"] == arch
+    (run_dir,) = (tmp_path / "runs").glob("embedded-*")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["train/tokens"] > 0 for r in steps)
+    saved = hf_model.read_config(run_dir / "checkpoint")
+    assert saved["model_type"] == arch and (run_dir / "checkpoint" / "tokenizer.json").is_file()
