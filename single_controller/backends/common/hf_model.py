@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -160,52 +161,61 @@ def init_model(
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    sizes = dict(
+    sizes = _Sizes(
         hidden_size=hidden_size,
         num_layers=num_layers,
         heads=hidden_size // head_dim,
+        head_dim=head_dim,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
         init_std=init_std,
     )
-    # the tokenizer's sizes and special ids, as HF config fields
-    vocab = dict(
+    vocab = VocabIds(
         vocab_size=TOKENIZER.vocab_size,
         bos_token_id=TOKENIZER.bos_id,
         eos_token_id=TOKENIZER.eos_id,
         pad_token_id=TOKENIZER.pad_id,
     )
     if arch == "gpt2":
-        return _write(directory, _gpt2_config(**sizes, vocab=vocab), transformers.GPT2LMHeadModel, seed)
-    rope = dict(sizes, vocab=vocab, head_dim=head_dim, rope_theta=rope_theta)
+        return _write(directory, _gpt2_config(sizes, vocab), transformers.GPT2LMHeadModel, seed)
     if arch == "qwen2":
-        return _write(directory, _qwen2_config(**rope), transformers.Qwen2ForCausalLM, seed)
+        return _write(directory, _qwen2_config(sizes, vocab, rope_theta), transformers.Qwen2ForCausalLM, seed)
     if arch == "qwen3":
-        return _write(directory, _qwen3_config(**rope), transformers.Qwen3ForCausalLM, seed)
-    return _write(directory, _llama_config(**rope), transformers.LlamaForCausalLM, seed)
+        return _write(directory, _qwen3_config(sizes, vocab, rope_theta), transformers.Qwen3ForCausalLM, seed)
+    return _write(directory, _llama_config(sizes, vocab, rope_theta), transformers.LlamaForCausalLM, seed)
 
 
-def _gpt2_config(
-    *,
-    hidden_size: int,
-    num_layers: int,
-    heads: int,
-    intermediate_size: int,
-    max_positions: int,
-    init_std: float,
-    vocab: dict[str, int],
-) -> Any:
-    """`vocab`: vocab_size, bos_token_id, eos_token_id, pad_token_id (the tokenizer's)."""
+@dataclass(frozen=True)
+class _Sizes:
+    hidden_size: int
+    num_layers: int
+    heads: int  # query heads, and as many key/value heads
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    init_std: float
+
+
+class VocabIds(TypedDict):
+    """The tokenizer's vocabulary size and special token ids, named as HF config fields."""
+
+    vocab_size: int
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+def _gpt2_config(sizes: _Sizes, vocab: VocabIds) -> Any:
     import transformers
 
     # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`); their annotated signature omits it
     return transformers.GPT2Config(  # type: ignore[call-arg]
-        n_embd=hidden_size,
-        n_layer=num_layers,
-        n_head=heads,
-        n_inner=intermediate_size,
-        n_positions=max_positions,
-        initializer_range=init_std,
+        n_embd=sizes.hidden_size,
+        n_layer=sizes.num_layers,
+        n_head=sizes.heads,
+        n_inner=sizes.intermediate_size,
+        n_positions=sizes.max_positions,
+        initializer_range=sizes.init_std,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -215,26 +225,17 @@ def _gpt2_config(
     )
 
 
-def _rope_fields(
-    *,
-    hidden_size: int,
-    num_layers: int,
-    heads: int,
-    intermediate_size: int,
-    max_positions: int,
-    init_std: float,
-    rope_theta: float,
-    vocab: dict[str, int],
-) -> dict[str, Any]:
-    """The config fields Llama, Qwen2 and Qwen3 share (MHA: as many key/value heads as query heads)."""
+def _rope_fields(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> dict[str, Any]:
+    """The config fields Llama, Qwen2 and Qwen3 share (MHA: as many key/value heads as query heads).
+    torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`)."""
     return dict(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.heads,
+        max_position_embeddings=sizes.max_positions,
+        initializer_range=sizes.init_std,
         tie_word_embeddings=False,
         rope_theta=rope_theta,
         torch_dtype="float32",
@@ -242,32 +243,30 @@ def _rope_fields(
     )
 
 
-def _llama_config(*, head_dim: int, **fields: Any) -> Any:
-    """`fields`: `_rope_fields`' arguments (sizes, init_std, rope_theta, the tokenizer's `vocab`)."""
+def _llama_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
     import transformers
 
-    # torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`);
-    # their annotated signature omits them
-    return transformers.LlamaConfig(head_dim=head_dim, **_rope_fields(**fields))  # type: ignore[misc]
+    return transformers.LlamaConfig(head_dim=sizes.head_dim, **_rope_fields(sizes, vocab, rope_theta))
 
 
-def _qwen2_config(*, head_dim: int, **fields: Any) -> Any:
-    """Qwen2 always has q/k/v biases (no config field); its head size is hidden_size / heads (no
-    `head_dim` field in Qwen2's configs), which `init_model`'s sizes make equal to `head_dim`."""
+def _qwen2_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
+    """Qwen2 always has q/k/v biases (no config field), and its head size is hidden_size / heads: its
+    configs have no `head_dim` (vLLM's Qwen2 ignores one)."""
     import transformers
 
-    if fields["hidden_size"] != fields["heads"] * head_dim:
+    if sizes.hidden_size != sizes.heads * sizes.head_dim:
         raise ValueError(
-            f"a Qwen2 head is hidden_size / heads = {fields['hidden_size']} / {fields['heads']}, not {head_dim}"
+            f"a Qwen2 head is hidden_size / heads = {sizes.hidden_size} / {sizes.heads}, not head_dim {sizes.head_dim}"
         )
-    return transformers.Qwen2Config(**_rope_fields(**fields))  # type: ignore[misc]
+    return transformers.Qwen2Config(**_rope_fields(sizes, vocab, rope_theta))
 
 
-def _qwen3_config(*, head_dim: int, **fields: Any) -> Any:
+def _qwen3_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
     """Qwen3: no q/k/v biases (`attention_bias`), an RMSNorm per query/key head, explicit `head_dim`."""
     import transformers
 
-    return transformers.Qwen3Config(head_dim=head_dim, attention_bias=False, **_rope_fields(**fields))  # type: ignore[misc]
+    fields = _rope_fields(sizes, vocab, rope_theta)
+    return transformers.Qwen3Config(head_dim=sizes.head_dim, attention_bias=False, **fields)
 
 
 def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:

@@ -423,7 +423,8 @@ def _layer_tensor(hf: Mapping[str, torch.Tensor], spec: ModelSpec, shard: _Shard
     else:
         if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # (bias: qwen2)
             a, kind = h + "self_attn.", rest.rsplit(".", 1)[1]
-            return shard.rows(_pack_qkv(*(hf[f"{a}{x}_proj.{kind}"] for x in "qkv"), spec))
+            q, k, v = (hf[f"{a}{x}_proj.{kind}"] for x in "qkv")
+            return shard.rows(_pack_qkv(q, k, v, spec))
         if rest == "self_attention.linear_proj.weight":
             return shard.cols(hf[h + "self_attn.o_proj.weight"])
         if rest == "mlp.linear_fc1.weight":
