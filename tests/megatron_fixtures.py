@@ -1,4 +1,4 @@
-"""Shared pieces of the Megatron tests: a tiny HF Llama or GPT-2 directory, random training rows, and
+"""Shared pieces of the Megatron tests: a tiny HF Llama, Qwen2, Qwen3 or GPT-2 directory, random training rows, and
 the comparison helpers. Not a test module (no test_ prefix)."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ REPO = str(Path(__file__).resolve().parents[1])
 
 
 def hf_config(arch: str = "llama", **over):
-    """A tiny config of `arch`: Llama with GQA (4 query heads, 2 key/value groups), or GPT-2 (2 heads,
-    non-square n_inner); both untied, head_dim 32, every size divisible by TP=2."""
+    """A tiny config of `arch`: Llama with GQA (4 query heads, 2 key/value groups, head_dim 32, so the
+    heads are wider than the hidden size), Qwen2 the same but head_dim = hidden / heads = 16 (its configs
+    have no head_dim), Qwen3 the same as Llama, or GPT-2 (2 heads of 32, non-square n_inner); all untied,
+    every size divisible by TP=2."""
     if arch == "gpt2":
         from transformers import GPT2Config
 
@@ -36,9 +38,9 @@ def hf_config(arch: str = "llama", **over):
         )
         kw.update(over)
         return GPT2Config(**kw)
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    kw = dict(
+    kw: dict = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         num_hidden_layers=2,
@@ -50,12 +52,14 @@ def hf_config(arch: str = "llama", **over):
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
     )
+    if arch == "qwen2":
+        del kw["head_dim"]
     kw.update(over)
-    return LlamaConfig(**kw)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**kw)
 
 
 def make_hf_dir(directory: Path, seed: int = 0, arch: str = "llama", **over) -> Path:
-    """A random-init LlamaForCausalLM or GPT2LMHeadModel saved with save_pretrained (float32).
+    """A random-init causal LM of `arch` (see `hf_config`) saved with save_pretrained (float32).
     Weights and biases are drawn with std 0.2 (norm gains around 1), so logits are far from uniform,
     gradients are not tiny, and every bias is nonzero (a bias mapped to the wrong place shows)."""
     from transformers import AutoModelForCausalLM

@@ -1,7 +1,15 @@
-"""The Hugging Face model directory shared by every backend: init-model, the checks run before a
-run starts, and the torch trainer + torch generation worker on that same model."""
+"""The Hugging Face model directory shared by every backend: init-model (every architecture), the
+checks run before a run starts, the torch trainer + torch generation worker on that same model, and a
+short `sc-grpo run` (torch generation, torch trainer) on a directory `model.create` writes."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +58,38 @@ def test_init_model_command(tmp_path):
     assert cli_main(["init-model", str(tmp_path / "m"), "--hidden-size", "128", "--seed", "1"]) == 0
     cfg = hf_model.read_config(tmp_path / "m")
     assert (cfg["hidden_size"], cfg["num_attention_heads"]) == (128, 4)
+
+
+# Per arch: the HF class, and which attention extras a layer's tensors show (q/k/v biases, per-head q/k norms)
+ARCH_LAYOUT = {
+    "llama": ("LlamaForCausalLM", False, False),
+    "qwen2": ("Qwen2ForCausalLM", True, False),
+    "qwen3": ("Qwen3ForCausalLM", False, True),
+    "gpt2": ("GPT2LMHeadModel", False, False),
+}
+
+
+@pytest.mark.parametrize("arch", hf_model.ARCHS)
+def test_init_model_command_writes_each_arch_with_its_attention_extras(arch, tmp_path):
+    assert set(ARCH_LAYOUT) == set(hf_model.ARCHS)
+    assert cli_main(["init-model", str(tmp_path / arch), "--arch", arch, "--seed", "1"]) == 0
+    cfg = hf_model.read_config(tmp_path / arch)
+    cls, qkv_bias, qk_norm = ARCH_LAYOUT[arch]
+    assert cfg["architectures"] == [cls] and cfg["tie_word_embeddings"] is False
+    assert hf_model.head_dim_of(cfg) == 32 and cfg.get("num_hidden_layers", cfg.get("n_layer")) == 2
+    if arch in ("qwen2", "qwen3"):  # Qwen3 names its head size; Qwen2's is hidden_size / heads, as in real ones
+        assert ("head_dim" in cfg) is (arch == "qwen3")
+    ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
+    assert ids == (TOKENIZER.vocab_size, TOKENIZER.bos_id, TOKENIZER.eos_id, TOKENIZER.pad_id)
+    if arch != "gpt2":
+        assert cfg["rope_parameters"]["rope_theta"] == hf_model.ROPE_THETA
+    assert hf_model.model_dir_problems(tmp_path / arch, vllm_cpu=True, min_positions=8) == []
+    with safetensors.safe_open(str(tmp_path / arch / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert ("model.layers.1.self_attn.q_proj.bias" in names) is qkv_bias
+    assert ({"model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"} <= names) is qk_norm
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / arch))
+    assert type(model).__name__ == cls
 
 
 def test_model_dir_problems_name_what_is_wrong(tmp_path, model_dir):
@@ -110,7 +150,7 @@ def test_prepare_model_dir_writes_once(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", hf_model.ARCHS)
 def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
     parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
@@ -121,7 +161,7 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     snap = trainer.publish_weights(0)
     names = {e.name for e in snap.manifest.entries}
     assert "lm_head.weight" in names  # HF checkpoint names, no adapter prefix; untied head
-    assert ("model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight") in names
+    assert ("transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight") in names
     with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert names == set(f.keys())  # exactly the checkpoint's tensors
 
@@ -153,3 +193,44 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     back = load_hf_policy(out)
     for (n, a), (_, b) in zip(state_module(trainer.policy).named_parameters(), state_module(back).named_parameters()):
         assert torch.equal(a, b), n
+
+
+# gpt2's short run is test_examples' hf_model example (a directory `sc-grpo init-model --arch gpt2` wrote)
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("arch", [a for a in hf_model.ARCHS if a != "gpt2"])
+def test_a_short_run_trains_the_model_create_writes_for_each_arch(arch, tmp_path):
+    """`sc-grpo run configs/embedded.yaml` (torch generation, torch trainer) on the directory that
+    `model.create` writes for `arch`: three steps, every one training, and the trained policy saved
+    as a model directory of the same architecture."""
+    root = Path(__file__).resolve().parents[1]
+    exe = shutil.which("sc-grpo") or str(Path(sys.executable).with_name("sc-grpo"))
+    args = [
+        f"model.path={tmp_path / arch}",
+        "model.create=true",
+        f"model.arch={arch}",
+        "model.n_heads=2",
+        f"run.output_dir={tmp_path / 'runs'}",
+        "run.max_steps=3",
+        "run.stop_at_success_rate=null",
+        "run.progress_bar=false",
+        "run.plot=false",
+        "metrics.port=0",
+    ]
+    proc = subprocess.run(
+        [exe, "run", "configs/embedded.yaml", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert hf_model.read_config(tmp_path / arch)["model_type"] == arch
+    (run_dir,) = (tmp_path / "runs").glob("embedded-*")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["train/tokens"] > 0 for r in steps)
+    saved = hf_model.read_config(run_dir / "checkpoint")
+    assert saved["model_type"] == arch and (run_dir / "checkpoint" / "tokenizer.json").is_file()

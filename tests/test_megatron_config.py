@@ -183,7 +183,7 @@ def test_an_unsupported_architecture_is_refused_naming_it(tmp_path):
     cfg = load_config(CPU_CFG, [f"model.path={d}", "model.create=false"])
     problems = [p for p in environment_problems(cfg) if p.paths == ("model.path", "backend.trainer")]
     assert len(problems) == 1
-    assert "model_type is 'mistral' (supported: llama, gpt2)" in problems[0].message
+    assert "model_type is 'mistral' (supported: llama, qwen2, qwen3, gpt2)" in problems[0].message
 
 
 def test_gpt2_spec_reads_the_hf_fields_and_refuses_what_it_does_not_build():
@@ -210,3 +210,31 @@ def test_gpt2_spec_reads_the_hf_fields_and_refuses_what_it_does_not_build():
     assert ModelSpec.from_hf_config({**base, "tie_word_embeddings": False, "layer_norm_epsilon": 1e-6}).norm_eps == 1e-6
     with pytest.raises(UnsupportedModel, match="activation_function is 'relu'.*scale_attn_by_inverse_layer_idx"):
         ModelSpec.from_hf_config({**base, "activation_function": "relu", "scale_attn_by_inverse_layer_idx": True})
+
+
+def test_qwen_specs_read_their_attention_extras_and_refuse_what_they_do_not_build():
+    from single_controller.backends.megatron.model import ModelSpec, UnsupportedModel
+
+    base = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "vocab_size": 19,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+    }
+    qwen2 = ModelSpec.from_hf_config({**base, "model_type": "qwen2", "use_sliding_window": False})
+    assert (qwen2.arch, qwen2.qkv_bias, qwen2.qk_norm, qwen2.rope_theta) == ("qwen2", True, False, 100)
+    assert qwen2.head_dim == 16  # hidden_size / heads: Qwen2 configs have no head_dim
+    qwen3 = ModelSpec.from_hf_config({**base, "model_type": "qwen3", "head_dim": 32, "attention_bias": False})
+    assert (qwen3.arch, qwen3.qkv_bias, qwen3.qk_norm) == ("qwen3", False, True)
+    assert (qwen3.head_dim, qwen3.num_kv_heads) == (32, 2)  # heads wider than hidden_size / heads, as in Qwen3
+    llama = ModelSpec.from_hf_config({**base, "model_type": "llama"})
+    assert (llama.qkv_bias, llama.qk_norm) == (False, False)
+    with pytest.raises(UnsupportedModel, match="attention_bias/mlp_bias are set.*use_sliding_window is set"):
+        ModelSpec.from_hf_config({**base, "model_type": "qwen3", "attention_bias": True, "use_sliding_window": True})
+    with pytest.raises(UnsupportedModel, match="use_sliding_window is set"):
+        ModelSpec.from_hf_config({**base, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(UnsupportedModel, match="attention_bias/mlp_bias are set"):
+        ModelSpec.from_hf_config({**base, "model_type": "llama", "attention_bias": True})

@@ -23,7 +23,7 @@ from megatron_fixtures import VOCAB, load_hf, make_hf_dir, make_rows  # noqa: E4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
     from free_ports import free_port
 

@@ -1,8 +1,11 @@
 """The Megatron trainer on CPU over gloo (acceptance 1-4 of issue 11): HF <-> Megatron conversion,
 gradient equivalence of the streamed split API over DP=2 and TP=2 with one full-batch step on one
-rank, bit-exact abort, step ids, and weight sync into the torch generation path. Conversion, one
-gradient-equivalence case per layout and weight sync run for both architectures the backend builds
-(Llama with GQA, GPT-2 with its Conv1D weights and fused c_attn); the rest on the Llama.
+rank, bit-exact abort, step ids, and weight sync into the torch generation path. Conversion and weight
+sync run for every architecture the backend builds (Llama with GQA, Qwen2 with q/k/v biases, Qwen3
+with per-head q/k norms, GPT-2 with its Conv1D weights and fused c_attn), gradient equivalence once per
+layout on Llama and GPT-2 and over TP=2 on the Qwens (their q/k/v biases are split over TP ranks;
+their q/k norms are whole on every rank, each rank's heads adding to the gain's gradient); the rest
+on the Llama.
 
 Processes are shared to keep `import megatron.core` (5-8 s each) rare: the pytest process is a
 1-rank world (the reference), and two Ray actors form one 2-rank gloo world that is rebuilt with
@@ -58,7 +61,7 @@ GRAD_RTOL = 1e-5
 PARAM_ATOL = 1e-6  # 0.1% of lr; see check_params
 
 
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +286,8 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
         ("llama", 2, "sequence"),
         ("gpt2", 1, "token"),
         ("gpt2", 2, "sequence"),
+        ("qwen2", 2, "token"),
+        ("qwen3", 2, "token"),
     ],
     ids=[
         "llama-dp2-token",
@@ -291,6 +296,8 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
         "llama-tp2-sequence",
         "gpt2-dp2-token",
         "gpt2-tp2-sequence",
+        "qwen2-tp2-token",
+        "qwen3-tp2-token",
     ],
 )
 def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows, arch, tp, level):

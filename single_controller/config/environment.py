@@ -144,8 +144,8 @@ def megatron_needs_a_model_directory(cfg: Config) -> list[Problem]:
     return [
         Problem(
             ("model.path", "backend.trainer"),
-            "backend.trainer=megatron trains a Hugging Face model directory (Llama or GPT-2): set model.path "
-            "(and model.create=true to write a tiny one there)",
+            "backend.trainer=megatron trains a Hugging Face model directory (Llama, Qwen2, Qwen3 or GPT-2): set "
+            "model.path (and model.create=true to write a tiny one there)",
         )
     ]
 

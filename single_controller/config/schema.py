@@ -158,9 +158,11 @@ class ModelConfig:
     tokenizer_vocab_size: Annotated[int, Ge(259)] = 512
     """Tokens of the `bpe` tokenizer `create` writes (256 bytes + 3 special + merges; 259: no merges,
     every letter its own token)."""
-    arch: Literal["llama", "gpt2"] = "llama"
-    """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU) or `gpt2`
-    (GPT2LMHeadModel: learned absolute positions, like the embedded TinyGPT); untied embeddings."""
+    arch: Literal["llama", "qwen2", "qwen3", "gpt2"] = "llama"
+    """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU), `qwen2`
+    (Qwen2ForCausalLM: Llama's plus q/k/v biases), `qwen3` (Qwen3ForCausalLM: Llama's plus an RMSNorm
+    of each query and key head) or `gpt2` (GPT2LMHeadModel: learned absolute positions, like the
+    embedded TinyGPT); untied embeddings."""
 
 
 @dataclass(frozen=True)

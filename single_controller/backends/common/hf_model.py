@@ -7,8 +7,9 @@ parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...
 backend can feed any generation backend.
 
 Contract:
-* `init_model(dir, ...)` writes a tiny random-init `LlamaForCausalLM` (untied embeddings) plus a
-  character-level tokenizer whose token i is `tasks.TOKENIZER`'s character i, offline (no hub).
+* `init_model(dir, ..., arch=...)` writes a tiny random-init causal LM of one of `ARCHS` (Llama,
+  Qwen2, Qwen3 or GPT-2; untied embeddings) plus a character-level tokenizer whose token i is
+  `tasks.TOKENIZER`'s character i, offline (no hub).
 * `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
   torch or transformers (read by `config_loader` before any process starts).
 * `save_hf_policy` writes a policy wrapping a transformers model (`.model`) back as a model
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = (
@@ -38,7 +40,7 @@ TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # RoPE base for the tiny models: sequences here are ~10 tokens, and with Llama's 10000 most rotary
 # dimensions barely turn over 10 positions, leaving the model little positional signal.
 ROPE_THETA = 100.0
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
 # `bpe`: a byte-level BPE with a chat template, as instruct models ship (`data.bpe`); `char`: the digit
 # tasks' character tokenizer (what the built-in tasks and the embedded model speak).
 TOKENIZER_KINDS = ("bpe", "char")
@@ -157,11 +159,16 @@ def init_model(
     tokenizer: str = "char",
     vocab_size: int = 512,
 ) -> Path:
-    """Write a random-init causal LM (untied embeddings, float32) and the character tokenizer into
-    `directory` (created; existing files are overwritten). Returns the directory.
+    """Write a random-init causal LM (untied embeddings, float32) and its tokenizer into `directory`
+    (created; existing files are overwritten). Returns the directory. `tokenizer="char"`: the digit
+    tasks' character tokenizer; `"bpe"`: a byte-level BPE of `vocab_size` tokens with a ChatML chat
+    template (`data.bpe`), the same for every seed.
 
-    `arch="llama"`: LlamaForCausalLM (RoPE, RMSNorm, SwiGLU). `arch="gpt2"`: GPT2LMHeadModel (learned
-    absolute positions, LayerNorm, GELU MLP), the architecture of the embedded TinyGPT."""
+    `arch` (one of `ARCHS`): `llama` LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); `qwen2` Qwen2ForCausalLM
+    (Llama's layout plus biases on q/k/v); `qwen3` Qwen3ForCausalLM (Llama's layout plus an RMSNorm
+    of each query and key head, `q_norm`/`k_norm`, before RoPE; explicit `head_dim`); `gpt2`
+    GPT2LMHeadModel (learned absolute positions, LayerNorm, GELU MLP), the architecture of the
+    embedded TinyGPT."""
     import transformers
 
     if hidden_size % head_dim:
@@ -170,99 +177,133 @@ def init_model(
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
-    tok = (tokenizer, vocab_size)
-    sizes = dict(
+    sizes = _Sizes(
         hidden_size=hidden_size,
         num_layers=num_layers,
         heads=hidden_size // head_dim,
+        head_dim=head_dim,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
+        init_std=init_std,
     )
+    vocab = _write_tokenizer_files(Path(directory), tokenizer, vocab_size)
     if arch == "gpt2":
-        return _write(directory, _gpt2_config(**sizes, init_std=init_std), transformers.GPT2LMHeadModel, seed, tok)
-    config = _llama_config(**sizes, init_std=init_std, head_dim=head_dim, rope_theta=rope_theta)
-    return _write(directory, config, transformers.LlamaForCausalLM, seed, tok)
+        return _write(directory, _gpt2_config(sizes, vocab), transformers.GPT2LMHeadModel, seed)
+    if arch == "qwen2":
+        return _write(directory, _qwen2_config(sizes, vocab, rope_theta), transformers.Qwen2ForCausalLM, seed)
+    if arch == "qwen3":
+        return _write(directory, _qwen3_config(sizes, vocab, rope_theta), transformers.Qwen3ForCausalLM, seed)
+    return _write(directory, _llama_config(sizes, vocab, rope_theta), transformers.LlamaForCausalLM, seed)
 
 
-def _gpt2_config(
-    *, hidden_size: int, num_layers: int, heads: int, intermediate_size: int, max_positions: int, init_std: float
-) -> Any:
+def _write_tokenizer_files(out: Path, kind: str, vocab_size: int) -> VocabIds:
+    """The tokenizer of a new model directory (written first); its size and special ids for the config."""
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "char":
+        from single_controller.data.tasks import TOKENIZER
+
+        write_tokenizer(out)
+        return VocabIds(
+            vocab_size=TOKENIZER.vocab_size,
+            bos_token_id=TOKENIZER.bos_id,
+            eos_token_id=TOKENIZER.eos_id,
+            pad_token_id=TOKENIZER.pad_id,
+        )
+    from single_controller.data.bpe import EOS_TOKEN, PAD_TOKEN, write_bpe_tokenizer
+
+    size = write_bpe_tokenizer(out, vocab_size, seed=0)  # the same tokenizer for every model seed
+    ids = {t["content"]: int(t["id"]) for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    return VocabIds(vocab_size=size, bos_token_id=None, eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN])
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    hidden_size: int
+    num_layers: int
+    heads: int  # query heads, and as many key/value heads
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    init_std: float
+
+
+class VocabIds(TypedDict):
+    """The tokenizer's vocabulary size and special token ids, named as HF config fields."""
+
+    vocab_size: int
+    bos_token_id: int | None  # None: the tokenizer has no BOS (a ChatML BPE)
+    eos_token_id: int
+    pad_token_id: int
+
+
+def _gpt2_config(sizes: _Sizes, vocab: VocabIds) -> Any:
     import transformers
-
-    from single_controller.data.tasks import TOKENIZER
 
     # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`); their annotated signature omits it
     return transformers.GPT2Config(  # type: ignore[call-arg]
-        vocab_size=TOKENIZER.vocab_size,
-        n_embd=hidden_size,
-        n_layer=num_layers,
-        n_head=heads,
-        n_inner=intermediate_size,
-        n_positions=max_positions,
-        initializer_range=init_std,
+        n_embd=sizes.hidden_size,
+        n_layer=sizes.num_layers,
+        n_head=sizes.heads,
+        n_inner=sizes.intermediate_size,
+        n_positions=sizes.max_positions,
+        initializer_range=sizes.init_std,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=False,
-        bos_token_id=TOKENIZER.bos_id,
-        eos_token_id=TOKENIZER.eos_id,
-        pad_token_id=TOKENIZER.pad_id,
         torch_dtype="float32",
+        **vocab,
     )
 
 
-def _llama_config(
-    *,
-    hidden_size: int,
-    num_layers: int,
-    heads: int,
-    intermediate_size: int,
-    max_positions: int,
-    init_std: float,
-    head_dim: int,
-    rope_theta: float,
-) -> Any:
-    import transformers
-
-    from single_controller.data.tasks import TOKENIZER
-
-    # torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`);
-    # their annotated signature omits them
-    return transformers.LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=TOKENIZER.vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        initializer_range=init_std,
+def _rope_fields(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> dict[str, Any]:
+    """The config fields Llama, Qwen2 and Qwen3 share (MHA: as many key/value heads as query heads).
+    torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`)."""
+    return dict(
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.heads,
+        max_position_embeddings=sizes.max_positions,
+        initializer_range=sizes.init_std,
         tie_word_embeddings=False,
         rope_theta=rope_theta,
-        pad_token_id=TOKENIZER.pad_id,
-        bos_token_id=TOKENIZER.bos_id,
-        eos_token_id=TOKENIZER.eos_id,
         torch_dtype="float32",
+        **vocab,
     )
 
 
-def _write(directory: str | Path, config: Any, model_cls: Any, seed: int, tokenizer: tuple[str, int]) -> Path:
-    """The tokenizer first (its size and special ids go into `config`), then the random-init weights."""
+def _llama_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(head_dim=sizes.head_dim, **_rope_fields(sizes, vocab, rope_theta))
+
+
+def _qwen2_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
+    """Qwen2 always has q/k/v biases (no config field), and its head size is hidden_size / heads: its
+    configs have no `head_dim` (vLLM's Qwen2 ignores one)."""
+    import transformers
+
+    if sizes.hidden_size != sizes.heads * sizes.head_dim:
+        raise ValueError(
+            f"a Qwen2 head is hidden_size / heads = {sizes.hidden_size} / {sizes.heads}, not head_dim {sizes.head_dim}"
+        )
+    return transformers.Qwen2Config(**_rope_fields(sizes, vocab, rope_theta))
+
+
+def _qwen3_config(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> Any:
+    """Qwen3: no q/k/v biases (`attention_bias`), an RMSNorm per query/key head, explicit `head_dim`."""
+    import transformers
+
+    fields = _rope_fields(sizes, vocab, rope_theta)
+    return transformers.Qwen3Config(head_dim=sizes.head_dim, attention_bias=False, **fields)
+
+
+def _write(directory: str | Path, config: Any, model_cls: Any, seed: int) -> Path:
     import torch
 
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    kind, vocab_size = tokenizer
-    if kind == "bpe":
-        from single_controller.data.bpe import EOS_TOKEN, PAD_TOKEN, write_bpe_tokenizer
-
-        config.vocab_size = write_bpe_tokenizer(out, vocab_size, seed=0)  # the same tokenizer for every seed
-        vocab = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-        ids = {t["content"]: int(t["id"]) for t in vocab}
-        config.bos_token_id, config.eos_token_id, config.pad_token_id = None, ids[EOS_TOKEN], ids[PAD_TOKEN]
-    else:
-        write_tokenizer(out)
+    out = Path(directory)  # its tokenizer is there already (`_write_tokenizer_files`)
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG is left as it was
         torch.manual_seed(seed)
         model = model_cls(config).float()
@@ -314,13 +355,14 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
 
 
 def main_init_model(argv: list[str] | None = None) -> int:
-    """`sc-grpo init-model DIR`: write a tiny random-init Llama + the character tokenizer."""
+    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + the character tokenizer."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="sc-grpo init-model",
-        description="Write a tiny random-init LlamaForCausalLM and the digit tasks' character tokenizer "
-        "into DIR (a Hugging Face model directory, loadable offline by transformers and vLLM).",
+        description="Write a tiny random-init causal LM (--arch: LlamaForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM or GPT2LMHeadModel) and the digit tasks' character tokenizer into DIR (a Hugging "
+        "Face model directory, loadable offline by transformers and vLLM).",
     )
     parser.add_argument("dir", metavar="DIR")
     parser.add_argument("--hidden-size", type=int, default=64)
@@ -328,8 +370,14 @@ def main_init_model(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
     parser.add_argument("--max-positions", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="llama only")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="RoPE archs (llama, qwen2, qwen3) only")
+    parser.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default="llama",
+        help="llama (RoPE, RMSNorm, SwiGLU), qwen2 (llama + q/k/v biases), qwen3 (llama + per-head q/k RMSNorm), "
+        "gpt2 (learned positions, LayerNorm, GELU)",
+    )
     parser.add_argument(
         "--tokenizer",
         choices=TOKENIZER_KINDS,

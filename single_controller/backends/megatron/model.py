@@ -1,10 +1,15 @@
-"""Llama- and GPT-2-family models in megatron-core and their exact weight conversion to and from
-Hugging Face.
+"""Llama-, Qwen2-, Qwen3- and GPT-2-family models in megatron-core and their exact weight conversion to
+and from Hugging Face.
 
 `ModelSpec.from_hf_config(config.json dict)` picks the architecture from `model_type` and reads what
 the model needs; it refuses what this backend does not build, naming the field:
   llama  sizes, heads, GQA groups, head_dim, RMSNorm eps, rope theta, tied or untied embeddings
          (no biases, no rope scaling, SiLU only): RMSNorm, SwiGLU MLP, RoPE (rotate-half, like HF).
+  qwen2  llama's fields and layout, plus biases on q/k/v (`add_qkv_bias`; no other bias); no
+         sliding window.
+  qwen3  llama's fields and layout, plus an RMSNorm over each query and each key head before RoPE
+         (HF q_norm/k_norm [d] -> Megatron q_layernorm/k_layernorm, `qk_layernorm`); no bias
+         (`attention_bias` false), no sliding window.
   gpt2   sizes, heads, n_inner, layer_norm_epsilon, n_positions, tied or untied embeddings:
          learned absolute positions, LayerNorm with bias, biased linears, non-gated GELU MLP (the tanh
          approximation, HF's `gelu_new`; or exact `gelu`), attention scaled by 1/sqrt(head_dim).
@@ -19,13 +24,15 @@ on the other:
   megatron_to_hf(shards, spec)           -> HF tensors from the state dicts of all TP ranks (rank order)
 Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = intermediate size):
   linear_qkv  [g * (h/g + 2) * d, H]: for each group its h/g query heads, then its key, then its
-              value (its bias [g * (h/g + 2) * d] the same way). GPT-2's fused Conv1D `c_attn`
+              value (its bias [g * (h/g + 2) * d] the same way: GPT-2's, Qwen2's q/k/v_proj biases).
+              GPT-2's fused Conv1D `c_attn`
               is [H, 3H] = [in, out] with out = [q; k; v]: transposed, then regrouped per head.
   linear_fc1  llama: [2 * I/tp, H] per rank: this rank's gate rows, then its up rows;
               gpt2: c_fc transposed [I, H], split by rows (bias too).
   linear_proj, linear_fc2 split along the input dim (their biases, added after the TP all-reduce,
-  are whole on every rank); qkv, fc1, embedding, output layer along dim 0; norms and GPT-2's
-  position embedding are whole on every rank. GPT-2's Conv1D weights are [in, out]: transposed both ways.
+  are whole on every rank); qkv, fc1, embedding, output layer along dim 0; norms (Qwen3's per-head
+  q/k norms too: every head shares one) and GPT-2's position embedding are whole on every rank.
+  GPT-2's Conv1D weights are [in, out]: transposed both ways.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "qwen2", "qwen3", "gpt2")
 
 
 class UnsupportedModel(ValueError):
@@ -66,7 +73,7 @@ def _refuse(problems: list[str]) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    arch: str  # "llama" or "gpt2"
+    arch: str  # one of ARCHS
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,16 +82,18 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     norm_eps: float
-    rope_theta: float | None  # llama only; gpt2 learns absolute positions
+    rope_theta: float | None  # llama, qwen2, qwen3; gpt2 learns absolute positions
     max_position_embeddings: int
     tie_word_embeddings: bool
     activation: str  # a key of _ACTIVATIONS
+    qkv_bias: bool  # gpt2 (every linear biased), qwen2 (only q/k/v)
+    qk_norm: bool  # qwen3: an RMSNorm over each query and key head
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> ModelSpec:
         model_type = cfg.get("model_type", "llama")
-        if model_type == "llama":
-            return cls._llama(cfg)
+        if model_type in ("llama", "qwen2", "qwen3"):
+            return cls._llama(cfg, model_type)
         if model_type == "gpt2":
             return cls._gpt2(cfg)
         raise UnsupportedModel(
@@ -93,12 +102,15 @@ class ModelSpec:
         )
 
     @classmethod
-    def _llama(cls, cfg: Mapping) -> ModelSpec:
+    def _llama(cls, cfg: Mapping, model_type: str) -> ModelSpec:
+        """Llama and the Qwen2/Qwen3 variants of its layout (`model_type`)."""
         problems = []
         if cfg.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act is {cfg.get('hidden_act')!r} (only 'silu')")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            problems.append("attention_bias/mlp_bias are set (only bias-free Llama)")
+        if cfg.get("mlp_bias") or (model_type != "qwen2" and cfg.get("attention_bias")):
+            problems.append(f"attention_bias/mlp_bias are set (only bias-free {model_type}; qwen2: q/k/v biases)")
+        if cfg.get("use_sliding_window"):
+            problems.append("use_sliding_window is set (only full attention)")
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
@@ -108,7 +120,7 @@ class ModelSpec:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(
-            arch="llama",
+            arch=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -121,6 +133,8 @@ class ModelSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             activation="silu",
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
         )
 
     @classmethod
@@ -152,6 +166,8 @@ class ModelSpec:
             max_position_embeddings=int(cfg.get("n_positions", cfg.get("max_position_embeddings", 1024))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),  # GPT2Config's default
             activation=_GPT2_ACTIVATIONS[act],
+            qkv_bias=True,
+            qk_norm=False,
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -185,7 +201,8 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.floa
         gated_linear_unit=not gpt2,
         activation_func=_ACTIVATIONS[spec.activation],
         add_bias_linear=gpt2,
-        add_qkv_bias=gpt2,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,  # also what makes finalize_model_grads sum its grads over TP ranks
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -212,7 +229,9 @@ def build_gpt(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_
     extra = {} if gpt2 else {"rotary_base": spec.rope_theta}
     model = GPTModel(
         config=transformer_config(spec, tp, dtype, cpu_init),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm" if gpt2 else "RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="LayerNorm" if gpt2 else "RMSNorm", qk_layernorm=spec.qk_norm
+        ),
         vocab_size=spec.padded_vocab(tp),
         max_sequence_length=spec.max_position_embeddings,
         parallel_output=False,
@@ -300,6 +319,18 @@ _LLAMA = _Names(
         ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
     ),
 )
+# Qwen3's per-head q/k RMSNorms: one [head_dim] gain shared by every head, so whole on every TP rank
+_QWEN3 = _Names(
+    embed=_LLAMA.embed,
+    positions=None,
+    final_norm=_LLAMA.final_norm,
+    layer_prefix=_LLAMA.layer_prefix,
+    layer_same=(
+        *_LLAMA.layer_same,
+        ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+        ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+    ),
+)
 _GPT2 = _Names(
     embed="transformer.wte.weight",
     positions="transformer.wpe.weight",
@@ -321,7 +352,7 @@ _GPT2 = _Names(
 
 
 def _names(spec: ModelSpec) -> _Names:
-    return _GPT2 if spec.arch == "gpt2" else _LLAMA
+    return {"gpt2": _GPT2, "qwen3": _QWEN3}.get(spec.arch, _LLAMA)
 
 
 class _Shard:
@@ -390,11 +421,10 @@ def _layer_tensor(hf: Mapping[str, torch.Tensor], spec: ModelSpec, shard: _Shard
         if rest == "mlp.linear_fc2.weight":
             return shard.cols(hf[h + "mlp.c_proj.weight"].t())
     else:
-        if rest == "self_attention.linear_qkv.weight":
-            a = h + "self_attn."
-            return shard.rows(
-                _pack_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], spec)
-            )
+        if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):  # (bias: qwen2)
+            a, kind = h + "self_attn.", rest.rsplit(".", 1)[1]
+            q, k, v = (hf[f"{a}{x}_proj.{kind}"] for x in "qkv")
+            return shard.rows(_pack_qkv(q, k, v, spec))
         if rest == "self_attention.linear_proj.weight":
             return shard.cols(hf[h + "self_attn.o_proj.weight"])
         if rest == "mlp.linear_fc1.weight":
@@ -443,6 +473,9 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], spec: ModelSpec
         out[h + "self_attn.q_proj.weight"] = q
         out[h + "self_attn.k_proj.weight"] = k
         out[h + "self_attn.v_proj.weight"] = v
+        if spec.qkv_bias:
+            for x, b in zip("qkv", _unpack_qkv(cat_rows(m + "self_attention.linear_qkv.bias"), spec)):
+                out[f"{h}self_attn.{x}_proj.bias"] = b
         out[h + "self_attn.o_proj.weight"] = cat_cols(m + "self_attention.linear_proj.weight")
         gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
         out[h + "mlp.gate_proj.weight"] = torch.cat([gu[0] for gu in gate_up])

@@ -144,7 +144,7 @@ class _Snapshot:
 
 
 class MegatronTrainerCore:
-    """One rank of a TP x DP Megatron trainer, initialized from Hugging Face Llama or GPT-2 weights."""
+    """One rank of a TP x DP Megatron trainer, initialized from Hugging Face Llama, Qwen2, Qwen3 or GPT-2 weights."""
 
     def __init__(
         self,
