@@ -28,6 +28,7 @@ from single_controller.config.loader import ConfigError, check_environment, load
 from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
 from single_controller.runtime.cli import main as cli_main  # noqa: E402
 from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -80,7 +81,13 @@ def test_init_model_command_writes_each_arch_with_its_attention_extras(arch, tmp
     if arch in ("qwen2", "qwen3"):  # Qwen3 names its head size; Qwen2's is hidden_size / heads, as in real ones
         assert ("head_dim" in cfg) is (arch == "qwen3")
     ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
+    tok = load_tokenizer(str(tmp_path / arch))  # the default: a BPE with a chat template, no BOS
+    assert tok.has_chat_template and ids == (tok.vocab_size, None, tok.eos_ids[0], tok.pad_id)
+    assert cli_main(["init-model", str(tmp_path / "c"), "--arch", arch, "--tokenizer", "char"]) == 0
+    cfg = hf_model.read_config(tmp_path / "c")
+    ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
     assert ids == (TOKENIZER.vocab_size, TOKENIZER.bos_id, TOKENIZER.eos_id, TOKENIZER.pad_id)
+    assert load_tokenizer(str(tmp_path / "c")) is TOKENIZER
     if arch != "gpt2":
         assert cfg["rope_parameters"]["rope_theta"] == hf_model.ROPE_THETA
     assert hf_model.model_dir_problems(tmp_path / arch, vllm_cpu=True, min_positions=8) == []

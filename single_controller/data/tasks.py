@@ -35,6 +35,10 @@ PAD_CHAR, BOS_CHAR, EOS_CHAR = "_", "^", "$"
 _SYMBOLS = ">+-=:?"
 
 
+class NoChatTemplate(ValueError):
+    """A chat-message prompt (or `data.chat_template: true`) with a tokenizer that has no chat template."""
+
+
 @dataclass(frozen=True)
 class CharTokenizer:
     """Maps each character of `alphabet` to its index; token i decodes to alphabet[i]."""
@@ -70,8 +74,6 @@ class CharTokenizer:
         return False
 
     def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        from single_controller.data.tokenizer import NoChatTemplate
-
         raise NoChatTemplate(
             "the character tokenizer of the embedded model has no chat template: give string prompts with "
             "data.chat_template=false, or a model directory whose tokenizer has one (`sc-grpo init-model`)"

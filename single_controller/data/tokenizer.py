@@ -24,9 +24,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from single_controller.data.tasks import NoChatTemplate
 
-class NoChatTemplate(ValueError):
-    """A chat-message prompt (or `data.chat_template: true`) with a tokenizer that has no chat template."""
+__all__ = ["HFTokenizer", "NoChatTemplate", "RunTokenizer", "is_char_tokenizer_dir", "load_tokenizer"]
 
 
 class RunTokenizer(Protocol):
