@@ -18,6 +18,8 @@ class Prompt:
     prompt_id: str
     token_ids: tuple[int, ...]
     answer: str = ""  # what the reward function needs to score a response (small)
+    raw_prompt: Any = None  # the prompt as the dataset gave it (a string or a list of {role, content} messages); None: decode token_ids
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the dataset's other columns, passed to reward functions by name
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class GenerationResult:
     prompt_length: int
     version_start: int  # policy version of the weights that produced the first token
     version_end: int  # policy version of the weights that produced the last token
+    # Per reward function (`reward.functions`, by name): its value for each row, None where it does
+    # not apply; `rewards` is their weighted sum. Empty for the default (`task.reward_fn` alone).
+    reward_parts: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    sample: tuple[str, str, float] | None = None  # (prompt text, row 0's completion text, its reward), for logs
 
 
 @dataclass(frozen=True)

@@ -355,8 +355,8 @@ def _numeric_leaf_paths() -> list[str]:
     out = []
     for path, _, tp in fields.leaf_fields():
         inner = fields.base_type(tp)
-        if inner in (int, float) or typing.get_origin(inner) is tuple:
-            out.append(path)
+        if inner in (int, float) or (typing.get_origin(inner) is tuple and fields.item_section(inner) is None):
+            out.append(path)  # a list of mappings (reward.functions) is not a list of numbers
     return out
 
 

@@ -49,6 +49,9 @@ class RunConfig:
     starts again from its newest checkpoint, in the same process and run directory (Ray, the
     workers and the storage are started anew), and trains on; the prompt ledger stays exactly-once.
     0: it stops with a resumable checkpoint and the command that resumes it."""
+    sample_every_steps: Count = 10
+    """Every this many steps, the step record carries `sample`: one trained completion as text
+    (prompt, completion, reward), for the loggers; 0: never."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,46 @@ class TaskConfig:
     returning an iterable of `Prompt`s for (num_prompts, seed)."""
     reward_fn: str = "single_controller.data.tasks:positional_match_reward"
     """Reward function `module:function`, called as fn(prompt, response_text) -> float inside the
-    generation worker."""
+    generation worker (or a batched one, as in `reward.functions`). Used when `reward.functions` is
+    empty."""
     num_digits: PositiveInt = 3
     """Digits per prompt for the built-in digit tasks."""
     num_prompts: PositiveInt = 1000
     """Size of the prompt pool; the dataloader cycles through it in epochs, reshuffled each epoch."""
     success_reward: AnyFloat = 1.0
     """A completion with reward >= this counts as a success (exact match for the built-in tasks)."""
+
+
+@dataclass(frozen=True)
+class RewardFunctionConfig:
+    """One reward function of `reward.functions` (a list item, not a section)."""
+
+    fn: str
+    """A built-in name (`math_verify`, `reasoning_gym`, `positional_match`, `exact_match`) or
+    `module:function`."""
+    name: str | None = None
+    """Its name in the metrics (`reward/<name>/mean`) and errors; null: the built-in name, or the
+    function's own name."""
+    weight: AnyFloat = 1.0
+    """Its factor in the reward: the reward is the sum of weight * value over the functions."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: tuple[RewardFunctionConfig, ...] = ()
+    """Reward functions, each `{fn, name, weight}`: the reward of a completion is the sum of weight *
+    value over the functions that apply to it (a value of None: not applicable; none applies: 0.0).
+    A function is called once per group as fn(prompts=[...], completions=[...], **columns) ->
+    list[float | None] (TRL's signature; `async def` allowed; columns: `answer`, `completion_ids`,
+    `prompt_id` and the dataset's columns, each a list over the group), or is the old fn(prompt,
+    response_text) -> float. They run in a thread pool of the generation worker. Empty:
+    `task.reward_fn` alone, called in the worker's own thread."""
+    timeout_s: Positive = 30.0
+    """Deadline of one call of a reward function (one group); a call that misses it fails its group
+    alone (`reward_failed`). It cannot be stopped: its thread is left to finish, and a fresh pool
+    serves the calls after it."""
+    max_workers: PositiveInt = 4
+    """Threads of a generation worker's reward pool (calls of groups and functions run side by side)."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +421,7 @@ class Config:
     """Seed of the model init, the prompt order and sampling."""
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
