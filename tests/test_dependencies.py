@@ -39,7 +39,7 @@ def test_an_undeclared_import_fails_the_check(tmp_path):
 
 
 # The extras' packages (pyproject.toml's optional dependencies beyond the defaults), as imported.
-EXTRA_MODULES = ("transformers", "tokenizers", "vllm", "megatron")
+EXTRA_MODULES = ("transformers", "tokenizers", "vllm", "megatron", "math_verify", "reasoning_gym")
 IMPORT_ALL_WITHOUT_EXTRAS = f"""
 import importlib, json, pkgutil, sys
 
