@@ -30,6 +30,7 @@ from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, 
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
+from single_controller.backends.common.rewards import RewardScorer  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
@@ -230,7 +231,8 @@ def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch
             raise ValueError("cannot parse the answer")
         return float("nan") if bad.get(prompt.prompt_id) == "nan" else 1.0
 
-    monkeypatch.setattr(actor, "reward_fn", picky)
+    scorer = RewardScorer.from_config(None, picky, worker=actor.name, decode=TOKENIZER.decode)
+    monkeypatch.setattr(actor, "scorer", scorer)
     results = run(loop, actor.generate_many(reqs))  # one call: the groups finish in the same engine steps
     assert isinstance(results[1], RewardFailed) and "ValueError: cannot parse the answer" in str(results[1])
     assert isinstance(results[2], RewardFailed) and "gave nan" in str(results[2])
