@@ -218,7 +218,6 @@ def test_the_default_reward_is_called_inline_in_the_generating_thread():
 
     model = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=0)
     gen = GenerationCore(model, InMemoryRowStorage(), legacy, seed=0, version=0)
-    assert gen.scorer.inline
     (res,) = gen.generate([request(0)])
     assert threads == {threading.current_thread().name}  # no pool hop
     assert res.reward_parts == {}  # the lean default: no per-function values
