@@ -88,8 +88,11 @@ class RewardFunctionConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     functions: tuple[RewardFunctionConfig, ...] = ()
-    """Reward functions, each `{fn, name, weight}`: the reward of a completion is the sum of weight *
-    value over the functions that apply to it (a value of None: not applicable; none applies: 0.0).
+    """Reward functions, each `{fn, name, weight}`: `fn` a built-in (`math_verify`, `reasoning_gym`,
+    `positional_match`, `exact_match`) or `module:function`; `name` (default: the built-in's or the
+    function's own) keys its metric `reward/<name>/mean`; `weight` (default 1.0). The reward of a
+    completion is the sum of weight * value over the functions that apply to it (a value of None:
+    not applicable; none applies: 0.0).
     A function is called once per group as fn(prompts=[...], completions=[...], **columns) ->
     list[float | None] (TRL's signature; `async def` allowed; columns: `answer`, `completion_ids`,
     `prompt_id` and the dataset's columns, each a list over the group), or is the old fn(prompt,

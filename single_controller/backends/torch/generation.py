@@ -204,9 +204,10 @@ class GenerationCore:
         }
         eval_rows = eval_tokens = n_eval = 0
         for r, rows, scored in zip(requests, responses, scores):
-            if r.group_id in self._cancelled or not isinstance(scored, Scored):
-                # None: cancelled (maybe while it was scored); RewardFailed: this group's alone. No row stored.
-                results.append(None if r.group_id in self._cancelled else scored)
+            if r.group_id in self._cancelled:
+                scored = None  # cancelled, maybe while it was scored
+            if not isinstance(scored, Scored):
+                results.append(scored)  # None (cancelled) or RewardFailed (this group alone): no row stored
                 continue
             results.append(_result(r, rows, scored, version))
             if r.eval:  # scored, never stored
