@@ -197,7 +197,8 @@ class RewardScorer:
 
     # -- the pool ----------------------------------------------------------------------------------
     def _arguments(self, g: GroupToScore) -> dict[str, list]:
-        """The keyword arguments of one batched call: every value a list over the G completions."""
+        """The keyword arguments of one batched call: every value a list over the G completions (a
+        dataset column named like one of the arguments given here is shadowed by it)."""
         n, p = len(g.texts), g.prompt
         prompt = p.raw_prompt if p.raw_prompt is not None else self.decode(p.token_ids)
         kwargs: dict[str, list] = {k: [v] * n for k, v in p.columns.items()}
