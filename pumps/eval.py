@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from single_controller.config.schema import eval_max_new_tokens
@@ -46,11 +46,22 @@ def eval_sampling(state: RunState, stop_token_ids: tuple[int, ...]) -> SamplingP
     return SamplingParams(e.num_samples, e.temperature, e.top_p, eval_max_new_tokens(state.cfg), stop_token_ids)
 
 
+def reward_part_means(parts: Iterable[Mapping[str, Sequence[float | None]]], prefix: str) -> dict[str, float]:
+    """`<prefix>reward/<name>/mean` per reward function: the mean of its values over the groups'
+    completions where it applied (not None); a function that applied to none is left out."""
+    values: dict[str, list[float]] = {}
+    for group in parts:
+        for name, vs in group.items():
+            values.setdefault(name, []).extend(v for v in vs if v is not None)
+    return {f"{prefix}reward/{name}/mean": math.fsum(vs) / len(vs) for name, vs in values.items() if vs}
+
+
 def eval_metrics(results: Sequence[GenerationResult], success_reward: float) -> dict[str, float]:
     """Scores of one round, one result per prompt, each with k = num_samples rewards.
 
     accuracy: fraction of all completions with reward >= success_reward; pass@k: fraction of prompts
-    with at least one such completion; tokens: response tokens of the counted completions.
+    with at least one such completion; tokens: response tokens of the counted completions; and each
+    reward function's mean (`eval/reward/<name>/mean`, with `reward.functions`).
     """
     rewards = [r for res in results for r in res.rewards]  # [P*k]
     k = len(results[0].rewards)
@@ -60,6 +71,7 @@ def eval_metrics(results: Sequence[GenerationResult], success_reward: float) -> 
         f"eval/pass@{k}": sum(any(r >= success_reward for r in res.rewards) for res in results) / len(results),
         "eval/tokens": float(sum(n for res in results for n in res.response_lengths)),
         "eval/prompts": float(len(results)),
+        **reward_part_means((res.reward_parts for res in results), "eval/"),
     }
 
 

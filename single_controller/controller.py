@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pumps.advantage import advantage_pump
-from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump
+from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
 from pumps.weight_sync import weight_sync_pump
@@ -485,6 +485,7 @@ class Controller:
             "rollout/reward_failed": st.counters.reward_failed,
         }
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
+        self._add_rewards(rec, report)
         # bytes the controller moved through storage this step vs bytes the trainers read
         moved = st.storage.statistics()
         moved_bytes = moved.bytes_put + moved.bytes_read
@@ -509,6 +510,18 @@ class Controller:
             and sum(self._success) / len(self._success) >= target
         ):
             st.request_stop(f"success rate >= {target} over {len(self._success)} steps")
+
+    def _add_rewards(self, rec: dict, report: StepReport) -> None:
+        """Each reward function's mean over the step's groups (`reward/<name>/mean`, with
+        `reward.functions`); every `run.sample_every_steps` steps one trained completion as text
+        (`sample`: prompt, completion, reward), for the loggers."""
+        rec.update(reward_part_means((g.reward_parts for g in report.groups), ""))
+        every = self.cfg.run.sample_every_steps
+        if every and report.step % every == 0:
+            sample = next((g.sample for g in report.groups if g.sample is not None), None)
+            if sample is not None:
+                prompt, completion, reward = sample
+                rec["sample"] = {"prompt": prompt, "completion": completion, "reward": reward}
 
     def _record_eval(self, point: EvalPoint) -> None:
         rec = {

@@ -237,9 +237,10 @@ class Restartable(Protocol):
 
 @runtime_checkable
 class RewardFunction(Protocol):
-    """Scores one completion: `reward_fn(prompt, response_text) -> float`. It runs inside the
-    generation worker (next to the tokens, after detokenization); named in configs as
-    `module:function`. One that raises or returns a non-finite value fails its group alone
-    (`RewardFailed`)."""
+    """Scores one completion: `reward_fn(prompt, response_text) -> float` (the per-completion form;
+    the batched form, fn(prompts, completions, **columns) -> list[float | None] once per group, is
+    described in `data/rewards.py`). It runs inside the generation worker (next to the tokens, after
+    detokenization); named in configs as `module:function`. One that raises or returns a non-finite
+    value fails its group alone (`RewardFailed`)."""
 
     def __call__(self, prompt: Prompt, response_text: str) -> float: ...

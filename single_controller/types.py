@@ -70,6 +70,10 @@ class GenerationResult:
     prompt_length: int
     version_start: int  # policy version of the weights that produced the first token
     version_end: int  # policy version of the weights that produced the last token
+    # Per reward function (`reward.functions`, by name): its value for each row, None where it does
+    # not apply; `rewards` is their weighted sum. Empty for the default (`task.reward_fn` alone).
+    reward_parts: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
+    sample: tuple[str, str, float] | None = None  # (prompt text, row 0's completion text, its reward), for logs
 
 
 @dataclass(frozen=True)

@@ -355,8 +355,8 @@ def _numeric_leaf_paths() -> list[str]:
     out = []
     for path, _, tp in fields.leaf_fields():
         inner = fields.base_type(tp)
-        if typing.get_origin(inner) is tuple:  # a list of numbers (not of choices)
-            inner = fields.base_type(typing.get_args(inner)[0])
+        if typing.get_origin(inner) is tuple and fields.item_section(inner) is None:
+            inner = fields.base_type(typing.get_args(inner)[0])  # a list of numbers or choices, not of mappings
         if inner in (int, float):
             out.append(path)
     return out

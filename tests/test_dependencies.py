@@ -39,7 +39,17 @@ def test_an_undeclared_import_fails_the_check(tmp_path):
 
 
 # The extras' packages (pyproject.toml's optional dependencies beyond the defaults), as imported.
-EXTRA_MODULES = ("transformers", "tokenizers", "vllm", "megatron", "tensorboard", "wandb")
+EXTRA_MODULES = (
+    "transformers",
+    "tokenizers",
+    "vllm",
+    "megatron",
+    "tensorboard",
+    "wandb",
+    "math_verify",
+    "reasoning_gym",
+    "pyarrow",
+)
 IMPORT_ALL_WITHOUT_EXTRAS = f"""
 import importlib, json, pkgutil, sys
 

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import importlib.util
 import threading
+import time
 
 import pytest
 
@@ -31,10 +32,12 @@ from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, 
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common import hf_model  # noqa: E402
+from single_controller.backends.common.rewards import RewardScorer  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
+from single_controller.data.rewards import RewardFn  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.protocols import GenerationFailed, RewardFailed  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
@@ -231,7 +234,8 @@ def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch
             raise ValueError("cannot parse the answer")
         return float("nan") if bad.get(prompt.prompt_id) == "nan" else 1.0
 
-    monkeypatch.setattr(actor, "reward_fn", picky)
+    scorer = RewardScorer.from_config(None, picky, worker=actor.name, decode=TOKENIZER.decode)
+    monkeypatch.setattr(actor, "scorer", scorer)
     results = run(loop, actor.generate_many(reqs))  # one call: the groups finish in the same engine steps
     assert isinstance(results[1], RewardFailed) and "ValueError: cannot parse the answer" in str(results[1])
     assert isinstance(results[2], RewardFailed) and "gave nan" in str(results[2])
@@ -240,6 +244,48 @@ def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch
         assert len(storage.keys_of(f"rwd{i}")) == 4
     assert storage.keys_of("rwd1") == storage.keys_of("rwd2") == []
     storage.clear_rows_sync([k for i in (0, 3) for k in reqs[i].row_keys])
+
+
+def test_reward_functions_run_off_the_engines_loop_and_a_stuck_one_fails_only_its_group(env, loop, monkeypatch):
+    """With `reward.functions`, groups are scored in the reward pool, off the event loop (which keeps
+    stepping the engine); a function past its deadline fails its own group, the others come back
+    with each function's values."""
+    actor, trainer, storage, state = env
+    reqs = _requests("pool", 3)
+    release, loop_thread = threading.Event(), threading.current_thread().name
+    threads: set[str] = set()
+
+    def digits(completions, prompt_id, **_):
+        threads.add(threading.current_thread().name)
+        if prompt_id[0] == reqs[1].prompt.prompt_id:
+            release.wait(30)
+        return [float(c.isdigit()) for c in completions]
+
+    async def generate_while_ticking():
+        """The results, and the longest the event loop went without running this coroutine."""
+        task, ticks = asyncio.ensure_future(actor.generate_many(reqs)), [time.monotonic()]
+        while not task.done():
+            await asyncio.sleep(0.02)
+            ticks.append(time.monotonic())
+        return await task, max(b - a for a, b in zip(ticks, ticks[1:]))
+
+    fns = (RewardFn("digits", digits, 2.0, "batched", "test:digits"),)
+    scorer = RewardScorer(fns, worker=actor.name, decode=TOKENIZER.decode, timeout_s=1.0, max_workers=2)
+    monkeypatch.setattr(actor, "scorer", scorer)
+    try:
+        results, longest_gap_s = run(loop, generate_while_ticking())
+    finally:
+        release.set()
+        scorer.close()
+    assert isinstance(results[1], RewardFailed) and "'digits'" in str(results[1])
+    assert "did not finish within reward.timeout_s = 1s" in str(results[1])
+    assert longest_gap_s < 0.5  # the 1 s wait for the stuck call did not hold up the loop
+    for i in (0, 2):
+        digit_values = results[i].reward_parts["digits"]
+        assert results[i].rewards == tuple(2.0 * v for v in digit_values)
+        assert len(storage.keys_of(f"pool{i}")) == 4
+    assert storage.keys_of("pool1") == [] and loop_thread not in threads
+    storage.clear_rows_sync([k for i in (0, 2) for k in reqs[i].row_keys])
 
 
 def test_a_cancelled_call_stores_nothing(env, loop):

@@ -13,7 +13,8 @@ Faults are scripted with `Faults`: generation failures or stalls for given (prom
 trainer failures at given (step, chunk, attempt), a stall gate (`gate`) that blocks all
 generation until set, and the rewards (`rewards`): a scripted reward that raises fails its group
 alone with `RewardFailed`, as a real worker's would; a non-finite one is passed on unchecked, as a
-worker that does not check would, so the advantage pump's own check is what meets it.
+worker that does not check would, so the advantage pump's own check is what meets it. A result
+carries per-function values when `reward_parts` scripts them, and always a sample completion text.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,9 @@ class Faults:
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
     # replaces sim_rewards (e.g. all equal); one that raises fails its group alone (RewardFailed)
     rewards: Callable[[str, int, int], tuple[float, ...]] | None = None
+    # (prompt_id, attempt, G) -> each reward function's G values, as a worker with `reward.functions`
+    # reports them beside the rewards (`GenerationResult.reward_parts`); None: none (the default reward)
+    reward_parts: Callable[[str, int, int], Mapping[str, tuple[float | None, ...]]] | None = None
     die_after: dict[str, int] = field(default_factory=dict)  # worker name -> dies when this many groups were served
     restart_fails: set[str] = field(default_factory=set)  # worker names whose restart fails
     # worker name -> hangs (a stopped process: no answer to anything, not even a cancel) once this
@@ -374,7 +378,11 @@ class SimGenerationWorker:
             rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
         except Exception as e:  # a scripted reward failure: this group's alone
             raise RewardFailed(f"{self.name}: reward function failed on group {request.group_id}: {e!r}") from e
-        return GenerationResult(request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version)
+        parts = self.faults.reward_parts(request.prompt.prompt_id, attempt, G) if self.faults.reward_parts else {}
+        sample = (f"prompt {request.prompt.prompt_id}", f"completion 0 of {request.group_id}", rewards[0])
+        return GenerationResult(
+            request.group_id, rewards, (T,) * G, len(request.prompt.token_ids), version, version, parts, sample
+        )
 
     def _starts(self, request: GenerationRequest) -> int:
         """`request`'s compute starts: returns the version it is served at."""

@@ -35,6 +35,7 @@ __all__ = [
     "get",
     "hints",
     "is_section",
+    "item_section",
     "leaf_fields",
     "type_name",
 ]
@@ -47,6 +48,16 @@ def hints(cls: type) -> dict[str, Any]:
 
 def is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def item_section(tp: Any) -> type | None:
+    """The dataclass of a list field's items (`tuple[RewardFunctionConfig, ...]`); None for other fields."""
+    inner = base_type(tp)
+    if typing.get_origin(inner) is tuple:
+        args = typing.get_args(inner)
+        if len(args) == 2 and args[1] is Ellipsis and is_section(args[0]):
+            return args[0]
+    return None
 
 
 def _strip(tp: Any) -> tuple[Any, bool, tuple[Any, ...]]:
@@ -115,7 +126,11 @@ def type_name(tp: Any) -> str:
     `` `retry` / `drop` ``."""
     inner, optional, _ = _strip(tp)
     choices = choices_of(inner)
-    if typing.get_origin(inner) is tuple:
+    if choices is not None:
+        name = " / ".join(f"`{c}`" for c in choices)
+    elif (item := item_section(inner)) is not None:
+        name = "list of {" + ", ".join(f.name for f in dataclasses.fields(item)) + "}"
+    elif typing.get_origin(inner) is tuple:
         args = [base_type(a) for a in typing.get_args(inner)]
         if args and args[-1] is not Ellipsis and len(set(args)) == 1:
             name = f"list of {len(args)} {args[0].__name__}s"

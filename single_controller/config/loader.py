@@ -193,7 +193,20 @@ def _known_keys(
         else:
             known[key] = value
             sources[path] = source
+            if (item := fields.item_section(hints[key])) is not None and isinstance(value, list):
+                _unknown_item_keys(value, item, path, source, problems)
     return known
+
+
+def _unknown_item_keys(items: list, cls: type, path: str, source: str, problems: list[Problem]) -> None:
+    """Each unknown key of the items of a list of mappings (`reward.functions`) is a problem."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for i, item in enumerate(items):
+        for key in item if isinstance(item, dict) else ():
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+                hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(names)}"
+                problems.append(Problem((path,), f"{path}[{i}].{key}: unknown key; {hint}", source))
 
 
 def _unknown_key_message(path: str, cls: type, prefix: str) -> str:
@@ -263,12 +276,35 @@ def _validate(values: dict[str, Any], problems: list[Problem], failed: set[str],
         errors = e.errors()
     first: dict[str, Any] = {}
     for err in errors:  # one problem per field (a tuple may have several bad items)
-        first.setdefault(".".join(p for p in err["loc"] if isinstance(p, str)), err)
+        first.setdefault(_leaf_of(err["loc"]), err)
     for path, err in first.items():
-        problems.append(Problem((path,), _value_message(path, err, _lookup(values, path)), sources.get(path, "")))
+        message = _item_message(path, err) or _value_message(path, err, _lookup(values, path))
+        problems.append(Problem((path,), message, sources.get(path, "")))
         failed.add(path)
         _put(values, path, _plain_default(_LEAVES[path][0]))
     return _CONFIG.validate_json(json.dumps(values), strict=True)
+
+
+def _leaf_of(loc: tuple) -> str:
+    """The field a pydantic error location is in: `reward.functions` for ('reward', 'functions', 0, 'fn')."""
+    path = ""
+    for part in loc:
+        if not isinstance(part, str):
+            break
+        path = f"{path}.{part}" if path else part
+        if path in _LEAVES:
+            break
+    return path
+
+
+def _item_message(path: str, err: Any) -> str | None:
+    """What is wrong with one item of a list of mappings (`reward.functions[0].fn: Field required`)."""
+    loc = list(err["loc"])
+    rest = loc[len(path.split(".")) :]
+    if not rest or not isinstance(rest[0], int) or fields.item_section(_LEAVES[path][1]) is None:
+        return None
+    where = f"{path}[{rest[0]}]" + "".join(f".{p}" for p in rest[1:] if isinstance(p, str))
+    return f"{where}: {err['msg']}"
 
 
 def _accepts_text(tp: Any) -> bool:

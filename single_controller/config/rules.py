@@ -332,12 +332,13 @@ def task_resolves(cfg: Config) -> Problem | None:
 
 
 def reward_fn_resolves(cfg: Config) -> Problem | None:
+    from single_controller.data.rewards import reward_form
     from single_controller.data.tasks import load_callable
 
     if ":" not in cfg.task.reward_fn:
         return None  # reward_fn_is_module_function says so
     try:
-        load_callable(cfg.task.reward_fn)
+        reward_form(load_callable(cfg.task.reward_fn))
     except (ImportError, TypeError, ValueError) as e:
         return Problem(("task.reward_fn",), f"task.reward_fn: {e}")
     return None
@@ -361,6 +362,20 @@ def one_source_of_prompts(cfg: Config) -> Problem | None:
         ("data.train_files", "data.reasoning_gym.task"),
         "data.train_files and data.reasoning_gym.task both name the training prompts: keep one",
     )
+
+
+def reward_functions_resolve(cfg: Config) -> Problem | None:
+    """Every function of `reward.functions` imports, is a reward function of a known form, and has a
+    name of its own."""
+    from single_controller.data.rewards import builtin_names, function_problems
+
+    problems = function_problems(cfg.reward.functions)
+    if not problems:
+        return None
+    message = "; ".join(problems)
+    if builtin_names() not in message:
+        message += f" (built-in reward functions: {builtin_names()})"
+    return Problem(("reward.functions",), message)
 
 
 def checkpoint_exists(cfg: Config) -> Problem | None:
@@ -398,6 +413,7 @@ RULES: tuple[Rule, ...] = (
     sequences_fit_the_model,
     task_resolves,
     reward_fn_resolves,
+    reward_functions_resolve,
     checkpoint_exists,
     one_source_of_prompts,
     data_prompts_set_their_new_tokens,

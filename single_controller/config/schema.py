@@ -57,6 +57,9 @@ class RunConfig:
     (the `wandb` package). A logger that fails is disabled with one warning; the run goes on."""
     wandb_project: str | None = None
     """The W&B project of a run with `wandb` in `loggers`; null: `run.name`."""
+    sample_every_steps: Count = 10
+    """Every this many steps, the step record carries `sample`: one trained completion as text
+    (prompt, completion, reward), for the loggers; 0: never."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class TaskConfig:
     returning an iterable of `Prompt`s for (num_prompts, seed)."""
     reward_fn: str = "single_controller.data.tasks:positional_match_reward"
     """Reward function `module:function`, called as fn(prompt, response_text) -> float inside the
-    generation worker."""
+    generation worker (or a batched one, as in `reward.functions`). Used when `reward.functions` is
+    empty."""
     num_digits: PositiveInt = 3
     """Digits per prompt for the built-in digit tasks."""
     num_prompts: PositiveInt = 1000
@@ -128,6 +132,41 @@ class DataConfig:
     overlong_prompts: Literal["filter", "error"] = "filter"
     """A prompt over `max_prompt_tokens`: `filter` drops it (counted in the run's start record and
     `summary.json` as `data_prompts_too_long`), `error` refuses the dataset, naming the row."""
+
+
+@dataclass(frozen=True)
+class RewardFunctionConfig:
+    """One reward function of `reward.functions` (a list item, not a section)."""
+
+    fn: str
+    """A built-in name (`math_verify`, `reasoning_gym`, `positional_match`, `exact_match`) or
+    `module:function`."""
+    name: str | None = None
+    """Its name in the metrics (`reward/<name>/mean`) and errors; null: the built-in name, or the
+    function's own name."""
+    weight: AnyFloat = 1.0
+    """Its factor in the reward: the reward is the sum of weight * value over the functions."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: tuple[RewardFunctionConfig, ...] = ()
+    """Reward functions, each `{fn, name, weight}`: `fn` a built-in (`math_verify`, `reasoning_gym`,
+    `positional_match`, `exact_match`) or `module:function`; `name` (default: the built-in's or the
+    function's own) keys its metric `reward/<name>/mean`; `weight` (default 1.0). The reward of a
+    completion is the sum of weight * value over the functions that apply to it (a value of None:
+    not applicable; none applies: 0.0).
+    A function is called once per group as fn(prompts=[...], completions=[...], **columns) ->
+    list[float | None] (TRL's signature; `async def` allowed; columns: `answer`, `completion_ids`,
+    `prompt_id` and the dataset's columns, each a list over the group), or is the old fn(prompt,
+    response_text) -> float. They run in a thread pool of the generation worker. Empty:
+    `task.reward_fn` alone, called in the worker's own thread."""
+    timeout_s: Positive = 30.0
+    """Deadline of one call of a reward function (one group); a call that misses it fails its group
+    alone (`reward_failed`). It cannot be stopped: its thread is left to finish, and a fresh pool
+    serves the calls after it."""
+    max_workers: PositiveInt = 4
+    """Threads of a generation worker's reward pool (calls of groups and functions run side by side)."""
 
 
 @dataclass(frozen=True)
@@ -460,6 +499,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

@@ -51,7 +51,10 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         raise DatasetError(f"dataset file {str(p)!r} does not exist")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{p}: reading parquet needs pyarrow (pip install 'sc-grpo[data]')") from None
 
         rows: list = pq.read_table(p).to_pylist()
     elif suffix == ".jsonl":

@@ -24,7 +24,12 @@ from single_controller.types import Prompt
 
 
 def task_names() -> list[str]:
-    from reasoning_gym.factory import DATASETS
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise DatasetError(
+            "data.reasoning_gym needs the reasoning-gym package (pip install 'sc-grpo[verifiers]')"
+        ) from None
 
     return sorted(DATASETS)
 

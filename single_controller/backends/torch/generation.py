@@ -1,13 +1,13 @@
 """Generation: sample prompt groups, score them next to the tokens, store the rows.
 
 `GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
-per distinct (prompt length, sampling settings), decodes every completion, scores it with the reward
-function, and writes ALL rows of the batch's rollout requests to the row storage in ONE put (fields
-GENERATION_FIELDS, keys `request.row_keys`; no per-row tags: a row's key names its group and its
-`token_versions` its weights, and TransferQueue's per-row tags cost the writer ~20 % of a put); eval
-requests (`request.eval`) are sampled and scored alike but never stored; `temperature == 0` samples
-greedily. The response text given to
-the reward function excludes a final stop token. A group whose reward function raises or gives a
+per distinct (prompt length, sampling settings), decodes every completion, scores each group with the
+run's reward functions (`backends/common/rewards.py`), and writes ALL rows of the batch's rollout
+requests to the row storage in ONE put (fields GENERATION_FIELDS, keys `request.row_keys`; no per-row
+tags: a row's key names its group and its `token_versions` its weights, and TransferQueue's per-row
+tags cost the writer ~20 % of a put); eval requests (`request.eval`) are sampled and scored alike but
+never stored; `temperature == 0` samples greedily. The response text given to the reward function
+excludes a final stop token. A group whose reward function raises or gives a
 non-finite reward is answered with `RewardFailed` and none of its rows is stored; its batch-mates
 are answered and stored as ever (`backends/common/rewards.py`). It stamps results with `version`, the policy
 version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
@@ -37,13 +37,13 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
-from single_controller.backends.common.rewards import score_group
+from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
-from single_controller.config.schema import ModelConfig
-from single_controller.data.tasks import TOKENIZER, load_callable
+from single_controller.config.schema import ModelConfig, RewardConfig
+from single_controller.data.tasks import TOKENIZER
 from single_controller.data.tokenizer import RunTokenizer, load_tokenizer
 from single_controller.protocols import GenerationFailed, RewardFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
@@ -68,6 +68,19 @@ class GenerationStatistics:
 _Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, int]
 
 
+def _result(r: GenerationRequest, rows: list[_Row], scored: Scored, version: int) -> GenerationResult:
+    return GenerationResult(
+        group_id=r.group_id,
+        rewards=scored.rewards,
+        response_lengths=tuple(n for *_, n in rows),
+        prompt_length=len(r.prompt.token_ids),
+        version_start=version,
+        version_end=version,
+        reward_parts=scored.parts,
+        sample=scored.sample,
+    )
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -75,6 +88,7 @@ class GenerationCore:
         storage: Any,
         reward_fn: Callable | str,
         *,
+        reward: RewardConfig | None = None,
         tokenizer: RunTokenizer = TOKENIZER,
         seed: int = 0,
         version: int | None = None,
@@ -83,8 +97,9 @@ class GenerationCore:
         self.name = name  # for the errors it reports
         self.policy = policy
         self.storage = storage  # has put_rows_sync(keys, columns)
-        self.reward_fn = load_callable(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = tokenizer
+        # `reward.functions`, or `reward_fn` (task.reward_fn) alone when there are none
+        self.scorer = RewardScorer.from_config(reward, reward_fn, worker=name, decode=tokenizer.decode)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
         self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0, reward_failures=0)
@@ -166,14 +181,20 @@ class GenerationCore:
                     responses[i].append((ids[row], lps[row], masks[row], self.tokenizer.decode(text_ids), n))
                     row += 1
 
+        scores = self._score(requests, responses)  # outside the lock: a slow reward never holds up a cancel
         with self._write_lock:
-            return self._score_and_store(requests, responses, version, started)
+            return self._store(requests, responses, scores, version, started)
 
-    def _score_and_store(
-        self, requests: Sequence[GenerationRequest], responses: list[list[_Row]], version: int, started: float
+    def _store(
+        self,
+        requests: Sequence[GenerationRequest],
+        responses: list[list[_Row]],
+        scores: list[Scored | RewardFailed | None],
+        version: int,
+        started: float,
     ) -> list[GenerationResult | RewardFailed | None]:
-        """Under the write lock: score, store the rows of every group not cancelled meanwhile and
-        scored (a group whose reward fails is answered with its `RewardFailed`, alone)."""
+        """Under the write lock: store the rows of every group not cancelled meanwhile and scored (a
+        group whose reward failed is answered with its `RewardFailed`, alone)."""
         keys: list[str] = []
         results: list[GenerationResult | RewardFailed | None] = []
         lengths: list[int] = []
@@ -181,32 +202,25 @@ class GenerationCore:
             k: [] for k in ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "reward")
         }
         eval_rows = eval_tokens = n_eval = 0
-        for r, rows, rewards in zip(requests, responses, self._score(requests, responses)):
-            if not isinstance(rewards, tuple):
-                results.append(rewards)  # None (cancelled) or RewardFailed (this group alone): no row stored
+        for r, rows, scored in zip(requests, responses, scores):
+            if r.group_id in self._cancelled:
+                scored = None  # cancelled, maybe while it was scored
+            if not isinstance(scored, Scored):
+                results.append(scored)  # None (cancelled) or RewardFailed (this group alone): no row stored
                 continue
-            prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
-            results.append(
-                GenerationResult(
-                    group_id=r.group_id,
-                    rewards=rewards,
-                    response_lengths=tuple(n for *_, n in rows),
-                    prompt_length=len(r.prompt.token_ids),
-                    version_start=version,
-                    version_end=version,
-                )
-            )
+            results.append(_result(r, rows, scored, version))
             if r.eval:  # scored, never stored
                 n_eval += 1
                 eval_rows += len(rows)
                 eval_tokens += sum(n for *_, n in rows)
                 continue
+            prompt = torch.tensor(r.prompt.token_ids, dtype=torch.long)
             cols["prompt_ids"].extend(prompt for _ in rows)
             cols["response_ids"].extend(ids for ids, *_ in rows)
             cols["gen_logprobs"].extend(lp for _, lp, *_ in rows)
             cols["response_mask"].extend(mask for _, _, mask, *_ in rows)
             lengths.extend(n for *_, n in rows)
-            cols["reward"].extend(rewards)
+            cols["reward"].extend(scored.rewards)
             keys.extend(r.row_keys)
         if keys:
             columns: dict[str, Any] = dict(cols)
@@ -228,18 +242,22 @@ class GenerationCore:
 
     def _score(
         self, requests: Sequence[GenerationRequest], responses: list[list[_Row]]
-    ) -> list[tuple[float, ...] | RewardFailed | None]:
-        """Each group's rewards: None for a group cancelled while sampling (no result wanted), its
+    ) -> list[Scored | RewardFailed | None]:
+        """Each group's scores: None for a group cancelled while sampling (no result wanted), its
         `RewardFailed` for one whose reward function failed."""
-        out: list[tuple[float, ...] | RewardFailed | None] = []
-        for r, rows in zip(requests, responses):
-            if r.group_id in self._cancelled:
-                out.append(None)
-                continue
-            try:
-                out.append(score_group(self.reward_fn, r.prompt, [text for *_, text, _ in rows], r.group_id, self.name))
-            except RewardFailed as e:
-                out.append(e)
+        live = [i for i, r in enumerate(requests) if r.group_id not in self._cancelled]
+        groups = [
+            GroupToScore(
+                requests[i].prompt,
+                [text for *_, text, _ in responses[i]],
+                [ids for ids, *_ in responses[i]],
+                requests[i].group_id,
+            )
+            for i in live
+        ]
+        out: list[Scored | RewardFailed | None] = [None] * len(requests)
+        for i, scored in zip(live, self.scorer.score_groups(groups)):
+            out[i] = scored
         return out
 
     def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
@@ -260,6 +278,7 @@ class GenerationActor:
         storage_factory: Callable[[], Any],
         reward_fn: str | Callable,
         *,
+        reward: RewardConfig | None = None,
         seed: int = 0,
         torch_threads: int = 1,
         max_batch_groups: int = 16,
@@ -282,6 +301,7 @@ class GenerationActor:
             policy.requires_grad_(False),
             LazyRowStorage(storage_factory),
             reward_fn,
+            reward=reward,
             tokenizer=load_tokenizer(model_cfg.path),
             seed=seed,
             name=name,
@@ -442,6 +462,7 @@ class GenerationActor:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.wait([self._loop_task])  # its CancelledError stays with it; _on_loop_done fails the queue
+        self._core.scorer.close()
 
     async def _batch_loop(self) -> None:
         while True:

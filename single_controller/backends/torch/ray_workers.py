@@ -318,6 +318,7 @@ async def start_torch_generation(
                 cfg.model,
                 storage_factory,
                 cfg.task.reward_fn,
+                reward=cfg.reward,
                 seed=cfg.seed * 1000 + i,
                 torch_threads=cfg.backend.torch_threads,
                 max_batch_groups=cfg.rollout.max_batch_groups,

@@ -43,12 +43,11 @@ from typing import Any
 import torch
 
 from replay.storage import Columns, LazyRowStorage
-from single_controller.backends.common.rewards import score_group
+from single_controller.backends.common.rewards import GroupToScore, RewardScorer
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.config.schema import Config
-from single_controller.data.tasks import load_callable
 from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
@@ -141,8 +140,10 @@ class VllmGenerationActor:
         if cfg.model.path is None:
             raise ValueError("the vLLM backend needs model.path (a Hugging Face model directory)")
         self.name, self.cfg = name, cfg
-        self.reward_fn = load_callable(cfg.task.reward_fn)
         self.tokenizer = load_tokenizer(cfg.model.path)  # the model directory's, as the engine's own
+        self.scorer = RewardScorer.from_config(
+            cfg.reward, cfg.task.reward_fn, worker=name, decode=self.tokenizer.decode
+        )
         self.storage = LazyRowStorage(storage_factory)
         self._names = checkpoint_names(cfg.model.path)
         # Everything the engine runs (start, steps, weight loads) runs on ONE thread: vLLM's CPU
@@ -211,6 +212,7 @@ class VllmGenerationActor:
                 await asyncio.wait(list(self._writes))
         self.engine.engine_core.shutdown()
         self._engine_thread.shutdown(wait=True)
+        self.scorer.close()
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -382,7 +384,8 @@ class VllmGenerationActor:
             cols["token_versions"].append(torch.tensor(versions, dtype=torch.long))
             texts.append(self.tokenizer.decode(text_ids))
         # RewardFailed for this group alone: `_store` delivers it to the group's caller
-        cols["reward"] = list(score_group(self.reward_fn, req.prompt, texts, req.group_id, self.name))
+        scored = self.scorer.score(GroupToScore(req.prompt, texts, cols["response_ids"], req.group_id))
+        cols["reward"] = list(scored.rewards)
         all_versions = [v for t in cols["token_versions"] for v in t.tolist()] or [self.version]
         result = GenerationResult(
             group_id=req.group_id,
@@ -391,20 +394,38 @@ class VllmGenerationActor:
             prompt_length=len(prompt),
             version_start=min(all_versions),
             version_end=max(all_versions),
+            reward_parts=scored.parts,
+            sample=scored.sample,
         )
         return cols, result
+
+    async def _made_rows(
+        self, finished: list[tuple[_Group, Any]]
+    ) -> list[tuple[dict[str, list], GenerationResult] | BaseException]:
+        """Each finished group's rows and result, or the error that ends it alone; off the event
+        loop unless the reward is the default, called inline (`backends/common/rewards.py`)."""
+
+        def made() -> list[tuple[dict[str, list], GenerationResult] | BaseException]:
+            out: list[tuple[dict[str, list], GenerationResult] | BaseException] = []
+            for g, o in finished:
+                try:
+                    out.append(self._rows(g, o))
+                except Exception as e:  # noqa: BLE001 - delivered to that group's caller
+                    out.append(e)
+            return out
+
+        return made() if self.scorer.inline else await asyncio.to_thread(made)
 
     async def _store(self, finished: list[tuple[_Group, Any]]) -> None:
         """Score and write the groups of one engine step in one put, then answer their callers."""
         keys: list[str] = []
         columns: dict[str, list] = {}
         done: list[tuple[_Group, GenerationResult | BaseException]] = []
-        for g, out in finished:
-            try:
-                cols, result = self._rows(g, out)
-            except Exception as e:  # noqa: BLE001 - delivered to that group's caller
-                done.append((g, e))
+        for g, made in zip((g for g, _ in finished), await self._made_rows(finished)):
+            if isinstance(made, BaseException):
+                done.append((g, made))
                 continue
+            cols, result = made
             done.append((g, result))
             if g.request.row_keys:  # empty row_keys: score only (e.g. evaluation)
                 keys += g.request.row_keys

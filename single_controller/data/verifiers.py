@@ -1,0 +1,102 @@
+"""Built-in reward functions, named in `reward.functions` by the keys of `BUILTINS`.
+
+Each is a batched reward function (`data/rewards.py`): called once per group as
+fn(prompts=[...], completions=[...], **columns) and returning one value per completion.
+
+* `math_verify`: 1.0 when the completion's final answer equals the `answer` column mathematically
+  (the `math-verify` package: `parse` both, `verify(gold, answer)`), else 0.0; an empty or
+  unparsable completion scores 0.0; a gold answer that does not parse gives None (not applicable:
+  the data, not the completion, is at fault). The gold is parsed as LaTeX math first (`$gold$`, so
+  `\\sqrt{2}` or `2\\sqrt{2}` parse whole), then as plain text. math-verify's own timeouts use
+  SIGALRM, which works only on a process's main thread; the reward pool's threads are not, so they
+  are off, and `reward.timeout_s` is the deadline.
+* `reasoning_gym`: the `metadata` column holds a reasoning-gym entry (`{"question", "answer",
+  "metadata": {"source_dataset": ...}}`); the completion's answer (`extract_answer`: the text in
+  `<answer>...</answer>` if present, else the whole completion, stripped) is scored by that task's
+  own `score_answer`.
+* `positional_match`, `exact_match`: the digit tasks' rewards (`data/tasks.py`) over the `answer`
+  column.
+
+`BUILTIN_PACKAGES` names the module a built-in needs beyond the defaults (the `verifiers` extra), so a
+config that names one is refused before anything starts where it is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def math_verify(prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[str], **_: Any) -> list:
+    """[G] 1.0 / 0.0 per completion; None for all when the gold answer does not parse."""
+    from math_verify import parse, verify
+
+    out: list[float | None] = []
+    for gold_text, text in zip(answer, completions):
+        gold = parse(f"${gold_text}$", parsing_timeout=None) or parse(gold_text, parsing_timeout=None)
+        if not gold:
+            out.append(None)
+            continue
+        pred = parse(text, parsing_timeout=None) if text.strip() else []
+        out.append(float(bool(pred) and verify(gold, pred, timeout_seconds=None)))
+    return out
+
+
+def extract_answer(completion: str) -> str:
+    """The text inside the first `<answer>...</answer>`, else the whole completion; stripped."""
+    m = _ANSWER_TAG.search(completion)
+    return (m.group(1) if m else completion).strip()
+
+
+@functools.cache
+def _score_answer_fn(source_dataset: str) -> Callable[[str, Mapping[str, Any]], float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(source_dataset)
+
+
+def reasoning_gym(prompts: Sequence[Any], completions: Sequence[str], metadata: Sequence[Any], **_: Any) -> list:
+    """[G] each completion's answer scored by its entry's reasoning-gym task."""
+    out = []
+    for entry, text in zip(metadata, completions):
+        if not isinstance(entry, Mapping) or "source_dataset" not in entry.get("metadata", {}):
+            raise ValueError(
+                "the reasoning_gym reward needs the 'metadata' column to hold a reasoning-gym entry "
+                f"({{'question', 'answer', 'metadata': {{'source_dataset', ...}}}}), got {entry!r:.200}"
+            )
+        score = _score_answer_fn(entry["metadata"]["source_dataset"])
+        out.append(float(score(extract_answer(text), entry)))
+    return out
+
+
+def positional_match(prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[str], **_: Any) -> list:
+    """[G] the fraction of the answer's positions each completion gets right."""
+    out = []
+    for gold, text in zip(answer, completions):
+        if not gold:
+            raise ValueError("positional_match needs a non-empty answer to score against")
+        out.append(sum(1 for a, r in zip(gold, text) if a == r) / len(gold))
+    return out
+
+
+def exact_match(prompts: Sequence[Any], completions: Sequence[str], answer: Sequence[str], **_: Any) -> list:
+    """[G] 1.0 where the completion is exactly the answer, else 0.0."""
+    return [float(text == gold) for gold, text in zip(answer, completions)]
+
+
+BUILTINS: dict[str, Callable[..., list]] = {
+    "math_verify": math_verify,
+    "reasoning_gym": reasoning_gym,
+    "positional_match": positional_match,
+    "exact_match": exact_match,
+}
+
+# built-in name -> (module it imports, the distribution that provides it)
+BUILTIN_PACKAGES: dict[str, tuple[str, str]] = {
+    "math_verify": ("math_verify", "math-verify"),
+    "reasoning_gym": ("reasoning_gym", "reasoning-gym"),
+}
