@@ -378,9 +378,15 @@ def test_the_reasoning_gym_builtin_scores_with_the_entrys_own_task():
     right = entry["answer"]
     completions = [f"thinking...<answer> {right} </answer>", f"  {right}\n", "<answer>nope</answer>"]
     assert reasoning_gym(["q"] * 3, completions, metadata=[entry] * 3) == [1.0, 1.0, 0.0]
-    assert extract_answer("a <answer>x</answer> b <answer>y</answer>") == "x"
-    with pytest.raises(ValueError, match="needs the 'metadata' column to hold a reasoning-gym entry"):
+    assert reasoning_gym(["q"] * 3, completions, entry=[entry] * 3) == [1.0, 1.0, 0.0]  # data.reasoning_gym's column
+    lines = [f"let me see\n{right}\n", f"{right}\nno wait", ""]
+    assert reasoning_gym(["q"] * 3, lines, entry=[entry] * 3, extract=["last_line"] * 3) == [1.0, 0.0, 0.0]
+    assert extract_answer("a <answer>x</answer> b <answer>y</answer>") == "y"  # the last tag: the final answer
+    assert extract_answer(" a\n b \n\n", "last_line") == "b" and extract_answer(" <answer>x</answer>", "full")
+    with pytest.raises(ValueError, match="needs a reasoning-gym item"):
         reasoning_gym(["q"], ["x"], metadata=[{"question": "?"}])
+    with pytest.raises(ValueError, match="needs an 'entry'"):
+        reasoning_gym(["q"], ["x"], answer=["x"])
 
 
 def test_the_digit_builtins_match_the_task_rewards():

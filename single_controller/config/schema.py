@@ -11,6 +11,7 @@ defaults elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -522,6 +523,14 @@ def required_capacity(cfg: Config) -> int:
     """Groups the lookahead can have resident at once: every live group targets one of the steps
     v .. v+L, each holding at most groups_per_step, so fewer slots can deadlock a refill."""
     return (cfg.sampler.max_lookahead_versions + 1) * cfg.train.groups_per_step
+
+
+def run_reward(cfg: Config) -> RewardConfig:
+    """The reward section a run scores with: `reward.functions`, or, when that is empty and the prompts
+    come from a reasoning-gym task, that task's own scorer (the `reasoning_gym` built-in)."""
+    if cfg.reward.functions or cfg.data.reasoning_gym.task is None:
+        return cfg.reward
+    return dataclasses.replace(cfg.reward, functions=(RewardFunctionConfig(fn="reasoning_gym"),))
 
 
 def prompts_from_data(cfg: Config) -> bool:

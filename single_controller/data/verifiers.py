@@ -46,10 +46,19 @@ def math_verify(prompts: Sequence[Any], completions: Sequence[str], answer: Sequ
     return out
 
 
-def extract_answer(completion: str) -> str:
-    """The text inside the first `<answer>...</answer>`, else the whole completion; stripped."""
-    m = _ANSWER_TAG.search(completion)
-    return (m.group(1) if m else completion).strip()
+def extract_answer(completion: str, how: str = "answer_tag") -> str:
+    """The scored part of a completion, stripped: `answer_tag` the text inside the last
+    `<answer>...</answer>` (the whole completion without one), `last_line` its last non-empty line,
+    `full` all of it (`data.reasoning_gym.extract`)."""
+    if how == "answer_tag":
+        tags = _ANSWER_TAG.findall(completion)
+        return (tags[-1] if tags else completion).strip()
+    if how == "last_line":
+        lines = [line for line in completion.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+    if how == "full":
+        return completion.strip()
+    raise ValueError(f"unknown answer extraction {how!r} (answer_tag, last_line, full)")
 
 
 @functools.cache
@@ -59,17 +68,23 @@ def _score_answer_fn(source_dataset: str) -> Callable[[str, Mapping[str, Any]], 
     return reasoning_gym.get_score_answer_fn(source_dataset)
 
 
-def reasoning_gym(prompts: Sequence[Any], completions: Sequence[str], metadata: Sequence[Any], **_: Any) -> list:
-    """[G] each completion's answer scored by its entry's reasoning-gym task."""
+def reasoning_gym(prompts: Sequence[Any], completions: Sequence[str], **columns: Any) -> list:
+    """[G] each completion's answer scored by its item's reasoning-gym task. The item is the `entry`
+    column (what `data.reasoning_gym` puts there), else the `metadata` column (a dataset file holding
+    whole items); the `extract` column, when there, says how the answer is cut out (else `answer_tag`)."""
+    entries = columns.get("entry") or columns.get("metadata")
+    if entries is None:
+        raise ValueError("the reasoning_gym reward needs an 'entry' (or 'metadata') column holding reasoning-gym items")
+    extract = columns.get("extract") or ["answer_tag"] * len(completions)
     out = []
-    for entry, text in zip(metadata, completions):
+    for entry, how, text in zip(entries, extract, completions):
         if not isinstance(entry, Mapping) or "source_dataset" not in entry.get("metadata", {}):
             raise ValueError(
-                "the reasoning_gym reward needs the 'metadata' column to hold a reasoning-gym entry "
+                "the reasoning_gym reward needs a reasoning-gym item "
                 f"({{'question', 'answer', 'metadata': {{'source_dataset', ...}}}}), got {entry!r:.200}"
             )
         score = _score_answer_fn(entry["metadata"]["source_dataset"])
-        out.append(float(score(extract_answer(text), entry)))
+        out.append(float(score(extract_answer(text, how), entry)))
     return out
 
 

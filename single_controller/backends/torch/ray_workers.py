@@ -50,7 +50,7 @@ from single_controller.backends.common.rank_calls import (
 )
 from single_controller.backends.torch.generation import GenerationActor
 from single_controller.backends.torch.trainer_actor import TrainerRankActor
-from single_controller.config.schema import Config
+from single_controller.config.schema import Config, run_reward
 from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
@@ -318,7 +318,7 @@ async def start_torch_generation(
                 cfg.model,
                 storage_factory,
                 cfg.task.reward_fn,
-                reward=cfg.reward,
+                reward=run_reward(cfg),
                 seed=cfg.seed * 1000 + i,
                 torch_threads=cfg.backend.torch_threads,
                 max_batch_groups=cfg.rollout.max_batch_groups,

@@ -47,7 +47,7 @@ from single_controller.backends.common.rewards import GroupToScore, RewardScorer
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
-from single_controller.config.schema import Config
+from single_controller.config.schema import Config, run_reward
 from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
@@ -142,7 +142,7 @@ class VllmGenerationActor:
         self.name, self.cfg = name, cfg
         self.tokenizer = load_tokenizer(cfg.model.path)  # the model directory's, as the engine's own
         self.scorer = RewardScorer.from_config(
-            cfg.reward, cfg.task.reward_fn, worker=name, decode=self.tokenizer.decode
+            run_reward(cfg), cfg.task.reward_fn, worker=name, decode=self.tokenizer.decode
         )
         self.storage = LazyRowStorage(storage_factory)
         self._names = checkpoint_names(cfg.model.path)
