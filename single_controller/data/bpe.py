@@ -72,10 +72,10 @@ def write_bpe_tokenizer(directory: str | Path, vocab_size: int = 512, seed: int 
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"a byte-level BPE needs vocab_size >= {MIN_VOCAB} (256 bytes + 3 special tokens)")
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),

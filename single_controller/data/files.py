@@ -70,9 +70,10 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
             data = json.loads(p.read_text(encoding="utf-8"))
         except ValueError as e:
             raise DatasetError(f"{p}: not JSON: {e}") from None
-        rows = data.get("data") if isinstance(data, dict) else data
-        if not isinstance(rows, list):
+        listed = data.get("data") if isinstance(data, dict) else data
+        if not isinstance(listed, list):
             raise DatasetError(f"{p}: a .json dataset is a list of objects (or {{'data': [...]}})")
+        rows = listed
     else:
         raise DatasetError(f"dataset file {str(p)!r}: unknown format {suffix!r} (use one of {', '.join(SUFFIXES)})")
     for n, row in enumerate(rows, 1):

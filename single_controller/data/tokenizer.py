@@ -92,7 +92,7 @@ class HFTokenizer:
         return list(self.tok(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
