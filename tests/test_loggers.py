@@ -33,6 +33,7 @@ RUN = [
     "configs/sim.yaml",
     "run.loggers=[jsonl,tensorboard,wandb]",
     f"run.max_steps={STEPS}",
+    "run.sample_every_steps=2",  # the controller's samples: steps 0, 2 and 4
     f"checkpoint.every_steps={CHECKPOINT}",
     "checkpoint.at_exit=false",
     "eval.enabled=true",
@@ -42,30 +43,16 @@ RUN = [
     "run.progress_bar=false",
 ]
 
-# `sc-grpo run` whose step records carry a sample every other step, as the controller's would.
-RUNNER = """
-import sys
-from single_controller.runtime import actor_host
-from single_controller.runtime.cli import main
-
-on_step = actor_host.ControllerHost._on_step
-
-def with_sample(self, record):
-    step = record.get("step", 0)
-    if step % 2 == 1:
-        sample = {"prompt": f"<rev> 4 0 {step}", "completion": f"{step} 0 4\\n<eos>", "reward": step / 10}
-        record = {**record, "sample": sample}
-    on_step(self, record)
-
-actor_host.ControllerHost._on_step = with_sample
-sys.exit(main(sys.argv[1:]))
-"""
-
 
 def sc_grpo(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "single_controller", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -201,13 +188,14 @@ def test_the_offline_wandb_run_holds_every_step_record_and_the_resolved_config(r
 def test_samples_are_tensorboard_text_and_a_wandb_table_of_every_sample_so_far(run):
     _, records, _, _, run_dir = run
     sampled = {r["step"]: r["sample"] for r in records if "sample" in r}
-    assert sorted(sampled) == [1, 3, 5]
+    assert sorted(sampled) == [0, 2, 4]
+    assert all(x["completion"] and isinstance(x["reward"], float) for x in sampled.values())
     texts = tensorboard_texts(run_dir / "tensorboard", "samples")
     for step, sample in sampled.items():
         assert sample["prompt"] in texts[step] and sample["completion"] in texts[step]
     first = sorted((run_dir / "wandb").glob("offline-run-*"))[0]
     _, rows = wandb_run(first)
-    last = [row for row in rows if row.get("step") == 5 and "samples/path" in row][-1]
+    last = [row for row in rows if row.get("step") == 4 and "samples/path" in row][-1]
     table = json.loads((first / "files" / last["samples/path"]).read_text())
     assert table["columns"] == ["step", "prompt", "completion", "reward"]
     assert table["data"] == [[s, x["prompt"], x["completion"], x["reward"]] for s, x in sorted(sampled.items())]
