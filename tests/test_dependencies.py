@@ -48,8 +48,7 @@ EXTRA_MODULES = (
     "wandb",
     "math_verify",
     "reasoning_gym",
-    "pyarrow",
-)
+)  # not pyarrow (the `data` extra): the default install's TransferQueue probes for it with find_spec
 IMPORT_ALL_WITHOUT_EXTRAS = f"""
 import importlib, json, pkgutil, sys
 
