@@ -60,7 +60,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_the_examples_are_there_and_listed():
-    assert NAMES == ["chat_model", "custom_dataset", "custom_reward", "gpu", "hf_model"]
+    assert NAMES == ["chat_model", "custom_dataset", "custom_reward", "gpu", "hf_model", "math_verify", "reasoning_gym"]
     listed = (EXAMPLES / "README.md").read_text()
     for name in NAMES:
         config = EXAMPLES / name / "config.yaml"
@@ -163,6 +163,44 @@ def test_chat_model_example_trains_chat_prompts_of_a_bpe_model_it_writes(tmp_pat
         assert p["token_ids"] == tok.render_chat(row["prompt"]) and p["answer"] == row["answer"]
     saved = json.loads((run_dir / "checkpoint" / "tokenizer_config.json").read_text())
     assert "<|im_start|>assistant" in saved["chat_template"]  # the trained model keeps its template
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_reasoning_gym_example_scores_with_the_tasks_own_scorer(tmp_path):
+    pytest.importorskip("reasoning_gym", reason="the verifiers extra")
+    model = f"model.path={tmp_path / 'model'}"
+    ok(sc_grpo("run", "examples/reasoning_gym/config.yaml", model, f"run.output_dir={tmp_path}", *QUICK))
+    (run_dir,) = tmp_path.glob("reasoning_gym-*")
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all({"reward/reasoning_gym/mean", "reward/letters_in_place/mean"} <= set(r) for r in records)
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    assert all(p["prompt_id"].split("-", 1)[1].startswith("rg-spell_backward-train-") for p in ledger)
+
+
+def test_math_verify_example_data_scores_its_own_solutions_right_and_wrong_answers_wrong():
+    pytest.importorskip("math_verify", reason="the verifiers extra")
+    from single_controller.data.verifiers import math_verify
+
+    rows = [json.loads(line) for line in (EXAMPLES / "math_verify/problems.jsonl").read_text().splitlines()]
+    assert len(rows) == 300 and len({r["id"] for r in rows}) == 300
+    gold = [r["answer"] for r in rows]
+    assert math_verify([r["prompt"] for r in rows], [r["solution"] for r in rows], gold) == [1.0] * 300
+    wrong = [f"\\boxed{{{a}1}}" for a in gold]  # another number (a digit appended)
+    assert math_verify([r["prompt"] for r in rows], wrong, gold) == [0.0] * 300
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_math_verify_example_runs_end_to_end(tmp_path):
+    pytest.importorskip("math_verify", reason="the verifiers extra")
+    model = f"model.path={tmp_path / 'model'}"
+    ok(sc_grpo("run", "examples/math_verify/config.yaml", model, f"run.output_dir={tmp_path}", *QUICK))
+    (run_dir,) = tmp_path.glob("math_verify-*")
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(0.0 <= r["reward/math_verify/mean"] <= 1.0 and r["rollout/reward_failed"] == 0 for r in records)
 
 
 def _two_gpus() -> bool:
