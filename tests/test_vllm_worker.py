@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +28,8 @@ pytestmark = [
 ]
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_prompts import chat_prompts  # noqa: E402
 
 from replay.ledger import GroupRecord  # noqa: E402
