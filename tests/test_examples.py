@@ -81,9 +81,14 @@ def test_every_example_config_loads_and_states_only_differences(name, monkeypatc
     assert same == [], f"{name} restates defaults: {same}"
 
 
+LEAF_PATHS = {path for path, _, _ in fields.leaf_fields()}
+
+
 def _leaves(d: dict, prefix: str = ""):
+    """(path, value) of every field a config file sets (a mapping-valued field is one leaf)."""
     for k, v in d.items():
-        yield from _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+        path = f"{prefix}{k}"
+        yield from _leaves(v, f"{path}.") if isinstance(v, dict) and path not in LEAF_PATHS else [(path, v)]
 
 
 def test_a_module_in_the_current_directory_is_found_by_the_sc_grpo_script(tmp_path, monkeypatch, capsys):
@@ -187,7 +192,7 @@ def test_math_verify_example_data_scores_its_own_solutions_right_and_wrong_answe
     assert len(rows) == 300 and len({r["id"] for r in rows}) == 300
     gold = [r["answer"] for r in rows]
     assert math_verify([r["prompt"] for r in rows], [r["solution"] for r in rows], gold) == [1.0] * 300
-    wrong = [f"\\boxed{{{a}1}}" for a in gold]  # another number (a digit appended)
+    wrong = [f"\\boxed{{{a} + 1}}" for a in gold]  # another number
     assert math_verify([r["prompt"] for r in rows], wrong, gold) == [0.0] * 300
 
 
