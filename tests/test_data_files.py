@@ -143,3 +143,52 @@ def test_the_dataloader_over_files_keeps_columns_and_its_exact_position(tmp_path
     again = PromptStream(cfg)
     again.seek(6)
     assert [next(again) for _ in range(4)] == taken[6:]
+
+
+def test_reasoning_gym_prompts_render_the_template_and_carry_the_item_for_its_scorer(tmp_path, bpe):
+    pytest.importorskip("reasoning_gym", reason="the verifiers extra")
+    from single_controller.data.reasoning_gym_source import rg_prompts
+    from single_controller.data.verifiers import reasoning_gym
+
+    over = [
+        "data.reasoning_gym.task=spell_backward",
+        "data.reasoning_gym.config={min_word_len: 3, max_word_len: 4}",
+        "data.reasoning_gym.template='{metadata[word]}='",
+        "data.reasoning_gym.size=20",
+        "data.reasoning_gym.extract=full",
+        "data.chat_template=false",
+        "rollout.max_new_tokens=5",
+    ]
+    cfg = load_config(None, over)
+    train, held = rg_prompts(cfg, bpe, "train").prompts, rg_prompts(cfg, bpe, "eval").prompts
+    assert len(train) == 20 and len(held) == cfg.data.reasoning_gym.eval_size
+    p = train[0]
+    word = p.columns["entry"]["metadata"]["word"]
+    assert p.raw_prompt == f"{word}=" and list(p.token_ids) == bpe.encode_prompt(f"{word}=") and p.answer == word[::-1]
+    assert p.prompt_id == "rg-spell_backward-train-000000" and held[0].prompt_id == "rg-spell_backward-eval-000000"
+    assert [t.columns["entry"] for t in train] != [h.columns["entry"] for h in held[:20]]  # another seed
+    scored = reasoning_gym(
+        [p.raw_prompt] * 2, [word[::-1], "zzzz"], entry=[p.columns["entry"]] * 2, extract=["full"] * 2
+    )
+    assert scored[0] == 1.0 and scored[1] < 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "data.reasoning_gym.task=spell_backwards",
+            "unknown reasoning-gym task 'spell_backwards'; did you mean 'spell_backward'",
+        ),
+        (
+            "data.reasoning_gym.template='{metadata[nope]}'",
+            "data.reasoning_gym.template names 'nope', which the item lacks",
+        ),
+        ("data.reasoning_gym.config={nope: 1}", "task 'spell_backward' refused config {'nope': 1}"),
+    ],
+)
+def test_bad_reasoning_gym_settings_are_one_clear_error_before_anything_starts(override, message):
+    pytest.importorskip("reasoning_gym", reason="the verifiers extra")
+    base = ["data.reasoning_gym.task=spell_backward", "rollout.max_new_tokens=5", "data.reasoning_gym.size=4"]
+    msg = problem(*base, override)
+    assert message in msg, msg
