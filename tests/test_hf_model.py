@@ -27,8 +27,12 @@ from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.loader import ConfigError, check_environment, load_config  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
-from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
+from single_controller.data.tasks import TOKENIZER  # noqa: E402
 from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chat_prompts import chat_prompts  # noqa: E402
+
 from single_controller.runtime.cli import main as cli_main  # noqa: E402
 from single_controller.types import GenerationRequest, SamplingParams  # noqa: E402
 
@@ -161,10 +165,11 @@ def test_prepare_model_dir_writes_once(tmp_path):
 def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
     parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
-    model_dir = hf_model.init_model(tmp_path / arch, arch=arch)
+    model_dir = hf_model.init_model(tmp_path / arch, arch=arch, tokenizer="bpe")  # prompts through its chat template
     assert hf_model.model_dir_problems(model_dir, vllm_cpu=True, min_positions=8) == []
     cfg = load_config(None, [f"model.path={model_dir}"])
-    trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), TrainConfig())
+    tok = load_tokenizer(str(model_dir))
+    trainer = TrainerCore(build_policy(cfg.model, tok.vocab_size, seed=0), TrainConfig())
     snap = trainer.publish_weights(0)
     names = {e.name for e in snap.manifest.entries}
     assert "lm_head.weight" in names  # HF checkpoint names, no adapter prefix; untied head
@@ -178,10 +183,13 @@ def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
     snap = trainer.publish_weights(1)
     storage = InMemoryRowStorage()
     gen = GenerationCore(
-        build_policy(cfg.model, TOKENIZER.vocab_size, seed=0).requires_grad_(False), storage, cfg.task.reward_fn
+        build_policy(cfg.model, tok.vocab_size, seed=0).requires_grad_(False),
+        storage,
+        cfg.task.reward_fn,
+        tokenizer=tok,
     )
     gen.load_weights(snap)
-    prompts = reverse_digits(4, 3, seed=0)
+    prompts = chat_prompts(model_dir, 4, seed=0)
     reqs = [
         GenerationRequest(f"g{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"g{i}", 4))
         for i, p in enumerate(prompts)
