@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from single_controller.backends.common.worker_logs import FILE_FORMAT, PACKAGE_LOGGERS
@@ -65,18 +65,8 @@ def console_logging(verbosity: int = 0) -> Iterator[None]:
     handler = _StderrHandler()
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter(QUIET_FORMAT if verbosity <= 0 else FILE_FORMAT))
-    saved = []
-    for name in PACKAGE_LOGGERS:
-        logger = logging.getLogger(name)
-        saved.append((logger, logger.level))
-        logger.setLevel(level)
-        logger.addHandler(handler)
-    try:
+    with _attached(handler, PACKAGE_LOGGERS, lambda logger: level):
         yield
-    finally:
-        for logger, old_level in saved:
-            logger.removeHandler(handler)
-            logger.setLevel(old_level)
 
 
 @contextlib.contextmanager
@@ -87,12 +77,25 @@ def run_log(path: str | Path) -> Iterator[None]:
     handler = logging.FileHandler(path, encoding="utf-8")  # appends: a resumed run continues the file
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(FILE_FORMAT))
+    try:
+        with _attached(
+            handler, (LINES_LOGGER, *PACKAGE_LOGGERS), lambda logger: min(logger.getEffectiveLevel(), logging.INFO)
+        ):
+            yield
+    finally:
+        handler.close()
+
+
+@contextlib.contextmanager
+def _attached(
+    handler: logging.Handler, names: Sequence[str], level_of: Callable[[logging.Logger], int]
+) -> Iterator[None]:
+    """`handler` on the loggers `names` for the body, each at `level_of(logger)`; levels restored after."""
     saved = []
-    for name in (LINES_LOGGER, *PACKAGE_LOGGERS):
+    for name in names:
         logger = logging.getLogger(name)
         saved.append((logger, logger.level))
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
+        logger.setLevel(level_of(logger))
         logger.addHandler(handler)
     try:
         yield
@@ -100,4 +103,3 @@ def run_log(path: str | Path) -> Iterator[None]:
         for logger, old_level in saved:
             logger.removeHandler(handler)
             logger.setLevel(old_level)
-        handler.close()
