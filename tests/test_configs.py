@@ -465,3 +465,11 @@ def test_a_number_given_for_a_text_field_is_that_text():
     assert cfg.run.name == "2024" and cfg.model.path == "7"
     with pytest.raises(ConfigError, match="run.max_steps: expected int"):
         load_config(None, ["run.max_steps=abc"])
+
+
+def test_a_mapping_valued_field_is_replaced_by_a_later_layer_not_merged(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  reasoning_gym:\n    config: {min_word_len: 3, max_word_len: 4}\n")
+    assert load_config(str(f), []).data.reasoning_gym.config == {"min_word_len": 3, "max_word_len": 4}
+    assert load_config(str(f), ["data.reasoning_gym.config={}"]).data.reasoning_gym.config == {}
+    assert load_config(str(f), ["data.reasoning_gym.config={size: 5}"]).data.reasoning_gym.config == {"size": 5}

@@ -85,6 +85,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     for source, layer in _layers(path, overrides, problems):
         known = _known_keys(layer, Config, "", source, problems, failed, sources)
         merged = OmegaConf.merge(merged, known)
+        for leaf, value in _mapping_leaves(known, Config, ""):  # a mapping-valued field is replaced, not merged
+            OmegaConf.update(merged, leaf, value, merge=False)
     values = _resolve(merged, problems, failed)
     cfg = _validate(values, problems, failed, sources)
     problems += [p for p in rule_problems(cfg) if not failed.intersection(p.paths)]
@@ -196,6 +198,18 @@ def _known_keys(
             if (item := fields.item_section(hints[key])) is not None and isinstance(value, list):
                 _unknown_item_keys(value, item, path, source, problems)
     return known
+
+
+def _mapping_leaves(known: dict[str, Any], cls: type, prefix: str) -> list[tuple[str, Any]]:
+    """(path, value) of the fields of `known` whose type is a mapping (`data.reasoning_gym.config`)."""
+    hints = fields.hints(cls)
+    out: list[tuple[str, Any]] = []
+    for key, value in known.items():
+        if fields.is_section(hints[key]):
+            out += _mapping_leaves(value, hints[key], f"{prefix}{key}.")
+        elif isinstance(value, dict):
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _unknown_item_keys(items: list, cls: type, path: str, source: str, problems: list[Problem]) -> None:
