@@ -162,18 +162,22 @@ def test_prepare_model_dir_writes_once(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("arch", hf_model.ARCHS)
-def test_torch_trainer_and_generator_share_the_hf_model(arch, tmp_path):
+def test_torch_trainer_and_generator_share_the_hf_model(arch, tied, tmp_path):
     """The torch trainer trains the directory's model, publishes snapshots under the checkpoint's own
-    parameter names, and the torch generation worker (same model) reproduces the trainer's logprobs."""
-    model_dir = hf_model.init_model(tmp_path / arch, arch=arch, tokenizer="bpe")  # prompts through its chat template
+    parameter names (a tied head: the embedding alone), and the torch generation worker (same model)
+    reproduces the trainer's logprobs."""
+    model_dir = hf_model.init_model(  # prompts through its chat template
+        tmp_path / arch, arch=arch, tokenizer="bpe", tie_embeddings=tied
+    )
     assert hf_model.model_dir_problems(model_dir, vllm_cpu=True, min_positions=8) == []
     cfg = load_config(None, [f"model.path={model_dir}"])
     tok = load_tokenizer(str(model_dir))
     trainer = TrainerCore(build_policy(cfg.model, tok.vocab_size, seed=0), TrainConfig())
     snap = trainer.publish_weights(0)
     names = {e.name for e in snap.manifest.entries}
-    assert "lm_head.weight" in names  # HF checkpoint names, no adapter prefix; untied head
+    assert ("lm_head.weight" in names) is not tied  # HF checkpoint names, no adapter prefix
     assert ("transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight") in names
     with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert names == set(f.keys())  # exactly the checkpoint's tensors

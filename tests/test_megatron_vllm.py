@@ -50,8 +50,10 @@ LOGPROB_TOL = 1e-4
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "qwen3"])
-def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path, arch):
+@pytest.mark.parametrize("arch, tied", [("gpt2", True), ("qwen2", False), ("qwen3", True)])
+def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path, arch, tied):
+    """Tied archs: Megatron's shared embedding/output weight goes out as the embedding alone, and the
+    engine's tied head (its own processed copy on the CPU backend) follows it."""
     from free_ports import free_port
 
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
@@ -60,8 +62,15 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path,
     torch.set_num_threads(1)
     # std 0.2: logits far from uniform, so a stale or misplaced weight shows in the logprobs
     model_dir = hf_model.init_model(
-        tmp_path / f"tiny-{arch}", arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0, tokenizer="bpe"
-    )  # a BPE tokenizer with a chat template; the prompts go through it
+        tmp_path / f"tiny-{arch}",
+        arch=arch,
+        hidden_size=64,
+        head_dim=32,
+        init_std=0.2,
+        seed=0,
+        tokenizer="bpe",  # a BPE tokenizer with a chat template; the prompts go through it
+        tie_embeddings=tied,
+    )
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
     storage = InMemoryRowStorage()
 

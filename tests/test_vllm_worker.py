@@ -372,17 +372,25 @@ def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhi
     )
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("qwen2", True), ("gpt2", True)])
+def test_a_weight_update_reaches_the_engine_on_each_arch(arch, tied, tmp_path, loop):
     """vLLM loads the snapshot's HF names into its own fused layers (q/k/v_proj -> qkv_proj, Qwen2's
-    q/k/v biases too) and Qwen3's per-head q_norm/k_norm: after an update that moves every tensor (the
-    biases and norm gains away from their init, 0 and 1), the engine's logprobs are the trainer's."""
+    q/k/v biases too), Qwen3's per-head q_norm/k_norm and a tied head (one tensor, the embedding, both
+    ends of the model): after an update that moves every tensor (the biases and norm gains away from
+    their init, 0 and 1), the engine's logprobs are the trainer's."""
     from single_controller.backends.vllm.worker import VllmGenerationActor
 
     # std 0.2: logits far from uniform, so a tensor the update missed shows in the logprobs
     # A BPE tokenizer with a chat template (the prompts go through it), as `sc-grpo init-model` writes.
     model_dir = hf_model.init_model(
-        tmp_path / arch, arch=arch, hidden_size=64, head_dim=32, init_std=0.2, seed=0, tokenizer="bpe"
+        tmp_path / arch,
+        arch=arch,
+        hidden_size=64,
+        head_dim=32,
+        init_std=0.2,
+        seed=0,
+        tokenizer="bpe",
+        tie_embeddings=tied,
     )
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", f"model.arch={arch}"])
     storage = InMemoryRowStorage()
@@ -392,6 +400,7 @@ def test_a_weight_update_reaches_the_engine_on_each_qwen(arch, tmp_path, loop):
     names = {n for n, _ in trainer.policy.model.named_parameters()}
     assert ("model.layers.0.self_attn.q_proj.bias" in names) is (arch == "qwen2")
     assert ("model.layers.0.self_attn.q_norm.weight" in names) is (arch == "qwen3")
+    assert ("lm_head.weight" in names) is not tied
     try:
         run(loop, actor.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
         before = copy.deepcopy(trainer.policy)

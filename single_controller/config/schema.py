@@ -202,7 +202,12 @@ class ModelConfig:
     """Architecture `create` writes: `llama` (LlamaForCausalLM: RoPE, RMSNorm, SwiGLU), `qwen2`
     (Qwen2ForCausalLM: Llama's plus q/k/v biases), `qwen3` (Qwen3ForCausalLM: Llama's plus an RMSNorm
     of each query and key head) or `gpt2` (GPT2LMHeadModel: learned absolute positions, like the
-    embedded TinyGPT); untied embeddings."""
+    embedded TinyGPT)."""
+    tie_embeddings: bool = False
+    """`create` ties the output head to the input embedding (`tie_word_embeddings`, as Qwen2.5-0.5B,
+    Qwen3-0.6B and GPT-2 do; the embedded TinyGPT is tied too); false: a separate `lm_head`. A tied
+    tiny model learns copy-like tasks (reverse the digits) far sooner: the token it attends to scores
+    itself through the same vectors."""
 
 
 @dataclass(frozen=True)

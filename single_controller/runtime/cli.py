@@ -300,12 +300,13 @@ def _add_init_model(sub: Any) -> None:
     p = _subparser(
         sub,
         "init-model",
-        help="write a tiny random-init Hugging Face model with the tasks' tokenizer",
+        help="write a tiny random-init Hugging Face model and its tokenizer",
         description="Write a random-init LlamaForCausalLM, or Qwen2ForCausalLM / Qwen3ForCausalLM / "
-        "GPT2LMHeadModel with --arch qwen2 / qwen3 / gpt2 (untied embeddings, head_dim 32 by default: valid "
-        "for vLLM's CPU attention) and the digit tasks' character tokenizer into DIR, offline. Use it as "
-        "model.path. Options after DIR: --hidden-size, --num-layers, --head-dim, --max-positions, --seed, "
-        "--arch, --rope-theta (`sc-grpo init-model DIR --help`).",
+        "GPT2LMHeadModel with --arch qwen2 / qwen3 / gpt2 (head_dim 32 by default: valid for vLLM's CPU "
+        "attention) and its tokenizer (a byte-level BPE with a chat template, or --tokenizer char) into DIR, "
+        "offline. Use it as model.path. Options after DIR: --hidden-size, --num-layers, --head-dim, "
+        "--max-positions, --seed, --arch, --rope-theta, --tokenizer, --vocab-size, --tie-embeddings "
+        "(`sc-grpo init-model DIR --help`).",
         epilog="examples:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0\n"
         "  sc-grpo init-model models/tiny-qwen3 --arch qwen3\n"
         "  sc-grpo init-model models/tiny-gpt2 --arch gpt2",

@@ -8,8 +8,9 @@ backend can feed any generation backend.
 
 Contract:
 * `init_model(dir, ..., arch=...)` writes a tiny random-init causal LM of one of `ARCHS` (Llama,
-  Qwen2, Qwen3 or GPT-2; untied embeddings) plus a character-level tokenizer whose token i is
-  `tasks.TOKENIZER`'s character i, offline (no hub).
+  Qwen2, Qwen3 or GPT-2; tied or untied embeddings) plus its tokenizer, offline (no hub): a
+  byte-level BPE with a ChatML chat template (`data.bpe`), or the digit tasks' character tokenizer
+  whose token i is `tasks.TOKENIZER`'s character i.
 * `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
   torch or transformers (read by `config_loader` before any process starts).
 * `save_hf_policy` writes a policy wrapping a transformers model (`.model`) back as a model
@@ -158,11 +159,14 @@ def init_model(
     arch: str = "llama",
     tokenizer: str = "char",
     vocab_size: int = 512,
+    tie_embeddings: bool = False,
 ) -> Path:
-    """Write a random-init causal LM (untied embeddings, float32) and its tokenizer into `directory`
-    (created; existing files are overwritten). Returns the directory. `tokenizer="char"`: the digit
-    tasks' character tokenizer; `"bpe"`: a byte-level BPE of `vocab_size` tokens with a ChatML chat
-    template (`data.bpe`), the same for every seed.
+    """Write a random-init causal LM (float32) and its tokenizer into `directory` (created; existing
+    files are overwritten). Returns the directory. `tokenizer="char"`: the digit tasks' character
+    tokenizer; `"bpe"`: a byte-level BPE of `vocab_size` tokens with a ChatML chat template
+    (`data.bpe`), the same for every seed. `tie_embeddings`: the output head is the input embedding
+    (`tie_word_embeddings`, as in Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and GPT-2), else a separate
+    `lm_head.weight`.
 
     `arch` (one of `ARCHS`): `llama` LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); `qwen2` Qwen2ForCausalLM
     (Llama's layout plus biases on q/k/v); `qwen3` Qwen3ForCausalLM (Llama's layout plus an RMSNorm
@@ -185,6 +189,7 @@ def init_model(
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
         init_std=init_std,
+        tie_embeddings=tie_embeddings,
     )
     vocab = _write_tokenizer_files(Path(directory), tokenizer, vocab_size)
     if arch == "gpt2":
@@ -225,6 +230,7 @@ class _Sizes:
     intermediate_size: int
     max_positions: int
     init_std: float
+    tie_embeddings: bool
 
 
 class VocabIds(TypedDict):
@@ -250,7 +256,7 @@ def _gpt2_config(sizes: _Sizes, vocab: VocabIds) -> Any:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=sizes.tie_embeddings,
         torch_dtype="float32",
         **vocab,
     )
@@ -267,7 +273,7 @@ def _rope_fields(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> dict[str,
         num_key_value_heads=sizes.heads,
         max_position_embeddings=sizes.max_positions,
         initializer_range=sizes.init_std,
-        tie_word_embeddings=False,
+        tie_word_embeddings=sizes.tie_embeddings,
         rope_theta=rope_theta,
         torch_dtype="float32",
         **vocab,
@@ -338,6 +344,7 @@ def prepare_model_dir(model_cfg, seed: int, data_files: bool = False) -> bool:
         arch=model_cfg.arch,
         tokenizer=created_tokenizer(model_cfg.tokenizer, bool(data_files)),
         vocab_size=model_cfg.tokenizer_vocab_size,
+        tie_embeddings=model_cfg.tie_embeddings,
     )
     tmp.rename(target)
     return True
@@ -355,13 +362,13 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
 
 
 def main_init_model(argv: list[str] | None = None) -> int:
-    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + the character tokenizer."""
+    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + its tokenizer."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="sc-grpo init-model",
         description="Write a tiny random-init causal LM (--arch: LlamaForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM or GPT2LMHeadModel) and the digit tasks' character tokenizer into DIR (a Hugging "
+        "Qwen3ForCausalLM or GPT2LMHeadModel) and its tokenizer into DIR (a Hugging "
         "Face model directory, loadable offline by transformers and vLLM).",
     )
     parser.add_argument("dir", metavar="DIR")
@@ -386,6 +393,11 @@ def main_init_model(argv: list[str] | None = None) -> int:
         "character tokenizer (what the built-in tasks need)",
     )
     parser.add_argument("--vocab-size", type=int, default=512, help="bpe only: 259 = no merges (letters split)")
+    parser.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="the output head is the input embedding (tie_word_embeddings, as small Qwen/Llama models have)",
+    )
     args = parser.parse_args(argv)
     if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
         parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
@@ -405,6 +417,7 @@ def main_init_model(argv: list[str] | None = None) -> int:
         arch=args.arch,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
+        tie_embeddings=args.tie_embeddings,
     )
     cfg = read_config(path)
     hidden = cfg["hidden_size"] if "hidden_size" in cfg else cfg["n_embd"]
@@ -412,5 +425,6 @@ def main_init_model(argv: list[str] | None = None) -> int:
     print(
         f"sc-grpo: wrote {path}: {cfg['architectures'][0]} hidden {hidden}, {layers} layers, "
         f"{hidden // head_dim_of(cfg)} heads of {head_dim_of(cfg)}, vocab {cfg['vocab_size']}"
+        + (", tied embeddings" if cfg.get("tie_word_embeddings") else "")
     )
     return 0

@@ -6,7 +6,8 @@ every tensor of the snapshot, one bucket at a time, so no buffer of the whole mo
 The buckets are numpy arrays: the actor awaits a trainer's ObjectRefs before it calls this (a
 `ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way).
 `reload_weights` takes checkpoint-format names and re-runs the backend's weight processing (the CPU
-backend repacks linear weights; a plain `param.copy_` would bypass that).
+backend repacks linear weights; a plain `param.copy_` would bypass that). A tied head gets no names
+of its own, so its processing is re-run here (`reprocess_tied_layers`).
 """
 
 from __future__ import annotations
@@ -64,4 +65,27 @@ class WeightLoader:
                 yield item
 
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        reprocess_tied_layers(self.model_runner.get_model())
         return count
+
+
+def reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Re-run the weight processing of every layer whose weight is another layer's (a tied `lm_head`).
+
+    `reload_weights` processes a layer when its own checkpoint names arrive. A tied head has none (the
+    checkpoint holds the embedding alone), so its processed form is left as it was: on the CPU backend
+    that is a prepacked copy of the *old* embedding (`cpu_linear`), and the engine would sample from the
+    old head while the embedding moved. Processing is idempotent (the CPU backend re-packs; elsewhere it
+    is a no-op for unquantized layers). Returns the number of layers re-processed."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            owners.setdefault(weight.data_ptr(), []).append(module)
+    count = 0
+    for modules in owners.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr]
+                count += 1
+    return count
