@@ -42,8 +42,9 @@ FORMAT = 1
 LATEST = "latest"
 
 # Config keys a resume may change: how long to run, deadlines, where to report, how often to
-# checkpoint, the cluster and workers to run on. Everything else shapes the data or the math and must
-# match the checkpoint.
+# checkpoint, the cluster and workers to run on, how a trainer cuts its microbatches. Everything else
+# shapes the data or the math and must match the checkpoint (run.max_steps too, under a decaying lr
+# schedule: it is the schedule's horizon).
 RESUMABLE_CHANGES = (
     "run.max_steps",
     "run.stop_at_success_rate",
@@ -65,6 +66,8 @@ RESUMABLE_CHANGES = (
     "rollout.max_in_flight_groups",
     "rollout.max_batch_groups",
     "train.pipeline_steps",
+    "train.micro_batch_tokens",  # how a microbatch is cut into passes: the same sums
+    "train.gradient_checkpointing",  # recomputes activations: the same gradients
 )
 
 
@@ -216,9 +219,11 @@ def incompatible_keys(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any
     """(key, checkpoint value, this config's value) for every key that differs and may not."""
     now = config_fingerprint(cfg)
     default = config_fingerprint(Config())  # a key newer than the checkpoint had its default then
+    # a decaying lr schedule's horizon is run.max_steps: another one would change the lr of every later step
+    pinned = {"run.max_steps"} if cfg.train.lr_schedule != "constant" else set()
     out = []
     for key in sorted(set(saved) | set(now)):
-        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
+        if key not in pinned and any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
             continue
         then = saved.get(key, default.get(key))
         if then != now.get(key):
@@ -230,6 +235,8 @@ def check_compatible(state: dict[str, Any], cfg: Config, path: Path) -> None:
     diff = incompatible_keys(state["config"], cfg)
     if diff:
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, a, b in diff[:10])
+        if any(k == "run.max_steps" for k, _, _ in diff):
+            lines += f" (run.max_steps is the horizon of train.lr_schedule={cfg.train.lr_schedule})"
         more = f" (and {len(diff) - 10} more)" if len(diff) > 10 else ""
         raise CheckpointError(
             f"checkpoint {path} was taken with a different config, so it cannot be resumed: {lines}{more}. "

@@ -193,6 +193,46 @@ def test_kill_9_of_the_whole_run_then_resume_loses_and_repeats_nothing(tmp_path)
     print(json.dumps({"crashes": report, "final_resume_s": time.monotonic() - t0}))
 
 
+def _lrs(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(len(records))), "metrics steps are not 0..N-1 once each"
+    return [r["train/lr"] for r in records]
+
+
+def test_a_run_killed_and_resumed_trains_with_the_lr_schedule_of_an_uninterrupted_run(tmp_path):
+    """The lr of step s is a function of s (`lr_at`), set from the step id the trainer is given: a
+    run killed (-9) mid-run and resumed from its last checkpoint reports in metrics.jsonl the very
+    `train/lr` sequence, warmup and cosine decay, of the same run left alone."""
+    steps = 60  # ~0.1 s a step at these sizes: the kill after step 12 lands well before the end
+    schedule = (
+        f"run.max_steps={steps}",
+        "train.lr_schedule=cosine",
+        "train.warmup_steps=5",
+        "train.min_lr_ratio=0.1",
+        "checkpoint.every_steps=5",
+        "rollout.group_size=4",
+        "train.groups_per_step=4",
+        "train.min_groups_per_chunk=2",
+    )
+    alone, crashed = tmp_path / "alone", tmp_path / "crashed"
+    alone.mkdir(), crashed.mkdir()
+    _run_to_end(_cmd(alone, *schedule), alone)
+    (run_alone,) = list(alone.glob("embedded-*"))
+    proc = _start(_cmd(crashed, *schedule), crashed)
+    try:
+        _wait_for_step(proc, 12)
+    finally:
+        _kill_whole_run(proc)
+    (run_dir,) = list(crashed.glob("embedded-*"))
+    k = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 10 <= k < steps, k  # resumed from a step the warmup is over and the decay under way
+    out = _run_to_end(_cmd(crashed, resume=run_dir), crashed)
+    assert f"from the checkpoint of step {k}" in out
+    want = _lrs(run_alone)
+    assert len(want) == steps and want[0] < want[5] and want[-1] == pytest.approx(0.1 * want[5])
+    assert _lrs(run_dir) == want
+
+
 def _generation_actor_pids(session: int) -> list[int]:
     """The run's generation actor processes (its session only: other runs may be on this machine)."""
     out = []

@@ -12,10 +12,13 @@ the path. The call sites (megatron-core 0.16.1):
   * `DistributedOptimizer`: shard buffers and the param all-gather on CUDA
   * `finalize_model_grads` with num_tokens; the pipeline schedule (`get_forward_backward_func`)
     creates `total_num_tokens` on "cuda"
+  * activation recompute (`tensor_parallel.checkpoint`): the CUDA RNG state, and the layers'
+    forward run again inside backward
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -113,13 +116,13 @@ def hf_state():
     return LlamaForCausalLM(hf_config()).float().state_dict()
 
 
-def _core(hf_state, **kw):
+def _core(hf_state, train=None, **kw):
     from single_controller.backends.megatron.model import ModelSpec
     from single_controller.backends.megatron.trainer import MegatronTrainerCore
     from single_controller.config.schema import TrainConfig
 
     return MegatronTrainerCore(
-        hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), TrainConfig(), emulate_cpu=True, **kw
+        hf_state, ModelSpec.from_hf_config(hf_config().to_dict()), train or TrainConfig(), emulate_cpu=True, **kw
     )
 
 
@@ -147,6 +150,27 @@ def test_forward_backward_finalize_clip_and_step_run_under_the_emulation(world, 
     assert metrics["train/grad_norm"] > 0 and metrics["train/tokens"] > 0
     after = core.hf_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_activation_recompute_runs_under_the_emulation(world, hf_state):
+    """`train.gradient_checkpointing`: `tensor_parallel.checkpoint` saves the CUDA RNG state and
+    recomputes each layer inside the backward pass (where the emulation's function mode is off unless
+    the recompute enters one): the same gradient norm as without it, and the patch is gone after."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from single_controller.config.schema import TrainConfig
+    from single_controller.types import LossConfig
+
+    original = inspect.getattr_static(mrandom.CheckpointFunction, "backward")
+    norms = []
+    for recompute in (False, True):
+        core = _core(hf_state, train=TrainConfig(gradient_checkpointing=recompute))
+        assert core.model.module.config.recompute_granularity == ("full" if recompute else None)
+        core.begin_train_step(0, LossConfig())
+        core.train_microbatch(make_rows(6, seed=2))
+        norms.append(core.finish_train_step(0)["train/grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
+    assert inspect.getattr_static(mrandom.CheckpointFunction, "backward") is original
 
 
 def test_pipeline_schedule_runs_under_the_emulation(world, hf_state):

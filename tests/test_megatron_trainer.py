@@ -120,17 +120,18 @@ def pair():
     ray.shutdown()
 
 
-def build(ranks, hf_dir, tp, distributed_optimizer=False):
+def build(ranks, hf_dir, tp, distributed_optimizer=False, train=TRAIN, max_steps=None):
     import ray
 
     return ray.get(
         [
             r.build.remote(
                 str(hf_dir),
-                TRAIN,
+                train,
                 tensor_parallel_size=tp,
                 distributed_optimizer=distributed_optimizer,
                 emulate_cpu=True,
+                max_steps=max_steps,
             )
             for r in ranks
         ]
@@ -323,6 +324,105 @@ def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows,
             f"{arch} tp={tp} {level} chunks={chunking}: grad rel err max {max(errs.values()):.1e}, "
             f"param diff max {worst[0]:.1e} (well-conditioned {worst[1]:.1e})"
         )
+
+
+PASS_BUDGET = 10  # tokens per pass (rows of 3..9 tokens): 3..5 passes per rank and chunk, some packing two rows
+
+
+def _rank_rows(rows, idx):
+    return [len(rows["prompt_ids"][i]) + len(rows["response_ids"][i]) for i in idx]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored-activations", "recompute"])
+@pytest.mark.parametrize("tp,chunking", [(1, [12]), (2, [4, 4, 4])], ids=["dp2", "tp2"])
+def test_token_budget_passes_and_recompute_match_full_batch(pair, single, hf_dir, rows, tp, chunking, recompute):
+    """Every rank's share of every chunk cut into >= 3 passes by `train.micro_batch_tokens` (some
+    packing two rows), with and without Megatron's full activation recompute: gradients and
+    parameters equal the full-batch step within the tolerances above."""
+    import ray
+
+    from single_controller.backends.common.split_step import token_passes
+
+    loss = LossConfig(level="token")
+    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
+    train = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=recompute)
+    layouts = build(pair, hf_dir, tp=tp, train=train)
+    dp = layouts[0]["dp"]
+    want_passes = [0] * dp
+    start = 0
+    for size in chunking:
+        idx = list(range(start, start + size))
+        start += size
+        for d, part in enumerate(balanced_partition(_rank_rows(rows, idx), dp)):
+            passes = token_passes(_rank_rows(rows, [idx[j] for j in part]), PASS_BUDGET)
+            assert len(passes) >= 3
+            want_passes[d] += len(passes)
+    metrics = run_step(pair, layouts, rows, chunking, loss)
+    assert [m["train/passes"] for m in metrics] == [want_passes[lay["dp_rank"]] for lay in layouts]
+    for m in metrics:
+        assert m["train/loss"] == pytest.approx(ref_metrics["train/loss"], rel=0, abs=1e-6)
+        assert m["train/grad_norm"] == pytest.approx(ref_metrics["train/grad_norm"], rel=1e-6)
+    grads = ray.get([r.hf_grads.remote() for r in pair])[0]
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL
+    for params in ray.get([r.hf_weights.remote() for r in pair]):
+        check_params(params, ref_params, ref_grads)
+
+
+def test_recompute_runs_every_layer_again_in_backward_with_the_same_gradients(single, hf_dir, rows):
+    """`train.gradient_checkpointing` on Megatron is real: each transformer layer runs twice per pass
+    (forward, then its recompute in backward), and the gradients are the full-batch ones."""
+    loss = LossConfig(level="sequence")
+    ref_grads, _, _ = reference(single, hf_dir, rows, loss)
+    train = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=True)
+    layout = single.build(str(hf_dir), train, tensor_parallel_size=1, emulate_cpu=True)
+    layers = single.core.model.module.decoder.layers
+    calls = [0]
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    (m,) = run_step([single], [layout], rows, [N_ROWS], loss)
+    assert m["train/passes"] >= 3 and calls[0] == 2 * len(layers) * m["train/passes"]
+    grads = single.hf_grads()
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL
+
+
+COSINE = dataclasses.replace(TRAIN, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+LR_STEPS = 5
+
+
+def _lrs(single, layout, rows, steps):
+    from single_controller.backends.megatron.trainer import _inner_optimizers
+
+    out = []
+    for step in steps:
+        (m,) = run_step([single], [layout], rows, [6, 6], LossConfig(), step=step)
+        groups = [g["lr"] for o in _inner_optimizers(single.core.optimizer) for g in o.param_groups]
+        assert set(groups) == {m["train/lr"]}, (step, groups)  # every param group stepped with it
+        out.append(m["train/lr"])
+    return out
+
+
+def test_each_optimizer_step_uses_the_scheduled_lr_and_a_resume_continues_it(single, hf_dir, rows, tmp_path):
+    """Megatron's param groups get `lr_at(step)` right before each optimizer step (the first, in
+    warmup, moves the weights by Adam's first update, ~lr_at(0) = lr / 2 each); a trainer rebuilt and
+    loaded from the state saved after step 1 trains steps 2.. with the lrs of the uninterrupted one."""
+    from single_controller.algorithm.schedules import lr_at
+    from single_controller.backends.common.split_step import lr_schedule
+
+    schedule = lr_schedule(COSINE, LR_STEPS)
+    layout = single.build(str(hf_dir), COSINE, tensor_parallel_size=1, emulate_cpu=True, max_steps=LR_STEPS)
+    before = single.hf_weights()
+    want = _lrs(single, layout, rows, [0])
+    moved = max(float(np.abs(single.hf_weights()[k] - before[k]).max()) for k in before)
+    assert moved == pytest.approx(lr_at(0, schedule), rel=0.02)  # |Adam's first update| = lr (+ weight decay)
+    want += _lrs(single, layout, rows, range(1, LR_STEPS))
+    assert want == [lr_at(s, schedule) for s in range(LR_STEPS)] and len(set(want)) == 4  # steps 1, 2 at lr
+    layout = single.build(str(hf_dir), COSINE, tensor_parallel_size=1, emulate_cpu=True, max_steps=LR_STEPS)
+    got = _lrs(single, layout, rows, range(2))
+    single.save_state(str(tmp_path))
+    layout = single.build(str(hf_dir), COSINE, tensor_parallel_size=1, emulate_cpu=True, max_steps=LR_STEPS)
+    assert single.load_state(str(tmp_path)) == 2
+    got += _lrs(single, layout, rows, range(2, LR_STEPS))
+    assert got == want
 
 
 def test_kl_option_matches_full_batch(pair, single, hf_dir, rows):

@@ -17,6 +17,9 @@ import torch.multiprocessing as mp
 from single_controller.algorithm.dp_split import balanced_partition
 from single_controller.algorithm.logprobs import pad_right, token_logprobs
 from single_controller.algorithm.losses import grpo_loss
+from single_controller.algorithm.schedules import lr_at
+from single_controller.backends.common import split_step
+from single_controller.backends.common.split_step import lr_schedule
 from single_controller.backends.common.weights import load_snapshot, pack_weights
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.backends.torch.trainer import TrainerCore
@@ -278,6 +281,129 @@ def test_chunking_does_not_change_the_single_process_step():
     assert_close_rel(t.params, want_params, 1e-10)
 
 
+PASS_CHUNKS = ([0, 1, 2], [3, 4, 5, 6], [7, 8, 9])  # of make_rows(10, 7), lengths 7 7 8 | 6 8 5 7 | 7 5 7
+PASS_BUDGET = 12  # tokens per pass: 3 passes per chunk, rows 3 and 6 of the second (5 + 7 -> 2 x 7) in one
+
+
+def _counting_forwards(modules) -> list[int]:
+    """[the number of forward calls of `modules`], counted as they start (a recompute may stop early)."""
+    calls = [0]
+    for m in modules:
+        m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored-activations", "gradient-checkpointing"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_token_budget_passes_and_checkpointing_do_not_change_the_single_process_step(level, checkpointing):
+    """`train.micro_batch_tokens` cuts every chunk into >= 3 forward/backward passes (one packing two
+    rows), `train.gradient_checkpointing` recomputes every block in backward: the applied gradient and
+    the parameters after the step still equal the plain full-batch step (float64, 1e-10 as above)."""
+    rows = make_rows(10, 7)
+    lengths = seq_lengths(rows)
+    passes = [split_step.token_passes([lengths[i] for i in c], PASS_BUDGET) for c in PASS_CHUNKS]
+    assert all(len(p) >= 3 for p in passes) and any(len(x) > 1 for p in passes for x in p)
+    want_grads, want_params = reference_step(rows, level)
+    cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=checkpointing)
+    t = _trainer(cfg)
+    calls = _counting_forwards(t.policy.blocks)
+    t.begin_train_step(0, LossConfig(level=level))
+    for idx in PASS_CHUNKS:
+        t.train_microbatch(take(rows, idx))
+    m = t.finish_train_step(0)
+    n_passes = sum(len(p) for p in passes)
+    assert m["train/passes"] == n_passes and m["train/microbatches"] == len(PASS_CHUNKS)
+    # every block runs once per pass, and once more in its backward when its activations were not kept
+    assert calls[0] == n_passes * SMALL.n_layers * (2 if checkpointing else 1)
+    assert_close_rel([p.grad for p in t.params], want_grads, 1e-10)
+    assert_close_rel(t.params, want_params, 1e-10)
+
+
+def test_token_passes_pack_rows_longest_first_within_the_budget():
+    # lengths 5 9 3 9 4, budget 18: longest first 9 9 | 5 4 3 -> [1, 3] (2 x 9 = 18), [0, 4, 2] (3 x 5 = 15)
+    assert split_step.token_passes([5, 9, 3, 9, 4], 18) == [[1, 3], [0, 4, 2]]
+    assert split_step.token_passes([5, 30, 3], 18) == [[1], [0, 2]]  # a row over the budget runs alone
+    assert split_step.token_passes([5, 9, 3], None) == [[0, 1, 2]]  # no budget: one pass, rows in order
+    assert split_step.token_passes([], 18) == []
+
+
+def test_gradient_checkpointing_of_a_hugging_face_model_recomputes_its_layers_with_the_same_gradients(tmp_path):
+    """HF models checkpoint a layer only in training mode: the trainer sets the layers' own flag (no
+    dropout below them) and every decoder layer then runs twice per pass, with the same gradients."""
+    from single_controller.backends.common.hf_model import init_model
+    from single_controller.backends.torch.model import load_hf_policy
+
+    model_dir = init_model(tmp_path / "llama", hidden_size=32, num_layers=2, head_dim=16)
+    rows = make_rows(6, 3)
+    out = {}
+    for checkpointing in (False, True):
+        policy = load_hf_policy(model_dir, dtype=torch.float64)
+        calls = _counting_forwards(policy.model.model.layers)
+        cfg = dataclasses.replace(TRAIN, micro_batch_tokens=20, gradient_checkpointing=checkpointing)
+        t = TrainerCore(policy, cfg)
+        t.begin_train_step(0, LossConfig())
+        t.train_microbatch(rows)
+        m = t.finish_train_step(0)
+        assert calls[0] == m["train/passes"] * 2 * (2 if checkpointing else 1), (checkpointing, calls, m)
+        assert not any(mod.training for mod in policy.model.modules() if isinstance(mod, torch.nn.Dropout))
+        out[checkpointing] = [p.grad.clone() for p in t.params]
+    assert m["train/passes"] >= 3
+    assert_close_rel(out[True], out[False], 1e-12)
+
+
+COSINE = dataclasses.replace(TRAIN, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+LR_STEPS = 6
+
+
+def _lr_step(t: TrainerCore, step: int) -> dict[str, float]:
+    t.begin_train_step(step, LossConfig())
+    t.train_microbatch(make_rows(6, 100 + step))
+    return t.finish_train_step(step)
+
+
+def test_each_optimizer_step_uses_the_scheduled_lr_and_reports_it():
+    """Step s runs AdamW at `lr_at(s)` and reports it as `train/lr`: the weights equal torch's own
+    AdamW stepped on the same gradients with that lr set by hand. An aborted step leaves the lr (and
+    everything else) as it was: the lr is set right before the optimizer step."""
+    with pytest.raises(ValueError, match="cosine lr schedule decays over the run's max_steps.*got None"):
+        _trainer(COSINE)  # no max_steps: a decaying schedule has no horizon
+    t = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), COSINE, max_steps=LR_STEPS)
+    schedule = lr_schedule(COSINE, LR_STEPS)
+    plain = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1.0, betas=TRAIN.betas, weight_decay=TRAIN.weight_decay)
+    lrs = []
+    for step in range(LR_STEPS):
+        before = _state(t)
+        t.begin_train_step(step, LossConfig())
+        t.train_microbatch(make_rows(4, 50 + step))
+        t.abort_train_step(step)
+        _assert_bit_identical(_state(t), before)
+        m = _lr_step(t, step)
+        lrs.append(m["train/lr"])
+        assert m["train/lr"] == t.optimizer.param_groups[0]["lr"] == lr_at(step, schedule)
+        for p, q in zip(plain.parameters(), t.params):
+            p.grad = q.grad.clone()  # the clipped, 1/N-scaled gradient the trainer applied
+        opt.param_groups[0]["lr"] = lr_at(step, schedule)
+        opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), t.params)), step
+    assert lrs[0] == pytest.approx(COSINE.lr / 2) and lrs[-1] == pytest.approx(0.1 * COSINE.lr)  # warmup .. floor
+
+
+def test_a_trainer_resumed_from_its_state_continues_the_lr_schedule_of_an_uninterrupted_one():
+    """A trainer built fresh (a new process) and loaded from the state saved after step 2 trains steps
+    3.. with the lrs and weights of the trainer that never stopped: the lr follows the step id."""
+    whole = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), COSINE, max_steps=LR_STEPS)
+    want = [_lr_step(whole, s)["train/lr"] for s in range(LR_STEPS)]
+    first = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), COSINE, max_steps=LR_STEPS)
+    got = [_lr_step(first, s)["train/lr"] for s in range(3)]
+    saved = copy.deepcopy(first.state_dict())
+    resumed = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=1).double(), COSINE, max_steps=LR_STEPS)
+    resumed.load_state_dict(saved)
+    got += [_lr_step(resumed, s)["train/lr"] for s in range(3, LR_STEPS)]
+    assert got == want and len(set(want)) >= 4  # the schedule moves, and the resumed run follows it exactly
+    _assert_bit_identical(_state(resumed), _state(whole))
+
+
 def test_pack_and_load_weights_bit_identical():
     src = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=0)
     dst = TinyGPT(ModelConfig(), TOKENIZER.vocab_size, seed=1)
@@ -317,6 +443,10 @@ CHUNKINGS = [
     _random_chunking(NUM_ROWS),
 ]
 SCENARIOS = [(level, ci) for level in ("token", "sequence") for ci in range(len(CHUNKINGS))]
+# One chunk of the 12 rows (6 per rank) in passes of at most 20 tokens: 4 passes on each rank, two of them
+# packing two rows; with and without gradient checkpointing.
+DDP_PASS_BUDGET = 20
+PASS_SCENARIOS = [(level, ckpt) for level in ("token", "sequence") for ckpt in (False, True)]
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -334,6 +464,18 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             core.train_microbatch(take(sub, mine))
         core.finish_train_step(0)
         results[(level, ci)] = ([p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params])
+    for level, ckpt in PASS_SCENARIOS:
+        cfg = dataclasses.replace(TRAIN, micro_batch_tokens=DDP_PASS_BUDGET, gradient_checkpointing=ckpt)
+        core = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), cfg, process_group=dist.group.WORLD)
+        core.begin_train_step(0, LossConfig(level=level))
+        mine = balanced_partition(seq_lengths(rows), world)[rank]
+        core.train_microbatch(take(rows, mine))
+        m = core.finish_train_step(0)
+        results[("passes", level, ckpt)] = (
+            [p.grad.clone() for p in core.params],
+            [p.detach().clone() for p in core.params],
+            m["train/passes"],
+        )
     # Rank 0's microbatch fails, rank 1's does not; both finish: both refuse (no rank applies a
     # step or waits for the other in the gradients' all-reduce), and an abort restores both.
     core = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, process_group=dist.group.WORLD)
@@ -370,6 +512,20 @@ def test_ddp_split_step_equals_full_batch(ddp_results, level, ci):
     want_grads, want_params = reference_step(make_rows(NUM_ROWS, 11), level)
     for rank in range(2):
         grads, params = ddp_results[rank][(level, ci)]
+        assert_close_rel(grads, want_grads, 1e-10)
+        assert_close_rel(params, want_params, 1e-10)
+
+
+@pytest.mark.parametrize("level, ckpt", PASS_SCENARIOS)
+def test_ddp_token_budget_passes_equal_the_full_batch_step(ddp_results, level, ckpt):
+    """2 gloo ranks, each microbatch cut into >= 3 passes by `train.micro_batch_tokens` (with and
+    without gradient checkpointing): gradients and parameters equal the full-batch step (1e-10, as above)."""
+    rows = make_rows(NUM_ROWS, 11)
+    want_grads, want_params = reference_step(rows, level)
+    for rank in range(2):
+        grads, params, passes = ddp_results[rank][("passes", level, ckpt)]
+        mine = [seq_lengths(rows)[i] for i in balanced_partition(seq_lengths(rows), 2)[rank]]
+        assert passes == len(split_step.token_passes(mine, DDP_PASS_BUDGET)) >= 3
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
 

@@ -224,6 +224,19 @@ def a_chunk_feeds_every_rank(cfg: Config) -> Problem | None:
     )
 
 
+def a_decaying_lr_has_steps_to_decay_over(cfg: Config) -> Problem | None:
+    t, steps = cfg.train, cfg.run.max_steps
+    if t.lr_schedule == "constant" or steps >= t.warmup_steps + 2:
+        return None
+    return Problem(
+        ("train.lr_schedule", "train.warmup_steps", "run.max_steps"),
+        f"train.lr_schedule={t.lr_schedule} decays the lr from train.lr at step train.warmup_steps "
+        f"({t.warmup_steps}) to train.min_lr_ratio * train.lr at the last step, run.max_steps - 1: its horizon is "
+        f"run.max_steps, which must be at least train.warmup_steps + 2 = {t.warmup_steps + 2} (got {steps}); "
+        "raise run.max_steps, or use train.lr_schedule=constant",
+    )
+
+
 # ---------------------------------------------------------------- Megatron's layout
 
 
@@ -405,6 +418,7 @@ RULES: tuple[Rule, ...] = (
     staleness_bound_covers_the_lookahead,
     a_step_fills_a_chunk,
     a_chunk_feeds_every_rank,
+    a_decaying_lr_has_steps_to_decay_over,
     megatron_layout_is_the_rank_count,
     distributed_optimizer_needs_data_parallel,
     tensor_parallel_divides_the_heads_created,

@@ -24,6 +24,7 @@ PositiveInt = Annotated[int, Ge(1)]  # 1, 2, 3, ...
 NonNegative = Annotated[float, Ge(0)]
 Positive = Annotated[float, Gt(0)]
 Fraction = Annotated[float, Interval(gt=0, le=1)]  # (0, 1]
+Ratio = Annotated[float, Interval(ge=0, le=1)]  # [0, 1]
 Beta = Annotated[float, Interval(ge=0, lt=1)]  # an AdamW beta, [0, 1)
 Port = Annotated[int, Interval(ge=0, le=65535)]  # a TCP port; 0: any free one
 AnyFloat = Annotated[float, Interval()]  # no bound
@@ -267,7 +268,7 @@ class TrainConfig:
     min_groups_per_chunk: PositiveInt = 4
     """The train pump sends a microbatch as soon as this many groups of the step are ready (streaming)."""
     lr: Positive = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of `lr_schedule`)."""
     betas: tuple[Beta, Beta] = (0.9, 0.99)
     """AdamW betas."""
     weight_decay: NonNegative = 0.0
@@ -288,6 +289,25 @@ class TrainConfig:
     """When the next step's first chunk is ready as a step finishes, send it right behind the finish (trainer
     backends that can: `torch`), so the trainer never waits for the controller between steps. Same steps, same
     math; off: the next step begins once the finish is answered."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate of RL step (= optimizer step) s, a function of s alone (`algorithm.schedules.lr_at`), so a
+    resumed run repeats it exactly: after the warmup, `constant` keeps `lr`; `linear` and `cosine` decay it from
+    `lr` at step `warmup_steps` to `min_lr_ratio * lr` at the last step, `run.max_steps - 1`. The decay horizon is
+    `run.max_steps`: a decaying schedule needs run.max_steps >= warmup_steps + 2, and a resume must keep it."""
+    warmup_steps: Count = 0
+    """Linear warmup from 0 to `lr` over this many steps: step s < warmup_steps trains with lr * (s + 1) /
+    warmup_steps (0: none)."""
+    min_lr_ratio: Ratio = 0.0
+    """The floor of a decaying schedule (`linear`, `cosine`) as a fraction of `lr`: the lr of the last step."""
+    micro_batch_tokens: PositiveInt | None = None
+    """Each microbatch a trainer rank gets (its share of a chunk) runs as forward/backward passes of at most this
+    many tokens each (rows x the pass's longest prompt + response, padding included; a row longer than this
+    runs alone), their raw loss sums added, so the step's math is unchanged: peak activation memory follows
+    this budget, not the chunk size. null: one pass per microbatch."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer layer's activations in the backward pass instead of keeping them (less
+    activation memory, about one more forward pass of compute); same gradients. torch: HF models'
+    `gradient_checkpointing_enable`, the embedded TinyGPT per block; Megatron: full recompute, one layer at a time."""
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,18 @@ it from, and the rank refuses everything but a checkpoint load (`TrainerStateLos
   begin_train_step(step, loss)  `steps.check_begin` refuses unless no step is open, `step` is
                                 `next_step` and the loss can be computed; `steps.open_step` opens it.
   train_microbatch(rows)        `steps.require_open`; `OpenStep.take_rows` counts the microbatch and
-                                checks the rows; `rows_loss` runs forward, the GRPO loss and backward;
+                                checks the rows; `train_rows` cuts them into forward/backward passes of
+                                at most `train.micro_batch_tokens` padded tokens (`token_passes`) and,
+                                per pass, `rows_loss` runs forward, the GRPO loss and backward, and
                                 `OpenStep.add` sums the counts and statistics.
   finish_train_step(step)       `steps.retried_finish` answers a finish of the step finished last with
                                 its recorded metrics (no second optimizer step); `steps.finishing`
                                 returns the open step; the engine all-reduces `OpenStep.sums()`
                                 (`StepSums.of` reads them back; `collective` makes a failed
-                                collective a `TrainerFailed`) and steps; `steps.finished` closes the
-                                step and records its metrics (`step_metrics`).
+                                collective a `TrainerFailed`) and steps, with the lr `set_lr` gives the
+                                optimizer right before (`lr_at(step)`: a function of the step id, so
+                                a resumed run repeats it); `steps.finished` closes the step and records
+                                its metrics (`step_metrics`).
   abort_train_step(step)        `steps.aborting(step)` returns the open step if it is `step` (else
                                 None: an abort never undoes a finish); the engine drops its
                                 gradients; `steps.aborted` closes it.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -36,6 +40,8 @@ import torch
 
 from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs
 from single_controller.algorithm.losses import LOSS_LEVELS, LossOutput, grpo_loss, mismatch_stats
+from single_controller.algorithm.schedules import LrSchedule, lr_at
+from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
 
@@ -62,6 +68,7 @@ class OpenStep:
     tokens: int = 0
     sequences: int = 0
     microbatches: int = 0
+    passes: int = 0  # forward/backward passes (a microbatch is cut into several by train.micro_batch_tokens)
     loss_sum: float = 0.0
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
     bytes_read: int = 0
@@ -83,6 +90,7 @@ class OpenStep:
         return True
 
     def add(self, out: LossOutput, mismatch: Mapping[str, float]) -> None:
+        self.passes += 1
         self.tokens += out.num_tokens
         self.sequences += out.num_sequences
         self.loss_sum += float(out.loss_sum.detach())
@@ -249,6 +257,80 @@ def collective(what: str) -> Iterator[None]:
         raise TrainerFailed(f"{what}: a collective of the trainer ranks failed: {e}") from e
 
 
+def lr_schedule(train: TrainConfig, max_steps: int | None) -> LrSchedule:
+    """The lr schedule of `train` over a run of `max_steps` steps (its decay horizon; None only with
+    a constant schedule: a trainer built without a run, e.g. in a test)."""
+    return LrSchedule(
+        lr=train.lr,
+        kind=train.lr_schedule,
+        warmup_steps=train.warmup_steps,
+        min_lr_ratio=train.min_lr_ratio,
+        total_steps=max_steps,
+    )
+
+
+def set_lr(param_groups: Iterable[MutableMapping[str, Any]], step: int, schedule: LrSchedule) -> float:
+    """Give every parameter group the lr of `step` (right before its optimizer step, so an aborted step
+    never changed it); returns that lr."""
+    lr = lr_at(step, schedule)
+    for group in param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def token_passes(lengths: Sequence[int], budget: int | None) -> list[list[int]]:
+    """The rows of a microbatch (their prompt + response lengths) in forward/backward passes of at most
+    `budget` padded tokens each (rows x the pass's longest row); a row longer than `budget` runs alone.
+    Rows go longest first, so rows of like lengths pad together. None: one pass of every row."""
+    if budget is None or not lengths:
+        return [list(range(len(lengths)))] if lengths else []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+    passes: list[list[int]] = []
+    for i in order:
+        # the pass's first row is its longest: a row joins while (rows + 1) x that length fits
+        if passes and (len(passes[-1]) + 1) * lengths[passes[-1][0]] <= budget:
+            passes[-1].append(i)
+        else:
+            passes.append([i])
+    return passes
+
+
+def select_rows(rows: Mapping[str, Any], idx: Sequence[int]) -> dict[str, Any]:
+    """The rows `idx` of `rows` (columns: lists of per-row tensors, or one tensor per column)."""
+    out: dict[str, Any] = {}
+    for k, col in rows.items():
+        if col is None:
+            out[k] = None
+        elif torch.is_tensor(col):
+            out[k] = col[torch.as_tensor(idx, dtype=torch.long, device=col.device)]
+        else:
+            out[k] = [col[i] for i in idx]
+    return out
+
+
+def train_rows(
+    policy: LogitsPolicy,
+    reference: LogitsPolicy | None,
+    rows: Mapping[str, Any],
+    st: OpenStep,
+    *,
+    temperature: float,
+    dtype: torch.dtype,
+    micro_batch_tokens: int | None,
+) -> int:
+    """Forward and backward of a microbatch of `st` in passes of at most `micro_batch_tokens`
+    (`token_passes`), each pass's sums added to `st`; returns the microbatch's valid tokens."""
+    lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+    passes = token_passes(lengths, micro_batch_tokens)
+    tokens = 0
+    for idx in passes:
+        part = rows if len(passes) == 1 else select_rows(rows, idx)
+        out, mismatch = rows_loss(policy, reference, part, st, temperature=temperature, dtype=dtype)
+        st.add(out, mismatch)
+        tokens += out.num_tokens
+    return tokens
+
+
 def rows_loss(
     policy: LogitsPolicy,
     reference: LogitsPolicy | None,
@@ -292,6 +374,7 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
         "train/tokens": sums.tokens,
         "train/sequences": sums.sequences,
         "train/microbatches": float(st.microbatches),
+        "train/passes": float(st.passes),  # local forward/backward passes of this rank
         "train/clip_frac": stats["clipped"] / tokens,
         "train/is_weight_mean": stats["is_weight"] / tokens,
         "train/is_truncated_frac": stats["is_truncated"] / tokens,

@@ -15,6 +15,12 @@ through it.
   (c) `Tensor.type()` reports `torch.cuda.<T>` (Megatron's `clip_grads` asserts CUDA grads);
   (d) `torch.cuda.current_device / synchronize / Stream / stream / current_stream / default_stream`
       are stubs;
+  (e) activation recompute (`train.gradient_checkpointing`: Megatron's `tensor_parallel.checkpoint`)
+      recomputes a layer's forward inside the backward pass, where (a) is not active (a
+      `TorchFunctionMode` is off while it handles a call, here `Tensor.backward`): its backward runs
+      under a mode of its own; the CUDA RNG state it saves before the forward and restores for the
+      recompute is an empty tensor, and restoring it a no-op (there is no CUDA RNG, and with dropout
+      0 nothing draws from it; the CPU RNG, which it also saves and restores, is torch's own);
 and on exit everything is restored. `manual_seed(seed)` is the CPU-safe twin of Megatron's
 `model_parallel_cuda_manual_seed` (its CUDA RNG tracker reads `torch.cuda.get_rng_state`; the
 inference tracker's fork is a no-op, which is exact with dropout 0).
@@ -23,6 +29,7 @@ inference tracker's fork is a no-op, which is exact with dropout 0).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -94,10 +101,23 @@ def _type(orig):
     return type_
 
 
+def _recompute_backward(orig):
+    def backward(ctx: Any, *grads: Any) -> Any:
+        with _CudaToCpu():  # the recomputed forward creates tensors on "cuda" like the first one
+            return orig(ctx, *grads)
+
+    return staticmethod(backward)
+
+
 def _patches() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, stand-in) of every patch. Applied with `setattr`: each stand-in has on
     purpose another type than the torch method, class or function it replaces."""
+    from megatron.core.tensor_parallel import random as mrandom
+
     return [
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.empty(0, dtype=torch.uint8)),
+        (mrandom, "_set_cuda_rng_state", lambda *a, **k: None),
+        (mrandom.CheckpointFunction, "backward", _recompute_backward(mrandom.CheckpointFunction.backward)),
         (torch.Tensor, "cuda", lambda self, *a, **k: self),
         (torch.Tensor, "type", _type(torch.Tensor.type)),
         (torch.cuda, "current_device", lambda: 0),
@@ -111,7 +131,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
 
 def _install() -> None:
     for owner, name, stand_in in _patches():  # built whole first: wraps the original Tensor.type
-        _saved[(owner, name)] = getattr(owner, name)
+        _saved[(owner, name)] = inspect.getattr_static(owner, name)  # a staticmethod stays one
         setattr(owner, name, stand_in)
 
 

@@ -185,7 +185,11 @@ class ModelSpec:
         return out
 
 
-def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
+def transformer_config(
+    spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True, recompute: bool = False
+):
+    """`recompute` (`train.gradient_checkpointing`): full activation recompute, one layer at a time (each
+    layer's input is kept, everything inside it is recomputed in the backward pass)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     gpt2 = spec.arch == "gpt2"
@@ -218,17 +222,22 @@ def transformer_config(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.floa
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=True,  # DDP sums gradients; the trainer scales by 1/N once
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 
-def build_gpt(spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True):
+def build_gpt(
+    spec: ModelSpec, tp: int, dtype: torch.dtype = torch.float32, cpu_init: bool = True, recompute: bool = False
+):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     gpt2 = spec.arch == "gpt2"
     extra = {} if gpt2 else {"rotary_base": spec.rope_theta}
     model = GPTModel(
-        config=transformer_config(spec, tp, dtype, cpu_init),
+        config=transformer_config(spec, tp, dtype, cpu_init, recompute),
         transformer_layer_spec=get_gpt_layer_local_spec(
             normalization="LayerNorm" if gpt2 else "RMSNorm", qk_layernorm=spec.qk_norm
         ),

@@ -140,9 +140,11 @@ class MegatronRankActor(RankStepCalls):
         emulate_cpu: bool = False,
         temperature: float = 1.0,
         seed: int = 0,
+        max_steps: int | None = None,
     ) -> dict[str, int]:
         """(Re)build the model-parallel layout and the trainer from the HF model directory; returns
-        {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count)."""
+        {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count).
+        `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`."""
         from megatron.core import parallel_state as mps
 
         from single_controller.backends.megatron.cpu_emulation import check_version, cpu_emulation
@@ -166,6 +168,7 @@ class MegatronRankActor(RankStepCalls):
             emulate_cpu=emulate_cpu,
             temperature=temperature,
             seed=seed,
+            max_steps=max_steps,
         )
         c = self.core
         return {
@@ -460,6 +463,7 @@ async def start_megatron_ranks(
     temperature: float,
     seed: int,
     setup_timeout_s: float,
+    max_steps: int | None = None,
     torch_threads: int = 1,
     actor_options: dict | None = None,
     storage_ready: Any = None,
@@ -488,21 +492,15 @@ async def start_megatron_ranks(
         backend = "gloo" if emulate_cpu else "nccl"
         await rank_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
         rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
-        layout = await rank_call(
-            "build",
-            [
-                r.build.remote(
-                    model_dir,
-                    train,
-                    tensor_parallel_size=tensor_parallel_size,
-                    distributed_optimizer=distributed_optimizer,
-                    emulate_cpu=emulate_cpu,
-                    temperature=temperature,
-                    seed=seed,
-                )
-                for r in ranks
-            ],
+        build = dict(
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_optimizer=distributed_optimizer,
+            emulate_cpu=emulate_cpu,
+            temperature=temperature,
+            seed=seed,
+            max_steps=max_steps,
         )
+        layout = await rank_call("build", [r.build.remote(model_dir, train, **build) for r in ranks])
     except BaseException:
         await asyncio.shield(stop_ranks(ranks, where))
         raise
@@ -530,6 +528,7 @@ async def start_megatron_trainer(
         temperature=cfg.rollout.temperature,
         seed=cfg.seed,
         setup_timeout_s=cfg.timeouts.setup_s,
+        max_steps=cfg.run.max_steps,
         torch_threads=cfg.backend.torch_threads,
         actor_options=options,
         storage_ready=storage_ready,

@@ -9,13 +9,17 @@ Contract of a step (the torch trainer's, with the same loss math and bookkeeping
                                 Megatron DDP's gradient buffers (no copy of parameters or optimizer
                                 state is kept: only the optimizer step in finish changes them).
   train_microbatch(rows)        forward/backward of the RAW masked loss sum (`grpo_loss`) under DDP
-                                `no_sync()`: gradients accumulate in DDP's main_grad buffers, no
+                                `no_sync()`, in passes of at most `train.micro_batch_tokens` tokens
+                                (`train_rows`): gradients accumulate in DDP's main_grad buffers, no
                                 communication. All ranks of a TP group get the same rows.
   finish_train_step(step)       all-reduces [counts, loss and stat sums] over the DP group, then
                                 `finalize_model_grads` (DDP grad all-reduce, or reduce-scatter with
                                 the distributed optimizer), scales by 1/N once (N = global valid
                                 tokens or sequences), clips with Megatron's TP-aware norm, one
-                                optimizer step. finish of the step finished last returns its recorded
+                                optimizer step at `lr_at(step)`: the trainer sets the inner torch
+                                optimizers' param groups itself, right before the step (Megatron's
+                                `OptimizerParamScheduler` is not used: its state would be a second
+                                step counter to keep in line). finish of the step finished last returns its recorded
                                 metrics (no second step). If it raises the step stays open.
   abort_train_step(step)        the open `step`: drops its gradients, which leaves parameters and
                                 optimizer state bit-identical to before begin; anything else: no-op
@@ -37,7 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from single_controller.backends.common.split_step import SplitStep, StepSums, collective, rows_loss
+from single_controller.backends.common.split_step import (
+    SplitStep,
+    StepSums,
+    collective,
+    lr_schedule,
+    set_lr,
+    train_rows,
+)
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
 from single_controller.backends.megatron.model import (
     MegatronPolicy,
@@ -157,10 +168,12 @@ class MegatronTrainerCore:
         temperature: float = 1.0,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        max_steps: int | None = None,
     ):
         from megatron.core import parallel_state as mps
 
         self.spec, self.cfg, self.temperature = spec, cfg, temperature
+        self.schedule = lr_schedule(cfg, max_steps)  # max_steps: the horizon of a decaying schedule
         self.emulate_cpu = emulate_cpu
         self.tp = mps.get_tensor_model_parallel_world_size()
         self.tp_rank = mps.get_tensor_model_parallel_rank()
@@ -189,7 +202,9 @@ class MegatronTrainerCore:
         """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = build_gpt(self.spec, self.tp, dtype, cpu_init=self.emulate_cpu)
+        model = build_gpt(
+            self.spec, self.tp, dtype, cpu_init=self.emulate_cpu, recompute=self.cfg.gradient_checkpointing
+        )
         self._load_hf(model, hf_state)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -265,11 +280,15 @@ class MegatronTrainerCore:
             return 0
         rows = self._rows_to_device(rows)
         with self.on_device(), self.model.no_sync():
-            out, mismatch = rows_loss(
-                self.policy, self.reference_policy, rows, st, temperature=self.temperature, dtype=self.params[0].dtype
+            return train_rows(
+                self.policy,
+                self.reference_policy,
+                rows,
+                st,
+                temperature=self.temperature,
+                dtype=self.params[0].dtype,
+                micro_batch_tokens=self.cfg.micro_batch_tokens,
             )
-        st.add(out, mismatch)
-        return out.num_tokens
 
     def finish_train_step(self, step: int) -> dict[str, float]:
         from megatron.core import parallel_state as mps
@@ -295,6 +314,7 @@ class MegatronTrainerCore:
             if not math.isfinite(grad_norm):
                 raise TrainerFailed(f"step {st.step}: gradient norm is {grad_norm}")
             with self.steps.applying(st):
+                set_lr((g for o in _inner_optimizers(self.optimizer) for g in o.param_groups), st.step, self.schedule)
                 self.optimizer.step_with_ready_grads()  # distributed optimizer: also all-gathers params
         lr = float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
         return self.steps.finished(st, totals, grad_norm, lr=lr)

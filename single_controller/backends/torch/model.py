@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from single_controller.config.schema import ModelConfig
 
@@ -100,6 +101,7 @@ class TinyGPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.checkpoint_blocks = False  # recompute blocks in backward (`enable_gradient_checkpointing`)
         if seed is not None:
             self.init_weights(seed)
 
@@ -125,8 +127,9 @@ class TinyGPT(nn.Module):
             )
         pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.tok_emb(input_ids) + self.pos_emb(pos)  # [B, T, D]
+        recompute = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, cache, i)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x, cache, i)
         if cache is not None:
             cache.length += T
         return F.linear(self.ln_f(x), self.tok_emb.weight)  # [B, T, V]
@@ -211,6 +214,27 @@ def load_tinygpt(directory: str | Path) -> TinyGPT:
     dtype = next(iter(state.values())).dtype
     model.to(dtype).load_state_dict(state, strict=True)
     return model
+
+
+def enable_gradient_checkpointing(policy: nn.Module) -> None:
+    """Recompute each transformer layer's activations in the backward pass (`train.gradient_checkpointing`):
+    a TinyGPT per block (`torch.utils.checkpoint`), an HF model by its own `gradient_checkpointing_enable`.
+    HF checkpoints a layer only while that layer is in training mode, and the trainer keeps its models in
+    eval mode (no dropout: its logprobs must be the generation's), so only the layers' own flag is set:
+    their dropout modules stay off."""
+    if isinstance(policy, TinyGPT):
+        policy.checkpoint_blocks = True
+        return
+    if not isinstance(policy, HFCausalLMPolicy):
+        raise TypeError(f"gradient checkpointing: no way to enable it on a {type(policy).__name__}")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in policy.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers or not all(m.gradient_checkpointing for m in layers):
+        raise RuntimeError(f"gradient checkpointing: {type(policy.model).__name__} has no checkpointed layer")
+    for m in layers:
+        m.training = True  # this module's flag only (not .train(): that would turn dropout on below it)
 
 
 def state_module(policy: nn.Module) -> nn.Module:

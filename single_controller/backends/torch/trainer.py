@@ -6,11 +6,13 @@ bookkeeping is `backends.common.split_step.SplitStep`, `core.steps`):
                                 zeroes gradients (no copy of parameters or optimizer state is kept:
                                 only the optimizer step in finish changes them).
   train_microbatch(rows)        (raises if no step is open) adds d(raw loss sum)/dθ to the local
-                                gradients, under DDP `no_sync()`: no communication per microbatch.
+                                gradients, under DDP `no_sync()`: no communication per microbatch; in
+                                passes of at most `train.micro_batch_tokens` tokens (`train_rows`).
   finish_train_step(step)       all-reduces [counts, loss and stat sums] and, once, all gradients
                                 flattened into one buffer; scales by 1/N (N = global valid tokens for
                                 token-level loss, global sequences for sequence-level); clips to
-                                grad_clip; one AdamW step; closes the step and returns metrics. If it
+                                grad_clip; one AdamW step at `lr_at(step)` (set on the param groups
+                                right before it); closes the step and returns metrics. If it
                                 raises (non-finite gradient norm, no valid tokens, a collective
                                 failed) the step stays open: the caller aborts it. finish of the
                                 step finished last returns its recorded metrics (no second step).
@@ -37,10 +39,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from single_controller.backends.common.split_step import OpenStep, SplitStep, StepSums, collective, rows_loss
+from single_controller.backends.common.split_step import (
+    OpenStep,
+    SplitStep,
+    StepSums,
+    collective,
+    lr_schedule,
+    set_lr,
+    train_rows,
+)
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, pack_weights
 from single_controller.backends.torch.eager_optim import eager_adamw, eager_step
-from single_controller.backends.torch.model import state_module
+from single_controller.backends.torch.model import enable_gradient_checkpointing, state_module
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
 from single_controller.types import LossConfig
@@ -59,7 +69,8 @@ class TrainerStatistics:
 
 class TrainerCore:
     """One data-parallel rank. `process_group` None: single process; else a gloo group this rank is in
-    (the policy is wrapped in DDP, which also broadcasts rank 0's parameters at construction)."""
+    (the policy is wrapped in DDP, which also broadcasts rank 0's parameters at construction).
+    `max_steps`: the run's steps, the horizon of a decaying `cfg.lr_schedule` (None: constant only)."""
 
     def __init__(
         self,
@@ -69,9 +80,13 @@ class TrainerCore:
         temperature: float = 1.0,
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = 4 << 20,
+        max_steps: int | None = None,
     ):
         self.policy = policy
         self.cfg = cfg
+        self.schedule = lr_schedule(cfg, max_steps)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)  # before DDP wraps it and before the reference copy
         self.temperature = temperature
         self.bucket_bytes = bucket_bytes
         self.pg = process_group
@@ -111,14 +126,18 @@ class TrainerCore:
                 return 0
             ctx = self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
             with ctx:
-                out, mismatch = rows_loss(
-                    self._forward, self.reference, rows, st, temperature=self.temperature, dtype=self.params[0].dtype
+                return train_rows(
+                    self._forward,
+                    self.reference,
+                    rows,
+                    st,
+                    temperature=self.temperature,
+                    dtype=self.params[0].dtype,
+                    micro_batch_tokens=self.cfg.micro_batch_tokens,
                 )
         except BaseException as e:
             self.steps.mark_failed(f"{type(e).__name__}: {e}")
             raise
-        st.add(out, mismatch)
-        return out.num_tokens
 
     def finish_train_step(self, step: int) -> dict[str, float]:
         retried = self.steps.retried_finish(step)
@@ -141,6 +160,7 @@ class TrainerCore:
         if not math.isfinite(grad_norm):
             raise TrainerFailed(f"step {st.step}: gradient norm is {grad_norm}")
         with self.steps.applying(st):
+            set_lr(self.optimizer.param_groups, st.step, self.schedule)
             eager_step(self.optimizer)
         return self.steps.finished(st, totals, grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]))
 

@@ -82,6 +82,7 @@ class TrainerRankActor(RankStepCalls):
             temperature=self.cfg.rollout.temperature,
             process_group=pg,
             bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
+            max_steps=self.cfg.run.max_steps,
         )
         return sum(p.numel() for p in policy.parameters())
 
