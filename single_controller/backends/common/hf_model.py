@@ -361,8 +361,7 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
     return out
 
 
-def main_init_model(argv: list[str] | None = None) -> int:
-    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + its tokenizer."""
+def _init_model_parser() -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -398,6 +397,12 @@ def main_init_model(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the output head is the input embedding (tie_word_embeddings, as small Qwen/Llama models have)",
     )
+    return parser
+
+
+def main_init_model(argv: list[str] | None = None) -> int:
+    """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + its tokenizer."""
+    parser = _init_model_parser()
     args = parser.parse_args(argv)
     if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
         parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")

@@ -48,6 +48,8 @@ class _ModelRunner(Protocol):
         self, *, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None, is_checkpoint_format: bool
     ) -> None: ...
 
+    def get_model(self) -> torch.nn.Module: ...
+
 
 class WeightLoader:
     """Mixed into vLLM's worker; `self.model_runner` is the worker's."""
@@ -77,15 +79,15 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
     that is a prepacked copy of the *old* embedding (`cpu_linear`), and the engine would sample from the
     old head while the embedding moved. Processing is idempotent (the CPU backend re-packs; elsewhere it
     is a no-op for unquantized layers). Returns the number of layers re-processed."""
-    owners: dict[int, list[torch.nn.Module]] = {}
+    owners: dict[int, list[tuple[torch.nn.Module, Any]]] = {}
     for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None and getattr(module, "quant_method", None) is not None:
-            owners.setdefault(weight.data_ptr(), []).append(module)
+        weight, method = module._parameters.get("weight"), getattr(module, "quant_method", None)
+        if weight is not None and method is not None:
+            owners.setdefault(weight.data_ptr(), []).append((module, method))
     count = 0
-    for modules in owners.values():
-        if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr]
+    for layers in owners.values():
+        if len(layers) > 1:
+            for module, method in layers:
+                method.process_weights_after_loading(module)
                 count += 1
     return count
