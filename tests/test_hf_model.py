@@ -75,6 +75,11 @@ ARCH_LAYOUT = {
 }
 
 
+def _tensor_names(model_dir: Path) -> set[str]:
+    with safetensors.safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
 @pytest.mark.parametrize("arch", hf_model.ARCHS)
 def test_init_model_command_writes_each_arch_with_its_attention_extras(arch, tmp_path):
     assert set(ARCH_LAYOUT) == set(hf_model.ARCHS)
@@ -88,6 +93,12 @@ def test_init_model_command_writes_each_arch_with_its_attention_extras(arch, tmp
     ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
     tok = load_tokenizer(str(tmp_path / arch))  # the default: a BPE with a chat template, no BOS
     assert tok.has_chat_template and ids == (tok.vocab_size, None, tok.eos_ids[0], tok.pad_id)
+    assert "lm_head.weight" in _tensor_names(tmp_path / arch)
+    assert cli_main(["init-model", str(tmp_path / "t"), "--arch", arch, "--tie-embeddings"]) == 0
+    assert hf_model.read_config(tmp_path / "t")["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in _tensor_names(tmp_path / "t")  # one tensor, the embedding
+    tied = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "t"))
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
     assert cli_main(["init-model", str(tmp_path / "c"), "--arch", arch, "--tokenizer", "char"]) == 0
     cfg = hf_model.read_config(tmp_path / "c")
     ids = (cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
