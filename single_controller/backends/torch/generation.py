@@ -454,8 +454,11 @@ class GenerationActor:
         return self._core.statistics(pending=await self.in_flight() - self._running, running=self._running)
 
     async def get_weights(self) -> dict[str, Any]:
-        """Copies of the parameters as numpy arrays (for checks)."""
-        return {n: p.detach().clone().numpy() for n, p in state_module(self._core.policy).named_parameters()}
+        """Copies of the parameters as numpy arrays (for checks; bfloat16 ones upcast exactly to float32)."""
+        return {
+            n: (p.detach().float() if p.dtype == torch.bfloat16 else p.detach().clone()).numpy()
+            for n, p in state_module(self._core.policy).named_parameters()
+        }
 
     async def close(self) -> None:
         """Stop the batching loop and fail every queued request."""
