@@ -187,9 +187,10 @@ class ModelConfig:
     """Precision of generation and of the trainer's compute. Generation workers hold their weights and
     compute in it (the sampled token's logprob is still reported in float32: logits are upcast before
     the log-softmax); the trainer keeps float32 master parameters and float32 AdamW state and computes
-    its forward and backward under `torch.autocast` in this dtype, its logprobs and loss in float32;
+    its forwards under `torch.autocast` in this dtype (backward follows it), logprobs and loss in float32;
     weight snapshots travel in it (half the bytes of float32). float16 has no loss scaling here: prefer
-    bfloat16. See docs/gpu.md "Precision" for the logprob mismatch to expect."""
+    bfloat16. See docs/byo.md "Precision" for the logprob mismatch to expect;
+    the Megatron trainer refuses a 16-bit dtype."""
     checkpoint: str | None = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
     path: str | None = None

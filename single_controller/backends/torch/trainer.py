@@ -26,8 +26,8 @@ Weights leave the trainer as a `backends.common.weights.WeightSnapshot` (`publis
 come in through `load_weights`.
 
 Precision: the parameters (and so AdamW's state) keep the dtype they were built in (float32, or
-float64 for the equivalence tests); `compute_dtype` (model.dtype: bfloat16/float16) runs the forward
-and backward under `torch.autocast` in it (`split_step.rows_loss`): matmuls in 16 bits, logprobs and the
+float64 for the equivalence tests); `compute_dtype` (model.dtype: bfloat16/float16) runs the forwards
+under `torch.autocast` in it (`split_step.rows_loss`; the backward mirrors them): matmuls in 16 bits, logprobs and the
 loss in float32, gradients accumulated in the parameters' dtype. Snapshots are published in
 `compute_dtype`, the generation workers' dtype (half the bytes of float32).
 """
