@@ -63,6 +63,14 @@ def test_tp_times_dp_must_be_the_rank_count():
     assert f"{expected} must equal backend.num_trainer_ranks = 2" in problem.message
 
 
+def test_a_16_bit_model_dtype_is_refused_for_the_megatron_trainer_by_name():
+    with pytest.raises(ConfigError) as e:
+        load_config(CPU_CFG, ["model.dtype=bfloat16"])
+    (problem,) = e.value.problems
+    assert problem.paths == ("backend.trainer", "model.dtype")
+    assert "model.dtype=bfloat16 with backend.trainer=megatron" in problem.message
+
+
 def test_tp_must_divide_the_heads_of_the_model_directory(tmp_path):
     d = _model_dir(tmp_path, heads=6, kv_heads=3)
     cfg = load_config(

@@ -421,3 +421,30 @@ def test_shutdown_stops_the_actors(workers, loop):
         run(loop, gens[0].actor.version.remote())
     with pytest.raises(ray.exceptions.RayActorError):
         run(loop, group.ranks[1].get_weights.remote())
+
+
+def test_bfloat16_workers_start_with_the_trainers_float32_weights_cast_to_bfloat16(cluster, loop):
+    """model.dtype=bfloat16 through Ray: rank 0 publishes its float32 masters as int16-carried
+    bfloat16 buckets (`ray.put`), and the generation worker holds exactly their bfloat16 cast."""
+    import torch
+
+    from replay.transferqueue.storage import TQRowStorage
+    from single_controller.backends.torch.ray_workers import create_cpu_workers, shutdown_cpu_workers
+
+    cfg = dataclasses.replace(
+        CFG,
+        model=dataclasses.replace(CFG.model, dtype="bfloat16"),
+        backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=1),
+    )
+    factory = functools.partial(TQRowStorage.attach, f"bf16-{uuid.uuid4().hex[:8]}", timeout_s=30.0)
+    gens, group = run(loop, create_cpu_workers(cfg, factory), 120)
+    try:
+        handle = run(loop, group.export_weights(1))
+        trainer = run(loop, rank_weights(group, 0))
+        gen = run(loop, gens[0].actor.get_weights.remote())
+        assert handle.num_bytes == 2 * sum(v.size for v in trainer.values())  # half of float32
+        assert all(v.dtype == np.float32 for v in trainer.values())  # the masters stay float32
+        want = {k: torch.from_numpy(v).to(torch.bfloat16).float().numpy() for k, v in trainer.items()}
+        assert_same_weights(gen, want)
+    finally:
+        run(loop, shutdown_cpu_workers(gens, group), 60)

@@ -252,6 +252,18 @@ def megatron_layout_is_the_rank_count(cfg: Config) -> Problem | None:
     )
 
 
+def megatron_trains_in_float32(cfg: Config) -> Problem | None:
+    """Megatron's 16-bit path (Float16Module, the mixed-precision optimizer) is not wired up here yet."""
+    if cfg.backend.trainer != "megatron" or cfg.model.dtype == "float32":
+        return None
+    return Problem(
+        ("backend.trainer", "model.dtype"),
+        f"model.dtype={cfg.model.dtype} with backend.trainer=megatron: the Megatron trainer computes in "
+        "float32 only so far (its bf16/fp16 path, TransformerConfig(bf16=...) with the mixed-precision "
+        "optimizer, is not wired up); use model.dtype=float32 or backend.trainer=torch",
+    )
+
+
 def distributed_optimizer_needs_data_parallel(cfg: Config) -> Problem | None:
     mg = cfg.megatron
     if cfg.backend.trainer != "megatron" or not mg.distributed_optimizer or mg.data_parallel_size != 1:
@@ -420,6 +432,7 @@ RULES: tuple[Rule, ...] = (
     a_chunk_feeds_every_rank,
     a_decaying_lr_has_steps_to_decay_over,
     megatron_layout_is_the_rank_count,
+    megatron_trains_in_float32,
     distributed_optimizer_needs_data_parallel,
     tensor_parallel_divides_the_heads_created,
     pass_at_k_needs_sampling,

@@ -183,6 +183,14 @@ class ModelConfig:
     """Longest prompt + response the model accepts (learned absolute positions)."""
     init_std: Positive = 0.02
     """Std of the normal initialisation of weights."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of generation and of the trainer's compute. Generation workers hold their weights and
+    compute in it (the sampled token's logprob is still reported in float32: logits are upcast before
+    the log-softmax); the trainer keeps float32 master parameters and float32 AdamW state and computes
+    its forwards under `torch.autocast` in this dtype (backward follows it), logprobs and loss in float32;
+    weight snapshots travel in it (half the bytes of float32). float16 has no loss scaling here: prefer
+    bfloat16. See docs/byo.md "Precision" for the logprob mismatch to expect;
+    the Megatron trainer refuses a 16-bit dtype."""
     checkpoint: str | None = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
     path: str | None = None

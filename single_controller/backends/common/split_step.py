@@ -317,18 +317,27 @@ def train_rows(
     temperature: float,
     dtype: torch.dtype,
     micro_batch_tokens: int | None,
+    autocast: torch.dtype | None = None,
 ) -> int:
     """Forward and backward of a microbatch of `st` in passes of at most `micro_batch_tokens`
-    (`token_passes`), each pass's sums added to `st`; returns the microbatch's valid tokens."""
+    (`token_passes`), each pass's sums added to `st`; returns the microbatch's valid tokens.
+    `autocast`: the forwards run under `torch.autocast` in that dtype (see `rows_loss`)."""
     lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
     passes = token_passes(lengths, micro_batch_tokens)
     tokens = 0
     for idx in passes:
         part = rows if len(passes) == 1 else select_rows(rows, idx)
-        out, mismatch = rows_loss(policy, reference, part, st, temperature=temperature, dtype=dtype)
+        out, mismatch = rows_loss(policy, reference, part, st, temperature=temperature, dtype=dtype, autocast=autocast)
         st.add(out, mismatch)
         tokens += out.num_tokens
     return tokens
+
+
+def _autocast(policy: LogitsPolicy, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """`torch.autocast` in `dtype` on the policy's device type; None: no autocast."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=next(policy.parameters()).device.type, dtype=dtype)
 
 
 def rows_loss(
@@ -339,18 +348,25 @@ def rows_loss(
     *,
     temperature: float,
     dtype: torch.dtype,
+    autocast: torch.dtype | None = None,
 ) -> tuple[LossOutput, dict[str, float]]:
     """Forward, the raw GRPO loss sum and its backward for one microbatch of `st`; returns the loss
-    output and the engine-mismatch sums (empty without `token_versions`)."""
-    logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature)
+    output and the engine-mismatch sums (empty without `token_versions`). `autocast` (a 16-bit
+    dtype): the policy's and the reference's forwards run under `torch.autocast` in it, the master
+    parameters keep their dtype; logprobs (upcast before the log-softmax), the loss and the backward's
+    start are float32 or `dtype`, outside autocast (its documented use)."""
+    with _autocast(policy, autocast):
+        logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature)
+    logp = logp.to(dtype)
     dev = valid.device
     mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
     gen = pad_right(rows["gen_logprobs"], 0.0, dtype).to(dev)  # [B, R]
     ref = None
     if st.loss.kl_coef > 0:
         assert reference is not None  # SplitStep.check_begin refuses a KL loss to a rank without one
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(reference, autocast):
             ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature)
+        ref = ref.to(dtype)
     out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
     out.loss_sum.backward()
     mismatch: dict[str, float] = {}

@@ -5,7 +5,11 @@ larger than that gets its own bucket) plus a `WeightManifest` of names, shapes a
 with the policy version. Names are the checkpoint's (Hugging Face names for an HF model), so any
 trainer backend can feed any generation backend.
 
-* `pack_weights(tensors, version)`: the one packer (a module's parameters, or named tensors).
+* `pack_weights(tensors, version, dtype=...)`: the one packer (a module's parameters, or named
+  tensors), cast to the generation dtype on the way (a float32 trainer publishes bfloat16 buckets).
+* `bucket_tensor(bucket, dtype)`: a bucket as a torch tensor of the manifest's dtype. numpy has no
+  bfloat16, so a bfloat16 bucket travels as its int16 bit pattern (`CARRIERS`) and is reinterpreted
+  (`.view(torch.bfloat16)`, no copy) on the receiving side; `WeightManifest.dtype` names the torch dtype.
 * `resolve_snapshot(snapshot)`: await the buckets a Ray trainer `ray.put` (ObjectRefs).
 * `load_snapshot(module, snapshot)`: copy a resolved snapshot into a module's parameters, after
   checking the whole manifest against the module.
@@ -36,13 +40,44 @@ class WeightEntry:
 @dataclass(frozen=True)
 class WeightManifest:
     version: int
-    dtype: str  # numpy dtype name of every bucket, e.g. "float32"
+    dtype: str  # torch dtype name of every tensor, e.g. "float32", "bfloat16" (buckets: `carrier`)
     entries: tuple[WeightEntry, ...]
     bucket_numels: tuple[int, ...]
 
     @property
+    def carrier(self) -> str:
+        """The numpy dtype name of the buckets (int16 for bfloat16: numpy has no bfloat16)."""
+        return CARRIERS.get(self.dtype, self.dtype)
+
+    @property
     def num_bytes(self) -> int:
-        return sum(self.bucket_numels) * np.dtype(self.dtype).itemsize
+        return sum(self.bucket_numels) * np.dtype(self.carrier).itemsize
+
+
+# torch dtypes numpy lacks -> the numpy dtype of the same width that carries their bits
+CARRIERS = {"bfloat16": "int16"}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight manifest names dtype {name!r}, which is not a torch dtype")
+    return dtype
+
+
+def _to_bucket(flat: torch.Tensor) -> np.ndarray:
+    """A flat CPU tensor as a numpy array (a bfloat16 one as its int16 bits)."""
+    carrier = CARRIERS.get(str(flat.dtype).removeprefix("torch."))
+    return (flat if carrier is None else flat.view(getattr(torch, carrier))).numpy()
+
+
+def bucket_tensor(bucket: Any, dtype: str) -> torch.Tensor:
+    """A numpy bucket as a torch tensor of torch dtype `dtype` (no copy; reinterprets a carrier)."""
+    with warnings.catch_warnings():
+        # Buckets read from Ray's object store are read-only; they are only copied from.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(np.asarray(bucket))
+    return t.view(_torch_dtype(dtype)) if dtype in CARRIERS else t
 
 
 @dataclass(frozen=True)
@@ -73,25 +108,30 @@ def _group(
 
 
 def pack_weights(
-    tensors: nn.Module | Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 4 << 20, prefix: str = ""
+    tensors: nn.Module | Mapping[str, torch.Tensor],
+    version: int,
+    bucket_bytes: int = 4 << 20,
+    prefix: str = "",
+    dtype: torch.dtype | None = None,
 ) -> WeightSnapshot:
-    """Copy a module's parameters (or named tensors, all of one dtype) into flat buckets; every name
-    is prefixed with `prefix`."""
+    """Copy a module's parameters (or named tensors, all of one dtype) into flat buckets of `dtype`
+    (None: theirs); every name is prefixed with `prefix`."""
     named = _named(tensors)
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(f"tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per snapshot")
+    out_dtype = dtype or named[0][1].dtype
     entries, buckets = [], []
     with torch.no_grad():
-        for b, group in enumerate(_group(named, named[0][1].element_size(), bucket_bytes)):
+        for b, group in enumerate(_group(named, out_dtype.itemsize, bucket_bytes)):
             offset = 0
             for name, t in group:
                 entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
                 offset += t.numel()
-            buckets.append(torch.cat([t.detach().reshape(-1) for _, t in group]).cpu().numpy())
+            buckets.append(_to_bucket(torch.cat([t.detach().reshape(-1) for _, t in group]).to(out_dtype).cpu()))
     manifest = WeightManifest(
         version=version,
-        dtype=str(buckets[0].dtype),
+        dtype=str(out_dtype).removeprefix("torch."),
         entries=tuple(entries),
         bucket_numels=tuple(len(b) for b in buckets),
     )
@@ -116,8 +156,8 @@ def _problems(params: Mapping[str, torch.Tensor], snapshot: WeightSnapshot) -> l
         problems.append(f"{len(snapshot.buckets)} buckets for a manifest of {len(m.bucket_numels)}")
     else:
         for i, (b, n) in enumerate(zip(snapshot.buckets, m.bucket_numels)):
-            if b.ndim != 1 or len(b) != n or str(b.dtype) != m.dtype:
-                problems.append(f"bucket {i} is {b.dtype}{list(b.shape)}, manifest says {m.dtype}[{n}]")
+            if b.ndim != 1 or len(b) != n or str(b.dtype) != m.carrier:
+                problems.append(f"bucket {i} is {b.dtype}{list(b.shape)}, manifest says {m.carrier}[{n}] ({m.dtype})")
     for e in m.entries:
         p = params.get(e.name)
         if p is not None and tuple(p.shape) != e.shape:
@@ -132,9 +172,7 @@ def load_snapshot(module: nn.Module, snapshot: WeightSnapshot) -> None:
     problems = _problems(params, snapshot)
     if problems:
         raise ValueError(f"weight snapshot v{m.version} does not fit the model: " + "; ".join(problems))
-    with torch.no_grad(), warnings.catch_warnings():
-        # Buckets read from Ray's object store are read-only; they are only copied from here.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    with torch.no_grad():
         for e in m.entries:
-            src = torch.from_numpy(np.asarray(snapshot.buckets[e.bucket][e.offset : e.offset + e.numel]))
-            params[e.name].copy_(src.view(e.shape))
+            src = bucket_tensor(snapshot.buckets[e.bucket][e.offset : e.offset + e.numel], m.dtype)
+            params[e.name].copy_(src.view(e.shape))  # casts to the module's dtype

@@ -292,10 +292,11 @@ class GenerationActor:
         self.max_batch_groups = max_batch_groups
         # Weights arrive with the first update_weights (version 0 from the trainer); until then the
         # parameters are placeholders and generate() refuses to run.
+        dtype = getattr(torch, model_cfg.dtype)  # weights and compute; snapshots are cast to it on load
         if policy is None and model_cfg.path is not None:  # the same architecture as the trainer's
-            policy = load_hf_policy(model_cfg.path)
+            policy = load_hf_policy(model_cfg.path, dtype=dtype)
         if policy is None:
-            policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None)
+            policy = TinyGPT(model_cfg, TOKENIZER.vocab_size, seed=None).to(dtype)
         # The storage client connects on first use (or connect()): storage may still be starting.
         self._core = GenerationCore(
             policy.requires_grad_(False),
@@ -453,8 +454,11 @@ class GenerationActor:
         return self._core.statistics(pending=await self.in_flight() - self._running, running=self._running)
 
     async def get_weights(self) -> dict[str, Any]:
-        """Copies of the parameters as numpy arrays (for checks)."""
-        return {n: p.detach().clone().numpy() for n, p in state_module(self._core.policy).named_parameters()}
+        """Copies of the parameters as numpy arrays (for checks; bfloat16 ones upcast exactly to float32)."""
+        return {
+            n: (p.detach().float() if p.dtype == torch.bfloat16 else p.detach().clone()).numpy()
+            for n, p in state_module(self._core.policy).named_parameters()
+        }
 
     async def close(self) -> None:
         """Stop the batching loop and fail every queued request."""

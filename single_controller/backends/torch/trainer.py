@@ -24,6 +24,12 @@ After finish, `p.grad` holds the gradient that was applied (scaled and clipped) 
 
 Weights leave the trainer as a `backends.common.weights.WeightSnapshot` (`publish_weights`) and
 come in through `load_weights`.
+
+Precision: the parameters (and so AdamW's state) keep the dtype they were built in (float32, or
+float64 for the equivalence tests); `compute_dtype` (model.dtype: bfloat16/float16) runs the forwards
+under `torch.autocast` in it (`split_step.rows_loss`; the backward mirrors them): matmuls in 16 bits, logprobs and the
+loss in float32, gradients accumulated in the parameters' dtype. Snapshots are published in
+`compute_dtype`, the generation workers' dtype (half the bytes of float32).
 """
 
 from __future__ import annotations
@@ -81,8 +87,14 @@ class TrainerCore:
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = 4 << 20,
         max_steps: int | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.policy = policy
+        p0 = next(policy.parameters())
+        if compute_dtype is not None and compute_dtype != p0.dtype and p0.dtype != torch.float32:
+            raise ValueError(f"compute dtype {compute_dtype} needs float32 master parameters, not {p0.dtype}")
+        # None: compute in the parameters' dtype; a 16-bit dtype: autocast to it, publish in it
+        self.compute_dtype = None if compute_dtype in (None, p0.dtype) else compute_dtype
         self.cfg = cfg
         self.schedule = lr_schedule(cfg, max_steps)
         if cfg.gradient_checkpointing:
@@ -134,6 +146,7 @@ class TrainerCore:
                     temperature=self.temperature,
                     dtype=self.params[0].dtype,
                     micro_batch_tokens=self.cfg.micro_batch_tokens,
+                    autocast=self.compute_dtype,
                 )
         except BaseException as e:
             self.steps.mark_failed(f"{type(e).__name__}: {e}")
@@ -211,7 +224,7 @@ class TrainerCore:
 
     def publish_weights(self, version: int) -> WeightSnapshot:
         self.steps.require_closed(f"publish_weights({version})")
-        return pack_weights(state_module(self.policy), version, self.bucket_bytes)
+        return pack_weights(state_module(self.policy), version, self.bucket_bytes, dtype=self.compute_dtype)
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         self.steps.require_closed("load_weights")

@@ -83,6 +83,8 @@ class TrainerRankActor(RankStepCalls):
             process_group=pg,
             bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
             max_steps=self.cfg.run.max_steps,
+            # model.dtype float32: compute in the parameters' own dtype (float64 in equivalence tests)
+            compute_dtype=None if self.cfg.model.dtype == "float32" else getattr(torch, self.cfg.model.dtype),
         )
         return sum(p.numel() for p in policy.parameters())
 

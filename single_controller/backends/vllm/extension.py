@@ -22,20 +22,25 @@ import torch
 
 def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every entry, bucket by bucket; each bucket is released before
-    the next one is fetched."""
+    the next one is fetched. A bfloat16 manifest's buckets are int16 bit patterns (numpy has no
+    bfloat16: `backends.common.weights.CARRIERS`), reinterpreted here as `torch.bfloat16`."""
     by_bucket: dict[int, list] = {}
     for e in manifest.entries:
         by_bucket.setdefault(e.bucket, []).append(e)
+    target = getattr(torch, manifest.dtype)  # the torch dtype the manifest names
+    carrier = manifest.carrier  # the buckets' numpy dtype
     for b in sorted(by_bucket):
         flat = np.asarray(buckets[b])
-        if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != manifest.dtype:
+        if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != carrier:
             raise ValueError(
                 f"bucket {b} is {flat.dtype}{list(flat.shape)}, "
-                f"manifest says {manifest.dtype}[{manifest.bucket_numels[b]}]"
+                f"manifest says {carrier}[{manifest.bucket_numels[b]}] ({manifest.dtype})"
             )
         with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy(flat)
+        if t.dtype != target:
+            t = t.view(target)  # same width: reinterpret the carrier's bits, no copy
         for e in by_bucket[b]:
             yield e.name, t[e.offset : e.offset + e.numel].view(e.shape)
         del flat, t

@@ -110,7 +110,7 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     args: dict[str, Any] = dict(
         model=path,
         tokenizer=path,
-        dtype="float32",
+        dtype=cfg.model.dtype,  # weights and compute; snapshots arrive in it (trainer `publish_weights`)
         seed=seed,
         enforce_eager=v.enforce_eager,
         max_model_len=max_model_len(cfg, positions),
