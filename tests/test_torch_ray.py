@@ -2,7 +2,9 @@
 through the client, the split train API over 2 gloo ranks, abort, checkpoint, shutdown.
 
 One module-scoped Ray (num_cpus=4) + TQ (1 storage unit) and one set of workers: 2 trainer ranks
-and 1 generation worker (ray.init ~5 s, TQ ~7 s, actors ~8 s on an idle machine).
+and 1 generation worker (ray.init ~5 s, TQ ~7 s, actors ~8 s on an idle machine). Their weights go
+over the collective transport (`sync.transport: collective`, a gloo group per generation worker);
+the object-store path is the default every run elsewhere uses, and the bfloat16 test runs both.
 """
 
 import asyncio
@@ -23,14 +25,18 @@ import torch  # noqa: E402
 from replay.storage import TRAIN_FIELDS, TRAIN_ROW_FIELDS, row_keys  # noqa: E402
 from single_controller.backends.torch.model import TinyGPT, load_tinygpt  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
-from single_controller.config.schema import BackendConfig, Config  # noqa: E402
+from single_controller.config.schema import BackendConfig, Config, SyncConfig  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
 from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
 REPO = str(Path(__file__).resolve().parents[1])
-CFG = dataclasses.replace(Config(seed=3), backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=2))
+CFG = dataclasses.replace(
+    Config(seed=3),
+    backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=2),
+    sync=SyncConfig(transport="collective"),
+)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +280,8 @@ def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(w
     storage, gens, group = workers
     gen = gens[-1]
     handle = run(loop, group.export_weights(7))
+    old_group = gen._group
+    assert old_group is not None and gen.sync_fallback is None  # v0 and v1 went over the collective
     ray.kill(gen.actor)
     req = GenerationRequest(
         "dead0", reverse_digits(1, 3, seed=5)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("dead0", 4)
@@ -285,6 +293,7 @@ def test_dead_generation_actor_fails_typed_and_restarts_with_the_given_weights(w
     run(loop, gen.restart(handle), timeout=120)
     assert run(loop, gen.actor.version.remote()) == 7
     assert_same_weights(run(loop, gen.actor.get_weights.remote()), run(loop, rank_weights(group, 0)))
+    assert gen._group is not None and gen._group[1] != old_group[1]  # the new process got a group of its own
     res = run(loop, gen.generate(dataclasses.replace(req, group_id="alive0", row_keys=row_keys("alive0", 4))))
     assert (res.version_start, res.version_end) == (7, 7)
     run(loop, storage.clear_rows(list(row_keys("alive0", 4))))
@@ -423,9 +432,11 @@ def test_shutdown_stops_the_actors(workers, loop):
         run(loop, group.ranks[1].get_weights.remote())
 
 
-def test_bfloat16_workers_start_with_the_trainers_float32_weights_cast_to_bfloat16(cluster, loop):
-    """model.dtype=bfloat16 through Ray: rank 0 publishes its float32 masters as int16-carried
-    bfloat16 buckets (`ray.put`), and the generation worker holds exactly their bfloat16 cast."""
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_bfloat16_workers_start_with_the_trainers_float32_weights_cast_to_bfloat16(cluster, loop, transport):
+    """model.dtype=bfloat16 through Ray: rank 0 publishes its float32 masters as bfloat16 buckets
+    (int16-carried through the object store, or broadcast as bfloat16 over the weight-sync group), and
+    each of two generation workers holds exactly their bfloat16 cast."""
     import torch
 
     from replay.transferqueue.storage import TQRowStorage
@@ -434,17 +445,45 @@ def test_bfloat16_workers_start_with_the_trainers_float32_weights_cast_to_bfloat
     cfg = dataclasses.replace(
         CFG,
         model=dataclasses.replace(CFG.model, dtype="bfloat16"),
-        backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=1),
+        backend=BackendConfig(num_generation_workers=2, num_trainer_ranks=1),
+        sync=SyncConfig(transport=transport),
     )
     factory = functools.partial(TQRowStorage.attach, f"bf16-{uuid.uuid4().hex[:8]}", timeout_s=30.0)
     gens, group = run(loop, create_cpu_workers(cfg, factory), 120)
     try:
         handle = run(loop, group.export_weights(1))
         trainer = run(loop, rank_weights(group, 0))
-        gen = run(loop, gens[0].actor.get_weights.remote())
         assert handle.num_bytes == 2 * sum(v.size for v in trainer.values())  # half of float32
         assert all(v.dtype == np.float32 for v in trainer.values())  # the masters stay float32
         want = {k: torch.from_numpy(v).to(torch.bfloat16).float().numpy() for k, v in trainer.items()}
-        assert_same_weights(gen, want)
+        for g in gens:
+            assert_same_weights(run(loop, g.actor.get_weights.remote()), want)
+            assert (g._group is not None) == (transport == "collective") and g.sync_fallback is None
+    finally:
+        run(loop, shutdown_cpu_workers(gens, group), 60)
+
+
+def test_a_worker_whose_sync_group_cannot_form_says_so_and_gets_its_weights_through_the_object_store(
+    cluster, loop, caplog
+):
+    """sync.transport=collective where no group can form (here: an NCCL group asked of a CPU build of
+    torch): the worker's client logs why, once, and the same staged bytes reach it through the
+    object store, bit-identical; the next sync does not try again."""
+    from replay.transferqueue.storage import TQRowStorage
+    from single_controller.backends.common.weight_broadcast import SyncLink
+    from single_controller.backends.torch.ray_workers import create_cpu_workers, shutdown_cpu_workers
+
+    cfg = dataclasses.replace(CFG, backend=BackendConfig(num_generation_workers=1, num_trainer_ranks=1))
+    factory = functools.partial(TQRowStorage.attach, f"fallback-{uuid.uuid4().hex[:8]}", timeout_s=30.0)
+    with caplog.at_level("WARNING", logger="single_controller.backends.common.actor_client"):
+        gens, group = run(loop, create_cpu_workers(cfg, factory, sync=SyncLink("nccl", 20.0)), 120)
+    try:
+        (gen,) = gens
+        assert gen._group is None and "gen0" in caplog.text and "object store" in caplog.text
+        assert gen.sync_fallback is not None and "nccl" in gen.sync_fallback.lower()
+        run(loop, gen.update_weights(run(loop, group.export_weights(1))))
+        assert run(loop, gen.actor.version.remote()) == 1
+        assert_same_weights(run(loop, gen.actor.get_weights.remote()), run(loop, rank_weights(group, 0)))
+        assert caplog.text.count("no weight-sync group") == 1
     finally:
         run(loop, shutdown_cpu_workers(gens, group), 60)

@@ -349,6 +349,13 @@ class SyncConfig:
     discarded, their prompts re-dispatched)."""
     drain_timeout_s: Positive = 60.0
     """Deadline for draining in-flight rollouts."""
+    transport: Literal["object_store", "collective"] = "object_store"
+    """How weights travel from the trainer to the generation workers. `object_store`: the trainer's
+    rank 0 puts the buckets into Ray's object store and each worker reads them. `collective`: rank 0
+    keeps them and broadcasts them to each worker over a `torch.distributed` group of their own (gloo;
+    NCCL when trainer and generation are both on CUDA), formed at the first sync and again after a
+    worker restarts; if a group cannot be formed the worker gets the object-store path, and the log
+    says so. See docs/performance.md for the measured cost of each."""
     weight_bucket_mb: Positive = 4.0
     """Weight snapshots are published as flat buckets of at most this many MiB (one larger tensor gets
     its own bucket); generation workers stream them into the engine one bucket at a time."""

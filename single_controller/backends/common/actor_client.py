@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
+from single_controller.backends.common.weight_broadcast import SYNC_GROUP, GroupAddress, StagedWeights, SyncLink
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, generate
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+
+log = logging.getLogger(__name__)
 
 CANCEL_ACK_S = 30.0  # a cancel waits out at most one batch's row write (or engine step) on the actor
 
@@ -46,12 +51,21 @@ class ActorGenerationClient:
     honours_min_version = True
 
     def __init__(
-        self, name: str, actor_handle: Any, spawn: Callable[[], Any] | None = None, *, shielded_cancel: bool = False
+        self,
+        name: str,
+        actor_handle: Any,
+        spawn: Callable[[], Any] | None = None,
+        *,
+        shielded_cancel: bool = False,
+        sync: SyncLink | None = None,
     ):
         self.name = name
         self.actor = actor_handle
         self._spawn = spawn  # starts a replacement actor (restart after a death)
         self._shielded_cancel = shielded_cancel
+        self._sync = sync or SyncLink()
+        self._group: tuple[Any, str] | None = None  # (sender, key) of this incarnation's weight-sync group
+        self.sync_fallback: str | None = None  # why this incarnation gets weights through the object store
         self._queue: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._deliveries: set[asyncio.Task] = set()
 
@@ -125,17 +139,91 @@ class ActorGenerationClient:
 
     async def update_weights(self, weights: WeightsHandle) -> None:
         try:
-            await self.actor.update_weights.remote(weights)
+            if isinstance(weights.payload, StagedWeights):
+                await self._broadcast_weights(weights)
+            else:
+                await self.actor.update_weights.remote(weights)
         except ray.exceptions.RayActorError as e:
             raise GenerationWorkerDied(
                 f"generation worker {self.name} died during update_weights(v{weights.version}): {first_line(e)}"
             ) from e
+
+    # -- the collective transport (`weight_broadcast`) ---------------------------------------------
+
+    async def _broadcast_weights(self, weights: WeightsHandle) -> None:
+        """The sender's broadcast beside this worker's receive, over this worker's group; through the
+        object store when no group can be formed. A failed broadcast may leave the worker's engine
+        half-written: it fails as `GenerationFailed` (the caller takes the worker out and restarts it)."""
+        staged: StagedWeights = weights.payload
+        key = await self._sync_group(staged.sender)
+        if key is None:
+            snapshot = await staged.sender.put_weights.options(concurrency_group=SYNC_GROUP).remote(weights.version)
+            await self.actor.update_weights.remote(WeightsHandle(weights.version, snapshot, weights.num_bytes))
+            return
+        send = asyncio.ensure_future(
+            staged.sender.send_weights.options(concurrency_group=SYNC_GROUP).remote(key, weights.version)
+        )
+        try:
+            await self.actor.receive_weights.remote(weights, key)
+            await send
+        except ray.exceptions.RayTaskError as e:
+            self._leave_group()  # the other end fails at its own timeout and drops the group too
+            send.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is this one's cause
+            raise GenerationFailed(
+                f"{self.name}: weights v{weights.version} over weight-sync group {key} failed "
+                f"(the engine may hold part of them): {first_line(e)}"
+            ) from e
+
+    async def _sync_group(self, sender: Any) -> str | None:
+        """The key of this worker's group with `sender`, formed on first use; None: the object store
+        (announced once per worker incarnation)."""
+        if self._group is not None and self._group[0] == sender:
+            return self._group[1]
+        if self.sync_fallback is not None:
+            return None
+        self._leave_group()
+        try:
+            ranks = await self.actor.sync_ranks.remote()
+            host, port = await sender.sync_address.options(concurrency_group=SYNC_GROUP).remote()
+            addr = GroupAddress(
+                f"{self.name}-{uuid.uuid4().hex[:8]}", host, port, 1 + ranks, self._sync.backend, self._sync.timeout_s
+            )
+            await within(
+                asyncio.gather(
+                    sender.open_sync_group.options(concurrency_group=SYNC_GROUP).remote(addr),
+                    self.actor.join_sync_group.remote(addr),
+                ),
+                self._sync.timeout_s + 5.0,
+                f"generation worker {self.name}: forming its weight-sync group at {host}:{port}",
+            )
+        except ray.exceptions.RayActorError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to form the group means: use the object store
+            self.sync_fallback = first_line(e)
+            log.warning(
+                "generation worker %s: no weight-sync group (%s); its weights go through the object store",
+                self.name,
+                self.sync_fallback,
+            )
+            return None
+        self._group = (sender, addr.key)
+        return addr.key
+
+    def _leave_group(self) -> None:
+        """Forget this worker's group; the sender drops its end (fire and forget: it may be gone)."""
+        if self._group is not None:
+            sender, key = self._group
+            self._group = None
+            with contextlib.suppress(Exception):
+                sender.close_sync_group.options(concurrency_group=SYNC_GROUP).remote(key)
 
     async def restart(self, weights: WeightsHandle | None) -> None:
         """Replace a dead actor: start a new one, connect it to storage, apply `weights`."""
         if self._spawn is None or weights is None:
             raise GenerationFailed(f"generation worker {self.name} cannot be restarted (no factory or no weights)")
         ray.kill(self.actor)  # the old one is dead, or must be (a no-op on a dead actor)
+        self._leave_group()  # the new process joins a group of its own
+        self.sync_fallback = None
         self.actor = self._spawn()
         await self.actor.connect.remote()
         await self.update_weights(weights)
@@ -164,6 +252,7 @@ async def start_generation_clients(
     storage_ready: Awaitable[Any] | None,
     *,
     shielded_cancel: bool = False,
+    sync: SyncLink | None = None,
 ) -> list[ActorGenerationClient]:
     """`count` clients named `{prefix}{i}`, each over the actor `spawn_of(i)()` starts (the same
     spawner restarts a dead one); their processes start before `storage_ready` is awaited, then
@@ -171,7 +260,9 @@ async def start_generation_clients(
     clients = []
     for i in range(count):
         spawn = spawn_of(i)
-        clients.append(ActorGenerationClient(f"{prefix}{i}", spawn(), spawn, shielded_cancel=shielded_cancel))
+        clients.append(
+            ActorGenerationClient(f"{prefix}{i}", spawn(), spawn, shielded_cancel=shielded_cancel, sync=sync)
+        )
     try:
         if storage_ready is not None:
             await storage_ready

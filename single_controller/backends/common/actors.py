@@ -15,7 +15,12 @@ import ray
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of a (possibly multi-line, Ray-wrapped) error message."""
+    """The first line of a (possibly multi-line, Ray-wrapped) error message. An error raised in an
+    actor's method (`RayTaskError`, whose own first line only names the method and the process) gives
+    its cause's: `SyncGroupError: weight-sync group ...`."""
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {first_line(cause)}"
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
 

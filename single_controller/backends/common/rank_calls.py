@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
+from single_controller.backends.common.weight_broadcast import SYNC_CONCURRENCY, SYNC_GROUP
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
 from single_controller.types import TrainStatus
@@ -53,7 +54,9 @@ PLACEMENTS = ("pack", "spread")
 # `prefetch_keys` is called with `.options(concurrency_group=PREFETCH_GROUP)`; the method must be
 # thread-safe (`replay.fetch.RowPrefetcher` is).
 PREFETCH_GROUP = "prefetch"
-RANK_CONCURRENCY = {PREFETCH_GROUP: 1}
+# Weight-sync sends (`weight_broadcast.WeightSender`) get threads of their own too: a broadcast to the
+# generation workers overlaps the next step's split-API calls.
+RANK_CONCURRENCY = {PREFETCH_GROUP: 1, SYNC_GROUP: SYNC_CONCURRENCY}
 # A bundle needs some resource; trainer ranks on CPU ask Ray for none (TransferQueue may hold every
 # logical CPU), so their spread bundles reserve this token share of a CPU.
 CPU_BUNDLE = {"CPU": 0.01}

@@ -65,14 +65,17 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _to_bucket(flat: torch.Tensor) -> np.ndarray:
+def to_bucket(flat: torch.Tensor) -> np.ndarray:
     """A flat CPU tensor as a numpy array (a bfloat16 one as its int16 bits)."""
     carrier = CARRIERS.get(str(flat.dtype).removeprefix("torch."))
     return (flat if carrier is None else flat.view(getattr(torch, carrier))).numpy()
 
 
 def bucket_tensor(bucket: Any, dtype: str) -> torch.Tensor:
-    """A numpy bucket as a torch tensor of torch dtype `dtype` (no copy; reinterprets a carrier)."""
+    """A numpy bucket as a torch tensor of torch dtype `dtype` (no copy; reinterprets a carrier). A
+    torch bucket (received over a weight-sync group) is already one."""
+    if isinstance(bucket, torch.Tensor):
+        return bucket
     with warnings.catch_warnings():
         # Buckets read from Ray's object store are read-only; they are only copied from.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -128,7 +131,7 @@ def pack_weights(
             for name, t in group:
                 entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
                 offset += t.numel()
-            buckets.append(_to_bucket(torch.cat([t.detach().reshape(-1) for _, t in group]).to(out_dtype).cpu()))
+            buckets.append(to_bucket(torch.cat([t.detach().reshape(-1) for _, t in group]).to(out_dtype).cpu()))
     manifest = WeightManifest(
         version=version,
         dtype=str(out_dtype).removeprefix("torch."),
@@ -156,8 +159,10 @@ def _problems(params: Mapping[str, torch.Tensor], snapshot: WeightSnapshot) -> l
         problems.append(f"{len(snapshot.buckets)} buckets for a manifest of {len(m.bucket_numels)}")
     else:
         for i, (b, n) in enumerate(zip(snapshot.buckets, m.bucket_numels)):
-            if b.ndim != 1 or len(b) != n or str(b.dtype) != m.carrier:
-                problems.append(f"bucket {i} is {b.dtype}{list(b.shape)}, manifest says {m.carrier}[{n}] ({m.dtype})")
+            # numpy buckets carry `m.carrier`, torch ones (a broadcast's) the manifest's own dtype
+            expect = f"torch.{m.dtype}" if isinstance(b, torch.Tensor) else m.carrier
+            if b.ndim != 1 or len(b) != n or str(b.dtype) != expect:
+                problems.append(f"bucket {i} is {b.dtype}{list(b.shape)}, manifest says {expect}[{n}] ({m.dtype})")
     for e in m.entries:
         p = params.get(e.name)
         if p is not None and tuple(p.shape) != e.shape:
@@ -174,5 +179,5 @@ def load_snapshot(module: nn.Module, snapshot: WeightSnapshot) -> None:
         raise ValueError(f"weight snapshot v{m.version} does not fit the model: " + "; ".join(problems))
     with torch.no_grad():
         for e in m.entries:
-            src = bucket_tensor(snapshot.buckets[e.bucket][e.offset : e.offset + e.numel], m.dtype)
+            src = bucket_tensor(snapshot.buckets[e.bucket], m.dtype)[e.offset : e.offset + e.numel]
             params[e.name].copy_(src.view(e.shape))  # casts to the module's dtype

@@ -52,6 +52,7 @@ from single_controller.backends.common.rank_calls import (
     train_status_of,
 )
 from single_controller.backends.common.split_step import collective
+from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot, pack_weights
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.megatron.model import ModelSpec
@@ -91,7 +92,7 @@ class _PrefetchedReader:
         return self.prefetcher.fetch(keys, fields)
 
 
-class MegatronRankActor(RankStepCalls):
+class MegatronRankActor(RankStepCalls, WeightSender):
     """One Megatron trainer rank (run with `ray.remote(MegatronRankActor)`); methods are synchronous
     and run one at a time in the actor's process."""
 
@@ -241,14 +242,19 @@ class MegatronRankActor(RankStepCalls):
 
     # --- weights -------------------------------------------------------------------------------
 
-    def export_weights(self, version: int, prefix: str = "") -> WeightSnapshot | None:
-        """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets."""
+    def export_weights(
+        self, version: int, prefix: str = "", transport: str = "object_store"
+    ) -> WeightSnapshot | StagedWeights | None:
+        """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets, or
+        (`transport="collective"`) stages it for broadcasting (`WeightSender`)."""
         import ray
 
         hf = self._core.hf_state_dict()
         if self.rank != 0:
             return None
         snap = pack_weights(hf, version, prefix=prefix)
+        if transport == "collective":
+            return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str | None:
@@ -352,6 +358,7 @@ class MegatronTrainerGroup:
         *,
         rank_nodes: Sequence[Mapping[str, str]] = (),
         placement: RankPlacement | None = None,
+        transport: str = "object_store",
     ):
         if not rank_handles or len(layout) != len(rank_handles):
             raise ValueError("need one layout entry per trainer rank")
@@ -361,6 +368,7 @@ class MegatronTrainerGroup:
         self.dp_ranks = [int(x["dp_rank"]) for x in layout]
         self.dp, self.tp = int(layout[0]["dp"]), int(layout[0]["tp"])
         self.weight_prefix = weight_prefix
+        self.transport = transport  # sync.transport: how rank 0 publishes weights
         self._step: int | None = None
         self._bytes_read = 0
         self._last_bytes = 0
@@ -429,7 +437,8 @@ class MegatronTrainerGroup:
 
     async def export_weights(self, version: int) -> WeightsHandle:
         snaps = await rank_call(
-            f"export_weights({version})", [r.export_weights.remote(version, self.weight_prefix) for r in self.ranks]
+            f"export_weights({version})",
+            [r.export_weights.remote(version, self.weight_prefix, self.transport) for r in self.ranks],
         )
         snapshot = snaps[0]
         return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
@@ -469,6 +478,7 @@ async def start_megatron_ranks(
     storage_ready: Any = None,
     weight_prefix: str = "",
     placement: str = "pack",
+    transport: str = "object_store",
 ) -> MegatronTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
@@ -504,7 +514,9 @@ async def start_megatron_ranks(
     except BaseException:
         await asyncio.shield(stop_ranks(ranks, where))
         raise
-    return MegatronTrainerGroup(ranks, layout, weight_prefix=weight_prefix, rank_nodes=rank_nodes, placement=where)
+    return MegatronTrainerGroup(
+        ranks, layout, weight_prefix=weight_prefix, rank_nodes=rank_nodes, placement=where, transport=transport
+    )
 
 
 async def start_megatron_trainer(
@@ -533,4 +545,5 @@ async def start_megatron_trainer(
         actor_options=options,
         storage_ready=storage_ready,
         placement=cfg.backend.trainer_placement,
+        transport=cfg.sync.transport,
     )

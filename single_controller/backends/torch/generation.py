@@ -38,6 +38,7 @@ from torch import nn
 
 from replay.storage import LazyRowStorage
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
+from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
@@ -321,6 +322,7 @@ class GenerationActor:
         self._loop_task: asyncio.Task | None = None
         self._running = 0
         self._closed = False
+        self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
 
     def _start(self) -> None:
         # Created on first use: the event loop is running by then (Ray builds async actors outside it).
@@ -415,17 +417,37 @@ class GenerationActor:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
-        snapshot = await resolve_snapshot(weights.payload)
-        if snapshot.manifest.version != weights.version:
-            raise ValueError(f"handle v{weights.version} carries a snapshot of v{snapshot.manifest.version}")
+        return await self._apply(weights.version, await resolve_snapshot(weights.payload))
+
+    # The collective transport (`backends.common.weight_broadcast`): this process is rank 1 of its group.
+
+    async def sync_ranks(self) -> int:
+        """The processes of this worker that join its weight-sync group."""
+        return 1
+
+    async def join_sync_group(self, addr: GroupAddress) -> None:
+        await asyncio.to_thread(self._receiver.join, addr, 1)
+
+    async def receive_weights(self, weights: WeightsHandle, key: str) -> int:
+        """Receive the broadcast of `weights` (sampling goes on meanwhile), then apply it like `update_weights`."""
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+        manifest = weights.payload.manifest
+        snapshot = await asyncio.to_thread(self._receiver.receive, key, manifest)
+        return await self._apply(weights.version, snapshot)
+
+    async def _apply(self, version: int, snapshot: WeightSnapshot) -> int:
+        if snapshot.manifest.version != version:
+            raise ValueError(f"handle v{version} carries a snapshot of v{snapshot.manifest.version}")
         async with self._weights_lock:
             # Synchronous on the loop: nothing can cancel it halfway.
             self._core.load_weights(snapshot)
         if self._pending or self._eval_pending:
             self._has_pending.set()  # requests held for these weights may go now
-        version = self._core.version
-        assert version is not None  # load_weights set it
-        return version
+        loaded = self._core.version
+        assert loaded is not None  # load_weights set it
+        return loaded
 
     async def pause(self) -> int:
         """Stop starting batches (requests keep queueing) and return once the batch being sampled,

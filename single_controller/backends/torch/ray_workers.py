@@ -48,6 +48,7 @@ from single_controller.backends.common.rank_calls import (
     stop_ranks,
     train_status_of,
 )
+from single_controller.backends.common.weight_broadcast import SyncLink, sync_link
 from single_controller.backends.torch.generation import GenerationActor
 from single_controller.backends.torch.trainer_actor import TrainerRankActor
 from single_controller.config.schema import Config, run_reward
@@ -305,10 +306,12 @@ async def start_torch_generation(
     *,
     storage_ready: Awaitable[Any] | None = None,
     options: dict | None = None,
+    sync: SyncLink | None = None,
 ) -> list[ActorGenerationClient]:
     """Start `backend.num_generation_workers` generation actors and connect them to storage (the
     `registry` starter contract). `options` go to `.options()` (default num_cpus=0, since
-    TransferQueue may hold every logical CPU)."""
+    TransferQueue may hold every logical CPU); `sync`: the weight-sync link (default: gloo, as torch
+    generation holds its weights on the host)."""
     gen_cls = ray.remote(GenerationActor)
 
     def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
@@ -326,7 +329,8 @@ async def start_torch_generation(
 
         return spawn
 
-    return await start_generation_clients("gen", cfg.backend.num_generation_workers, spawner, storage_ready)
+    link = sync or sync_link(cfg.backend.trainer_device, "cpu", cfg.timeouts.weight_sync_s)
+    return await start_generation_clients("gen", cfg.backend.num_generation_workers, spawner, storage_ready, sync=link)
 
 
 async def start_torch_trainer(
@@ -377,13 +381,14 @@ async def create_cpu_workers(
     generation_options: dict | None = None,
     trainer_options: dict | None = None,
     dtype: str = "float32",
+    sync: SyncLink | None = None,
 ) -> tuple[list[ActorGenerationClient], CpuTrainerGroup]:
     """Both torch roles at once: every actor process is started before `storage_ready` is awaited,
     so their start-up overlaps the storage service's own; then version 0 (rank 0's init, or the
     configured model) is loaded into every generation worker."""
     ready = asyncio.ensure_future(storage_ready) if storage_ready is not None else None
     gen_task = asyncio.ensure_future(
-        start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options)
+        start_torch_generation(cfg, storage_factory, storage_ready=ready, options=generation_options, sync=sync)
     )
     trainer_task = asyncio.ensure_future(
         start_torch_trainer(cfg, storage_factory, storage_ready=ready, options=trainer_options, dtype=dtype)

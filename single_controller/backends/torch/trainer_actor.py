@@ -18,6 +18,7 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import build_policy, save_policy, state_module
@@ -30,7 +31,7 @@ from single_controller.types import LossConfig
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class TrainerRankActor(RankStepCalls):
+class TrainerRankActor(RankStepCalls, WeightSender):
     """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
     one at a time in the actor's process)."""
 
@@ -120,8 +121,12 @@ class TrainerRankActor(RankStepCalls):
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
         self.prefetcher.prefetch(list(keys), list(fields))
 
-    def export_weights(self, version: int) -> WeightSnapshot:
+    def export_weights(self, version: int) -> WeightSnapshot | StagedWeights:
+        """The policy as of `version`: `ray.put` buckets, or (`sync.transport: collective`) staged here
+        for broadcasting (`WeightSender`)."""
         snap = self._trainer().publish_weights(version)
+        if self.cfg.sync.transport == "collective":
+            return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str:

@@ -3,8 +3,9 @@
 
 `sc_load_snapshot(manifest, buckets)` hands the worker's own `reload_weights` ONE iterator over
 every tensor of the snapshot, one bucket at a time, so no buffer of the whole model is ever built.
-The buckets are numpy arrays: the actor awaits a trainer's ObjectRefs before it calls this (a
-`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way).
+The buckets are numpy arrays (the actor awaits a trainer's ObjectRefs before it calls this: a
+`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way),
+or torch tensors received over a weight-sync group (`backends.common.weight_broadcast`).
 `reload_weights` takes checkpoint-format names and re-runs the backend's weight processing (the CPU
 backend repacks linear weights; a plain `param.copy_` would bypass that). A tied head gets no names
 of its own, so its processing is re-run here (`reprocess_tied_layers`).
@@ -30,15 +31,17 @@ def snapshot_tensors(manifest: Any, buckets: Sequence[Any]) -> Iterator[tuple[st
     target = getattr(torch, manifest.dtype)  # the torch dtype the manifest names
     carrier = manifest.carrier  # the buckets' numpy dtype
     for b in sorted(by_bucket):
-        flat = np.asarray(buckets[b])
-        if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != carrier:
+        # numpy (the object store's, in the carrier dtype) or torch (a broadcast's, in the manifest's)
+        flat = buckets[b] if isinstance(buckets[b], torch.Tensor) else np.asarray(buckets[b])
+        expect = f"torch.{manifest.dtype}" if isinstance(flat, torch.Tensor) else carrier
+        if flat.ndim != 1 or len(flat) != manifest.bucket_numels[b] or str(flat.dtype) != expect:
             raise ValueError(
                 f"bucket {b} is {flat.dtype}{list(flat.shape)}, "
-                f"manifest says {carrier}[{manifest.bucket_numels[b]}] ({manifest.dtype})"
+                f"manifest says {expect}[{manifest.bucket_numels[b]}] ({manifest.dtype})"
             )
         with warnings.catch_warnings():  # object-store arrays are read-only; they are only copied from
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.from_numpy(flat)
+            t = flat if isinstance(flat, torch.Tensor) else torch.from_numpy(flat)
         if t.dtype != target:
             t = t.view(target)  # same width: reinterpret the carrier's bits, no copy
         for e in by_bucket[b]:

@@ -27,6 +27,7 @@ import ray
 
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
+from single_controller.backends.common.weight_broadcast import sync_link
 from single_controller.config.schema import Config
 
 
@@ -53,7 +54,12 @@ async def start_vllm_generation(
         return spawn
 
     return await start_generation_clients(
-        "vllm", cfg.backend.num_generation_workers, spawner, storage_ready, shielded_cancel=True
+        "vllm",
+        cfg.backend.num_generation_workers,
+        spawner,
+        storage_ready,
+        shielded_cancel=True,
+        sync=sync_link(cfg.backend.trainer_device, cfg.vllm.device, cfg.timeouts.weight_sync_s),
     )
 
 

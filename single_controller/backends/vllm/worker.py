@@ -44,6 +44,7 @@ import torch
 
 from replay.storage import Columns, LazyRowStorage
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer
+from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
@@ -155,6 +156,7 @@ class VllmGenerationActor:
         self.engine = self._engine_thread.submit(LLMEngine.from_engine_args, args).result()
         self.engine_start_s = time.perf_counter() - t0
         self.version: int | None = None  # set by the first update_weights (v0 from the trainer)
+        self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._groups: dict[str, _Group] = {}
         self._counts = dict(engine_steps=0, groups=0, rows=0, tokens=0, cancelled=0, weight_updates=0)
         self._last_update_s = 0.0
@@ -470,6 +472,31 @@ class VllmGenerationActor:
 
     async def update_weights(self, weights: WeightsHandle) -> int:
         """Load a published snapshot between two engine steps; returns the engine's new version."""
+        self._check_update(weights)
+        # The buckets are fetched here, on the event loop (engine steps go on meanwhile), never by a
+        # blocking `ray.get` in the engine's thread.
+        snap = await resolve_snapshot(weights.payload)
+        # Shielded: once the engine is being written, the load finishes even if our caller gives up.
+        return await asyncio.shield(self._load(snap))
+
+    # The collective transport (`backends.common.weight_broadcast`): the engine runs in this process
+    # (`distributed_executor_backend="uni"`), which is rank 1 of this worker's group.
+
+    async def sync_ranks(self) -> int:
+        """The processes of this worker that join its weight-sync group."""
+        return 1
+
+    async def join_sync_group(self, addr: GroupAddress) -> None:
+        await asyncio.to_thread(self._receiver.join, addr, 1)
+
+    async def receive_weights(self, weights: WeightsHandle, key: str) -> int:
+        """Receive the broadcast of `weights` on a thread (engine steps go on meanwhile), then load it
+        between two engine steps like `update_weights`."""
+        self._check_update(weights)
+        snap = await asyncio.to_thread(self._receiver.receive, key, weights.payload.manifest)
+        return await asyncio.shield(self._load(snap))
+
+    def _check_update(self, weights: WeightsHandle) -> None:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
@@ -484,11 +511,6 @@ class VllmGenerationActor:
                 f"weight snapshot v{m.version} does not fit {self.cfg.model.path}: missing "
                 f"{sorted(self._names - names)[:5]}, unexpected {sorted(names - self._names)[:5]}"
             )
-        # The buckets are fetched here, on the event loop (engine steps go on meanwhile), never by a
-        # blocking `ray.get` in the engine's thread.
-        snap = await resolve_snapshot(weights.payload)
-        # Shielded: once the engine is being written, the load finishes even if our caller gives up.
-        return await asyncio.shield(self._load(snap))
 
     async def _load(self, snap: WeightSnapshot) -> int:
         async with self._engine_lock:  # between two steps: in-flight requests keep their place

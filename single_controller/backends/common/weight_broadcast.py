@@ -1,0 +1,255 @@
+"""Weight sync over a collective group (`sync.transport: collective`).
+
+The object-store path (`weights.WeightSnapshot` with `ray.put` buckets) copies every byte twice more
+than it must: trainer → plasma → generation worker. Here the trainer's rank 0 keeps the packed buckets
+(`WeightSender.stage_weights`) and broadcasts them, bucket by bucket, over a `torch.distributed` group
+made for the purpose: gloo on CPU, NCCL on GPUs (a bucket is copied to the device on each side). The
+generation worker receives into buckets of the manifest's dtype and loads them exactly as it loads an
+object-store snapshot (torch: `load_snapshot`; vLLM: the worker extension streams them into
+`reload_weights`).
+
+* One group per generation worker: rank 0 is the sender, ranks 1.. the worker's processes (a vLLM
+  engine with tensor parallelism has one per TP rank). A worker that restarts, or joins when a pool
+  grows, gets a group of its own; the others' groups are untouched. The price: the sender's link
+  carries the bytes once per worker (gloo's broadcast does too; an NCCL ring over one group of all
+  workers would not), see docs/performance.md.
+* Groups meet at a `TCPStore` the sender hosts on its node (`sync_address`: a port the OS picks),
+  each under a key of its own (`PrefixStore`). Every wait has the group's timeout
+  (`timeouts.weight_sync_s`).
+* `StagedWeights` is a `WeightsHandle` payload of this transport: the manifest and the sending actor.
+  The controller-side client (`actor_client.ActorGenerationClient`) forms the group on first use,
+  then runs the sender's `send_weights` beside the worker's `receive_weights`. When the group cannot
+  be formed (no route, a firewall, a worker that cannot join) it says so once and asks the sender for
+  an object-store snapshot of the same staged bytes instead (`put_weights`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from single_controller.backends.common.weights import WeightManifest, WeightSnapshot, bucket_tensor, to_bucket
+
+# Staged versions a sender keeps: the one being synced, the one queued behind it in the weights
+# channel and the one the train pump exported while waiting for that channel, plus one to spare.
+STAGED_VERSIONS = 4
+# Sender methods run on threads of their own (a Ray concurrency group), beside the split-API calls:
+# a broadcast overlaps the next train step. One thread per worker group sending at once.
+SYNC_GROUP = "weight_sync"
+SYNC_CONCURRENCY = 8
+
+
+class SyncGroupError(RuntimeError):
+    """A weight-sync group could not be formed or used; the message names the group and what failed."""
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    key: str  # the group's name, unique per (sender, worker incarnation)
+    host: str  # the sender's node
+    port: int  # its TCPStore
+    world_size: int  # 1 (the sender) + the worker's receiving processes
+    backend: str  # "gloo" | "nccl"
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """`WeightsHandle.payload` of the collective transport: the bytes stay with `sender` (a trainer
+    rank actor with `WeightSender`) until it broadcasts them to a worker's group."""
+
+    manifest: WeightManifest
+    sender: Any
+
+
+@dataclass(frozen=True)
+class SyncLink:
+    """How a generation worker's client forms its group: the collective backend and every wait's deadline."""
+
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+
+
+def sync_link(trainer_device: str, generation_device: str, timeout_s: float) -> SyncLink:
+    """NCCL when both ends hold their weights on CUDA, else gloo (staged buckets live on the host)."""
+    both_cuda = trainer_device == "cuda" and generation_device == "cuda"
+    return SyncLink("nccl" if both_cuda else "gloo", timeout_s)
+
+
+def _timeout(addr: GroupAddress) -> datetime.timedelta:
+    return datetime.timedelta(seconds=addr.timeout_s)
+
+
+def open_group(addr: GroupAddress, rank: int, store: Any | None = None) -> Any:
+    """This process's member of the group at `addr` (rank 0 passes its own `store`); blocks until
+    every member has joined, at most the group's timeout."""
+    if store is None:
+        store = dist.TCPStore(addr.host, addr.port, None, False, timeout=_timeout(addr))
+    prefixed = dist.PrefixStore(f"sc-grpo/{addr.key}", store)
+    try:
+        if addr.backend == "nccl":  # CUDA builds of torch only
+            nccl = dist.ProcessGroupNCCL
+            opts = nccl.Options()
+            opts._timeout = _timeout(addr)
+            return nccl(prefixed, rank, addr.world_size, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, addr.world_size, _timeout(addr))
+    except Exception as e:
+        raise SyncGroupError(
+            f"weight-sync group {addr.key} ({addr.backend}, {addr.world_size} ranks at {addr.host}:{addr.port}): "
+            f"rank {rank} could not join within {addr.timeout_s:g} s: {e}"
+        ) from e
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast([tensor], opts).wait()
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def broadcast_buckets(group: Any, buckets: Sequence[torch.Tensor], backend: str = "gloo") -> int:
+    """Rank 0: send every bucket, in order; returns the bytes sent."""
+    device = _device(backend)
+    sent = 0
+    for b in buckets:
+        _broadcast(group, b if b.device == device else b.to(device, non_blocking=False))
+        sent += b.numel() * b.element_size()
+    return sent
+
+
+def receive_buckets(group: Any, manifest: WeightManifest, backend: str = "gloo") -> Iterator[torch.Tensor]:
+    """Ranks 1..: each bucket of `manifest` as it arrives, a flat tensor of the manifest's dtype on
+    the group's device; one bucket is held at a time unless the caller keeps them."""
+    dtype, device = getattr(torch, manifest.dtype), _device(backend)
+    for numel in manifest.bucket_numels:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        _broadcast(group, t)
+        yield t
+
+
+def receive_snapshot(group: Any, manifest: WeightManifest, backend: str = "gloo") -> WeightSnapshot:
+    """Ranks 1..: the whole snapshot, its buckets torch tensors of the manifest's dtype on the group's
+    device, ready for `weights.load_snapshot` (or the vLLM extension's `sc_load_snapshot`)."""
+    return WeightSnapshot(manifest, list(receive_buckets(group, manifest, backend)))
+
+
+class WeightSender:
+    """Mixed into a trainer rank actor: stages snapshots and broadcasts them to worker groups.
+    `stage_weights` runs on the actor's main thread (the export after a finish); the other methods
+    on `SYNC_GROUP` threads (`ray.remote(concurrency_groups=...)`): they only read staged buckets."""
+
+    _sync_lock: threading.Lock
+    _staged: dict[int, tuple[WeightManifest, list[torch.Tensor]]]
+    _sync_groups: dict[str, tuple[GroupAddress, Any]]
+    _sync_store: Any
+
+    def _sender_state(self) -> None:
+        if not hasattr(self, "_sync_lock"):
+            self._sync_lock = threading.Lock()
+            self._staged, self._sync_groups, self._sync_store = {}, {}, None
+
+    def stage_weights(self, snapshot: WeightSnapshot, sender: Any) -> StagedWeights:
+        """Keep `snapshot`'s (in-process) buckets for broadcasting; the newest `STAGED_VERSIONS` are kept."""
+        self._sender_state()
+        m = snapshot.manifest
+        buckets = [bucket_tensor(b, m.dtype) for b in snapshot.buckets]
+        with self._sync_lock:
+            self._staged[m.version] = (m, buckets)
+            for old in sorted(self._staged)[:-STAGED_VERSIONS]:
+                del self._staged[old]
+        return StagedWeights(m, sender)
+
+    def _staged_version(self, version: int) -> tuple[WeightManifest, list[torch.Tensor]]:
+        self._sender_state()
+        with self._sync_lock:
+            staged = self._staged.get(version)
+            if staged is None:
+                raise SyncGroupError(
+                    f"weights v{version} are not staged here any more (staged: {sorted(self._staged)}; "
+                    f"a sender keeps the newest {STAGED_VERSIONS})"
+                )
+            return staged
+
+    def sync_address(self) -> tuple[str, int]:
+        """(this node's IP, the port of the TCPStore every group of this sender meets at)."""
+        import ray
+
+        self._sender_state()
+        with self._sync_lock:
+            if self._sync_store is None:
+                self._sync_store = dist.TCPStore(
+                    "0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False
+                )
+            return ray.util.get_node_ip_address(), int(self._sync_store.port)
+
+    def open_sync_group(self, addr: GroupAddress) -> None:
+        """Rank 0 of a new group (the worker's ranks join at the same time)."""
+        self.sync_address()  # the store exists
+        group = open_group(addr, 0, store=self._sync_store)
+        with self._sync_lock:
+            self._sync_groups[addr.key] = (addr, group)
+
+    def send_weights(self, key: str, version: int) -> int:
+        """Broadcast staged `version` to group `key`; returns the bytes sent. A failed send drops the
+        group (the client forms a new one)."""
+        _, buckets = self._staged_version(version)
+        with self._sync_lock:
+            entry = self._sync_groups.get(key)
+        if entry is None:
+            raise SyncGroupError(f"no weight-sync group {key} on this sender (closed, or never formed)")
+        addr, group = entry
+        try:
+            return broadcast_buckets(group, buckets, addr.backend)
+        except Exception as e:
+            self.close_sync_group(key)
+            raise SyncGroupError(f"weight-sync group {key}: broadcasting v{version} failed: {e}") from e
+
+    def put_weights(self, version: int) -> WeightSnapshot:
+        """The object-store fallback: staged `version` as `ray.put` buckets."""
+        import ray
+
+        m, buckets = self._staged_version(version)
+        return WeightSnapshot(m, [ray.put(to_bucket(b)) for b in buckets])
+
+    def close_sync_group(self, key: str) -> bool:
+        """Forget group `key` (a restarted or removed worker's); True if it existed."""
+        self._sender_state()
+        with self._sync_lock:
+            return self._sync_groups.pop(key, None) is not None
+
+
+class WeightReceiver:
+    """A generation worker's end of its weight-sync group (one group at a time), held by the torch and
+    the vLLM generation actors (vLLM's engine runs in the actor's process: `distributed_executor_backend="uni"`)."""
+
+    def __init__(self) -> None:
+        self._group: tuple[GroupAddress, Any] | None = None
+
+    def join(self, addr: GroupAddress, rank: int) -> None:
+        """Join the group at `addr` as `rank` (blocks until all have joined); leaves the previous one."""
+        self._group = None
+        self._group = (addr, open_group(addr, rank))
+
+    def _current(self, key: str) -> tuple[GroupAddress, Any]:
+        if self._group is None or self._group[0].key != key:
+            have = self._group[0].key if self._group is not None else "none"
+            raise SyncGroupError(f"this worker is not in weight-sync group {key} (it is in: {have})")
+        return self._group
+
+    def receive(self, key: str, manifest: WeightManifest) -> WeightSnapshot:
+        """The whole snapshot (`receive_snapshot`); a failure leaves the group (the client forms a new one)."""
+        addr, group = self._current(key)
+        try:
+            return receive_snapshot(group, manifest, addr.backend)
+        except Exception as e:
+            self._group = None
+            raise SyncGroupError(f"weight-sync group {key}: receiving v{manifest.version} failed: {e}") from e
