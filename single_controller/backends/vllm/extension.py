@@ -78,6 +78,11 @@ class WeightLoader:
         reprocess_tied_layers(self.model_runner.get_model())
         return count
 
+    def sc_named_parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the engine's parameters as float32 numpy arrays, by vLLM's names (fused ones
+        such as `qkv_proj` included), for checks."""
+        return {n: p.detach().float().cpu().numpy().copy() for n, p in self.model_runner.get_model().named_parameters()}
+
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
     """Re-run the weight processing of every layer whose weight is another layer's (a tied `lm_head`).

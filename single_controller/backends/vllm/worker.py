@@ -552,6 +552,14 @@ class VllmGenerationActor:
         """The process the engine runs in (in-process engine: the actor's own)."""
         return os.getpid()
 
+    async def get_weights(self) -> dict[str, Any]:
+        """Copies of the engine's parameters (float32 numpy, vLLM's names), between two engine steps (for checks)."""
+        self._start()
+        async with self._engine_lock:
+            rpc = functools.partial(self.engine.collective_rpc, "sc_named_parameters")
+            (weights,) = await asyncio.get_running_loop().run_in_executor(self._engine_thread, rpc)
+        return weights
+
     async def version_of_engine(self) -> str:
         return self.engine.get_weight_version()
 
