@@ -236,6 +236,7 @@ def _logprob_gaps(loop, client, storage, tag: str, *model_dirs) -> list[float]:
         GenerationRequest(f"{tag}{i}", p, SamplingParams(n=4, max_new_tokens=3), row_keys(f"{tag}{i}", 4))
         for i, p in enumerate(reverse_digits(4, 3, seed=0))
     ]
+
     async def generate_all():
         return await asyncio.gather(*(client.generate(r) for r in reqs))
 

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from single_controller.backends.common.weights import WeightManifest, WeightSnapshot, bucket_tensor, to_bucket
 
-# Staged versions a sender keeps: the one being synced, the one queued behind it in the weights
-# channel and the one the train pump exported while waiting for that channel, plus one to spare.
-STAGED_VERSIONS = 4
+# Staged versions a sender keeps: the weights channel holds one handle (capacity 1), so at most three
+# are alive: the one being synced, the one queued behind it, and the one the train pump exported
+# while it waits for the channel (a restarted worker asks for the newest the sync pump took).
+STAGED_VERSIONS = 3
 # Sender methods run on threads of their own (a Ray concurrency group), beside the split-API calls:
 # a broadcast overlaps the next train step. One thread per worker group sending at once.
 SYNC_GROUP = "weight_sync"
@@ -106,7 +107,8 @@ def open_group(addr: GroupAddress, rank: int, store: Any | None = None) -> Any:
         ) from e
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def broadcast_one(group: Any, tensor: torch.Tensor) -> None:
+    """Broadcast one tensor from rank 0 (in place on the others)."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     group.broadcast([tensor], opts).wait()
@@ -121,7 +123,7 @@ def broadcast_buckets(group: Any, buckets: Sequence[torch.Tensor], backend: str 
     device = _device(backend)
     sent = 0
     for b in buckets:
-        _broadcast(group, b if b.device == device else b.to(device, non_blocking=False))
+        broadcast_one(group, b if b.device == device else b.to(device, non_blocking=False))
         sent += b.numel() * b.element_size()
     return sent
 
@@ -132,7 +134,7 @@ def receive_buckets(group: Any, manifest: WeightManifest, backend: str = "gloo")
     dtype, device = getattr(torch, manifest.dtype), _device(backend)
     for numel in manifest.bucket_numels:
         t = torch.empty(numel, dtype=dtype, device=device)
-        _broadcast(group, t)
+        broadcast_one(group, t)
         yield t
 
 

@@ -127,11 +127,14 @@ def pack_weights(
     entries, buckets = [], []
     with torch.no_grad():
         for b, group in enumerate(_group(named, out_dtype.itemsize, bucket_bytes)):
+            # One pass: each tensor is cast while it is copied into its slice (no full-width copy first).
+            flat = torch.empty(sum(t.numel() for _, t in group), dtype=out_dtype)
             offset = 0
             for name, t in group:
                 entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
+                flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
                 offset += t.numel()
-            buckets.append(to_bucket(torch.cat([t.detach().reshape(-1) for _, t in group]).to(out_dtype).cpu()))
+            buckets.append(to_bucket(flat))
     manifest = WeightManifest(
         version=version,
         dtype=str(out_dtype).removeprefix("torch."),

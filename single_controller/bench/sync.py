@@ -1,0 +1,334 @@
+"""`sc-grpo bench sync`: one weight sync, trainer rank → generation workers, by each transport, beside
+the raw cost of moving the same bytes.
+
+A sender actor holds a model of N float32 parameters (Llama-shaped blocks: square and 4x-wide
+matrices, as real checkpoints are) and publishes it in `--dtype` exactly as a trainer rank does
+(`weights.pack_weights`, then `ray.put` for the object store or `WeightSender.stage_weights` for the
+collective). Receiver actors hold the same tensors and load what arrives exactly as a torch generation
+worker does (`weights.load_snapshot`), driven by the controller's own client
+(`actor_client.ActorGenerationClient.update_weights`). Each sync is checked: every receiver holds the
+sender's tensors cast to `--dtype`, bit for bit (a benchmark of wrong answers measures nothing).
+
+Columns, per model size and worker count (median of `--repeats`, after one warm-up sync that also
+forms the collective groups):
+* `publish_s`: the trainer side before any worker is involved (pack, then put or stage).
+* `deliver_s`: from the workers' first call to every worker having loaded the weights.
+* `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
+* `raw_bcast_s`: a bare gloo broadcast of one flat buffer of the snapshot's bytes from the sender to
+  the workers, in one group (world = workers + 1); `memcpy_s`: copying those bytes once in memory.
+* `x raw`: `sync_s` / `raw_bcast_s`.
+
+Starts its own local Ray (unless this process is already connected) and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+
+def parse_size(text: str) -> int:
+    """`10M`, `1.5G`, `2000000`: a parameter count."""
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}.get(text[-1:].upper())
+    return int(float(text[:-1]) * scale) if scale else int(float(text))
+
+
+def model_shapes(num_params: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Named shapes adding up to about `num_params`: per layer four hidden x hidden matrices, two
+    hidden x 4 hidden ones and a norm gain (a Llama block's proportions), as many layers as fit
+    (hidden 1024 from 50 M parameters, else 512)."""
+    hidden = 1024 if num_params >= 50_000_000 else 512
+    per_layer = 4 * hidden * hidden + 2 * hidden * 4 * hidden + hidden
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(max(1, num_params // per_layer)):
+        for name in ("q", "k", "v", "o"):
+            shapes.append((f"layers.{i}.{name}.weight", (hidden, hidden)))
+        shapes.append((f"layers.{i}.up.weight", (4 * hidden, hidden)))
+        shapes.append((f"layers.{i}.down.weight", (hidden, 4 * hidden)))
+        shapes.append((f"layers.{i}.norm.weight", (hidden,)))
+    return shapes
+
+
+def _tensors(shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: Any, seed: int | None) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return {n: (torch.randn(s, generator=g) if g is not None else torch.zeros(s)).to(dtype) for n, s in shapes}
+
+
+class BenchSender:
+    """A trainer rank's publishing side, alone: float32 masters, `pack_weights` to the wire dtype."""
+
+    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str, bucket_mb: float):
+        import torch
+
+        from single_controller.backends.common.weight_broadcast import WeightSender
+
+        torch.set_num_threads(1)
+        self.params = _tensors(shapes, torch.float32, seed=0)
+        self.dtype, self.bucket_bytes = getattr(torch, dtype), int(bucket_mb * (1 << 20))
+        self.sender = WeightSender()
+        self.raw: Any = None
+
+    def export(self, version: int, transport: str) -> Any:
+        import ray
+
+        from single_controller.backends.common.weights import WeightSnapshot, pack_weights
+        from single_controller.types import WeightsHandle
+
+        snap = pack_weights(self.params, version, self.bucket_bytes, dtype=self.dtype)
+        if transport == "collective":
+            payload: Any = self.sender.stage_weights(snap, ray.get_runtime_context().current_actor)
+        else:
+            payload = WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
+        return WeightsHandle(version, payload, snap.manifest.num_bytes)
+
+    # the `WeightSender` calls the client makes (run on the weight-sync threads)
+    def sync_address(self) -> tuple[str, int]:
+        return self.sender.sync_address()
+
+    def open_sync_group(self, addr: Any) -> None:
+        self.sender.open_sync_group(addr)
+
+    def send_weights(self, key: str, version: int) -> int:
+        return self.sender.send_weights(key, version)
+
+    def put_weights(self, version: int) -> Any:
+        return self.sender.put_weights(version)
+
+    def close_sync_group(self, key: str) -> bool:
+        return self.sender.close_sync_group(key)
+
+    def expected(self) -> dict[str, Any]:
+        return {n: t.to(self.dtype) for n, t in self.params.items()}
+
+    # the raw references
+    def raw_open(self, addr: Any) -> None:
+        from single_controller.backends.common.weight_broadcast import open_group
+
+        self.sender.sync_address()
+        self.raw = open_group(addr, 0, store=self.sender._sync_store)
+
+    def raw_broadcast(self, nbytes: int) -> float:
+        import torch
+
+        from single_controller.backends.common.weight_broadcast import broadcast_buckets
+
+        flat = torch.ones(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        broadcast_buckets(self.raw, [flat])
+        return time.perf_counter() - t0
+
+    def memcpy(self, nbytes: int) -> float:
+        import torch
+
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # touch both once
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+
+class BenchReceiver:
+    """A generation worker's receiving side, alone: its tensors in the wire dtype, `load_snapshot`."""
+
+    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str):
+        import torch
+        from torch import nn
+
+        from single_controller.backends.common.weight_broadcast import WeightReceiver
+
+        torch.set_num_threads(1)
+        self.module = nn.Module()
+        for n, t in _tensors(shapes, getattr(torch, dtype), seed=None).items():
+            self.module.register_parameter(n.replace(".", "__"), nn.Parameter(t, requires_grad=False))
+        self.receiver = WeightReceiver()
+        self.raw: Any = None
+
+    def _load(self, snapshot: Any) -> int:
+        from single_controller.backends.common.weights import WeightManifest, WeightSnapshot, load_snapshot
+
+        m = snapshot.manifest
+        entries = tuple(dataclasses.replace(e, name=e.name.replace(".", "__")) for e in m.entries)
+        renamed = WeightManifest(m.version, m.dtype, entries, m.bucket_numels)
+        load_snapshot(self.module, WeightSnapshot(renamed, snapshot.buckets))
+        return m.version
+
+    async def update_weights(self, handle: Any) -> int:
+        from single_controller.backends.common.weights import resolve_snapshot
+
+        return self._load(await resolve_snapshot(handle.payload))
+
+    async def sync_ranks(self) -> int:
+        return 1
+
+    async def join_sync_group(self, addr: Any) -> None:
+        await asyncio.to_thread(self.receiver.join, addr, 1)
+
+    async def receive_weights(self, handle: Any, key: str) -> int:
+        snap = await asyncio.to_thread(self.receiver.receive, key, handle.payload.manifest)
+        return self._load(snap)
+
+    def matches(self, expected: dict[str, Any]) -> bool:
+        import torch
+
+        held = dict(self.module.named_parameters())
+        return all(torch.equal(held[n.replace(".", "__")], t) for n, t in expected.items())
+
+    async def raw_join(self, addr: Any, rank: int) -> None:
+        from single_controller.backends.common.weight_broadcast import open_group
+
+        self.raw = await asyncio.to_thread(open_group, addr, rank)
+
+    async def raw_receive(self, nbytes: int) -> None:
+        import torch
+
+        from single_controller.backends.common.weight_broadcast import broadcast_one
+
+        await asyncio.to_thread(broadcast_one, self.raw, torch.empty(nbytes, dtype=torch.uint8))
+
+
+async def _one_sync(sender: Any, clients: Sequence[Any], version: int, transport: str) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    handle = await sender.export.remote(version, transport)
+    t1 = time.perf_counter()
+    await asyncio.gather(*(c.update_weights(handle) for c in clients))
+    return t1 - t0, time.perf_counter() - t1
+
+
+async def _raw(sender: Any, receivers: Sequence[Any], nbytes: int, repeats: int, timeout_s: float) -> float:
+    from single_controller.backends.common.weight_broadcast import GroupAddress
+
+    host, port = await sender.sync_address.remote()
+    addr = GroupAddress(f"raw-{uuid.uuid4().hex[:8]}", host, port, 1 + len(receivers), "gloo", timeout_s)
+    await asyncio.gather(
+        sender.raw_open.remote(addr), *(r.raw_join.remote(addr, i + 1) for i, r in enumerate(receivers))
+    )
+    times = []
+    for _ in range(repeats + 1):  # the first one connects
+        got = await asyncio.gather(
+            sender.raw_broadcast.remote(nbytes), *(r.raw_receive.remote(nbytes) for r in receivers)
+        )
+        times.append(got[0])
+    return statistics.median(times[1:])
+
+
+async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every transport for one model size and worker count; one row each."""
+    import ray
+
+    from single_controller.backends.common.actor_client import ActorGenerationClient
+    from single_controller.backends.common.rank_calls import RANK_CONCURRENCY
+    from single_controller.backends.common.weight_broadcast import SyncLink
+
+    shapes = model_shapes(num_params)
+    n = sum(math.prod(s) for _, s in shapes)
+    send_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(BenchSender)  # type: ignore[call-overload]
+    sender = send_cls.options(num_cpus=0).remote(shapes, args.dtype, args.bucket_mb)
+    recv_cls: Any = ray.remote(BenchReceiver)
+    receivers = [recv_cls.options(num_cpus=0).remote(shapes, args.dtype) for _ in range(workers)]
+    try:
+        expected = await sender.expected.remote()
+        rows = []
+        for transport in args.transports:
+            link = SyncLink("gloo", args.timeout_s)
+            clients = [ActorGenerationClient(f"bench{i}", r, sync=link) for i, r in enumerate(receivers)]
+            times = [await _one_sync(sender, clients, 0, transport)]  # warm-up: forms the groups
+            for v in range(1, args.repeats + 1):
+                times.append(await _one_sync(sender, clients, v, transport))
+            if not all(await asyncio.gather(*(r.matches.remote(expected) for r in receivers))):
+                raise AssertionError(f"{transport}: a receiver does not hold the sender's weights")
+            if any(c.sync_fallback for c in clients):
+                raise AssertionError(f"{transport}: fell back to the object store: {clients[0].sync_fallback}")
+            publish = statistics.median(t[0] for t in times[1:])
+            deliver = statistics.median(t[1] for t in times[1:])
+            rows.append(dict(transport=transport, publish_s=publish, deliver_s=deliver, sync_s=publish + deliver))
+        nbytes = n * (2 if args.dtype in ("bfloat16", "float16") else 4)
+        raw = await _raw(sender, receivers, nbytes, args.repeats, args.timeout_s)
+        memcpy = await sender.memcpy.remote(nbytes)
+        for r in rows:
+            r.update(
+                params=n,
+                workers=workers,
+                bytes=nbytes,
+                gbps=nbytes * workers / r["sync_s"] / 1e9,
+                raw_bcast_s=raw,
+                memcpy_s=memcpy,
+                x_raw=r["sync_s"] / raw,
+            )
+        return rows
+    finally:
+        for a in [sender, *receivers]:
+            ray.kill(a)
+
+
+def _print(rows: Sequence[dict[str, Any]], title: str) -> None:
+    print(title)
+    head = f"{'params':>7} {'workers':>7} {'transport':<12} {'MB':>7} {'publish_s':>9} {'deliver_s':>9} {'sync_s':>8}"
+    head += f" {'GB/s':>6} {'raw_bcast_s':>11} {'memcpy_s':>8} {'x raw':>6}"
+    print(head)
+    for r in rows:
+        print(
+            f"{r['params'] / 1e6:>6.0f}M {r['workers']:>7} {r['transport']:<12} {r['bytes'] / 1e6:>7.0f} "
+            f"{r['publish_s']:>9.3f} {r['deliver_s']:>9.3f} {r['sync_s']:>8.3f} {r['gbps']:>6.2f} "
+            f"{r['raw_bcast_s']:>11.3f} {r['memcpy_s']:>8.3f} {r['x_raw']:>6.2f}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sc-grpo bench sync", description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", nargs="+", default=["10M", "100M", "500M"], help="model sizes: 10M 100M 500M or a count")
+    p.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="generation worker counts")
+    p.add_argument("--transports", nargs="+", default=["object_store", "collective"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="snapshot bucket size (sync.weight_bucket_mb)")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs per point (after one warm-up)")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    bad = [t for t in args.transports if t not in ("object_store", "collective")]
+    if bad:
+        p.error(f"unknown transport(s) {bad}: object_store, collective")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import json
+    import os
+
+    args = parse_args(argv)
+    import ray
+
+    own = not ray.is_initialized()
+    if own:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+        }
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    rows: list[dict[str, Any]] = []
+    try:
+        for size in args.params:
+            num = parse_size(size)
+            for w in args.workers:
+                rows += asyncio.run(bench_point(num, w, args))
+    finally:
+        if own:
+            ray.shutdown()
+    _print(rows, f"weight sync, {args.dtype}, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
