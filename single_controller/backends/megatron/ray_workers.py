@@ -141,10 +141,12 @@ class MegatronRankActor(RankStepCalls):
         temperature: float = 1.0,
         seed: int = 0,
         max_steps: int | None = None,
+        dtype: str = "float32",
     ) -> dict[str, int]:
         """(Re)build the model-parallel layout and the trainer from the HF model directory; returns
         {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count).
-        `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`."""
+        `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`. `dtype`
+        (`model.dtype`): float32, or bfloat16 (bfloat16 model over float32 main parameters)."""
         from megatron.core import parallel_state as mps
 
         from single_controller.backends.megatron.cpu_emulation import check_version, cpu_emulation
@@ -169,6 +171,7 @@ class MegatronRankActor(RankStepCalls):
             temperature=temperature,
             seed=seed,
             max_steps=max_steps,
+            dtype=getattr(torch, dtype),
         )
         c = self.core
         return {
@@ -242,7 +245,8 @@ class MegatronRankActor(RankStepCalls):
     # --- weights -------------------------------------------------------------------------------
 
     def export_weights(self, version: int, prefix: str = "") -> WeightSnapshot | None:
-        """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets."""
+        """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets, in
+        the model's dtype (bfloat16: the bfloat16 model parameters, i.e. the float32 mains cast)."""
         import ray
 
         hf = self._core.hf_state_dict()
@@ -284,7 +288,7 @@ class MegatronRankActor(RankStepCalls):
     # --- checks (tests) ------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy() for k, v in self._core.hf_state_dict().items()}
+        return {k: v.float().numpy() for k, v in self._core.hf_state_dict().items()}  # bfloat16: exact in float32
 
     def hf_grads(self) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in self._core.hf_grads().items()}
@@ -469,6 +473,7 @@ async def start_megatron_ranks(
     storage_ready: Any = None,
     weight_prefix: str = "",
     placement: str = "pack",
+    dtype: str = "float32",
 ) -> MegatronTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
@@ -499,6 +504,7 @@ async def start_megatron_ranks(
             temperature=temperature,
             seed=seed,
             max_steps=max_steps,
+            dtype=dtype,
         )
         layout = await rank_call("build", [r.build.remote(model_dir, train, **build) for r in ranks])
     except BaseException:
@@ -533,4 +539,5 @@ async def start_megatron_trainer(
         actor_options=options,
         storage_ready=storage_ready,
         placement=cfg.backend.trainer_placement,
+        dtype=cfg.model.dtype,
     )

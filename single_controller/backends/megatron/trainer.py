@@ -183,14 +183,16 @@ class MegatronTrainerCore:
         problems = spec.tp_problems(self.tp)
         if problems:
             raise ValueError("; ".join(problems))
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the Megatron trainer computes in float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
         with self._mc():
             manual_seed(seed, emulate_cpu)
-            self.model = self._build_ddp(hf_state, dtype, distributed_optimizer)
-            self.optimizer = self._build_optimizer(dtype, distributed_optimizer)
+            self.model = self._build_ddp(hf_state, distributed_optimizer)
+            self.optimizer = self._build_optimizer(distributed_optimizer)
             self.reference = None
             if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
-                self.reference = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
-                self._load_hf(self.reference, hf_state)
+                self.reference = self._build_gpt(hf_state)
                 self.reference.requires_grad_(False)
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
         self.device = self.params[0].device  # cpu under the emulation, the rank's GPU otherwise
@@ -198,14 +200,23 @@ class MegatronTrainerCore:
         self.reference_policy = None if self.reference is None else MegatronPolicy(self.reference, spec.vocab_size)
         self.steps = SplitStep(has_reference=self.reference is not None)
 
-    def _build_ddp(self, hf_state: Mapping[str, torch.Tensor], dtype: torch.dtype, distributed_optimizer: bool) -> Any:
-        """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any)."""
+    def _build_gpt(self, hf_state: Mapping[str, torch.Tensor]) -> Any:
+        """The GPTModel with the HF weights in `self.dtype`; bfloat16: inside Megatron's Float16Module
+        (inputs cast to bfloat16, logits returned in float32), as Megatron's training loop wraps it."""
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = build_gpt(
+            self.spec, self.tp, self.dtype, cpu_init=self.emulate_cpu, recompute=self.cfg.gradient_checkpointing
+        )
+        self._load_hf(gpt, hf_state)  # a float32 checkpoint is rounded to bfloat16 here
+        return gpt if self.dtype == torch.float32 else Float16Module(gpt.config, gpt)
+
+    def _build_ddp(self, hf_state: Mapping[str, torch.Tensor], distributed_optimizer: bool) -> Any:
+        """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any).
+        Gradients accumulate and are reduced in float32 (`main_grad` buffers) whatever `self.dtype`."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = build_gpt(
-            self.spec, self.tp, dtype, cpu_init=self.emulate_cpu, recompute=self.cfg.gradient_checkpointing
-        )
-        self._load_hf(model, hf_state)
+        model = self._build_gpt(hf_state)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,  # gradients are reduced once, in finish
@@ -214,7 +225,11 @@ class MegatronTrainerCore:
         )
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
-    def _build_optimizer(self, dtype: torch.dtype, distributed_optimizer: bool) -> Any:
+    def _build_optimizer(self, distributed_optimizer: bool) -> Any:
+        """Adam through `get_megatron_optimizer`: float32 -> FP32Optimizer over the model's own
+        parameters; bfloat16 -> Float16OptimizerWithFloat16Params (float32 main copies of the bfloat16
+        parameters; Adam's state is float32; after each step the mains are cast back into the model);
+        either way the DistributedOptimizer (float32 main shards) with `distributed_optimizer`."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.cfg
@@ -225,7 +240,8 @@ class MegatronTrainerCore:
             adam_beta1=cfg.betas[0],
             adam_beta2=cfg.betas[1],
             adam_eps=1e-8,
-            params_dtype=dtype,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
             use_distributed_optimizer=distributed_optimizer,
             clip_grad=cfg.grad_clip,
         )
@@ -286,7 +302,7 @@ class MegatronTrainerCore:
                 rows,
                 st,
                 temperature=self.temperature,
-                dtype=self.params[0].dtype,
+                dtype=torch.float32,  # logprobs and loss: Float16Module returns float32 logits
                 micro_batch_tokens=self.cfg.micro_batch_tokens,
             )
 
@@ -336,6 +352,7 @@ class MegatronTrainerCore:
             "tp_rank": self.tp_rank,
             "dp_rank": self.dp_rank,
             "distributed_optimizer": type(self.optimizer).__name__,
+            "dtype": str(self.dtype),
             "spec": self.spec,
         }
 
@@ -362,9 +379,14 @@ class MegatronTrainerCore:
 
     # --- weights -------------------------------------------------------------------------------
 
+    def _gpt(self) -> torch.nn.Module:
+        """The GPTModel inside DDP (and Float16Module): its parameter names are the converters'."""
+        inner = self.model.module
+        return inner.module if self.dtype != torch.float32 else inner
+
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under their Megatron names (detached copies)."""
-        return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
+        return {n: p.detach().clone() for n, p in self._gpt().named_parameters()}
 
     def gather_tp(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Every TP rank's tensors (rank order), by all-gather in the TP group."""
@@ -392,7 +414,7 @@ class MegatronTrainerCore:
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The gradient the last finished step applied (scaled and clipped), under HF names; plain
         (non-distributed) optimizer only. For checks."""
-        grads = {n: p.main_grad.detach().clone() for n, p in self.model.module.named_parameters()}
+        grads = {n: p.main_grad.detach().clone() for n, p in self._gpt().named_parameters()}
         return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(grads), self.spec).items()}
 
     def snapshot(self) -> _Snapshot:
