@@ -43,7 +43,8 @@ from megatron_fixtures import VOCAB, filled_storage, load_hf, make_hf_dir, make_
 from single_controller.algorithm.dp_split import balanced_partition  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common.weights import load_snapshot, resolve_snapshot  # noqa: E402
-from single_controller.backends.megatron.trainer import _inner_optimizers  # noqa: E402
+from single_controller.backends.megatron.model import hf_to_megatron  # noqa: E402
+from single_controller.backends.megatron.trainer import _inner_optimizers, _main_params  # noqa: E402
 from single_controller.backends.torch.model import HFCausalLMPolicy  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
 from single_controller.protocols import (
@@ -641,20 +642,25 @@ def _mains(core) -> list[torch.Tensor]:
 def test_a_bfloat16_step_moves_the_float32_mains_and_casts_them_into_the_bfloat16_model(single, hf_dir, rows):
     layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True, dtype="bfloat16")
     core = single.core
-    mains = _mains(core)
+    pairs = [(p, m) for p, m, _ in _main_params(core.optimizer)]  # (bfloat16 parameter, float32 main)
     assert type(core.model.module).__name__ == "Float16Module"
-    assert {p.dtype for p in core.params} == {torch.bfloat16} and {m.dtype for m in mains} == {torch.float32}
-    assert len(mains) == len(core.params)
-    assert all(torch.equal(m, p.float()) for m, p in zip(mains, core.params))  # built from the model
-    before = [m.detach().clone() for m in mains]
+    assert {p.dtype for p in core.params} == {torch.bfloat16} and {m.dtype for _, m in pairs} == {torch.float32}
+    assert {id(p) for p, _ in pairs} == {id(p) for p in core.params}
+    assert {id(m) for _, m in pairs} == {id(m) for m in _mains(core)}  # the tensors Adam steps
+    # The mains start at the float32 checkpoint's own values (not at the bfloat16 model's), the model
+    # at their bfloat16 cast.
+    named = dict(core._gpt().named_parameters())
+    hf = hf_to_megatron(load_hf(hf_dir).state_dict(), core.spec, 1, 0, list(named))
+    by_id = {id(p): hf[n] for n, p in named.items()}
+    assert all(torch.equal(m, by_id[id(p)]) and torch.equal(p, m.to(torch.bfloat16)) for p, m in pairs)
+    before = [m.detach().clone() for _, m in pairs]
     (metrics,) = run_step([single], [layout], rows, [6, 6], LossConfig())
     assert np.isfinite(metrics["train/loss"]) and np.isfinite(metrics["train/grad_norm"])
-    moved = [float((m - b).abs().max()) for m, b in zip(mains, before)]
-    # Adam's first update is ~lr per element: far below a bfloat16 ulp of weights ~0.2 (2^-10), so
-    # the float32 mains keep what the bfloat16 model alone would round away.
-    assert min(moved) > 0.5 * TRAIN.lr, moved
-    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(core.params, mains))
-    assert any(not torch.equal(m, p.float()) for m, p in zip(mains, core.params))
+    moved = [float((m - b).abs().max()) for (_, m), b in zip(pairs, before)]
+    assert min(moved) > 0.5 * TRAIN.lr, moved  # Adam's first update: ~lr on most elements of every tensor
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in pairs)
+    # lr = 1e-3 is about one bfloat16 ulp at |w| ~ 0.2 (2^-10): the mains keep what bfloat16 rounds away
+    assert sum(int((p.float() != m).sum()) for p, m in pairs) > 0.5 * sum(p.numel() for p, _ in pairs)
 
 
 # Chunking alone, bfloat16: per-tensor ||a - b|| / ||b|| of the applied gradient, chunked vs the same
@@ -683,6 +689,21 @@ def test_bfloat16_streamed_split_api_matches_a_one_chunk_bfloat16_step(pair, hf_
     assert metrics["train/grad_norm"] == pytest.approx(full["train/grad_norm"], rel=BF16_GRAD_NORM_RTOL)
     assert metrics["train/loss"] == pytest.approx(full["train/loss"], rel=0, abs=1e-6)
     assert metrics["train/tokens"] == full["train/tokens"]
+
+
+def test_the_distributed_optimizer_in_bfloat16_lands_where_the_float16_optimizer_does(pair, hf_dir, rows):
+    """Its float32 main shards start at the checkpoint's values too (`_load_hf_mains` slices each
+    parameter to this rank's range), and two steps over DP=2 take the bfloat16 model to the same place."""
+    import ray
+
+    weights = []
+    for distributed in (False, True):
+        layouts = build(pair, hf_dir, tp=1, distributed_optimizer=distributed, dtype="bfloat16")
+        for step in range(2):
+            run_step(pair, layouts, rows, [6, 6], LossConfig(), step=step)
+        weights.append(ray.get([r.hf_weights.remote() for r in pair])[0])
+    diff = max(float(np.abs(weights[0][k] - weights[1][k]).max()) for k in weights[0])
+    assert diff == 0.0
 
 
 def test_bfloat16_abort_and_resume_restore_params_float32_mains_and_adam_state_bit_exactly(

@@ -80,6 +80,23 @@ def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in chain if getattr(o, "optimizer", None) is not None]
 
 
+def _main_params(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, slice]]:
+    """(16-bit model parameter, its float32 main parameter, the main's slice of the flattened model
+    parameter) for every 16-bit parameter of a Megatron optimizer: Float16OptimizerWithFloat16Params
+    keeps a whole copy, the DistributedOptimizer this rank's shard. Empty for a float32 model."""
+    out = []
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(o, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+            for models, mains in zip(o.model_float16_groups, o.shard_fp32_from_float16_groups):
+                for p, m in zip(models, mains):
+                    r = o._get_model_param_range_map(p)["param"]
+                    out.append((p, m, slice(r.start, r.end)))
+        elif hasattr(o, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            for models, mains in zip(o.float16_groups, o.fp32_from_float16_groups):
+                out.extend((p, m, slice(0, p.numel())) for p, m in zip(models, mains))
+    return out
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """Everything an optimizer step changes: model parameters, each inner optimizer's main
@@ -190,6 +207,7 @@ class MegatronTrainerCore:
             manual_seed(seed, emulate_cpu)
             self.model = self._build_ddp(hf_state, distributed_optimizer)
             self.optimizer = self._build_optimizer(distributed_optimizer)
+            self._load_hf_mains(hf_state)
             self.reference = None
             if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
                 self.reference = self._build_gpt(hf_state)
@@ -274,6 +292,20 @@ class MegatronTrainerCore:
                         f"{name}: Megatron shape {tuple(p.shape)} != converted {tuple(converted[name].shape)}"
                     )
                 p.copy_(converted[name])
+
+    @torch.no_grad()
+    def _load_hf_mains(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """16-bit model: the optimizer made its float32 mains from the 16-bit parameters; set them to
+        the checkpoint's own values instead (a float32 checkpoint starts exactly where the torch
+        trainer's float32 masters do; the model keeps their bfloat16 cast)."""
+        pairs = _main_params(self.optimizer)
+        if not pairs:
+            return
+        named = dict(self._gpt().named_parameters())
+        converted = hf_to_megatron(hf_state, self.spec, self.tp, self.tp_rank, list(named))
+        full = {id(p): converted[n] for n, p in named.items()}
+        for p, main, part in pairs:
+            main.copy_(full[id(p)].reshape(-1)[part].view_as(main))
 
     # --- the split API -------------------------------------------------------------------------
 
