@@ -746,6 +746,9 @@ def test_bfloat16_abort_and_resume_restore_params_float32_mains_and_adam_state_b
     assert same(now(), saved)
     (again,) = run_step([single], [layout], rows, [N_ROWS], LossConfig(), step=1)
     assert again["train/grad_norm"] == first["train/grad_norm"] and same(now(), after_first)
+    single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)  # float32
+    with pytest.raises(ValueError, match="'dtype': 'torch.bfloat16'"):
+        single.load_state(str(tmp_path))
 
 
 # Logprobs of the bfloat16 Megatron trainer vs a Hugging Face model holding its bfloat16 snapshot

@@ -402,8 +402,9 @@ class MegatronTrainerCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps.require_closed("load_state_dict", loading=True)
-        if state["layout"] != self.layout():
-            raise ValueError(f"saved trainer state has layout {state['layout']}, this rank is {self.layout()}")
+        saved = {"dtype": str(torch.float32), **state["layout"]}  # states saved before bfloat16 were float32
+        if saved != self.layout():
+            raise ValueError(f"saved trainer state has layout {saved}, this rank is {self.layout()}")
         with self._mc():
             state["snapshot"].restore(self.params, self.optimizer)
         torch.set_rng_state(state["rng"])
