@@ -412,7 +412,7 @@ class MegatronTrainerCore:
 
     # --- weights -------------------------------------------------------------------------------
 
-    def _gpt(self) -> torch.nn.Module:
+    def _gpt(self) -> Any:
         """The GPTModel inside DDP (and Float16Module): its parameter names are the converters'."""
         inner = self.model.module
         return inner.module if self.dtype != torch.float32 else inner
