@@ -63,12 +63,15 @@ def test_tp_times_dp_must_be_the_rank_count():
     assert f"{expected} must equal backend.num_trainer_ranks = 2" in problem.message
 
 
-def test_a_16_bit_model_dtype_is_refused_for_the_megatron_trainer_by_name():
+def test_float16_is_refused_for_the_megatron_trainer_by_name_and_bfloat16_is_accepted():
     with pytest.raises(ConfigError) as e:
-        load_config(CPU_CFG, ["model.dtype=bfloat16"])
+        load_config(CPU_CFG, ["model.dtype=float16"])
     (problem,) = e.value.problems
     assert problem.paths == ("backend.trainer", "model.dtype")
-    assert "model.dtype=bfloat16 with backend.trainer=megatron" in problem.message
+    assert "model.dtype=float16 with backend.trainer=megatron" in problem.message
+    assert "use model.dtype=bfloat16" in problem.message
+    assert load_config(CPU_CFG, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    assert load_config(CPU_CFG, ["model.dtype=float16", "backend.trainer=torch"]).model.dtype == "float16"
 
 
 def test_tp_must_divide_the_heads_of_the_model_directory(tmp_path):

@@ -252,15 +252,19 @@ def megatron_layout_is_the_rank_count(cfg: Config) -> Problem | None:
     )
 
 
-def megatron_trains_in_float32(cfg: Config) -> Problem | None:
-    """Megatron's 16-bit path (Float16Module, the mixed-precision optimizer) is not wired up here yet."""
-    if cfg.backend.trainer != "megatron" or cfg.model.dtype == "float32":
+def megatron_has_no_float16(cfg: Config) -> Problem | None:
+    """Megatron trains in float32 or bfloat16 (Float16Module over float32 main parameters). float16
+    would need loss scaling: Megatron's schedules multiply the loss by the optimizer's grad scaler and
+    the optimizer skips a step whose gradients overflowed; the split API's own backward does neither,
+    and a skipped step would break its one-step-per-finish contract."""
+    if cfg.backend.trainer != "megatron" or cfg.model.dtype != "float16":
         return None
     return Problem(
         ("backend.trainer", "model.dtype"),
-        f"model.dtype={cfg.model.dtype} with backend.trainer=megatron: the Megatron trainer computes in "
-        "float32 only so far (its bf16/fp16 path, TransformerConfig(bf16=...) with the mixed-precision "
-        "optimizer, is not wired up); use model.dtype=float32 or backend.trainer=torch",
+        "model.dtype=float16 with backend.trainer=megatron: the Megatron trainer computes in float32 or "
+        "bfloat16 (float16 needs loss scaling with skipped steps on overflow, not wired into the split "
+        "train API); use model.dtype=bfloat16 (same 16-bit weights and compute, float32 exponent range) "
+        "or backend.trainer=torch",
     )
 
 
@@ -432,7 +436,7 @@ RULES: tuple[Rule, ...] = (
     a_chunk_feeds_every_rank,
     a_decaying_lr_has_steps_to_decay_over,
     megatron_layout_is_the_rank_count,
-    megatron_trains_in_float32,
+    megatron_has_no_float16,
     distributed_optimizer_needs_data_parallel,
     tensor_parallel_divides_the_heads_created,
     pass_at_k_needs_sampling,

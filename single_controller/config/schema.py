@@ -189,8 +189,9 @@ class ModelConfig:
     the log-softmax); the trainer keeps float32 master parameters and float32 AdamW state and computes
     its forwards under `torch.autocast` in this dtype (backward follows it), logprobs and loss in float32;
     weight snapshots travel in it (half the bytes of float32). float16 has no loss scaling here: prefer
-    bfloat16. See docs/byo.md "Precision" for the logprob mismatch to expect;
-    the Megatron trainer refuses a 16-bit dtype."""
+    bfloat16. See docs/byo.md "Precision" for the logprob mismatch to expect; the Megatron trainer
+    trains in bfloat16 with Megatron's own mixed precision (Float16Module, float32 main parameters)
+    and refuses float16."""
     checkpoint: str | None = None
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
     path: str | None = None

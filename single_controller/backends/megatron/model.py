@@ -211,6 +211,8 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,  # 16-bit: the trainer wraps the model in Float16Module
+        fp16=dtype == torch.float16,
         use_cpu_initialization=cpu_init,
         # The weights come from the HF checkpoint, but Megatron marks TP-sharded weights
         # (`tensor_model_parallel`, which the TP-aware grad norm reads) only while initializing them.

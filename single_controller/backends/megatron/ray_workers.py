@@ -142,10 +142,12 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         temperature: float = 1.0,
         seed: int = 0,
         max_steps: int | None = None,
+        dtype: str = "float32",
     ) -> dict[str, int]:
         """(Re)build the model-parallel layout and the trainer from the HF model directory; returns
         {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count).
-        `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`."""
+        `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`. `dtype`
+        (`model.dtype`): float32, or bfloat16 (bfloat16 model over float32 main parameters)."""
         from megatron.core import parallel_state as mps
 
         from single_controller.backends.megatron.cpu_emulation import check_version, cpu_emulation
@@ -170,6 +172,7 @@ class MegatronRankActor(RankStepCalls, WeightSender):
             temperature=temperature,
             seed=seed,
             max_steps=max_steps,
+            dtype=getattr(torch, dtype),
         )
         c = self.core
         return {
@@ -246,7 +249,8 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         self, version: int, prefix: str = "", transport: str = "object_store"
     ) -> WeightSnapshot | StagedWeights | None:
         """Every rank calls this (TP all-gather); rank 0 returns the snapshot with ray.put buckets, or
-        (`transport="collective"`) stages it for broadcasting (`WeightSender`)."""
+        (`transport="collective"`) stages it for broadcasting (`WeightSender`), in the model's dtype
+        (bfloat16: the bfloat16 model parameters, i.e. the float32 mains cast)."""
         import ray
 
         hf = self._core.hf_state_dict()
@@ -290,7 +294,7 @@ class MegatronRankActor(RankStepCalls, WeightSender):
     # --- checks (tests) ------------------------------------------------------------------------
 
     def hf_weights(self) -> dict[str, np.ndarray]:
-        return {k: v.numpy() for k, v in self._core.hf_state_dict().items()}
+        return {k: v.float().numpy() for k, v in self._core.hf_state_dict().items()}  # bfloat16: exact in float32
 
     def hf_grads(self) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in self._core.hf_grads().items()}
@@ -479,6 +483,7 @@ async def start_megatron_ranks(
     weight_prefix: str = "",
     placement: str = "pack",
     transport: str = "object_store",
+    dtype: str = "float32",
 ) -> MegatronTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
@@ -509,6 +514,7 @@ async def start_megatron_ranks(
             temperature=temperature,
             seed=seed,
             max_steps=max_steps,
+            dtype=dtype,
         )
         layout = await rank_call("build", [r.build.remote(model_dir, train, **build) for r in ranks])
     except BaseException:
@@ -546,4 +552,5 @@ async def start_megatron_trainer(
         storage_ready=storage_ready,
         placement=cfg.backend.trainer_placement,
         transport=cfg.sync.transport,
+        dtype=cfg.model.dtype,
     )

@@ -80,6 +80,23 @@ def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in chain if getattr(o, "optimizer", None) is not None]
 
 
+def _main_params(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, slice]]:
+    """(16-bit model parameter, its float32 main parameter, the main's slice of the flattened model
+    parameter) for every 16-bit parameter of a Megatron optimizer: Float16OptimizerWithFloat16Params
+    keeps a whole copy, the DistributedOptimizer this rank's shard. Empty for a float32 model."""
+    out = []
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(o, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+            for models, mains in zip(o.model_float16_groups, o.shard_fp32_from_float16_groups):
+                for p, m in zip(models, mains):
+                    r = o._get_model_param_range_map(p)["param"]
+                    out.append((p, m, slice(r.start, r.end)))
+        elif hasattr(o, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+            for models, mains in zip(o.float16_groups, o.fp32_from_float16_groups):
+                out.extend((p, m, slice(0, p.numel())) for p, m in zip(models, mains))
+    return out
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """Everything an optimizer step changes: model parameters, each inner optimizer's main
@@ -183,14 +200,17 @@ class MegatronTrainerCore:
         problems = spec.tp_problems(self.tp)
         if problems:
             raise ValueError("; ".join(problems))
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the Megatron trainer computes in float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
         with self._mc():
             manual_seed(seed, emulate_cpu)
-            self.model = self._build_ddp(hf_state, dtype, distributed_optimizer)
-            self.optimizer = self._build_optimizer(dtype, distributed_optimizer)
+            self.model = self._build_ddp(hf_state, distributed_optimizer)
+            self.optimizer = self._build_optimizer(distributed_optimizer)
+            self._load_hf_mains(hf_state)
             self.reference = None
             if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
-                self.reference = build_gpt(spec, self.tp, dtype, cpu_init=emulate_cpu)
-                self._load_hf(self.reference, hf_state)
+                self.reference = self._build_gpt(hf_state)
                 self.reference.requires_grad_(False)
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
         self.device = self.params[0].device  # cpu under the emulation, the rank's GPU otherwise
@@ -198,14 +218,23 @@ class MegatronTrainerCore:
         self.reference_policy = None if self.reference is None else MegatronPolicy(self.reference, spec.vocab_size)
         self.steps = SplitStep(has_reference=self.reference is not None)
 
-    def _build_ddp(self, hf_state: Mapping[str, torch.Tensor], dtype: torch.dtype, distributed_optimizer: bool) -> Any:
-        """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any)."""
+    def _build_gpt(self, hf_state: Mapping[str, torch.Tensor]) -> Any:
+        """The GPTModel with the HF weights in `self.dtype`; bfloat16: inside Megatron's Float16Module
+        (inputs cast to bfloat16, logits returned in float32), as Megatron's training loop wraps it."""
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = build_gpt(
+            self.spec, self.tp, self.dtype, cpu_init=self.emulate_cpu, recompute=self.cfg.gradient_checkpointing
+        )
+        self._load_hf(gpt, hf_state)  # a float32 checkpoint is rounded to bfloat16 here
+        return gpt if self.dtype == torch.float32 else Float16Module(gpt.config, gpt)
+
+    def _build_ddp(self, hf_state: Mapping[str, torch.Tensor], distributed_optimizer: bool) -> Any:
+        """The GPTModel with the HF weights, wrapped in Megatron's DDP (inside the emulation, if any).
+        Gradients accumulate and are reduced in float32 (`main_grad` buffers) whatever `self.dtype`."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = build_gpt(
-            self.spec, self.tp, dtype, cpu_init=self.emulate_cpu, recompute=self.cfg.gradient_checkpointing
-        )
-        self._load_hf(model, hf_state)
+        model = self._build_gpt(hf_state)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,  # gradients are reduced once, in finish
@@ -214,7 +243,11 @@ class MegatronTrainerCore:
         )
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
-    def _build_optimizer(self, dtype: torch.dtype, distributed_optimizer: bool) -> Any:
+    def _build_optimizer(self, distributed_optimizer: bool) -> Any:
+        """Adam through `get_megatron_optimizer`: float32 -> FP32Optimizer over the model's own
+        parameters; bfloat16 -> Float16OptimizerWithFloat16Params (float32 main copies of the bfloat16
+        parameters; Adam's state is float32; after each step the mains are cast back into the model);
+        either way the DistributedOptimizer (float32 main shards) with `distributed_optimizer`."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.cfg
@@ -225,7 +258,8 @@ class MegatronTrainerCore:
             adam_beta1=cfg.betas[0],
             adam_beta2=cfg.betas[1],
             adam_eps=1e-8,
-            params_dtype=dtype,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
             use_distributed_optimizer=distributed_optimizer,
             clip_grad=cfg.grad_clip,
         )
@@ -259,6 +293,20 @@ class MegatronTrainerCore:
                     )
                 p.copy_(converted[name])
 
+    @torch.no_grad()
+    def _load_hf_mains(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        """16-bit model: the optimizer made its float32 mains from the 16-bit parameters; set them to
+        the checkpoint's own values instead (a float32 checkpoint starts exactly where the torch
+        trainer's float32 masters do; the model keeps their bfloat16 cast)."""
+        pairs = _main_params(self.optimizer)
+        if not pairs:
+            return
+        named = dict(self._gpt().named_parameters())
+        converted = hf_to_megatron(hf_state, self.spec, self.tp, self.tp_rank, list(named))
+        full = {id(p): converted[n] for n, p in named.items()}
+        for p, main, part in pairs:
+            main.copy_(full[id(p)].reshape(-1)[part].view_as(main))
+
     # --- the split API -------------------------------------------------------------------------
 
     def statistics(self) -> MegatronTrainerStatistics:
@@ -286,7 +334,7 @@ class MegatronTrainerCore:
                 rows,
                 st,
                 temperature=self.temperature,
-                dtype=self.params[0].dtype,
+                dtype=torch.float32,  # logprobs and loss: Float16Module returns float32 logits
                 micro_batch_tokens=self.cfg.micro_batch_tokens,
             )
 
@@ -336,6 +384,7 @@ class MegatronTrainerCore:
             "tp_rank": self.tp_rank,
             "dp_rank": self.dp_rank,
             "distributed_optimizer": type(self.optimizer).__name__,
+            "dtype": str(self.dtype),
             "spec": self.spec,
         }
 
@@ -353,8 +402,9 @@ class MegatronTrainerCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps.require_closed("load_state_dict", loading=True)
-        if state["layout"] != self.layout():
-            raise ValueError(f"saved trainer state has layout {state['layout']}, this rank is {self.layout()}")
+        saved = {"dtype": str(torch.float32), **state["layout"]}  # states saved before bfloat16 were float32
+        if saved != self.layout():
+            raise ValueError(f"saved trainer state has layout {saved}, this rank is {self.layout()}")
         with self._mc():
             state["snapshot"].restore(self.params, self.optimizer)
         torch.set_rng_state(state["rng"])
@@ -362,9 +412,14 @@ class MegatronTrainerCore:
 
     # --- weights -------------------------------------------------------------------------------
 
+    def _gpt(self) -> Any:
+        """The GPTModel inside DDP (and Float16Module): its parameter names are the converters'."""
+        inner = self.model.module
+        return inner.module if self.dtype != torch.float32 else inner
+
     def megatron_state(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under their Megatron names (detached copies)."""
-        return {n: p.detach().clone() for n, p in self.model.module.named_parameters()}
+        return {n: p.detach().clone() for n, p in self._gpt().named_parameters()}
 
     def gather_tp(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Every TP rank's tensors (rank order), by all-gather in the TP group."""
@@ -392,7 +447,7 @@ class MegatronTrainerCore:
     def hf_grads(self) -> dict[str, torch.Tensor]:
         """The gradient the last finished step applied (scaled and clipped), under HF names; plain
         (non-distributed) optimizer only. For checks."""
-        grads = {n: p.main_grad.detach().clone() for n, p in self.model.module.named_parameters()}
+        grads = {n: p.main_grad.detach().clone() for n, p in self._gpt().named_parameters()}
         return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(grads), self.spec).items()}
 
     def snapshot(self) -> _Snapshot:
