@@ -290,7 +290,9 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
         ("llama", 2, "sequence"),
         ("gpt2", 1, "token"),
         ("gpt2", 2, "sequence"),
+        ("qwen2", 1, "token"),
         ("qwen2", 2, "token"),
+        ("qwen3", 1, "sequence"),
         ("qwen3", 2, "token"),
     ],
     ids=[
@@ -300,7 +302,9 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
         "llama-tp2-sequence",
         "gpt2-dp2-token",
         "gpt2-tp2-sequence",
+        "qwen2-dp2-token",
         "qwen2-tp2-token",
+        "qwen3-dp2-sequence",
         "qwen3-tp2-token",
     ],
 )

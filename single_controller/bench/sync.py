@@ -14,9 +14,11 @@ forms the collective groups):
 * `publish_s`: the trainer side before any worker is involved (pack, then put or stage).
 * `deliver_s`: from the workers' first call to every worker having loaded the weights.
 * `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
-* `raw_bcast_s`: a bare gloo broadcast of one flat buffer of the snapshot's bytes from the sender to
-  the workers, in one group (world = workers + 1); `memcpy_s`: copying those bytes once in memory.
-* `x raw`: `sync_s` / `raw_bcast_s`.
+* `raw_bcast_s`: a bare gloo (`--backend nccl`: NCCL) broadcast of one flat buffer of the snapshot's
+  bytes from the sender to the workers, in one group (world = workers + 1); `memcpy_s`: copying those
+  bytes once in memory.
+* `x raw`: `deliver_s` / `raw_bcast_s`, the transport's cost over the bare move of its bytes (the
+  packing in `publish_s` is the same for both transports, and the raw broadcast has none).
 
 Starts its own local Ray (unless this process is already connected) and stops it.
 """
@@ -56,23 +58,30 @@ def model_shapes(num_params: int) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
-def _tensors(shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: Any, seed: int | None) -> dict[str, Any]:
+def _tensors(
+    shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: Any, seed: int | None, device: str = "cpu"
+) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(seed) if seed is not None else None
-    return {n: (torch.randn(s, generator=g) if g is not None else torch.zeros(s)).to(dtype) for n, s in shapes}
+    return {n: (torch.randn(s, generator=g) if g is not None else torch.zeros(s)).to(device, dtype) for n, s in shapes}
+
+
+def _device(backend: str) -> str:
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 class BenchSender:
     """A trainer rank's publishing side, alone: float32 masters, `pack_weights` to the wire dtype."""
 
-    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str, bucket_mb: float):
+    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str, bucket_mb: float, backend: str):
         import torch
 
         from single_controller.backends.common.weight_broadcast import WeightSender
 
         torch.set_num_threads(1)
-        self.params = _tensors(shapes, torch.float32, seed=0)
+        self.backend = backend
+        self.params = _tensors(shapes, torch.float32, seed=0, device=_device(backend))
         self.dtype, self.bucket_bytes = getattr(torch, dtype), int(bucket_mb * (1 << 20))
         self.sender = WeightSender()
         self.raw: Any = None
@@ -121,9 +130,11 @@ class BenchSender:
 
         from single_controller.backends.common.weight_broadcast import broadcast_buckets
 
-        flat = torch.ones(nbytes, dtype=torch.uint8)
+        flat = torch.ones(nbytes, dtype=torch.uint8, device=_device(self.backend))
         t0 = time.perf_counter()
-        broadcast_buckets(self.raw, [flat])
+        broadcast_buckets(self.raw, [flat], self.backend)
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     def memcpy(self, nbytes: int) -> float:
@@ -139,15 +150,16 @@ class BenchSender:
 class BenchReceiver:
     """A generation worker's receiving side, alone: its tensors in the wire dtype, `load_snapshot`."""
 
-    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str):
+    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str, backend: str):
         import torch
         from torch import nn
 
         from single_controller.backends.common.weight_broadcast import WeightReceiver
 
         torch.set_num_threads(1)
+        self.device = _device(backend)
         self.module = nn.Module()
-        for n, t in _tensors(shapes, getattr(torch, dtype), seed=None).items():
+        for n, t in _tensors(shapes, getattr(torch, dtype), seed=None, device=self.device).items():
             self.module.register_parameter(n.replace(".", "__"), nn.Parameter(t, requires_grad=False))
         self.receiver = WeightReceiver()
         self.raw: Any = None
@@ -159,6 +171,10 @@ class BenchReceiver:
         entries = tuple(dataclasses.replace(e, name=e.name.replace(".", "__")) for e in m.entries)
         renamed = WeightManifest(m.version, m.dtype, entries, m.bucket_numels)
         load_snapshot(self.module, WeightSnapshot(renamed, snapshot.buckets))
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
         return m.version
 
     async def update_weights(self, handle: Any) -> int:
@@ -180,7 +196,7 @@ class BenchReceiver:
         import torch
 
         held = dict(self.module.named_parameters())
-        return all(torch.equal(held[n.replace(".", "__")], t) for n, t in expected.items())
+        return all(torch.equal(held[n.replace(".", "__")].cpu(), t.cpu()) for n, t in expected.items())
 
     async def raw_join(self, addr: Any, rank: int) -> None:
         from single_controller.backends.common.weight_broadcast import open_group
@@ -192,7 +208,7 @@ class BenchReceiver:
 
         from single_controller.backends.common.weight_broadcast import broadcast_one
 
-        await asyncio.to_thread(broadcast_one, self.raw, torch.empty(nbytes, dtype=torch.uint8))
+        await asyncio.to_thread(broadcast_one, self.raw, torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
 
 async def _one_sync(sender: Any, clients: Sequence[Any], version: int, transport: str) -> tuple[float, float]:
@@ -203,16 +219,16 @@ async def _one_sync(sender: Any, clients: Sequence[Any], version: int, transport
     return t1 - t0, time.perf_counter() - t1
 
 
-async def _raw(sender: Any, receivers: Sequence[Any], nbytes: int, repeats: int, timeout_s: float) -> float:
+async def _raw(sender: Any, receivers: Sequence[Any], nbytes: int, args: argparse.Namespace) -> float:
     from single_controller.backends.common.weight_broadcast import GroupAddress
 
     host, port = await sender.sync_address.remote()
-    addr = GroupAddress(f"raw-{uuid.uuid4().hex[:8]}", host, port, 1 + len(receivers), "gloo", timeout_s)
+    addr = GroupAddress(f"raw-{uuid.uuid4().hex[:8]}", host, port, 1 + len(receivers), args.backend, args.timeout_s)
     await asyncio.gather(
         sender.raw_open.remote(addr), *(r.raw_join.remote(addr, i + 1) for i, r in enumerate(receivers))
     )
     times = []
-    for _ in range(repeats + 1):  # the first one connects
+    for _ in range(args.repeats + 1):  # the first one connects
         got = await asyncio.gather(
             sender.raw_broadcast.remote(nbytes), *(r.raw_receive.remote(nbytes) for r in receivers)
         )
@@ -231,14 +247,15 @@ async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -
     shapes = model_shapes(num_params)
     n = sum(math.prod(s) for _, s in shapes)
     send_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(BenchSender)  # type: ignore[call-overload]
-    sender = send_cls.options(num_cpus=0).remote(shapes, args.dtype, args.bucket_mb)
+    res = {"num_cpus": 0, "num_gpus": 1 if args.backend == "nccl" else 0}  # NCCL: one GPU per process
+    sender = send_cls.options(**res).remote(shapes, args.dtype, args.bucket_mb, args.backend)
     recv_cls: Any = ray.remote(BenchReceiver)
-    receivers = [recv_cls.options(num_cpus=0).remote(shapes, args.dtype) for _ in range(workers)]
+    receivers = [recv_cls.options(**res).remote(shapes, args.dtype, args.backend) for _ in range(workers)]
     try:
         expected = await sender.expected.remote()
         rows = []
         for transport in args.transports:
-            link = SyncLink("gloo", args.timeout_s)
+            link = SyncLink(args.backend, args.timeout_s)
             clients = [ActorGenerationClient(f"bench{i}", r, sync=link) for i, r in enumerate(receivers)]
             times = [await _one_sync(sender, clients, 0, transport)]  # warm-up: forms the groups
             for v in range(1, args.repeats + 1):
@@ -251,7 +268,7 @@ async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -
             deliver = statistics.median(t[1] for t in times[1:])
             rows.append(dict(transport=transport, publish_s=publish, deliver_s=deliver, sync_s=publish + deliver))
         nbytes = n * (2 if args.dtype in ("bfloat16", "float16") else 4)
-        raw = await _raw(sender, receivers, nbytes, args.repeats, args.timeout_s)
+        raw = await _raw(sender, receivers, nbytes, args)
         memcpy = await sender.memcpy.remote(nbytes)
         for r in rows:
             r.update(
@@ -261,7 +278,7 @@ async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -
                 gbps=nbytes * workers / r["sync_s"] / 1e9,
                 raw_bcast_s=raw,
                 memcpy_s=memcpy,
-                x_raw=r["sync_s"] / raw,
+                x_raw=r["deliver_s"] / raw,
             )
         return rows
     finally:
@@ -288,6 +305,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="generation worker counts")
     p.add_argument("--transports", nargs="+", default=["object_store", "collective"])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: every process on a GPU of its own"
+    )
     p.add_argument("--bucket-mb", type=float, default=64.0, help="snapshot bucket size (sync.weight_bucket_mb)")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per point (after one warm-up)")
     p.add_argument("--timeout-s", type=float, default=300.0)
@@ -323,7 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if own:
             ray.shutdown()
-    _print(rows, f"weight sync, {args.dtype}, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}")
+    _print(
+        rows,
+        f"weight sync over {args.backend}, {args.dtype}, buckets of {args.bucket_mb:g} MiB, median of {args.repeats}",
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
