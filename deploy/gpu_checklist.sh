@@ -69,7 +69,7 @@ else
 fi
 note '```'; grep -E "^ *(params|[0-9]+M) " "$OUT/bench_sync.log" >> "$SUMMARY" || note "(no bench rows)"; note '```'
 
-step "4. a 0.5 B-class Qwen2 in bf16, vLLM + Megatron"
+step "4. a 0.4 B-parameter Qwen2 in bf16, vLLM + Megatron"
 MODEL="$OUT/qwen2-0.5b-class"
 # configs/functional.yaml: vLLM + Megatron on the built-in digit task (so the character tokenizer)
 if [[ $DRY == 1 ]]; then  # the same arch and options, CPU-sized, through vLLM's CPU engine and Megatron over gloo
@@ -80,7 +80,7 @@ else
   RUN=(configs/functional.yaml vllm.device=cuda megatron.cpu_emulation=false)
 fi
 [[ -d "$MODEL" ]] || $PY -m single_controller init-model "$MODEL" --arch qwen2 --tokenizer char --tie-embeddings "${SIZE[@]}" > /dev/null
-PARAMS=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); h,l,v,i=c['hidden_size'],c['num_hidden_layers'],c['vocab_size'],c['intermediate_size']; print(f'{(l*(4*h*h+3*h*i)+v*h)/1e6:.0f}M')" "$MODEL")
+PARAMS=$($PY -c "import json,sys; c=json.load(open(sys.argv[1]+'/config.json')); h,l,v,i=c['hidden_size'],c['num_hidden_layers'],c['vocab_size'],c['intermediate_size']; print(f'{(l*(4*h*h+3*h*i)+v*h)/1e6:.1f}M')" "$MODEL")
 if [[ $DRY == 1 || $GPUS -ge 2 ]]; then
   SMI=""
   if [[ $GPUS -gt 0 ]]; then
@@ -110,7 +110,8 @@ if os.path.exists(smi) and os.path.getsize(smi):
     peak = ", ".join(f"GPU {i} {m} MiB" for i, m in sorted(by_gpu.items()))
 print(f"| qwen2 {params} bf16 run | rc {rc}, {len(rows)} steps, {wall} s; gen tokens/s {med('throughput/gen_tokens_per_s')}, "
       f"train tokens/s {med('throughput/train_tokens_per_s')}, step {med('time/step_s')} s, train step "
-      f"{med('train/step_s')} s, sync {med('sync/last_s')} s, mismatch_kl {med('train/mismatch_kl')}; peak {peak} |")
+      f"{med('train/step_s')} s, sync {med('sync/last_s')} s, mismatch_kl {med('train/mismatch_kl')}, "
+      f"gen_logprob_gap {med('train/gen_logprob_gap')}; peak {peak} |")
 EOF
 else
   note "| qwen2 $PARAMS bf16 run | skipped: vLLM and the Megatron rank need a GPU each, has $GPUS |"

@@ -15,8 +15,8 @@ forms the collective groups):
 * `deliver_s`: from the workers' first call to every worker having loaded the weights.
 * `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
 * `raw_bcast_s`: a bare gloo (`--backend nccl`: NCCL) broadcast of one flat buffer of the snapshot's
-  bytes from the sender to the workers, in one group (world = workers + 1); `memcpy_s`: copying those
-  bytes once in memory.
+  bytes from the sender to the workers, in one group (world = workers + 1), into the same buffers each
+  time (as the collective's receivers reuse theirs); `memcpy_s`: copying those bytes once in memory.
 * `x raw`: `deliver_s` / `raw_bcast_s`, the transport's cost over the bare move of its bytes (the
   packing in `publish_s` is the same for both transports, and the raw broadcast has none).
 
@@ -85,6 +85,7 @@ class BenchSender:
         self.dtype, self.bucket_bytes = getattr(torch, dtype), int(bucket_mb * (1 << 20))
         self.sender = WeightSender()
         self.raw: Any = None
+        self.raw_buffer: Any = None
 
     def export(self, version: int, transport: str) -> Any:
         import ray
@@ -130,9 +131,10 @@ class BenchSender:
 
         from single_controller.backends.common.weight_broadcast import broadcast_buckets
 
-        flat = torch.ones(nbytes, dtype=torch.uint8, device=_device(self.backend))
+        if self.raw_buffer is None or len(self.raw_buffer) != nbytes:  # one buffer, as the transports reuse theirs
+            self.raw_buffer = torch.ones(nbytes, dtype=torch.uint8, device=_device(self.backend))
         t0 = time.perf_counter()
-        broadcast_buckets(self.raw, [flat], self.backend)
+        broadcast_buckets(self.raw, [self.raw_buffer], self.backend)
         if self.backend == "nccl":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -163,6 +165,7 @@ class BenchReceiver:
             self.module.register_parameter(n.replace(".", "__"), nn.Parameter(t, requires_grad=False))
         self.receiver = WeightReceiver()
         self.raw: Any = None
+        self.raw_buffer: Any = None
 
     def _load(self, snapshot: Any) -> int:
         from single_controller.backends.common.weights import WeightManifest, WeightSnapshot, load_snapshot
@@ -208,7 +211,9 @@ class BenchReceiver:
 
         from single_controller.backends.common.weight_broadcast import broadcast_one
 
-        await asyncio.to_thread(broadcast_one, self.raw, torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        if self.raw_buffer is None or len(self.raw_buffer) != nbytes:
+            self.raw_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        await asyncio.to_thread(broadcast_one, self.raw, self.raw_buffer)
 
 
 async def _one_sync(sender: Any, clients: Sequence[Any], version: int, transport: str) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,20 +128,21 @@ def broadcast_buckets(group: Any, buckets: Sequence[torch.Tensor], backend: str 
     return sent
 
 
-def receive_buckets(group: Any, manifest: WeightManifest, backend: str = "gloo") -> Iterator[torch.Tensor]:
-    """Ranks 1..: each bucket of `manifest` as it arrives, a flat tensor of the manifest's dtype on
-    the group's device; one bucket is held at a time unless the caller keeps them."""
+def bucket_buffers(manifest: WeightManifest, backend: str) -> list[torch.Tensor]:
+    """Empty buckets to receive `manifest` into: flat tensors of its dtype on the group's device."""
     dtype, device = getattr(torch, manifest.dtype), _device(backend)
-    for numel in manifest.bucket_numels:
-        t = torch.empty(numel, dtype=dtype, device=device)
+    return [torch.empty(n, dtype=dtype, device=device) for n in manifest.bucket_numels]
+
+
+def receive_snapshot(
+    group: Any, manifest: WeightManifest, backend: str = "gloo", into: Sequence[torch.Tensor] | None = None
+) -> WeightSnapshot:
+    """Ranks 1..: the whole snapshot, received into `into` (`bucket_buffers` of the same layout) or new
+    buckets, ready for `weights.load_snapshot` (or the vLLM extension's `sc_load_snapshot`)."""
+    buckets = list(into) if into is not None else bucket_buffers(manifest, backend)
+    for t in buckets:
         broadcast_one(group, t)
-        yield t
-
-
-def receive_snapshot(group: Any, manifest: WeightManifest, backend: str = "gloo") -> WeightSnapshot:
-    """Ranks 1..: the whole snapshot, its buckets torch tensors of the manifest's dtype on the group's
-    device, ready for `weights.load_snapshot` (or the vLLM extension's `sc_load_snapshot`)."""
-    return WeightSnapshot(manifest, list(receive_buckets(group, manifest, backend)))
+    return WeightSnapshot(manifest, buckets)
 
 
 class WeightSender:
@@ -235,6 +236,11 @@ class WeightReceiver:
 
     def __init__(self) -> None:
         self._group: tuple[GroupAddress, Any] | None = None
+        # The buckets of the last snapshot, received into again while the layout stays the same:
+        # a fresh buffer would be faulted in page by page on every sync (on this 2-core VM 1 GB of new
+        # pages costs seconds, more than the transfer). Costs one snapshot's bytes between syncs.
+        self._buffers: tuple[tuple[str, tuple[int, ...], str], list[torch.Tensor]] | None = None
+        self._lock = threading.Lock()  # one receive at a time: the buffers are reused
 
     def join(self, addr: GroupAddress, rank: int) -> None:
         """Join the group at `addr` as `rank` (blocks until all have joined); leaves the previous one."""
@@ -250,8 +256,13 @@ class WeightReceiver:
     def receive(self, key: str, manifest: WeightManifest) -> WeightSnapshot:
         """The whole snapshot (`receive_snapshot`); a failure leaves the group (the client forms a new one)."""
         addr, group = self._current(key)
+        layout = (manifest.dtype, tuple(manifest.bucket_numels), addr.backend)
         try:
-            return receive_snapshot(group, manifest, addr.backend)
+            with self._lock:
+                if self._buffers is None or self._buffers[0] != layout:
+                    self._buffers = None  # the old layout's memory goes before the new is taken
+                    self._buffers = (layout, bucket_buffers(manifest, addr.backend))
+                return receive_snapshot(group, manifest, addr.backend, into=self._buffers[1])
         except Exception as e:
             self._group = None
             raise SyncGroupError(f"weight-sync group {key}: receiving v{manifest.version} failed: {e}") from e
