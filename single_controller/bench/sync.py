@@ -10,7 +10,7 @@ worker does (`weights.load_snapshot`), driven by the controller's own client
 sender's tensors cast to `--dtype`, bit for bit (a benchmark of wrong answers measures nothing).
 
 Columns, per model size and worker count (median of `--repeats`, after one warm-up sync that also
-forms the collective groups):
+forms the collective groups; each transport, and the raw broadcast, in fresh processes):
 * `publish_s`: the trainer side before any worker is involved (pack, then put or stage).
 * `deliver_s`: from the workers' first call to every worker having loaded the weights.
 * `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
@@ -93,6 +93,8 @@ class BenchSender:
         from single_controller.backends.common.weights import WeightSnapshot, pack_weights
         from single_controller.types import WeightsHandle
 
+        if transport == "collective":
+            self.sender.make_room()
         snap = pack_weights(self.params, version, self.bucket_bytes, dtype=self.dtype)
         if transport == "collective":
             payload: Any = self.sender.stage_weights(snap, ray.get_runtime_context().current_actor)
@@ -241,54 +243,74 @@ async def _raw(sender: Any, receivers: Sequence[Any], nbytes: int, args: argpars
     return statistics.median(times[1:])
 
 
-async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every transport for one model size and worker count; one row each."""
+def _spawn(shapes: Any, workers: int, args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """A fresh sender and `workers` receivers (NCCL: each on a GPU of its own)."""
+    import ray
+
+    from single_controller.backends.common.rank_calls import RANK_CONCURRENCY
+
+    send_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(BenchSender)  # type: ignore[call-overload]
+    res = {"num_cpus": 0, "num_gpus": 1 if args.backend == "nccl" else 0}
+    sender = send_cls.options(**res).remote(shapes, args.dtype, args.bucket_mb, args.backend)
+    recv_cls: Any = ray.remote(BenchReceiver)
+    return sender, [recv_cls.options(**res).remote(shapes, args.dtype, args.backend) for _ in range(workers)]
+
+
+async def _transport_row(shapes: Any, workers: int, transport: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One transport's median sync, in processes of its own (what one transport left in memory, the
+    object store's pages or the staged snapshots, does not weigh on the other's figures)."""
     import ray
 
     from single_controller.backends.common.actor_client import ActorGenerationClient
-    from single_controller.backends.common.rank_calls import RANK_CONCURRENCY
     from single_controller.backends.common.weight_broadcast import SyncLink
 
-    shapes = model_shapes(num_params)
-    n = sum(math.prod(s) for _, s in shapes)
-    send_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(BenchSender)  # type: ignore[call-overload]
-    res = {"num_cpus": 0, "num_gpus": 1 if args.backend == "nccl" else 0}  # NCCL: one GPU per process
-    sender = send_cls.options(**res).remote(shapes, args.dtype, args.bucket_mb, args.backend)
-    recv_cls: Any = ray.remote(BenchReceiver)
-    receivers = [recv_cls.options(**res).remote(shapes, args.dtype, args.backend) for _ in range(workers)]
+    sender, receivers = _spawn(shapes, workers, args)
     try:
         expected = await sender.expected.remote()
-        rows = []
-        for transport in args.transports:
-            link = SyncLink(args.backend, args.timeout_s)
-            clients = [ActorGenerationClient(f"bench{i}", r, sync=link) for i, r in enumerate(receivers)]
-            times = [await _one_sync(sender, clients, 0, transport)]  # warm-up: forms the groups
-            for v in range(1, args.repeats + 1):
-                times.append(await _one_sync(sender, clients, v, transport))
-            if not all(await asyncio.gather(*(r.matches.remote(expected) for r in receivers))):
-                raise AssertionError(f"{transport}: a receiver does not hold the sender's weights")
-            if any(c.sync_fallback for c in clients):
-                raise AssertionError(f"{transport}: fell back to the object store: {clients[0].sync_fallback}")
-            publish = statistics.median(t[0] for t in times[1:])
-            deliver = statistics.median(t[1] for t in times[1:])
-            rows.append(dict(transport=transport, publish_s=publish, deliver_s=deliver, sync_s=publish + deliver))
-        nbytes = n * (2 if args.dtype in ("bfloat16", "float16") else 4)
-        raw = await _raw(sender, receivers, nbytes, args)
-        memcpy = await sender.memcpy.remote(nbytes)
-        for r in rows:
-            r.update(
-                params=n,
-                workers=workers,
-                bytes=nbytes,
-                gbps=nbytes * workers / r["sync_s"] / 1e9,
-                raw_bcast_s=raw,
-                memcpy_s=memcpy,
-                x_raw=r["deliver_s"] / raw,
-            )
-        return rows
+        link = SyncLink(args.backend, args.timeout_s)
+        clients = [ActorGenerationClient(f"bench{i}", r, sync=link) for i, r in enumerate(receivers)]
+        times = [await _one_sync(sender, clients, 0, transport)]  # warm-up: forms the groups
+        for v in range(1, args.repeats + 1):
+            times.append(await _one_sync(sender, clients, v, transport))
+        if not all(await asyncio.gather(*(r.matches.remote(expected) for r in receivers))):
+            raise AssertionError(f"{transport}: a receiver does not hold the sender's weights")
+        if any(c.sync_fallback for c in clients):
+            raise AssertionError(f"{transport}: fell back to the object store: {clients[0].sync_fallback}")
+        publish = statistics.median(t[0] for t in times[1:])
+        deliver = statistics.median(t[1] for t in times[1:])
+        return dict(transport=transport, publish_s=publish, deliver_s=deliver, sync_s=publish + deliver)
     finally:
         for a in [sender, *receivers]:
             ray.kill(a)
+
+
+async def bench_point(num_params: int, workers: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every transport for one model size and worker count, one row each, then the raw broadcast and
+    the memcpy of the same bytes (fresh processes for each)."""
+    import ray
+
+    shapes = model_shapes(num_params)
+    n = sum(math.prod(s) for _, s in shapes)
+    rows = [await _transport_row(shapes, workers, t, args) for t in args.transports]
+    nbytes = n * (2 if args.dtype in ("bfloat16", "float16") else 4)
+    sender, receivers = _spawn(model_shapes(0)[:1], workers, args)  # the raw moves bytes, not a model
+    try:
+        raw = await _raw(sender, receivers, nbytes, args)
+        memcpy = await sender.memcpy.remote(nbytes)
+    finally:
+        for a in [sender, *receivers]:
+            ray.kill(a)
+    for r in rows:
+        r.update(
+            params=n,
+            workers=workers,
+            bytes=nbytes,
+            gbps=nbytes * workers / r["sync_s"] / 1e9,
+            raw_bcast_s=raw,
+            memcpy_s=memcpy,
+            x_raw=r["deliver_s"] / raw,
+        )
+    return rows
 
 
 def _print(rows: Sequence[dict[str, Any]], title: str) -> None:

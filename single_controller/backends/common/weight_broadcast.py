@@ -160,8 +160,17 @@ class WeightSender:
             self._sync_lock = threading.Lock()
             self._staged, self._sync_groups, self._sync_store = {}, {}, None
 
+    def make_room(self) -> None:
+        """Before packing a new version: drop all but the newest `STAGED_VERSIONS - 1`, so the new one is
+        packed into memory they freed (the process's peak stays `STAGED_VERSIONS` snapshots)."""
+        self._sender_state()
+        with self._sync_lock:
+            for old in sorted(self._staged)[: -(STAGED_VERSIONS - 1)]:
+                del self._staged[old]
+
     def stage_weights(self, snapshot: WeightSnapshot, sender: Any) -> StagedWeights:
-        """Keep `snapshot`'s (in-process) buckets for broadcasting; the newest `STAGED_VERSIONS` are kept."""
+        """Keep `snapshot`'s (in-process) buckets for broadcasting; the newest `STAGED_VERSIONS` are kept
+        (call `make_room` before packing it)."""
         self._sender_state()
         m = snapshot.manifest
         buckets = [bucket_tensor(b, m.dtype) for b in snapshot.buckets]

@@ -124,6 +124,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
     def export_weights(self, version: int) -> WeightSnapshot | StagedWeights:
         """The policy as of `version`: `ray.put` buckets, or (`sync.transport: collective`) staged here
         for broadcasting (`WeightSender`)."""
+        if self.cfg.sync.transport == "collective":
+            self.make_room()
         snap = self._trainer().publish_weights(version)
         if self.cfg.sync.transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
