@@ -9,8 +9,9 @@ worker does (`weights.load_snapshot`), driven by the controller's own client
 (`actor_client.ActorGenerationClient.update_weights`). Each sync is checked: every receiver holds the
 sender's tensors cast to `--dtype`, bit for bit (a benchmark of wrong answers measures nothing).
 
-Columns, per model size and worker count (median of `--repeats`, after one warm-up sync that also
-forms the collective groups; each transport, and the raw broadcast, in fresh processes):
+Columns, per model size and worker count (median of `--repeats`, after three warm-up syncs that form
+the collective groups and fill the sender's staged versions; each transport, and the raw broadcast,
+in fresh processes):
 * `publish_s`: the trainer side before any worker is involved (pack, then put or stage).
 * `deliver_s`: from the workers' first call to every worker having loaded the weights.
 * `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
@@ -93,9 +94,8 @@ class BenchSender:
         from single_controller.backends.common.weights import WeightSnapshot, pack_weights
         from single_controller.types import WeightsHandle
 
-        if transport == "collective":
-            self.sender.make_room()
-        snap = pack_weights(self.params, version, self.bucket_bytes, dtype=self.dtype)
+        spare = self.sender.make_room() if transport == "collective" else None
+        snap = pack_weights(self.params, version, self.bucket_bytes, dtype=self.dtype, into=spare)
         if transport == "collective":
             payload: Any = self.sender.stage_weights(snap, ray.get_runtime_context().current_actor)
         else:
@@ -243,6 +243,9 @@ async def _raw(sender: Any, receivers: Sequence[Any], nbytes: int, args: argpars
     return statistics.median(times[1:])
 
 
+WARMUP = 3  # = weight_broadcast.STAGED_VERSIONS
+
+
 def _spawn(shapes: Any, workers: int, args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """A fresh sender and `workers` receivers (NCCL: each on a GPU of its own)."""
     import ray
@@ -269,15 +272,17 @@ async def _transport_row(shapes: Any, workers: int, transport: str, args: argpar
         expected = await sender.expected.remote()
         link = SyncLink(args.backend, args.timeout_s)
         clients = [ActorGenerationClient(f"bench{i}", r, sync=link) for i, r in enumerate(receivers)]
-        times = [await _one_sync(sender, clients, 0, transport)]  # warm-up: forms the groups
-        for v in range(1, args.repeats + 1):
-            times.append(await _one_sync(sender, clients, v, transport))
+        # Warm-up: forms the groups, and fills the sender's staged versions (from then on each sync
+        # packs into the buckets of the one it drops, as in a long run).
+        for v in range(WARMUP):
+            await _one_sync(sender, clients, v, transport)
+        times = [await _one_sync(sender, clients, WARMUP + v, transport) for v in range(args.repeats)]
         if not all(await asyncio.gather(*(r.matches.remote(expected) for r in receivers))):
             raise AssertionError(f"{transport}: a receiver does not hold the sender's weights")
         if any(c.sync_fallback for c in clients):
             raise AssertionError(f"{transport}: fell back to the object store: {clients[0].sync_fallback}")
-        publish = statistics.median(t[0] for t in times[1:])
-        deliver = statistics.median(t[1] for t in times[1:])
+        publish = statistics.median(t[0] for t in times)
+        deliver = statistics.median(t[1] for t in times)
         return dict(transport=transport, publish_s=publish, deliver_s=deliver, sync_s=publish + deliver)
     finally:
         for a in [sender, *receivers]:

@@ -154,19 +154,26 @@ class WeightSender:
     _staged: dict[int, tuple[WeightManifest, list[torch.Tensor]]]
     _sync_groups: dict[str, tuple[GroupAddress, Any]]
     _sync_store: Any
+    _sending: dict[int, int]
 
     def _sender_state(self) -> None:
         if not hasattr(self, "_sync_lock"):
             self._sync_lock = threading.Lock()
             self._staged, self._sync_groups, self._sync_store = {}, {}, None
+            self._sending = {}  # version -> sends reading its buckets now
 
-    def make_room(self) -> None:
-        """Before packing a new version: drop all but the newest `STAGED_VERSIONS - 1`, so the new one is
-        packed into memory they freed (the process's peak stays `STAGED_VERSIONS` snapshots)."""
+    def make_room(self) -> list[torch.Tensor] | None:
+        """Before packing a new version: drop all but the newest `STAGED_VERSIONS - 1`; returns the
+        buckets of one dropped that no send is reading, to pack the new version into (`pack_weights(into=)`:
+        the peak stays `STAGED_VERSIONS` snapshots, and no new memory is faulted in per sync)."""
         self._sender_state()
+        spare = None
         with self._sync_lock:
             for old in sorted(self._staged)[: -(STAGED_VERSIONS - 1)]:
-                del self._staged[old]
+                _, buckets = self._staged.pop(old)
+                if not self._sending.get(old):
+                    spare = buckets
+        return spare
 
     def stage_weights(self, snapshot: WeightSnapshot, sender: Any) -> StagedWeights:
         """Keep `snapshot`'s (in-process) buckets for broadcasting; the newest `STAGED_VERSIONS` are kept
@@ -219,11 +226,18 @@ class WeightSender:
         if entry is None:
             raise SyncGroupError(f"no weight-sync group {key} on this sender (closed, or never formed)")
         addr, group = entry
+        with self._sync_lock:
+            self._sending[version] = self._sending.get(version, 0) + 1
         try:
             return broadcast_buckets(group, buckets, addr.backend)
         except Exception as e:
             self.close_sync_group(key)
             raise SyncGroupError(f"weight-sync group {key}: broadcasting v{version} failed: {e}") from e
+        finally:
+            with self._sync_lock:
+                self._sending[version] -= 1
+                if not self._sending[version]:
+                    del self._sending[version]
 
     def put_weights(self, version: int) -> WeightSnapshot:
         """The object-store fallback: staged `version` as `ray.put` buckets."""

@@ -116,9 +116,11 @@ def pack_weights(
     bucket_bytes: int = 4 << 20,
     prefix: str = "",
     dtype: torch.dtype | None = None,
+    into: Sequence[torch.Tensor] | None = None,
 ) -> WeightSnapshot:
     """Copy a module's parameters (or named tensors, all of one dtype) into flat buckets of `dtype`
-    (None: theirs); every name is prefixed with `prefix`."""
+    (None: theirs); every name is prefixed with `prefix`. `into`: buckets of an earlier snapshot no
+    one reads any more, packed into where their size and dtype fit (new memory is slow to fault in)."""
     named = _named(tensors)
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
@@ -128,7 +130,10 @@ def pack_weights(
     with torch.no_grad():
         for b, group in enumerate(_group(named, out_dtype.itemsize, bucket_bytes)):
             # One pass: each tensor is cast while it is copied into its slice (no full-width copy first).
-            flat = torch.empty(sum(t.numel() for _, t in group), dtype=out_dtype)
+            numel = sum(t.numel() for _, t in group)
+            flat = into[b] if into is not None and b < len(into) else None
+            if flat is None or (flat.numel(), flat.dtype, flat.device.type) != (numel, out_dtype, "cpu"):
+                flat = torch.empty(numel, dtype=out_dtype)
             offset = 0
             for name, t in group:
                 entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))

@@ -256,9 +256,8 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         hf = self._core.hf_state_dict()
         if self.rank != 0:
             return None
-        if transport == "collective":
-            self.make_room()
-        snap = pack_weights(hf, version, prefix=prefix)
+        spare = self.make_room() if transport == "collective" else None
+        snap = pack_weights(hf, version, prefix=prefix, into=spare)
         if transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,9 +222,10 @@ class TrainerCore:
         torch.set_rng_state(state["rng"])
         self.steps.loaded(state["next_step"], state["steps_done"])
 
-    def publish_weights(self, version: int) -> WeightSnapshot:
+    def publish_weights(self, version: int, into: Sequence[torch.Tensor] | None = None) -> WeightSnapshot:
+        """The policy as a snapshot in `compute_dtype`; `into`: spare buckets to pack into (`pack_weights`)."""
         self.steps.require_closed(f"publish_weights({version})")
-        return pack_weights(state_module(self.policy), version, self.bucket_bytes, dtype=self.compute_dtype)
+        return pack_weights(state_module(self.policy), version, self.bucket_bytes, dtype=self.compute_dtype, into=into)
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         self.steps.require_closed("load_weights")

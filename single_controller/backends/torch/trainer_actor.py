@@ -124,9 +124,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
     def export_weights(self, version: int) -> WeightSnapshot | StagedWeights:
         """The policy as of `version`: `ray.put` buckets, or (`sync.transport: collective`) staged here
         for broadcasting (`WeightSender`)."""
-        if self.cfg.sync.transport == "collective":
-            self.make_room()
-        snap = self._trainer().publish_weights(version)
+        spare = self.make_room() if self.cfg.sync.transport == "collective" else None
+        snap = self._trainer().publish_weights(version, into=spare)
         if self.cfg.sync.transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
