@@ -23,7 +23,8 @@ from typing import Any
 import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
-from single_controller.backends.common.weight_broadcast import SYNC_GROUP, GroupAddress, StagedWeights, SyncLink
+from single_controller.backends.common.rank_calls import SYNC_GROUP
+from single_controller.backends.common.weight_broadcast import GroupAddress, StagedWeights, SyncLink
 from single_controller.deadlines import within
 from single_controller.protocols import GenerationFailed, GenerationWorkerDied, generate
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
-from single_controller.backends.common.weight_broadcast import SYNC_CONCURRENCY, SYNC_GROUP
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
 from single_controller.types import TrainStatus
@@ -55,7 +54,9 @@ PLACEMENTS = ("pack", "spread")
 # thread-safe (`replay.fetch.RowPrefetcher` is).
 PREFETCH_GROUP = "prefetch"
 # Weight-sync sends (`weight_broadcast.WeightSender`) get threads of their own too: a broadcast to the
-# generation workers overlaps the next step's split-API calls.
+# generation workers overlaps the next step's split-API calls. One thread per worker group sending at once.
+SYNC_GROUP = "weight_sync"
+SYNC_CONCURRENCY = 8
 RANK_CONCURRENCY = {PREFETCH_GROUP: 1, SYNC_GROUP: SYNC_CONCURRENCY}
 # A bundle needs some resource; trainer ranks on CPU ask Ray for none (TransferQueue may hold every
 # logical CPU), so their spread bundles reserve this token share of a CPU.
@@ -129,7 +130,10 @@ async def stop_ranks(ranks: Sequence[Any], placement: RankPlacement | None) -> N
 def node_ip() -> str:
     """The address this node registered with the cluster (what other nodes reach it at). Not
     `ray.util.get_node_ip_address()`: in a worker process that may guess another interface (e.g.
-    eth0 for a node started with --node-ip-address=127.0.0.1)."""
+    eth0 for a node started with --node-ip-address=127.0.0.1). Outside Ray (a bare process): the
+    loopback (asking Ray's runtime context would start a local Ray)."""
+    if not ray.is_initialized():
+        return "127.0.0.1"
     node_id = ray.get_runtime_context().get_node_id()
     for n in ray.nodes():
         if n.get("NodeID") == node_id and n.get("NodeManagerAddress"):

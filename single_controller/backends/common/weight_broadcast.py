@@ -34,16 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from single_controller.backends.common.rank_calls import node_ip
 from single_controller.backends.common.weights import WeightManifest, WeightSnapshot, bucket_tensor, to_bucket
 
 # Staged versions a sender keeps: the weights channel holds one handle (capacity 1), so at most three
 # are alive: the one being synced, the one queued behind it, and the one the train pump exported
 # while it waits for the channel (a restarted worker asks for the newest the sync pump took).
 STAGED_VERSIONS = 3
-# Sender methods run on threads of their own (a Ray concurrency group), beside the split-API calls:
-# a broadcast overlaps the next train step. One thread per worker group sending at once.
-SYNC_GROUP = "weight_sync"
-SYNC_CONCURRENCY = 8
 
 
 class SyncGroupError(RuntimeError):
@@ -148,7 +145,7 @@ def receive_snapshot(
 class WeightSender:
     """Mixed into a trainer rank actor: stages snapshots and broadcasts them to worker groups.
     `stage_weights` runs on the actor's main thread (the export after a finish); the other methods
-    on `SYNC_GROUP` threads (`ray.remote(concurrency_groups=...)`): they only read staged buckets."""
+    on `rank_calls.SYNC_GROUP` threads (`ray.remote(concurrency_groups=...)`): they only read staged buckets."""
 
     _sync_lock: threading.Lock
     _staged: dict[int, tuple[WeightManifest, list[torch.Tensor]]]
@@ -199,16 +196,15 @@ class WeightSender:
             return staged
 
     def sync_address(self) -> tuple[str, int]:
-        """(this node's IP, the port of the TCPStore every group of this sender meets at)."""
-        import ray
-
+        """(the IP this node registered with the cluster, the port of the TCPStore every group of this
+        sender meets at; see `rank_calls.node_ip`)."""
         self._sender_state()
         with self._sync_lock:
             if self._sync_store is None:
                 self._sync_store = dist.TCPStore(
                     "0.0.0.0", 0, None, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False
                 )
-            return ray.util.get_node_ip_address(), int(self._sync_store.port)
+            return node_ip(), int(self._sync_store.port)
 
     def open_sync_group(self, addr: GroupAddress) -> None:
         """Rank 0 of a new group (the worker's ranks join at the same time)."""
