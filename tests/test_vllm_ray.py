@@ -13,6 +13,7 @@ Skipped, with the reason, only when vLLM is not installed; CI installs it (the `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import json
@@ -64,13 +65,34 @@ def model_dir(tmp_path_factory):
     )  # as configs/vllm_cpu.yaml
 
 
-@pytest.mark.tq
-def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_dir):
+@contextlib.contextmanager
+def ray_and_tq(tag: str):
+    """A local Ray (3 CPUs, this checkout on the workers' path) and a TransferQueue; yields the
+    storage of a fresh partition and a picklable factory of it for the workers."""
     import ray
 
-    from replay.storage import row_keys
     from replay.transferqueue.runtime import start_tq, stop_tq
     from replay.transferqueue.storage import TQRowStorage
+
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
+    )
+    try:
+        start_tq(num_storage_units=1)
+        partition = f"{tag}-{uuid.uuid4().hex[:8]}"
+        yield TQRowStorage(partition, timeout_s=30.0), functools.partial(TQRowStorage.attach, partition, timeout_s=30.0)
+    finally:
+        stop_tq()
+        ray.shutdown()
+
+
+@pytest.mark.tq
+def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_dir):
+
+    from replay.storage import row_keys
     from single_controller.backends.torch.model import build_policy
     from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
@@ -80,17 +102,7 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
     from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}"])
-    ray.init(
-        num_cpus=3,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        start_tq(num_storage_units=1)
-        partition = f"vllm-{uuid.uuid4().hex[:8]}"
-        storage = TQRowStorage(partition, timeout_s=30.0)
-        factory = functools.partial(TQRowStorage.attach, partition, timeout_s=30.0)
+    with ray_and_tq("vllm") as (storage, factory):
         (client,) = run(loop, start_vllm_generation(cfg, factory))
         try:
             trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), cfg.train)
@@ -117,9 +129,6 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
         while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, f"the engine's process {pid} outlived shutdown"
             time.sleep(0.2)  # test code, not the controller
-    finally:
-        stop_tq()
-        ray.shutdown()
 
 
 def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> subprocess.Popen:
@@ -263,8 +272,6 @@ def test_collective_sync_reaches_the_vllm_engine_and_again_after_a_restart(loop,
 
     import ray
 
-    from replay.transferqueue.runtime import start_tq, stop_tq
-    from replay.transferqueue.storage import TQRowStorage
     from single_controller.backends.common import hf_model
     from single_controller.backends.torch.ray_workers import start_torch_trainer
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
@@ -275,17 +282,7 @@ def test_collective_sync_reaches_the_vllm_engine_and_again_after_a_restart(loop,
     base = ["backend.generation=vllm", "sync.transport=collective", "backend.num_trainer_ranks=1"]
     cfg = load_config(None, [*base, f"model.path={trained}"])
     gen_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(other)))
-    ray.init(
-        num_cpus=3,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        start_tq(num_storage_units=1)
-        partition = f"coll-{uuid.uuid4().hex[:8]}"
-        storage = TQRowStorage(partition, timeout_s=30.0)
-        factory = functools.partial(TQRowStorage.attach, partition, timeout_s=30.0)
+    with ray_and_tq("coll") as (storage, factory):
         group = run(loop, start_torch_trainer(cfg, factory))
         (client,) = run(loop, start_vllm_generation(gen_cfg, factory))
         try:
@@ -308,6 +305,3 @@ def test_collective_sync_reaches_the_vllm_engine_and_again_after_a_restart(loop,
         finally:
             run(loop, client.shutdown())
             run(loop, group.shutdown())
-    finally:
-        stop_tq()
-        ray.shutdown()
