@@ -167,9 +167,12 @@ class ActorGenerationClient:
         try:
             await self.actor.receive_weights.remote(weights, key)
             await send
-        except ray.exceptions.RayTaskError as e:
+        except BaseException as e:
+            # The send's own error (if any) is this one's cause or consequence: retrieved, not raised.
+            send.add_done_callback(lambda f: f.cancelled() or f.exception())
+            if not isinstance(e, ray.exceptions.RayTaskError):
+                raise  # a dead worker (restarted with a group of its own), or our caller's cancellation
             self._leave_group()  # the other end fails at its own timeout and drops the group too
-            send.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is this one's cause
             raise GenerationFailed(
                 f"{self.name}: weights v{weights.version} over weight-sync group {key} failed "
                 f"(the engine may hold part of them): {first_line(e)}"
