@@ -36,6 +36,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from single_controller.backends.common.weight_broadcast import WeightSender
+
 
 def parse_size(text: str) -> int:
     """`10M`, `1.5G`, `2000000`: a parameter count."""
@@ -72,19 +74,17 @@ def _device(backend: str) -> str:
     return "cuda" if backend == "nccl" else "cpu"
 
 
-class BenchSender:
-    """A trainer rank's publishing side, alone: float32 masters, `pack_weights` to the wire dtype."""
+class BenchSender(WeightSender):
+    """A trainer rank's publishing side, alone: float32 masters, `pack_weights` to the wire dtype,
+    and the `WeightSender` methods the client calls, as a trainer rank actor has them."""
 
     def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...]]], dtype: str, bucket_mb: float, backend: str):
         import torch
-
-        from single_controller.backends.common.weight_broadcast import WeightSender
 
         torch.set_num_threads(1)
         self.backend = backend
         self.params = _tensors(shapes, torch.float32, seed=0, device=_device(backend))
         self.dtype, self.bucket_bytes = getattr(torch, dtype), int(bucket_mb * (1 << 20))
-        self.sender = WeightSender()
         self.raw: Any = None
         self.raw_buffer: Any = None
 
@@ -94,29 +94,13 @@ class BenchSender:
         from single_controller.backends.common.weights import WeightSnapshot, pack_weights
         from single_controller.types import WeightsHandle
 
-        spare = self.sender.make_room() if transport == "collective" else None
+        spare = self.make_room() if transport == "collective" else None
         snap = pack_weights(self.params, version, self.bucket_bytes, dtype=self.dtype, into=spare)
         if transport == "collective":
-            payload: Any = self.sender.stage_weights(snap, ray.get_runtime_context().current_actor)
+            payload: Any = self.stage_weights(snap, ray.get_runtime_context().current_actor)
         else:
             payload = WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
         return WeightsHandle(version, payload, snap.manifest.num_bytes)
-
-    # the `WeightSender` calls the client makes (run on the weight-sync threads)
-    def sync_address(self) -> tuple[str, int]:
-        return self.sender.sync_address()
-
-    def open_sync_group(self, addr: Any) -> None:
-        self.sender.open_sync_group(addr)
-
-    def send_weights(self, key: str, version: int) -> int:
-        return self.sender.send_weights(key, version)
-
-    def put_weights(self, version: int) -> Any:
-        return self.sender.put_weights(version)
-
-    def close_sync_group(self, key: str) -> bool:
-        return self.sender.close_sync_group(key)
 
     def expected(self) -> dict[str, Any]:
         return {n: t.to(self.dtype) for n, t in self.params.items()}
@@ -125,8 +109,8 @@ class BenchSender:
     def raw_open(self, addr: Any) -> None:
         from single_controller.backends.common.weight_broadcast import open_group
 
-        self.sender.sync_address()
-        self.raw = open_group(addr, 0, store=self.sender._sync_store)
+        self.sync_address()  # the store exists
+        self.raw = open_group(addr, 0, store=self._sync_store)
 
     def raw_broadcast(self, nbytes: int) -> float:
         import torch
