@@ -456,9 +456,13 @@ def test_bfloat16_workers_start_with_the_trainers_float32_weights_cast_to_bfloat
         assert handle.num_bytes == 2 * sum(v.size for v in trainer.values())  # half of float32
         assert all(v.dtype == np.float32 for v in trainer.values())  # the masters stay float32
         want = {k: torch.from_numpy(v).to(torch.bfloat16).float().numpy() for k, v in trainer.items()}
+        groups = [g._group for g in gens]
         for g in gens:
             assert_same_weights(run(loop, g.actor.get_weights.remote()), want)
             assert (g._group is not None) == (transport == "collective") and g.sync_fallback is None
+        handle = run(loop, group.export_weights(2))
+        run(loop, gather(*(g.update_weights(handle) for g in gens)))
+        assert [g._group for g in gens] == groups  # the next sync reuses each worker's group
     finally:
         run(loop, shutdown_cpu_workers(gens, group), 60)
 

@@ -116,6 +116,12 @@ def _requests(
     ]
 
 
+def _move_every_tensor(trainer, seed: int) -> None:
+    with torch.no_grad():
+        for p in trainer.params:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+
+
 def _push(loop, actor, trainer, state) -> int:
     state["version"] += 1
     v = state["version"]
@@ -406,9 +412,7 @@ def test_a_weight_update_reaches_the_engine_on_each_arch(arch, tied, tmp_path, l
         before = copy.deepcopy(trainer.policy)
         for v in range(2):
             if v:  # the update: every tensor moves
-                with torch.no_grad():
-                    for p in trainer.params:
-                        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
+                _move_every_tensor(trainer, seed=v)
                 _push(loop, actor, trainer, {"version": v - 1})
             reqs = [
                 GenerationRequest(
@@ -466,9 +470,7 @@ def test_bfloat16_engine_logprobs_match_the_bfloat16_trainer_within_the_bound(tm
         before = copy.deepcopy(trainer.policy)
         for v in range(2):
             if v:  # the update: every tensor moves
-                with torch.no_grad():
-                    for p in trainer.params:
-                        p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(v)))
+                _move_every_tensor(trainer, seed=v)
                 run(loop, actor.update_weights(WeightsHandle(v, trainer.publish_weights(v))))
             reqs = [
                 GenerationRequest(f"bf{v}-{i}", p, SamplingParams(n=4, max_new_tokens=8), row_keys(f"bf{v}-{i}", 4))
