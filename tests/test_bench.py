@@ -360,3 +360,53 @@ def test_bench_sync_moves_a_model_by_each_transport_checks_it_and_prints_each_po
         assert 0 < r["publish_s"] and 0 < r["deliver_s"] and 0 < r["raw_bcast_s"] and 0 < r["memcpy_s"]
     text = capsys.readouterr().out
     assert "weight sync over gloo, bfloat16" in text and text.count("collective") == 2
+
+
+def test_bench_trl_gives_both_sides_the_same_settings_and_a_valid_sc_grpo_config(tmp_path):
+    from single_controller.bench import trl, trl_loop
+    from single_controller.config.loader import load_config
+
+    model = tmp_path / "m"
+    for steps in (None, 30):
+        cfg = load_config("configs/embedded.yaml", trl.sc_grpo_overrides(model, 1, steps, 400, str(tmp_path)))
+        theirs = trl_loop.parse_args(trl.trl_command(model, 1, steps, 400)[3:])
+        assert (cfg.seed, theirs.seed) == (1, 1) and theirs.model == str(model)
+        assert cfg.task.name == theirs.task and cfg.task.num_digits == theirs.num_digits
+        assert cfg.task.num_prompts == theirs.num_prompts
+        assert cfg.rollout.group_size == theirs.group_size and cfg.train.groups_per_step == theirs.prompts_per_step
+        assert cfg.train.lr == theirs.lr and tuple(cfg.train.betas) == tuple(theirs.betas)
+        assert cfg.train.clip_eps == theirs.clip_eps and cfg.train.grad_clip == theirs.grad_clip
+        assert cfg.rollout.max_new_tokens == theirs.num_digits and cfg.rollout.stop_at_eos
+        assert cfg.run.success_window == theirs.window and cfg.model.dtype == "float32"
+        assert cfg.train.kl_coef == 0 and not cfg.train.gradient_checkpointing and cfg.train.loss_level == "token"
+        if steps is None:
+            assert cfg.run.stop_at_success_rate == theirs.target and theirs.steps is None
+        else:
+            assert cfg.run.max_steps == theirs.steps == steps and cfg.run.stop_at_success_rate is None
+
+
+def test_bench_trl_reads_both_summary_lines_and_reports_the_ratios():
+    import subprocess as sp
+
+    from single_controller.bench import trl
+
+    def done(line: str) -> sp.CompletedProcess[str]:
+        return sp.CompletedProcess([], 0, stdout=f"noise\n{line}\n", stderr="")
+
+    theirs = trl._parse(
+        "trl", "tiny", 0, done("TRL: 100 steps in 10.00s of training (+3.00s startup): success 0.9"), 20.0, 1.9
+    )
+    ours = trl._parse(
+        "sc-grpo",
+        "tiny",
+        0,
+        done("sc-grpo: 100 steps in 8.00s of training (+4.0s startup): success rate >= 0.9"),
+        16.0,
+        1.5,
+    )
+    assert (ours.steps, ours.train_s, ours.startup_s, ours.step_s) == (100, 8.0, 4.0, 0.08)
+    [line] = trl.summarize([theirs, ours])
+    assert "speed per step TRL / sc-grpo 1.25x" in line and "time to the target: TRL / sc-grpo 1.25x" in line
+    assert "whole command sc-grpo / TRL 0.80" in line
+    with pytest.raises(RuntimeError, match=r"(?s)sc-grpo .tiny, seed 0. failed .exit 1.*boom"):
+        trl._parse("sc-grpo", "tiny", 0, sp.CompletedProcess([], 1, stdout="", stderr="boom"), 1.0, 1.0)

@@ -46,6 +46,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "single_controller.bench.sync:main",
         "one weight sync to 1-2 workers by each transport, beside a raw gloo broadcast and a memcpy",
     ),
+    "trl": (
+        "single_controller.bench.trl:main",
+        "sc-grpo against TRL's GRPOTrainer on the identical model, data and settings (the `bench` extra)",
+    ),
     "eval": (
         "single_controller.bench.runner:main_eval",
         "training throughput with held-out evaluation every N steps vs eval off",
