@@ -13,11 +13,24 @@ Pure torch: no engine, no Ray, no asyncio.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class SharedPrefixPolicy(Protocol):
+    """A policy that runs each distinct prefix once: (logits [U, P, V] of the prefixes, logits
+    [B, S, V] of the continuations, row b continuing prefix owner[b])."""
+
+    def forward_shared_prefix(
+        self, prefix_ids: torch.Tensor, owner: torch.Tensor, suffix_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class LogitsPolicy(Protocol):
@@ -58,18 +71,35 @@ def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tens
     return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
+def shared_prefix_module(policy: LogitsPolicy) -> SharedPrefixPolicy | None:
+    """The module behind `policy` (a DDP wrapper's `.module`) if it can run shared prefixes now."""
+    module = getattr(policy, "module", policy)
+    if callable(getattr(module, "forward_shared_prefix", None)) and getattr(module, "shares_prefixes", False):
+        return cast(SharedPrefixPolicy, module)
+    return None
+
+
 def token_logprobs(
     policy: LogitsPolicy,
     prompt_ids: Sequence[torch.Tensor],
     response_ids: Sequence[torch.Tensor],
     temperature: float = 1.0,
+    share_prefixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of each response token given its prompt and the response tokens before it.
 
     Returns (logprobs [B, R], valid [B, R]) with R the longest response; `valid` is False on padding.
     The distribution is log_softmax(logits / temperature), exactly as `sampling.sample` reports it.
     `policy` may be a DDP wrapper: it is only called, never inspected.
+
+    `share_prefixes` (and a policy with `forward_shared_prefix`, e.g. `TinyGPT`, the HF adapter): rows
+    with the same prompt (a GRPO group's) run it once; its keys and values are gathered for each row,
+    whose response then attends to them. The same function of the parameters as the one forward of
+    whole rows (`tests/test_shared_prefix.py`), for a fraction of the prompt's compute.
     """
+    shared = shared_prefix_module(policy) if share_prefixes else None
+    if shared is not None and len(prompt_ids) > 1:
+        return _shared_prefix_logprobs(shared, prompt_ids, response_ids, temperature)
     device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
     n_prompt = [p.shape[0] for p in prompt_ids]
     n_response = [r.shape[0] for r in response_ids]
@@ -91,4 +121,44 @@ def token_logprobs(
     picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
     out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
+    return out.masked_fill(~valid, 0.0), valid
+
+
+def _shared_prefix_logprobs(
+    policy: SharedPrefixPolicy,
+    prompt_ids: Sequence[torch.Tensor],
+    response_ids: Sequence[torch.Tensor],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` with each distinct prompt run once, one forward per prompt length."""
+    device = next(policy.parameters()).device
+    n_response = [r.shape[0] for r in response_ids]
+    B, R = len(response_ids), max(n_response, default=0)
+    if min((p.shape[0] for p in prompt_ids), default=1) < 1:
+        raise ValueError("every row needs at least one prompt token")
+    valid = torch.arange(R, device=device)[None, :] < torch.tensor(n_response, device=device)[:, None]  # [B, R]
+    by_length: dict[int, list[int]] = {}
+    for b, p in enumerate(prompt_ids):
+        by_length.setdefault(p.shape[0], []).append(b)
+    parts = []
+    for rows in by_length.values():
+        prompts = torch.stack([prompt_ids[b] for b in rows]).long().to(device)  # [n, P]
+        unique, owner = torch.unique(prompts, dim=0, return_inverse=True)  # [U, P], [n]
+        S = max(n_response[b] for b in rows)
+        if S == 0:
+            continue
+        responses = pad_right([response_ids[b] for b in rows], 0, torch.long).to(device)  # [n, S]
+        # The continuation is the response without its last token: logits at position i predict token i + 1.
+        if S > 1:
+            prefix_logits, suffix_logits = policy.forward_shared_prefix(unique, owner, responses[:, : S - 1])
+        else:
+            prefix_logits, suffix_logits = policy(unique), None
+        # Response token 0 is predicted by the prompt's last position, token j by the response's j - 1.
+        first = prefix_logits[:, -1].index_select(0, owner)[:, None]  # [n, 1, V]
+        picked = first if suffix_logits is None else torch.cat([first, suffix_logits], dim=1)  # [n, S, V]
+        logp = log_softmax_tempered(picked, temperature)
+        parts.append((rows, torch.gather(logp, 2, responses[:, :, None]).squeeze(2)))  # [n, S]
+    out = torch.zeros(B, R, device=device, dtype=parts[0][1].dtype if parts else torch.float32)
+    for rows, lp in parts:
+        out = out.index_put((torch.tensor(rows, device=device)[:, None], torch.arange(lp.shape[1], device=device)), lp)
     return out.masked_fill(~valid, 0.0), valid

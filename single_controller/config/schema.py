@@ -317,6 +317,11 @@ class TrainConfig:
     """Recompute each transformer layer's activations in the backward pass instead of keeping them (less
     activation memory, about one more forward pass of compute); same gradients. torch: HF models'
     `gradient_checkpointing_enable`, the embedded TinyGPT per block; Megatron: full recompute, one layer at a time."""
+    share_prompt_prefix: bool = True
+    """torch trainer: the rows of a pass that share a prompt (a group's G rows) run it once; each row's
+    response attends to its keys and values. Same logprobs and gradients as whole rows, for 1/G of the
+    prompt's compute and activation memory. Not with `gradient_checkpointing` (whole rows then); the
+    Megatron trainer runs whole rows."""
 
 
 @dataclass(frozen=True)

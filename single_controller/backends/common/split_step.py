@@ -318,6 +318,7 @@ def train_rows(
     dtype: torch.dtype,
     micro_batch_tokens: int | None,
     autocast: torch.dtype | None = None,
+    share_prefixes: bool = False,
 ) -> int:
     """Forward and backward of a microbatch of `st` in passes of at most `micro_batch_tokens`
     (`token_passes`), each pass's sums added to `st`; returns the microbatch's valid tokens.
@@ -327,7 +328,16 @@ def train_rows(
     tokens = 0
     for idx in passes:
         part = rows if len(passes) == 1 else select_rows(rows, idx)
-        out, mismatch = rows_loss(policy, reference, part, st, temperature=temperature, dtype=dtype, autocast=autocast)
+        out, mismatch = rows_loss(
+            policy,
+            reference,
+            part,
+            st,
+            temperature=temperature,
+            dtype=dtype,
+            autocast=autocast,
+            share_prefixes=share_prefixes,
+        )
         st.add(out, mismatch)
         tokens += out.num_tokens
     return tokens
@@ -349,6 +359,7 @@ def rows_loss(
     temperature: float,
     dtype: torch.dtype,
     autocast: torch.dtype | None = None,
+    share_prefixes: bool = False,
 ) -> tuple[LossOutput, dict[str, float]]:
     """Forward, the raw GRPO loss sum and its backward for one microbatch of `st`; returns the loss
     output and the engine-mismatch sums (empty without `token_versions`). `autocast` (a 16-bit
@@ -356,7 +367,7 @@ def rows_loss(
     parameters keep their dtype; logprobs (upcast before the log-softmax), the loss and the backward's
     start are float32 or `dtype`, outside autocast (its documented use)."""
     with _autocast(policy, autocast):
-        logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature)
+        logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
     logp = logp.to(dtype)
     dev = valid.device
     mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
@@ -365,7 +376,7 @@ def rows_loss(
     if st.loss.kl_coef > 0:
         assert reference is not None  # SplitStep.check_begin refuses a KL loss to a rank without one
         with torch.no_grad(), _autocast(reference, autocast):
-            ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature)
+            ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
         ref = ref.to(dtype)
     out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
     out.loss_sum.backward()

@@ -67,9 +67,8 @@ class _Block(nn.Module):
         self.fc_out = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, D = x.shape  # [B, T, D]
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
-        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        T = x.shape[1]  # x: [B, T, D]
+        q, k, v = self._heads(x)  # [B, H, T, hd]
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -85,8 +84,34 @@ class _Block(nn.Module):
             else:  # chunk after a prefix: query i sees positions <= start + i
                 allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self._out(x, y)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, D = x.shape
+        q, k, v = (
+            t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(D, -1)
+        )
+        return q, k, v
+
+    def _out(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward_shared(
+        self, x: torch.Tensor, owner: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefixes x [U, P, D] and continuations y [B, S, D], row b continuing prefix owner[b]: the
+        prefixes attend causally among themselves; a continuation to all of its prefix and causally
+        to itself (what the whole sequences' forward computes, with each prefix computed once)."""
+        qp, kp, vp = self._heads(x)  # [U, H, P, hd]
+        qs, ks, vs = self._heads(y)  # [B, H, S, hd]
+        P, S = x.shape[1], y.shape[1]
+        k = torch.cat([kp.index_select(0, owner), ks], dim=2)  # [B, H, P+S, hd]
+        v = torch.cat([vp.index_select(0, owner), vs], dim=2)
+        allowed = torch.ones(S, P + S, dtype=torch.bool, device=y.device).tril(diagonal=P)
+        x_out = self._out(x, F.scaled_dot_product_attention(qp, kp, vp, is_causal=True))
+        return x_out, self._out(y, F.scaled_dot_product_attention(qs, k, v, attn_mask=allowed))
 
 
 class TinyGPT(nn.Module):
@@ -137,6 +162,28 @@ class TinyGPT(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._run(input_ids, None)
 
+    def forward_shared_prefix(
+        self, prefix_ids: torch.Tensor, owner: torch.Tensor, suffix_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of prefixes [U, P] and of their continuations [B, S] (row b continues prefix
+        `owner[b]`), each prefix run once: (logits [U, P, V], logits [B, S, V]); see
+        `algorithm.logprobs.token_logprobs(share_prefixes=True)`."""
+        P, S = prefix_ids.shape[1], suffix_ids.shape[1]
+        if P + S > self.max_seq_len:
+            raise ValueError(f"sequence of {P + S} tokens exceeds max_seq_len {self.max_seq_len}")
+        dev = prefix_ids.device
+        x = self.tok_emb(prefix_ids) + self.pos_emb(torch.arange(P, device=dev))
+        y = self.tok_emb(suffix_ids) + self.pos_emb(torch.arange(P, P + S, device=dev))
+        for block in self.blocks:
+            assert isinstance(block, _Block)
+            x, y = block.forward_shared(x, owner, y)
+        return F.linear(self.ln_f(x), self.tok_emb.weight), F.linear(self.ln_f(y), self.tok_emb.weight)
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether `forward_shared_prefix` may be used now (not with recomputed blocks)."""
+        return not self.checkpoint_blocks
+
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A cache for `max_len` positions (default max_seq_len)."""
         length = self.max_seq_len if max_len is None else min(max_len, self.max_seq_len)
@@ -147,6 +194,12 @@ class TinyGPT(nn.Module):
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self._run(input_ids, cache)
+
+
+def _dynamic_cache() -> type:
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache
 
 
 class _HFCache:
@@ -173,6 +226,26 @@ class HFCausalLMPolicy(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> _HFCache:
         return _HFCache()
+
+    def forward_shared_prefix(
+        self, prefix_ids: torch.Tensor, owner: torch.Tensor, suffix_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `TinyGPT.forward_shared_prefix`: the prefixes' keys and values (the model's own cache,
+        differentiable) are gathered per continuation row, which then runs after them."""
+        first = self.model(input_ids=prefix_ids, use_cache=True)
+        cache = first.past_key_values
+        cache.batch_select_indices(
+            owner
+        )  # row b gets prefix owner[b]'s keys and values (indexing: autograd flows back)
+        rest = self.model(input_ids=suffix_ids, past_key_values=cache, use_cache=True)
+        return first.logits, rest.logits
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Not with gradient checkpointing (HF turns the cache off then), nor without the cache API."""
+        return not getattr(self.model, "is_gradient_checkpointing", False) and hasattr(
+            _dynamic_cache(), "batch_select_indices"
+        )
 
     def forward_cached(self, input_ids: torch.Tensor, cache: _HFCache) -> torch.Tensor:
         out = self.model(input_ids=input_ids, past_key_values=cache.past, use_cache=True)

@@ -147,6 +147,7 @@ class TrainerCore:
                     dtype=self.params[0].dtype,
                     micro_batch_tokens=self.cfg.micro_batch_tokens,
                     autocast=self.compute_dtype,
+                    share_prefixes=self.cfg.share_prompt_prefix,
                 )
         except BaseException as e:
             self.steps.mark_failed(f"{type(e).__name__}: {e}")
