@@ -113,3 +113,36 @@ def test_the_split_step_is_the_same_with_shared_prefixes_on_and_off():
     # the step moved the weights (a test of two no-ops would pass too)
     fresh = dict(TinyGPT(ModelConfig(), vocab_size=19, seed=0).double().named_parameters())
     assert any(not torch.allclose(p, fresh[n].detach()) for n, p in params[True].items())
+
+
+def test_sampling_prefills_each_distinct_prompt_once_and_draws_the_same_tokens(tmp_path, monkeypatch):
+    from single_controller.backends.torch.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    groups = torch.randint(3, 13, (3, 5), generator=g)
+    prompts = groups.repeat_interleave(4, dim=0)[torch.randperm(12, generator=g)]  # 3 prompts x 4 rows, mixed
+    for name, policy in _policies(tmp_path).items():
+        policy = policy.double().eval()
+        prefilled: list[int] = []
+        forward_cached = policy.forward_cached
+
+        def counting(ids, cache, _f=forward_cached, _seen=prefilled):
+            _seen.append(ids.shape[0])
+            return _f(ids, cache)
+
+        monkeypatch.setattr(policy, "forward_cached", counting)
+        out = {}
+        for share in (False, True):
+            prefilled.clear()
+            out[share] = sample(
+                policy,
+                prompts,
+                max_new_tokens=4,
+                temperature=0.9,
+                generator=torch.Generator().manual_seed(0),
+                share_prompts=share,
+            )
+            assert prefilled[0] == (3 if share else 12), name  # the prefill's rows
+            assert set(prefilled[1:]) == {12}, name  # every decode step has every row
+        assert torch.equal(out[False].tokens, out[True].tokens), name
+        assert torch.allclose(out[False].logprobs, out[True].logprobs, atol=1e-6, rtol=0), name

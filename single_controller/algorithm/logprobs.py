@@ -98,7 +98,7 @@ def token_logprobs(
     whole rows (`tests/test_shared_prefix.py`), for a fraction of the prompt's compute.
     """
     shared = shared_prefix_module(policy) if share_prefixes else None
-    if shared is not None and len(prompt_ids) > 1:
+    if shared is not None and _repeats(prompt_ids):
         return _shared_prefix_logprobs(shared, prompt_ids, response_ids, temperature)
     device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
     n_prompt = [p.shape[0] for p in prompt_ids]
@@ -122,6 +122,12 @@ def token_logprobs(
     logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
     out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
     return out.masked_fill(~valid, 0.0), valid
+
+
+def _repeats(prompt_ids: Sequence[torch.Tensor]) -> bool:
+    """Whether some prompt occurs twice (else sharing saves nothing and costs a second forward)."""
+    seen = {tuple(p.tolist()) for p in prompt_ids}
+    return len(seen) < len(prompt_ids)
 
 
 def _shared_prefix_logprobs(

@@ -195,6 +195,12 @@ class TinyGPT(nn.Module):
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self._run(input_ids, cache)
 
+    def expand_cache(self, cache: KVCache, owner: torch.Tensor) -> KVCache:
+        """A cache whose row b is a copy of `cache`'s row owner[b] (prompts prefilled once, `sampling.sample`)."""
+        out = KVCache.__new__(KVCache)
+        out.k, out.v, out.length = cache.k.index_select(1, owner), cache.v.index_select(1, owner), cache.length
+        return out
+
 
 def _dynamic_cache() -> type:
     from transformers.cache_utils import DynamicCache
@@ -251,6 +257,11 @@ class HFCausalLMPolicy(nn.Module):
         out = self.model(input_ids=input_ids, past_key_values=cache.past, use_cache=True)
         cache.past = out.past_key_values
         return out.logits
+
+    def expand_cache(self, cache: _HFCache, owner: torch.Tensor) -> _HFCache:
+        """As `TinyGPT.expand_cache` (the model's own cache, rows selected in place)."""
+        cache.past.batch_select_indices(owner)
+        return cache
 
 
 # --- save / load ------------------------------------------------------------------------------

@@ -57,10 +57,14 @@ def sample(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     greedy: bool = False,
+    share_prompts: bool = True,
 ) -> SampleOutput:
     """Sample continuations of `prompt_ids` [B, Tp] (rows share their prompt length).
 
     `greedy` takes the argmax instead of drawing (for evaluation); logprobs are reported as above.
+    `share_prompts` (and a policy with `expand_cache`): each distinct prompt is prefilled once and
+    its cache copied to the rows that repeat it (a GRPO group's G rows): the same logits, 1/G of
+    the prefill's compute.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -74,8 +78,15 @@ def sample(
     mask = torch.zeros(B, max_new_tokens, dtype=torch.bool)
     alive = torch.ones(B, dtype=torch.bool)  # [B] rows that have not emitted the stop token
     stops = torch.tensor(stop_token_ids, dtype=torch.long) if stop_token_ids else None
-    cache = policy.new_cache(B, Tp + max_new_tokens)
-    logits = policy.forward_cached(prompt_ids, cache)[:, -1]  # [B, V]
+    unique, owner = torch.unique(prompt_ids, dim=0, return_inverse=True) if share_prompts else (prompt_ids, None)
+    shares = callable(getattr(policy, "expand_cache", None)) and getattr(policy, "shares_prefixes", True)
+    if owner is not None and unique.shape[0] < B and shares:
+        cache = policy.new_cache(unique.shape[0], Tp + max_new_tokens)
+        logits = policy.forward_cached(unique, cache)[:, -1].index_select(0, owner)  # [B, V]
+        cache = policy.expand_cache(cache, owner)
+    else:
+        cache = policy.new_cache(B, Tp + max_new_tokens)
+        logits = policy.forward_cached(prompt_ids, cache)[:, -1]  # [B, V]
     for t in range(max_new_tokens):
         # Exits: max_new_tokens drawn, or every row has stopped.
         logp = log_softmax_tempered(logits, temperature)  # [B, V]
