@@ -45,6 +45,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def grpo_config(args: argparse.Namespace, out: str) -> Any:
+    """TRL's settings, each one sc-grpo's (`bench.trl.SHARED`)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,  # TRL's defaults are bf16 and gradient checkpointing; sc-grpo's float32 and none
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        seed=args.seed,
+        data_seed=args.seed,
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.group_size,
+        num_iterations=1,
+        max_completion_length=args.num_digits,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=args.lr,
+        adam_beta1=args.betas[0],
+        adam_beta2=args.betas[1],
+        weight_decay=0.0,
+        max_grad_norm=args.grad_clip,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        epsilon=args.clip_eps,
+        loss_type="dapo",  # token-level: the sum over the batch's tokens / their count (sc-grpo's loss_level=token)
+        scale_rewards="group",
+        max_steps=args.steps or args.max_steps,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -55,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from single_controller.data.tasks import TOKENIZER, load_task, positional_match_reward
     from single_controller.types import Prompt
@@ -89,40 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(
-            output_dir=out,
-            use_cpu=True,
-            bf16=False,  # TRL's defaults are bf16 and gradient checkpointing; sc-grpo's float32 and none
-            gradient_checkpointing=False,
-            disable_dropout=True,
-            seed=args.seed,
-            data_seed=args.seed,
-            per_device_train_batch_size=args.prompts_per_step * args.group_size,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
-            num_generations=args.group_size,
-            num_iterations=1,
-            max_completion_length=args.num_digits,
-            temperature=1.0,
-            top_p=1.0,
-            learning_rate=args.lr,
-            adam_beta1=args.betas[0],
-            adam_beta2=args.betas[1],
-            weight_decay=0.0,
-            max_grad_norm=args.grad_clip,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            beta=0.0,
-            epsilon=args.clip_eps,
-            loss_type="dapo",  # token-level: the sum over the batch's tokens / their count (sc-grpo's loss_level=token)
-            scale_rewards="group",
-            max_steps=args.steps or args.max_steps,
-            logging_steps=10_000,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        config = grpo_config(args, out)
         trainer = GRPOTrainer(
             model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer
         )
