@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from single_controller.backends.common.compute_turns import turns_path
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -62,10 +64,12 @@ def _cmd(tmp_path: Path, *overrides: str) -> list[str]:
     ]
 
 
-def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path):
+@pytest.mark.parametrize("colocate", [False, True], ids=["disaggregated", "colocated"])
+def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path, colocate):
+    """Both modes: colocated (`backend.colocate`), generation and training take turns at the cores."""
     before = _ray_pids()
     proc = subprocess.run(
-        _cmd(tmp_path, "run.max_steps=60", "run.stop_at_success_rate=null"),
+        _cmd(tmp_path, "run.max_steps=60", "run.stop_at_success_rate=null", f"backend.colocate={colocate}".lower()),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -81,6 +85,10 @@ def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path):
     # random policy: ~1/13 per position; 60 steps of GRPO at lr 1e-3 measured ~0.2 here
     assert last > first + 0.05, (first, last)
     assert max(r["train/staleness_max"] for r in records) <= 1
+    # colocated: every step's finish (and its microbatches) took turns; disaggregated: no turns
+    assert all((r.get("train/turns", 0) >= 2) == colocate for r in records), [r.get("train/turns") for r in records]
+    run_id = (run_dir / "run_id").read_text().strip()
+    assert not Path(turns_path(run_id)).exists(), "the turns' lock file was left behind"
     for name in (
         "config.yaml",
         "summary.json",

@@ -261,6 +261,7 @@ def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]
         return _run_on_loop(pairs(local))
     import ray
 
+    from single_controller.backends.common.compute_turns import threads_per_process
     from single_controller.runtime.ray_session import ray_session, worker_env
 
     def actor(cfg):
@@ -275,7 +276,7 @@ def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]
         return call, kill
 
     min_cpus = 1 + on.storage.num_storage_units + 1
-    with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(on.backend.torch_threads)) as session:
+    with ray_session(on.ray, min_cpus=min_cpus, env_vars=worker_env(threads_per_process(on.backend))) as session:
         return session.run(pairs(actor))
 
 

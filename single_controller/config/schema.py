@@ -420,8 +420,16 @@ class BackendConfig:
     at rank 0's node IP and a port free there."""
     trainer_device: Literal["cpu", "cuda"] = "cpu"
     """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
-    torch_threads: PositiveInt = 1
-    """torch threads per worker process (oversubscribing 2 cores slowed steps 5x)."""
+    colocate: bool = False
+    """Generation and training take turns at each node's cores instead of splitting them: every worker
+    process gets all the node's cores (unless `torch_threads` says otherwise) and a node-local lock
+    lets one role compute at a time, a sampling batch / engine step against a trainer microbatch or
+    finish (`backends/common/compute_turns.py`). The pipeline and the staleness bounds are unchanged.
+    false (disaggregated): each process its own share, generation overlapping training. CPU only for
+    now (on a GPU the turns would also have to release the engine's memory)."""
+    torch_threads: PositiveInt | None = None
+    """torch threads per worker process; null: 1 (disaggregated: oversubscribing 2 cores slowed steps 5x),
+    or all the node's cores with `colocate`."""
     sim_generate_s: NonNegative = 0.01
     """`sim` only: seconds per generation batch."""
     sim_train_s: NonNegative = 0.01

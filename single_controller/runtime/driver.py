@@ -30,6 +30,7 @@ Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -157,6 +158,7 @@ def _check_resumable(cfg: Config, resume_dir: str) -> int:
 
 
 def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
+    from single_controller.backends.common.compute_turns import TURNS_ENV, threads_per_process, turns_path
     from single_controller.backends.common.worker_logs import LOG_DIR_ENV
     from single_controller.runtime.ray_session import ray_session, worker_env
 
@@ -166,11 +168,18 @@ def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool
     # One Ray namespace per run: runs sharing a cluster never collide on actor names.
     namespace = f"sc-grpo-{run_dir.run_id}"
     # Every Ray process of the run writes its output to its own file under logs/, not to this console.
-    env = {**worker_env(cfg.backend.torch_threads), LOG_DIR_ENV: str(run_dir.logs_path.resolve())}
-    with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=env, namespace=namespace, log_to_driver=False) as session:
-        say(f"ray {time.perf_counter() - t_start:.1f}s; worker logs in {run_dir.logs_path}")
-        # TransferQueue is started by the controller actor, beside the workers' own start-up.
-        return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
+    env = {**worker_env(threads_per_process(cfg.backend)), LOG_DIR_ENV: str(run_dir.logs_path.resolve())}
+    if cfg.backend.colocate:  # every worker process of the run takes its turns at one lock per node
+        env[TURNS_ENV] = turns_path(run_dir.run_id)
+    try:
+        with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=env, namespace=namespace, log_to_driver=False) as session:
+            say(f"ray {time.perf_counter() - t_start:.1f}s; worker logs in {run_dir.logs_path}")
+            # TransferQueue is started by the controller actor, beside the workers' own start-up.
+            return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
+    finally:
+        if TURNS_ENV in env:  # this node's lock file (other nodes' stay in their temporary directories)
+            with contextlib.suppress(OSError):
+                os.remove(env[TURNS_ENV])
 
 
 async def _drive_actor(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool, session: Any) -> int:

@@ -29,6 +29,7 @@ share a host. `node_info()` says where an actor runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -310,9 +311,16 @@ class RankStepCalls:
     def finish_train_step(self, step: int) -> dict[str, float]:
         core = self._step_core()
         fresh = core.steps.is_open
-        metrics = core.finish_train_step(step)
-        if fresh and self.prefetcher is not None:  # a retried finish reports the step's figures again
-            self._last_extra = {"train/prefetch_hit_rate": self.prefetcher.take_hit_rate()}
+        turns = getattr(self, "turns", None)  # `compute_turns.ComputeTurns` of a colocated rank
+        with turns.hold() if turns is not None else contextlib.nullcontext():
+            metrics = core.finish_train_step(step)
+        if fresh:  # a retried finish reports the step's figures again
+            extra: dict[str, float] = {}
+            if self.prefetcher is not None:
+                extra["train/prefetch_hit_rate"] = self.prefetcher.take_hit_rate()
+            if turns is not None and turns.enabled:  # this rank's waits for its turns
+                extra.update(turns.take_step_figures())
+            self._last_extra = extra
         return {**metrics, **self._last_extra}
 
     def abort_train_step(self, step: int) -> None:

@@ -35,6 +35,7 @@ from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import Column, FieldSpec, LazyRowStorage, column_nbytes
 from single_controller.algorithm.dp_split import split_chunk
 from single_controller.algorithm.logprobs import token_logprobs
+from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
@@ -101,6 +102,7 @@ class MegatronRankActor(RankStepCalls, WeightSender):
     ):
         redirect_output(f"megatron{rank}")
         torch.set_num_threads(torch_threads)
+        self.turns = turns_from_env("train")  # `backend.colocate`: compute in turns with the generation workers
         self.rank, self.world_size = rank, world_size
         self.storage = LazyRowStorage(storage_factory) if storage_factory is not None else None
         self.prefetcher = RowPrefetcher(self.storage) if self.storage is not None else None
@@ -205,7 +207,8 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
-        self._core.train_microbatch(rows, bytes_read=nbytes)
+        with self.turns.hold():
+            self._core.train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
     def _fetch(
@@ -548,7 +551,7 @@ async def start_megatron_trainer(
         seed=cfg.seed,
         setup_timeout_s=cfg.timeouts.setup_s,
         max_steps=cfg.run.max_steps,
-        torch_threads=cfg.backend.torch_threads,
+        torch_threads=threads_per_process(cfg.backend),
         actor_options=options,
         storage_ready=storage_ready,
         placement=cfg.backend.trainer_placement,

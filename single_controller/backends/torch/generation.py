@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
+from single_controller.backends.common.compute_turns import turns_from_env
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
@@ -287,6 +288,7 @@ class GenerationActor:
     ):
         redirect_output(name)
         torch.set_num_threads(torch_threads)
+        self._turns = turns_from_env("generate")
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups must be >= 1, got {max_batch_groups}")
         self.name = name
@@ -529,13 +531,17 @@ class GenerationActor:
             self._has_pending.clear()
         return batch
 
+    def _generate_in_turn(self, requests: list[GenerationRequest]) -> list[GenerationResult | RewardFailed | None]:
+        with self._turns.hold():  # `backend.colocate`: the node's cores are this worker's for the batch
+            return self._core.generate(requests)
+
     async def _serve(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         self._running = len(batch)
         self._idle.clear()
         self._core.running_ids = {r.group_id for r, _ in batch}  # on the loop: before any cancel can look
         try:
             async with self._weights_lock:
-                results = await asyncio.to_thread(self._core.generate, [r for r, _ in batch])
+                results = await asyncio.to_thread(self._generate_in_turn, [r for r, _ in batch])
         except Exception as e:  # delivered to every caller of the batch
             for req, fut in batch:
                 if not fut.done():

@@ -36,6 +36,7 @@ from single_controller.algorithm.dp_split import split_chunk
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
 from single_controller.backends.common.behind_finish import BehindFinish
+from single_controller.backends.common.compute_turns import threads_per_process
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     PREFETCH_GROUP,
@@ -323,7 +324,7 @@ async def start_torch_generation(
                 cfg.task.reward_fn,
                 reward=run_reward(cfg),
                 seed=cfg.seed * 1000 + i,
-                torch_threads=cfg.backend.torch_threads,
+                torch_threads=threads_per_process(cfg.backend),
                 max_batch_groups=cfg.rollout.max_batch_groups,
             )
 

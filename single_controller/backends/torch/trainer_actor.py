@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
+from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot
@@ -39,12 +40,13 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"
     ):
         redirect_output(f"trainer{rank}")
-        torch.set_num_threads(cfg.backend.torch_threads)
+        torch.set_num_threads(threads_per_process(cfg.backend))
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.dtype = _DTYPES[dtype]
         self.storage = LazyRowStorage(storage_factory)  # connected in setup(): storage may still be starting
         self.prefetcher: RowPrefetcher = RowPrefetcher(self.storage)
         self.core: TrainerCore | None = None  # built by setup()
+        self.turns = turns_from_env("train")  # `backend.colocate`: compute in turns with the generation workers
 
     def _trainer(self) -> TrainerCore:
         assert self.core is not None  # `start_torch_trainer` calls setup() on every rank before anything else
@@ -108,7 +110,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(keys, fields, advantages))
-        self._trainer().train_microbatch(rows, bytes_read=nbytes)
+        with self.turns.hold():
+            self._trainer().train_microbatch(rows, bytes_read=nbytes)
         return nbytes
 
     def _fetch(
@@ -125,7 +128,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         """The policy as of `version`: `ray.put` buckets, or (`sync.transport: collective`) staged here
         for broadcasting (`WeightSender`)."""
         spare = self.make_room() if self.cfg.sync.transport == "collective" else None
-        snap = self._trainer().publish_weights(version, into=spare)
+        with self.turns.hold():
+            snap = self._trainer().publish_weights(version, into=spare)
         if self.cfg.sync.transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from replay.storage import Columns, LazyRowStorage
+from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
@@ -133,8 +134,9 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
 class VllmGenerationActor:
     def __init__(self, name: str, cfg: Config, storage_factory: Callable[[], Any], *, seed: int = 0):
         redirect_output(name)
+        self._turns = turns_from_env("generate")  # `backend.colocate`: engine steps in turns with the trainer
         apply_engine_env(cfg.vllm.device, cfg.vllm.kv_cache_gib)  # before vllm is imported
-        torch.set_num_threads(cfg.backend.torch_threads)
+        torch.set_num_threads(threads_per_process(cfg.backend))
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -326,6 +328,10 @@ class VllmGenerationActor:
         g.written.set()
         self._groups.pop(g.request.group_id, None)
 
+    def _step_in_turn(self) -> Any:
+        with self._turns.hold():
+            return self.engine.step()
+
     async def _engine_loop(self) -> None:
         while True:
             # Exits: cancelled by close(); an engine error ends it (failing every waiting group).
@@ -339,7 +345,7 @@ class VllmGenerationActor:
                         self._stepped.notify_all()
                     continue
                 # Shielded: a step in its thread always finishes; close() waits for it.
-                self._step_future = asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.step)
+                self._step_future = asyncio.get_running_loop().run_in_executor(self._engine_thread, self._step_in_turn)
                 outputs = await asyncio.shield(self._step_future)
                 self._counts["engine_steps"] += 1
                 # Under the lock, with no await before the writer task takes them: a cancel either

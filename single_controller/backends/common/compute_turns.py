@@ -1,0 +1,101 @@
+"""Colocated mode (`backend.colocate: true`): the generation workers and the trainer ranks of a node
+take turns at its compute instead of splitting it.
+
+Disaggregated (the default), each process has its own share of the cores (`backend.torch_threads`,
+1 each) and generation overlaps training. Colocated, every process gets every core of its node
+(`threads_per_process`), and a node-local lock decides who computes:
+* a trainer rank holds it, shared, around each microbatch's forward/backward, each finish (the
+  all-reduce and the optimizer step) and each weight export. Shared: the ranks of one node hold it
+  together (they meet in collectives, and one waiting on another's turn would deadlock);
+* a generation worker holds it, exclusive, around each batch it samples (torch) or each engine step
+  (vLLM).
+So sampling and training alternate at the granularity of a batch and a microbatch, each with all
+the cores, while reading rows, rewards, storage puts and the controller go on beside them. The
+pipeline and its bounds are unchanged: rollouts of the next step are sampled between this step's
+microbatches, within `sampler.max_lookahead_versions`.
+
+The lock is an `flock` on a file named by the run (`TURNS_ENV`, set by the driver for every worker
+process; the same path on each node, so each node has its own). Nothing waits for a remote process
+while holding it, and the lock goes with the process that held it (a killed worker cannot leave it
+taken). On a GPU the same turns would release the engine's memory while the trainer steps (vLLM's
+sleep mode, CUDA only); not built yet: see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+TURNS_ENV = "SC_GRPO_TURNS"
+
+Role = Literal["generate", "train"]
+
+
+class ComputeTurns:
+    """This process's end of the node's turn lock (`path` None: disaggregated, `hold` is free)."""
+
+    def __init__(self, path: str | None, role: Role):
+        self.path, self.role = path, role
+        self._fd: int | None = None
+        self._lock = threading.Lock()  # one holder per process (a sync thread may compute too)
+        self.waited_s = 0.0  # total time spent waiting for a turn
+        self.turns = 0
+        self._reported = (0.0, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Compute inside this: blocks until it is this role's turn on the node."""
+        if self.path is None:
+            yield
+            return
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            t0 = time.perf_counter()
+            fcntl.flock(self._fd, fcntl.LOCK_SH if self.role == "train" else fcntl.LOCK_EX)
+            self.waited_s += time.perf_counter() - t0
+            self.turns += 1
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def take_step_figures(self) -> dict[str, float]:
+        """`train/turn_wait_s` and `train/turns` since the last call (a trainer rank's, per step)."""
+        waited, turns = self.waited_s - self._reported[0], self.turns - self._reported[1]
+        self._reported = (self.waited_s, self.turns)
+        return {"train/turn_wait_s": waited, "train/turns": float(turns)}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def threads_per_process(backend: Any) -> int:
+    """`backend.torch_threads`, or its default: 1 per process, every core of this node when colocated."""
+    if backend.torch_threads is not None:
+        return int(backend.torch_threads)
+    return (os.cpu_count() or 1) if backend.colocate else 1
+
+
+def turns_from_env(role: Role) -> ComputeTurns:
+    """The turns of a worker process started by the driver (none when the run is not colocated)."""
+    return ComputeTurns(os.environ.get(TURNS_ENV) or None, role)
+
+
+def turns_path(run_id: str) -> str:
+    """The lock file of run `run_id` on every node (node-local temporary directory)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"sc-grpo-turns-{run_id}")

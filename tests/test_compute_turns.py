@@ -1,0 +1,98 @@
+"""Colocated turns (`backend.colocate`, `backends/common/compute_turns.py`): a generation worker's
+hold excludes every other hold on the node; trainer ranks hold together (they meet in collectives);
+and the config refuses colocation on GPUs by name."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from single_controller.backends.common.compute_turns import ComputeTurns, threads_per_process, turns_path
+from single_controller.config.schema import BackendConfig
+
+
+def _hold_in_turns(path: str | None) -> list[tuple[str, float, float]]:
+    """Two generation workers and two trainer ranks, each in its own thread with its own lock file
+    descriptor (as separate processes have), holding 20 times for 2 ms; their (role, start, end)."""
+    spans: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(4)
+
+    def work(role: str) -> None:
+        turns = ComputeTurns(path, "generate" if role.startswith("gen") else "train")
+        start.wait()
+        for _ in range(20):
+            with turns.hold():
+                t0 = time.perf_counter()
+                time.sleep(0.002)
+                t1 = time.perf_counter()
+            with lock:
+                spans.append((role, t0, t1))
+        turns.close()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in ("gen0", "gen1", "train0", "train1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return spans
+
+
+def _overlaps(spans, a: str, b: str) -> int:
+    return sum(
+        1
+        for ra, s0, e0 in spans
+        for rb, s1, e1 in spans
+        if ra.startswith(a) and rb.startswith(b) and ra != rb and s0 < e1 and s1 < e0
+    )
+
+
+def test_a_generation_turn_excludes_every_other_and_trainer_ranks_share_theirs(tmp_path):
+    assert turns_path("run-1").endswith("sc-grpo-turns-run-1")
+    spans = _hold_in_turns(str(tmp_path / "turns"))
+    assert len(spans) == 80
+    assert _overlaps(spans, "gen", "gen") == 0
+    assert _overlaps(spans, "gen", "train") == 0
+    assert _overlaps(spans, "train", "train") > 0  # shared: the ranks of a node hold together
+    # Without the lock (disaggregated) the same work overlaps: the assertions above can fail.
+    free = _hold_in_turns(None)
+    assert _overlaps(free, "gen", "train") > 0
+
+
+def test_turns_count_their_waits_and_each_step_reports_its_own(tmp_path):
+    path = str(tmp_path / "turns")
+    trainer, gen = ComputeTurns(path, "train"), ComputeTurns(path, "generate")
+    with gen.hold():  # the trainer's turn waits for the generation worker's to end
+        waiting = threading.Thread(target=_enter_and_leave, args=(trainer,))
+        waiting.start()
+        time.sleep(0.1)
+    waiting.join(5)
+    first = trainer.take_step_figures()
+    assert first["train/turns"] == 1 and first["train/turn_wait_s"] >= 0.05
+    assert trainer.take_step_figures() == {"train/turn_wait_s": 0.0, "train/turns": 0.0}
+
+
+def _enter_and_leave(turns: ComputeTurns) -> None:
+    with turns.hold():
+        pass
+
+
+def test_threads_per_process_default_to_one_or_every_core_when_colocated():
+    import os
+
+    assert threads_per_process(BackendConfig()) == 1
+    assert threads_per_process(BackendConfig(colocate=True)) == (os.cpu_count() or 1)
+    assert threads_per_process(BackendConfig(colocate=True, torch_threads=3)) == 3
+
+
+def test_colocation_on_a_gpu_is_refused_by_name():
+    from single_controller.config.loader import load_config
+    from single_controller.config.problems import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"(?s)backend.colocate=true runs generation and training .* on GPUs it is\s+not built yet"
+    ):
+        load_config("configs/embedded.yaml", ["backend.colocate=true", "backend.trainer_device=cuda"])
+    assert load_config("configs/embedded.yaml", ["backend.colocate=true"]).backend.colocate
