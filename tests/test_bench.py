@@ -397,7 +397,7 @@ def test_bench_trl_reads_both_summary_lines_and_reports_the_ratios():
         "trl", "tiny", 0, done("TRL: 100 steps in 10.00s of training (+3.00s startup): success 0.9"), 20.0, 1.9
     )
     ours = trl._parse(
-        "sc-grpo",
+        "sc-grpo colocated",
         "tiny",
         0,
         done("sc-grpo: 100 steps in 8.00s of training (+4.0s startup): success rate >= 0.9"),
@@ -406,6 +406,7 @@ def test_bench_trl_reads_both_summary_lines_and_reports_the_ratios():
     )
     assert (ours.steps, ours.train_s, ours.startup_s, ours.step_s) == (100, 8.0, 4.0, 0.08)
     [line] = trl.summarize([theirs, ours])
+    assert line.startswith("tiny, sc-grpo colocated: ")
     assert "speed per step TRL / sc-grpo 1.25x" in line and "time to the target: TRL / sc-grpo 1.25x" in line
     assert "whole command sc-grpo / TRL 0.80" in line
     with pytest.raises(RuntimeError, match=r"(?s)sc-grpo .tiny, seed 0. failed .exit 1.*boom"):

@@ -14,6 +14,8 @@ machine was busy with on average (busy CPU time from /proc/stat over the command
 process of the run counts, Ray's included). Then, per size, the ratios:
 * `speed`: TRL's seconds per step / sc-grpo's (above 1: sc-grpo is faster);
 * `whole`: sc-grpo's whole command / TRL's (at most 1: sc-grpo's command is not slower).
+sc-grpo runs in each of `--modes`: `disaggregated` (`backend.colocate=false`: generation overlaps
+training, one core's share each) and `colocated` (`backend.colocate=true`: they take turns, every core each).
 
 Both sides share every setting below (printed by the harness): task, prompts, reward, group size,
 prompts per step, learning rate and AdamW betas, constant schedule, clip, gradient clipping,
@@ -175,26 +177,31 @@ def _parse(who: str, size: str, seed: int, proc: subprocess.CompletedProcess[str
     return Result(who, size, seed, int(m[1]), float(m[2]), float(m[3]), wall, cores, m[4].strip())
 
 
+MODES = {"disaggregated": "backend.colocate=false", "colocated": "backend.colocate=true"}
+
+
 def run_pair(size: str, seed: int, model: Path, args: argparse.Namespace) -> list[Result]:
+    """TRL and sc-grpo in each of `args.modes` on one model; the order alternates with the seed."""
     steps = args.small_steps if size == "small" else None
-    rows: dict[str, Result] = {}
-    order = ["trl", "sc-grpo"] if seed % 2 == 0 else ["sc-grpo", "trl"]
+    ours = [f"sc-grpo {m}" for m in args.modes]
+    order = ["trl", *ours] if seed % 2 == 0 else [*ours, "trl"]
+    rows: list[Result] = []
     for who in order:
         if who == "trl":
             proc, wall, cores = _timed(trl_command(model, seed, steps, args.max_steps))
         else:
             with tempfile.TemporaryDirectory() as out:
-                ov = sc_grpo_overrides(model, seed, steps, args.max_steps, out)
+                ov = [*sc_grpo_overrides(model, seed, steps, args.max_steps, out), MODES[who.split()[1]]]
                 cmd = [sys.executable, "-m", "single_controller", "run", args.config, *ov, *args.overrides]
                 proc, wall, cores = _timed(cmd)
-        rows[who] = _parse(who, size, seed, proc, wall, cores)
-        print(_row_line(rows[who]), flush=True)
-    return [rows["trl"], rows["sc-grpo"]]
+        rows.append(_parse(who, size, seed, proc, wall, cores))
+        print(_row_line(rows[-1]), flush=True)
+    return rows
 
 
 def _row_line(r: Result) -> str:
     return (
-        f"{r.size:<6} seed {r.seed} {r.who:<8} {r.steps:>4} steps  training {r.train_s:7.2f} s  "
+        f"{r.size:<6} seed {r.seed} {r.who:<22} {r.steps:>4} steps  training {r.train_s:7.2f} s  "
         f"{r.step_s:6.3f} s/step  start-up {r.startup_s:5.1f} s  whole {r.whole_s:6.1f} s  "
         f"cores busy {r.cores:4.2f}  ({r.outcome})"
     )
@@ -202,9 +209,9 @@ def _row_line(r: Result) -> str:
 
 def summarize(results: Sequence[Result]) -> list[str]:
     lines = []
-    for size in dict.fromkeys(r.size for r in results):
+    for size, who in dict.fromkeys((r.size, r.who) for r in results if r.who != "trl"):
         trl = [r for r in results if r.size == size and r.who == "trl"]
-        ours = [r for r in results if r.size == size and r.who == "sc-grpo"]
+        ours = [r for r in results if r.size == size and r.who == who]
         speed = statistics.mean(t.step_s / o.step_s for t, o in zip(trl, ours))
         whole = statistics.mean(o.whole_s / t.whole_s for t, o in zip(trl, ours))
         to_target = ""
@@ -212,7 +219,7 @@ def summarize(results: Sequence[Result]) -> list[str]:
             ratios = [t.train_s / o.train_s for t, o in zip(trl, ours)]
             to_target = f", time to the target: TRL / sc-grpo {statistics.mean(ratios):.2f}x"
         lines.append(
-            f"{size}: speed per step TRL / sc-grpo {speed:.2f}x (target >= 1.2){to_target}; "
+            f"{size}, {who}: speed per step TRL / sc-grpo {speed:.2f}x (target >= 1.2){to_target}; "
             f"whole command sc-grpo / TRL {whole:.2f} (target <= 1.0); steps TRL "
             f"{statistics.mean(t.steps for t in trl):.0f}, sc-grpo {statistics.mean(o.steps for o in ours):.0f}"
         )
@@ -231,6 +238,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--small-steps", type=int, default=30, help="steps of each `small` run (fixed)")
     p.add_argument("--max-steps", type=int, default=400, help="`tiny`: give up after this many steps")
     p.add_argument("--config", default="configs/embedded.yaml", help="sc-grpo's config")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="sc-grpo's modes to run")
     p.add_argument("--models", default=None, help="where the model directories go (default: a temporary folder)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="sc-grpo overrides, e.g. a mode")
     argv = list(sys.argv[1:] if argv is None else argv)
