@@ -97,14 +97,14 @@ def token_logprobs(
     whose response then attends to them. The same function of the parameters as the one forward of
     whole rows (`tests/test_shared_prefix.py`), for a fraction of the prompt's compute.
     """
+    n_prompt = [p.shape[0] for p in prompt_ids]
+    if min(n_prompt, default=1) < 1:
+        raise ValueError("every row needs at least one prompt token")
     shared = shared_prefix_module(policy) if share_prefixes else None
     if shared is not None and _repeats(prompt_ids):
         return _shared_prefix_logprobs(shared, prompt_ids, response_ids, temperature)
     device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
-    n_prompt = [p.shape[0] for p in prompt_ids]
     n_response = [r.shape[0] for r in response_ids]
-    if min(n_prompt, default=1) < 1:
-        raise ValueError("every row needs at least one prompt token")
     lp = torch.tensor(n_prompt, device=device)  # [B]
     lr = torch.tensor(n_response, device=device)  # [B]
     # each row's prompt then its response, all rows end to end, padded in one write
@@ -140,8 +140,6 @@ def _shared_prefix_logprobs(
     device = next(policy.parameters()).device
     n_response = [r.shape[0] for r in response_ids]
     B, R = len(response_ids), max(n_response, default=0)
-    if min((p.shape[0] for p in prompt_ids), default=1) < 1:
-        raise ValueError("every row needs at least one prompt token")
     valid = torch.arange(R, device=device)[None, :] < torch.tensor(n_response, device=device)[:, None]  # [B, R]
     by_length: dict[int, list[int]] = {}
     for b, p in enumerate(prompt_ids):

@@ -79,25 +79,21 @@ class Result:
         return self.train_s / max(1, self.steps)
 
 
-def _busy_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs since boot (/proc/stat; idle and iowait are not busy;
-    steal, time the hypervisor gave to others, is not ours)."""
+def _busy_jiffies() -> int:
+    """Busy jiffies of all CPUs since boot (/proc/stat: user, nice, system, irq, softirq; idle and
+    iowait are not busy, and steal, time the hypervisor gave to others, is not ours)."""
     with open("/proc/stat") as f:
         parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    steal = parts[7] if len(parts) > 7 else 0
-    total = sum(parts[:8])
-    return total - idle - steal, total
+    return parts[0] + parts[1] + parts[2] + sum(parts[5:7])
 
 
-def _timed(
-    cmd: Sequence[str], env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], float, float]:
-    b0, _ = _busy_jiffies()
+def _timed(cmd: Sequence[str]) -> tuple[subprocess.CompletedProcess[str], float, float]:
+    """Run `cmd`: (its process, wall seconds, cores busy meanwhile)."""
+    b0 = _busy_jiffies()
     t0 = time.perf_counter()
     proc = subprocess.run(list(cmd), capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    b1, _ = _busy_jiffies()
+    b1 = _busy_jiffies()
     hz = os.sysconf("SC_CLK_TCK")
     return proc, wall, (b1 - b0) / hz / wall
 

@@ -25,20 +25,23 @@ from typing import Any
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The harness passes every setting; the defaults are its shared ones (`bench.trl.SHARED`)."""
+    from single_controller.bench.trl import SHARED as s
+
     p = argparse.ArgumentParser(prog="python -m single_controller.bench.trl_loop")
     p.add_argument("model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--task", default="reverse_digits")
-    p.add_argument("--num-digits", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--prompts-per-step", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99))
-    p.add_argument("--clip-eps", type=float, default=0.2)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--target", type=float, default=0.9)
-    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--task", default=s["task"])
+    p.add_argument("--num-digits", type=int, default=s["num_digits"])
+    p.add_argument("--num-prompts", type=int, default=s["num_prompts"])
+    p.add_argument("--group-size", type=int, default=s["group_size"])
+    p.add_argument("--prompts-per-step", type=int, default=s["prompts_per_step"])
+    p.add_argument("--lr", type=float, default=s["lr"])
+    p.add_argument("--betas", type=float, nargs=2, default=s["betas"])
+    p.add_argument("--clip-eps", type=float, default=s["clip_eps"])
+    p.add_argument("--grad-clip", type=float, default=s["grad_clip"])
+    p.add_argument("--target", type=float, default=s["target"])
+    p.add_argument("--window", type=int, default=s["window"])
     p.add_argument("--steps", type=int, help="train exactly this many steps (no success target)")
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -29,7 +29,10 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from single_controller.config.schema import BackendConfig
 
 TURNS_ENV = "SC_GRPO_TURNS"
 
@@ -82,7 +85,7 @@ class ComputeTurns:
                 self._fd = None
 
 
-def threads_per_process(backend: Any) -> int:
+def threads_per_process(backend: BackendConfig) -> int:
     """`backend.torch_threads`, or its default: 1 per process, every core of this node when colocated."""
     if backend.torch_threads is not None:
         return int(backend.torch_threads)

@@ -256,11 +256,12 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         (bfloat16: the bfloat16 model parameters, i.e. the float32 mains cast)."""
         import ray
 
-        hf = self._core.hf_state_dict()
-        if self.rank != 0:
-            return None
-        spare = self.make_room() if transport == "collective" else None
-        snap = pack_weights(hf, version, prefix=prefix, into=spare)
+        with self.turns.hold():  # `backend.colocate`: the TP all-gather and the packing compute
+            hf = self._core.hf_state_dict()
+            if self.rank != 0:
+                return None
+            spare = self.make_room() if transport == "collective" else None
+            snap = pack_weights(hf, version, prefix=prefix, into=spare)
         if transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])

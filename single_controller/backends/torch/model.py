@@ -240,9 +240,8 @@ class HFCausalLMPolicy(nn.Module):
         differentiable) are gathered per continuation row, which then runs after them."""
         first = self.model(input_ids=prefix_ids, use_cache=True)
         cache = first.past_key_values
-        cache.batch_select_indices(
-            owner
-        )  # row b gets prefix owner[b]'s keys and values (indexing: autograd flows back)
+        # row b gets prefix owner[b]'s keys and values (by indexing: autograd flows back to the prefix)
+        cache.batch_select_indices(owner)
         rest = self.model(input_ids=suffix_ids, past_key_values=cache, use_cache=True)
         return first.logits, rest.logits
 
