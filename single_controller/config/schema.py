@@ -548,6 +548,47 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn rollouts against an environment (docs/environments.md); off while `fn` and `url` are null."""
+
+    fn: str | None = None
+    """The environment in-process: a built-in name (`lookup`: a tool-use task; `guess`: a digit-guessing
+    game) or `module:Class`, instantiated once per episode as Class(**env.args) with async `reset(item)
+    -> str` and `step(action) -> StepOutcome` (`single_controller/envs/contract.py`)."""
+    url: str | None = None
+    """The environment over HTTP (`sc-grpo env serve` or any server of the documented JSON protocol),
+    e.g. `http://127.0.0.1:8765`; exclusive with `fn`. Checked reachable before start-up."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment class (`fn`); sent with each reset over HTTP (`url`)."""
+    max_turns: PositiveInt = 4
+    """Policy turns per episode at most; an episode still running after them ends with
+    `truncated_reward` (an outcome of the policy, not an error)."""
+    max_tokens_per_turn: PositiveInt | None = None
+    """Tokens the policy generates in one turn at most (null: rollout.max_new_tokens); a turn also
+    ends at a stop token (`rollout.stop_at_eos`, the chat template's end of turn)."""
+    truncated_reward: AnyFloat = 0.0
+    """Reward of an episode that used `max_turns` without finishing."""
+    timeout_s: Positive = 10.0
+    """Deadline of one environment call (reset, step, tool call, close); a call past it fails its episode."""
+    max_attempts: PositiveInt = 2
+    """Attempts of an episode whose environment failed (error or deadline) before its whole group is
+    dropped with reason `env_failed` (counted; never a zero reward in the baseline)."""
+    max_failures_in_a_row: PositiveInt = 64
+    """Groups dropped as `env_failed` in a row, none scored between, before the run stops with
+    `EnvironmentFailing` (a dead environment would drop every prompt)."""
+    tool_call: Literal["auto", "none", "regex", "hermes"] = "auto"
+    """How an action becomes a tool call: `hermes` (`<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
+    the format of Qwen's and Hermes' chat templates), `regex` (`tool_call_pattern`), `none` (actions are
+    plain text), or `auto`: `hermes` when the chat template mentions `<tool_call>`, else `regex`."""
+    tool_call_pattern: str = r"^\?(?P<arguments>[0-9]*)$"
+    """For `regex`: a pattern matched against the whole action, with a named group `arguments` and
+    optionally `name` (else the tool is `default_tool`). The default suits the character tokenizer
+    of the built-in tasks: `?47` calls the tool with `47`."""
+    default_tool: str = "lookup"
+    """The tool's name when `tool_call_pattern` has no `name` group."""
+
+
+@dataclass(frozen=True)
 class Config:
     seed: Count = 0
     """Seed of the model init, the prompt order and sampling."""
@@ -571,6 +612,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 def required_capacity(cfg: Config) -> int:
