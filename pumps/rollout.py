@@ -20,7 +20,9 @@ attempt may have written, drops the group with reason `generation_failed`, and r
 prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). A group whose reward
 function failed (`RewardFailed`: the worker answers it alone, its batch-mates as usual) is dropped
 with reason `reward_failed` and counted (`RunState.reward_failed`), its prompt settled, not retried:
-a deterministic reward error would fail again. Any other error is a bug and ends the run with its
+a deterministic reward error would fail again. A group whose environment failed (`EnvironmentFailed`:
+the worker already retried its episodes `env.max_attempts` times) is dropped alike, with reason
+`env_failed` (`RunState.env_failed`): never stored as a zero reward. Any other error is a bug and ends the run with its
 cause. The deficit accounting of the ledger refills the step the
 dropped group was meant for.
 
@@ -41,6 +43,7 @@ from replay.ledger import GroupRecord, GroupState
 from single_controller.config.schema import rollout_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import (
+    EnvironmentFailed,
     GenerationFailed,
     GenerationWorker,
     GenerationWorkerDied,
@@ -343,6 +346,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     if isinstance(error, RewardFailed):
         await _discard(state, rec, "reward_failed", retry=False)
         state.reward_failed(rec.group_id, str(error))
+        return
+    if isinstance(error, EnvironmentFailed):  # retried in the worker already (`env.max_attempts`)
+        await _discard(state, rec, "env_failed", retry=False)
+        state.env_failed(rec.group_id, str(error))
         return
     state.pumps[PUMP].errors += 1
     died = isinstance(error, GenerationWorkerDied)

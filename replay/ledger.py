@@ -82,6 +82,7 @@ class GroupRecord:
     rewards: tuple[float, ...] = ()
     reward_parts: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)  # per reward function
     sample: tuple[str, str, float] | None = None  # one completion as text, for the logs
+    episode_stats: Mapping[str, float] = field(default_factory=dict)  # multi-turn: sums over its episodes
     response_lengths: tuple[int, ...] = ()
     prompt_length: int = 0
     seq_lengths: tuple[int, ...] = ()  # prompt + response tokens per row (set at commit)
@@ -217,7 +218,7 @@ class GroupLedger:
             )
         rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
-        rec.reward_parts, rec.sample = result.reward_parts, result.sample
+        rec.reward_parts, rec.sample, rec.episode_stats = result.reward_parts, result.sample, result.episode_stats
         rec.prompt_length = result.prompt_length
         rec.seq_lengths = tuple(result.prompt_length + n for n in rec.response_lengths)
         rec.version_start, rec.version_end = result.version_start, result.version_end

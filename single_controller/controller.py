@@ -100,6 +100,8 @@ class ControllerStatistics:
     worker_deaths: int = 0
     worker_restarts: int = 0
     reward_failed: int = 0  # groups dropped because their reward function failed
+    env_failed: int = 0  # groups dropped because their environment failed (multi-turn)
+    env_totals: dict[str, float] = field(default_factory=dict)  # sums of the trained episodes' `episode_stats`
     late_finishes: int = 0
     storage_retries: int = 0
     checkpoints_written: int = 0
@@ -165,6 +167,7 @@ class Controller:
         self._mismatch: dict[str, float] = {}
         self._success: collections.deque[float] = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
+        self._env_totals: dict[str, float] = {}  # multi-turn: sums of the trained episodes' stats
         self._last_controller_bytes = 0
         self._t0 = self.state.clock()
         self._wall_offset_s = wall_offset_s
@@ -267,6 +270,8 @@ class Controller:
                 "aborted_steps": st.counters.aborted_steps,
                 "step_retries": st.counters.step_retries,
                 "reward_failed": st.counters.reward_failed,
+                "env_failed": st.counters.env_failed,
+                "env_totals": dict(self._env_totals),
             },
             "config": config_fingerprint(self.cfg),
         }
@@ -284,6 +289,8 @@ class Controller:
         )
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         st.counters.reward_failed = c.get("reward_failed", 0)  # absent from checkpoints older than it
+        st.counters.env_failed = c.get("env_failed", 0)
+        self._env_totals = dict(c.get("env_totals", {}))
         self._tokens_trained = c["tokens_trained"]
 
     async def _clear_rows_left(self) -> None:
@@ -516,12 +523,36 @@ class Controller:
         `reward.functions`); every `run.sample_every_steps` steps one trained completion as text
         (`sample`: prompt, completion, reward), for the loggers."""
         rec.update(reward_part_means((g.reward_parts for g in report.groups), ""))
+        rec.update(self._episode_records(report))
         every = self.cfg.run.sample_every_steps
         if every and report.step % every == 0:
             sample = next((g.sample for g in report.groups if g.sample is not None), None)
             if sample is not None:
                 prompt, completion, reward = sample
                 rec["sample"] = {"prompt": prompt, "completion": completion, "reward": reward}
+
+    def _episode_records(self, report: StepReport) -> dict[str, float]:
+        """Multi-turn (`env`): the step's episodes, per episode (turns, tool calls, tokens), per
+        environment step (latency), and the run's `env_failed` groups; nothing for single-turn runs."""
+        sums: dict[str, float] = {}
+        for g in report.groups:
+            for k, v in g.episode_stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+        if not sums.get("episodes"):
+            return {}
+        for k, v in sums.items():
+            self._env_totals[k] = self._env_totals.get(k, 0.0) + v
+        n, turns = sums["episodes"], sums.get("turns", 0.0)
+        return {
+            "env/turns_per_episode": turns / n,
+            "env/tool_calls_per_episode": sums.get("tool_calls", 0.0) / n,
+            "env/step_latency_s": sums.get("env_s", 0.0) / max(turns, 1.0),
+            "env/policy_tokens_per_episode": sums.get("policy_tokens", 0.0) / n,
+            "env/observation_tokens_per_episode": sums.get("observation_tokens", 0.0) / n,
+            "env/truncated_rate": sums.get("truncated", 0.0) / n,
+            "env/retries": sums.get("retries", 0.0),
+            "env/failed_groups": float(self.state.counters.env_failed),
+        }
 
     def _record_eval(self, point: EvalPoint) -> None:
         rec = {
@@ -601,6 +632,8 @@ class Controller:
             worker_deaths=st.counters.worker_deaths,
             worker_restarts=st.counters.worker_restarts,
             reward_failed=st.counters.reward_failed,
+            env_failed=st.counters.env_failed,
+            env_totals=dict(self._env_totals),
             late_finishes=st.counters.late_finishes,
             storage_retries=st.counters.storage_retries,
             checkpoints_written=st.counters.checkpoints_written,

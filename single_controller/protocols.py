@@ -44,6 +44,12 @@ class RewardFailed(GenerationFailed):
     `reward_failed` and does not retry its prompt (a deterministic reward error would fail again)."""
 
 
+class EnvironmentFailed(GenerationFailed):
+    """The environment failed one of a group's episodes more often than `env.max_attempts` allows
+    (an error, a missed deadline, a broken contract). It costs that group alone: no row of it is
+    stored; the rollout pump drops it with reason `env_failed` and counts it (never a zero reward)."""
+
+
 class TrainStepStateError(RuntimeError):
     """The split API was called out of order (begin twice, microbatch or finish with no step open)."""
 

@@ -50,6 +50,11 @@ class RewardFunctionFailing(RuntimeError):
     between: it fails on everything, and dropping every prompt would never train a step."""
 
 
+class EnvironmentFailing(RuntimeError):
+    """The environment failed `env.max_failures_in_a_row` groups in a row: it is down or broken, and
+    every prompt would be dropped."""
+
+
 def retryable_storage_error(e: BaseException) -> bool:
     """Whether trying a storage request again can succeed: the storage did not answer in time
     (`DeadlineExceeded`), failed on its side (`StorageError`, which the TransferQueue adapter raises
@@ -200,6 +205,8 @@ class Counters:
     zero_variance_kept: int = 0  # advantage: trained because their step hit the drop cap
     reward_failed: int = 0  # rollout, advantage (RunState.reward_failed): groups dropped as `reward_failed`
     reward_failed_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
+    env_failed: int = 0  # rollout (RunState.env_failed): groups dropped as `env_failed`
+    env_failed_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
     # train: finishes that landed after their deadline (recorded result taken); the controller: one
@@ -352,6 +359,20 @@ class RunState:
             raise RewardFunctionFailing(
                 f"the reward function failed on {c.reward_failed_in_a_row} groups in a row, none scored between "
                 f"(rollout.max_reward_failures_in_a_row = {bound}); the last, {group_id}: {why}"
+            )
+
+    def env_failed(self, group_id: str, why: str) -> None:
+        """Count a group just dropped as `env_failed` (its environment failed an episode more often
+        than `env.max_attempts` allows). `env.max_failures_in_a_row` of them, none scored between,
+        raise `EnvironmentFailing`."""
+        c, bound = self.counters, self.cfg.env.max_failures_in_a_row
+        c.env_failed += 1
+        c.env_failed_in_a_row += 1
+        self.notify()
+        if c.env_failed_in_a_row >= bound:
+            raise EnvironmentFailing(
+                f"the environment failed on {c.env_failed_in_a_row} groups in a row, none scored between "
+                f"(env.max_failures_in_a_row = {bound}); the last, {group_id}: {why}"
             )
 
     # -- versions and admission -------------------------------------------------------------------

@@ -74,6 +74,10 @@ class GenerationResult:
     # not apply; `rewards` is their weighted sum. Empty for the default (`task.reward_fn` alone).
     reward_parts: Mapping[str, tuple[float | None, ...]] = field(default_factory=dict)
     sample: tuple[str, str, float] | None = None  # (prompt text, row 0's completion text, its reward), for logs
+    # Multi-turn episodes (`env`): sums over the group's G episodes (`backends/common/episodes.py`
+    # `episode_stats`: episodes, turns, tool_calls, env_s, policy_tokens, observation_tokens,
+    # truncated, retries); empty for single-turn generation.
+    episode_stats: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

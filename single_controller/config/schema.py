@@ -615,6 +615,11 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
 
 
+def env_enabled(env: EnvConfig) -> bool:
+    """Rollouts are multi-turn episodes against an environment (`env.fn` or `env.url` set)."""
+    return env.fn is not None or env.url is not None
+
+
 def required_capacity(cfg: Config) -> int:
     """Groups the lookahead can have resident at once: every live group targets one of the steps
     v .. v+L, each holding at most groups_per_step, so fewer slots can deadlock a refill."""

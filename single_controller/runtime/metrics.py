@@ -70,6 +70,7 @@ STORAGE_OPS = ("put", "get", "clear")
 KNOWN_DROP_REASONS = (
     "generation_failed",
     "reward_failed",
+    "env_failed",
     "zero_variance",
     "stale_in_flight",
     "run_ended",
@@ -344,6 +345,12 @@ def _step_families(f: _Families, s: ControllerStatistics) -> None:
         s.reward_failed,
     )
     f.counter(
+        "env_failed_groups",
+        "Groups dropped because their environment failed (errors or deadlines past env.max_attempts).",
+        s.env_failed,
+    )
+    _episode_counters(f, s.env_totals)
+    f.counter(
         "tokens_generated", "Response tokens generated (every committed group, trained or not).", s.tokens_generated
     )
     f.counter("tokens_trained", "Prompt + response tokens of trained groups.", s.tokens_trained)
@@ -353,6 +360,24 @@ def _step_families(f: _Families, s: ControllerStatistics) -> None:
         "Fraction of the last step's completions with reward >= task.success_reward.",
         s.last_success_rate,
     )
+
+
+# Multi-turn episodes (`env`): the trained episodes' sums (`episode_stats`), as counters.
+_EPISODE_COUNTERS = (
+    ("episodes", "env_episodes", "Multi-turn episodes trained.", None),
+    ("turns", "env_turns", "Policy turns of the episodes trained.", None),
+    ("tool_calls", "env_tool_calls", "Tool calls the policy made in the episodes trained.", None),
+    ("env_s", "env_wait", "Time the episodes trained waited for their environment.", "seconds"),
+    ("policy_tokens", "env_policy_tokens", "Policy (trained) tokens of the episodes trained.", None),
+    ("observation_tokens", "env_observation_tokens", "Observation tokens (not trained) of the episodes.", None),
+    ("truncated", "env_truncated_episodes", "Episodes that ended at env.max_turns or the model's length.", None),
+    ("retries", "env_episode_retries", "Episode attempts started again after an environment failure.", None),
+)
+
+
+def _episode_counters(f: _Families, totals: dict[str, float]) -> None:
+    for key, name, doc, unit in _EPISODE_COUNTERS:
+        f.counter(name, doc, totals.get(key, 0.0), unit=unit or "")
 
 
 def _mismatch_families(f: _Families, s: ControllerStatistics) -> None:

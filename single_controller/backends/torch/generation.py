@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +39,25 @@ from torch import nn
 
 from replay.storage import LazyRowStorage
 from single_controller.backends.common.compute_turns import turns_from_env
+from single_controller.backends.common.episodes import (
+    Continuation,
+    Episode,
+    EpisodeRunner,
+    episode_runner,
+    episode_stats,
+    rows_of,
+)
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import sample
-from single_controller.config.schema import ModelConfig, RewardConfig
+from single_controller.backends.torch.turns import TurnBatcher, sample_continuations
+from single_controller.config.schema import EnvConfig, ModelConfig, RewardConfig, env_enabled
 from single_controller.data.tasks import TOKENIZER
 from single_controller.data.tokenizer import RunTokenizer, load_tokenizer
-from single_controller.protocols import GenerationFailed, RewardFailed
+from single_controller.protocols import EnvironmentFailed, GenerationFailed, RewardFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -64,6 +74,7 @@ class GenerationStatistics:
     last_batch_s: float
     eval_requests: int = 0  # eval requests served (their rows count in `rows`/`tokens`, never stored)
     reward_failures: int = 0  # groups answered with RewardFailed (not counted in `groups`, none stored)
+    env_failures: int = 0  # episode groups answered with EnvironmentFailed (none stored)
 
 
 # One sampled row: (token ids [n], logprobs [n], mask [n], response text, n).
@@ -112,6 +123,7 @@ class GenerationCore:
         self.running_ids: set[str] = set()  # groups of the batch being sampled (set on the actor's loop)
         self._cancelled: set[str] = set()  # running groups cancelled: not to be written
         self._written: set[str] = set()  # running groups whose rows are already stored
+        self.env_failures = 0  # episode groups answered with EnvironmentFailed (multi-turn)
 
     def end_batch(self) -> None:
         with self._write_lock:
@@ -262,10 +274,81 @@ class GenerationCore:
             out[i] = scored
         return out
 
+    # -- multi-turn episodes (`env`): `backends/torch/turns.py`, `backends/common/episodes.py` --
+
+    def continue_pass(self, asks: list) -> list[Continuation]:
+        """One turn of every asking episode (the worker holds its weights lock)."""
+        if self.version is None:
+            raise GenerationFailed("no weights loaded yet (update_weights first)")
+        out = sample_continuations(
+            self.policy, asks, self.version, pad_id=self.tokenizer.pad_id, generator=self.generator
+        )
+        self._counts["batches"] += 1
+        self._counts["tokens"] += sum(len(c.ids) for c in out)
+        return out
+
+    def store_episodes(self, r: GenerationRequest, episodes: Sequence[Episode]) -> GenerationResult | None:
+        """Store a group's finished episodes (nothing for an eval request) unless it was cancelled
+        meanwhile (None); its result."""
+        versions = [v for e in episodes for v, m in zip(e.versions, e.mask) if m]
+        rewards = tuple(e.reward for e in episodes)
+        result = GenerationResult(
+            group_id=r.group_id,
+            rewards=rewards,
+            response_lengths=tuple(len(e.response_ids) for e in episodes),
+            prompt_length=len(episodes[0].prompt_ids),
+            version_start=min(versions),
+            version_end=max(versions),
+            sample=(
+                self.tokenizer.decode(episodes[0].prompt_ids),
+                _transcript(self.tokenizer, episodes[0]),
+                rewards[0],
+            ),
+            episode_stats=episode_stats(episodes),
+        )
+        with self._write_lock:
+            if r.group_id in self._cancelled:
+                return None
+            if not r.eval:
+                columns: dict[str, Any] = dict(rows_of(episodes))
+                columns["reward"] = torch.tensor(rewards, dtype=torch.float32)
+                self.storage.put_rows_sync(r.row_keys, columns)
+                self._written.add(r.group_id)
+            self._counts["groups"] += not r.eval
+            self._counts["eval_requests"] += r.eval
+            self._counts["rows"] += len(episodes)
+        return result
+
+    def forget(self, group_id: str) -> None:
+        """A group's episodes are over (stored, failed or cancelled): no write of it can come any more."""
+        with self._write_lock:
+            self.running_ids.discard(group_id)
+            self._cancelled.discard(group_id)
+            self._written.discard(group_id)
+
     def statistics(self, pending: int = 0, running: int = 0) -> GenerationStatistics:
         return GenerationStatistics(
-            version=self.version, pending=pending, running=running, last_batch_s=self._last_batch_s, **self._counts
+            version=self.version,
+            pending=pending,
+            running=running,
+            last_batch_s=self._last_batch_s,
+            env_failures=self.env_failures,
+            **self._counts,
         )
+
+
+def _transcript(tokenizer: RunTokenizer, e: Episode) -> str:
+    """An episode's response for logs: policy turns as text, observations in [brackets]."""
+    parts, run, policy = [], [], None
+    for tok, m in zip(e.response_ids, e.mask):
+        if m != policy and run:
+            parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
+            run = []
+        policy = m
+        run.append(tok)
+    if run:
+        parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
+    return "".join(parts)
 
 
 class GenerationActor:
@@ -285,6 +368,8 @@ class GenerationActor:
         torch_threads: int = 1,
         max_batch_groups: int = 16,
         policy: nn.Module | None = None,
+        env: EnvConfig | None = None,
+        max_new_tokens: int = 3,
     ):
         redirect_output(name)
         torch.set_num_threads(torch_threads)
@@ -325,6 +410,12 @@ class GenerationActor:
         self._running = 0
         self._closed = False
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
+        # Multi-turn episodes (`env` set): every request is a group of episodes, not a batch item.
+        self._episodes: EpisodeRunner | None = None
+        self._groups: dict[str, asyncio.Task] = {}  # episode groups under way
+        if env is not None and env_enabled(env):
+            self._episodes = episode_runner(env, self._core.tokenizer, default_max_new=max_new_tokens, name=name)
+            self._batcher = TurnBatcher(int(policy.max_seq_len), self._continue_in_turn, self._pass_gate)
 
     def _start(self) -> None:
         # Created on first use: the event loop is running by then (Ray builds async actors outside it).
@@ -335,6 +426,7 @@ class GenerationActor:
             self._serving.set()
             self._idle = asyncio.Event()
             self._idle.set()
+            self._weights_changed = asyncio.Event()  # set (and replaced) by every weight update
             self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop(), name=f"{self.name}.batch_loop")
             self._loop_task.add_done_callback(self._on_loop_done)
 
@@ -355,10 +447,20 @@ class GenerationActor:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
-        fut = asyncio.get_running_loop().create_future()
-        self._lane(request).append((request, fut))
+        fut = self._submit(request)
         self._has_pending.set()
         return await fut  # cancelling the call cancels fut; the loop then skips it
+
+    def _submit(self, request: GenerationRequest) -> asyncio.Future:
+        """Queue a request for the batching loop, or, with an environment, start its episodes."""
+        if self._episodes is not None:
+            task = asyncio.get_running_loop().create_task(self._episode_group(request), name=request.group_id)
+            self._groups[request.group_id] = task
+            task.add_done_callback(lambda _t: self._groups.pop(request.group_id, None))
+            return task
+        fut = asyncio.get_running_loop().create_future()
+        self._lane(request).append((request, fut))
+        return fut
 
     def _lane(self, request: GenerationRequest) -> collections.deque:
         if not request.eval:
@@ -371,11 +473,9 @@ class GenerationActor:
         if self._closed:
             raise GenerationFailed(f"{self.name} is closed")
         self._start()
-        loop = asyncio.get_running_loop()
         futs = []
         for req in requests:
-            fut = loop.create_future()
-            self._lane(req).append((req, fut))
+            fut = self._submit(req)
             self._by_group[req.group_id] = fut
             futs.append(fut)
         self._has_pending.set()
@@ -407,12 +507,50 @@ class GenerationActor:
         """Cancel a request of `generate_many`: a queued one is dropped; one being sampled is not
         stored. Returns once no row of the group can be written any more; True if its rows were
         already stored (the caller clears them)."""
+        written = False
+        if group_id in self._core.running_ids:  # waits out a write in progress, then blocks any later one
+            written = await asyncio.to_thread(self._core.cancel, group_id)
         fut = self._by_group.get(group_id)
         if fut is not None and not fut.done():
             fut.cancel()
-        if group_id not in self._core.running_ids:
-            return False
-        return await asyncio.to_thread(self._core.cancel, group_id)  # waits out a write in progress
+        return written
+
+    async def _episode_group(self, request: GenerationRequest) -> GenerationResult:
+        """Play a group's episodes and store their rows (`backends/common/episodes.py`)."""
+        assert self._episodes is not None
+        gid = request.group_id
+        while request.min_version is not None and (self._core.version or -1) < request.min_version:
+            await self._weights_changed.wait()  # version-gated, as the batching loop holds requests
+        self._core.running_ids.add(gid)
+        try:
+            episodes = await self._episodes.run_group(request, self._batcher)
+            store = asyncio.ensure_future(asyncio.to_thread(self._core.store_episodes, request, episodes))
+            try:
+                result = await asyncio.shield(store)
+            except asyncio.CancelledError:
+                await store  # a write under way ends before the group counts as over
+                raise
+        except EnvironmentFailed:
+            self._core.env_failures += 1
+            raise
+        finally:
+            self._core.forget(gid)
+        if result is None:
+            raise GenerationFailed(f"{self.name}: group {gid} was cancelled")
+        return result
+
+    @contextlib.asynccontextmanager
+    async def _pass_gate(self) -> AsyncIterator[None]:
+        """Around one pass of turns: not while paused; the weights stay put; pause() waits for it."""
+        await self._serving.wait()
+        async with self._weights_lock:
+            self._idle.clear()
+            self._running += 1
+            try:
+                yield
+            finally:
+                self._running -= 1
+                self._idle.set()
 
     async def update_weights(self, weights: WeightsHandle) -> int:
         """Fetch the snapshot (sampling goes on meanwhile), then apply it between batches; returns the new version."""
@@ -445,6 +583,8 @@ class GenerationActor:
         async with self._weights_lock:
             # Synchronous on the loop: nothing can cancel it halfway.
             self._core.load_weights(snapshot)
+        self._weights_changed.set()  # episode groups held for these weights may start now
+        self._weights_changed = asyncio.Event()
         if self._pending or self._eval_pending:
             self._has_pending.set()  # requests held for these weights may go now
         loaded = self._core.version
@@ -469,7 +609,7 @@ class GenerationActor:
 
     async def in_flight(self) -> int:
         queued = itertools.chain(self._eval_pending, self._pending)
-        return sum(1 for _, f in queued if not f.done()) + self._running
+        return sum(1 for _, f in queued if not f.done()) + self._running + len(self._groups)
 
     async def version(self) -> int | None:
         return self._core.version
@@ -487,6 +627,10 @@ class GenerationActor:
     async def close(self) -> None:
         """Stop the batching loop and fail every queued request."""
         self._closed = True
+        for task in list(self._groups.values()):
+            task.cancel()
+        if self._episodes is not None:
+            await self._batcher.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.wait([self._loop_task])  # its CancelledError stays with it; _on_loop_done fails the queue
@@ -530,6 +674,10 @@ class GenerationActor:
         if not batch:  # empty lanes, or only held requests: wait for a request or for weights
             self._has_pending.clear()
         return batch
+
+    def _continue_in_turn(self, asks: list) -> list[Continuation]:
+        with self._turns.hold():  # `backend.colocate`: the node's cores are this worker's for the pass
+            return self._core.continue_pass(asks)
 
     def _generate_in_turn(self, requests: list[GenerationRequest]) -> list[GenerationResult | RewardFailed | None]:
         with self._turns.hold():  # `backend.colocate`: the node's cores are this worker's for the batch

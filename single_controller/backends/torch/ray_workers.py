@@ -52,7 +52,7 @@ from single_controller.backends.common.rank_calls import (
 from single_controller.backends.common.weight_broadcast import SyncLink, sync_link
 from single_controller.backends.torch.generation import GenerationActor
 from single_controller.backends.torch.trainer_actor import TrainerRankActor
-from single_controller.config.schema import Config, run_reward
+from single_controller.config.schema import Config, rollout_max_new_tokens, run_reward
 from single_controller.protocols import TrainerFailed, TrainStepStateError
 from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
@@ -326,6 +326,8 @@ async def start_torch_generation(
                 seed=cfg.seed * 1000 + i,
                 torch_threads=threads_per_process(cfg.backend),
                 max_batch_groups=cfg.rollout.max_batch_groups,
+                env=cfg.env,
+                max_new_tokens=rollout_max_new_tokens(cfg),
             )
 
         return spawn
