@@ -76,7 +76,7 @@ class ScriptedEngine:
         k = list(ids).count(EOS)  # turns so far: each ended at the stop token
         text = self.turns[min(k, len(self.turns) - 1)]
         out = ENC(text)[:max_new]
-        return Continuation(tuple(out), tuple(-0.5 - 0.01 * i for i in range(len(out))), self.version)
+        return Continuation(tuple(out), tuple(-0.5 - 0.01 * i for i in range(len(out))), (self.version,) * len(out))
 
 
 def req(gid="g0", n=1, prompt_text="^4>", **sampling) -> GenerationRequest:
@@ -272,7 +272,7 @@ def test_rows_of_matches_the_storage_schema():
     from single_controller.backends.common.episodes import Episode
 
     e = Episode(prompt_ids=[1, 2])
-    e.add([3, 4], [-0.1, -0.2], 5, policy=True)
-    e.add([6], [0.0], 5, policy=False)
+    e.add([3, 4], [-0.1, -0.2], [5, 5], policy=True)
+    e.add([6], [0.0], [5], policy=False)
     for name, col in rows_of([e]).items():
         assert col[0].dtype == ROLLOUT_SCHEMA[name].dtype, name

@@ -47,11 +47,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Continuation:
-    """What an engine sampled for one sequence: its new ids, their logprobs, the policy version."""
+    """What an engine sampled for one sequence: its new ids, their logprobs, and the policy version
+    that sampled each (an engine that updates weights mid-request, as vLLM under `keep`, labels
+    each token)."""
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    version: int
+    versions: tuple[int, ...]
 
 
 class TurnEngine(Protocol):
@@ -90,11 +92,13 @@ class Episode:
     def observation_tokens(self) -> int:
         return len(self.mask) - self.policy_tokens
 
-    def add(self, ids: Sequence[int], logprobs: Sequence[float], version: int, *, policy: bool) -> None:
+    def add(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], *, policy: bool) -> None:
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"{len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
         self.response_ids.extend(ids)
         self.logprobs.extend(logprobs)
         self.mask.extend([policy] * len(ids))
-        self.versions.extend([version] * len(ids))
+        self.versions.extend(versions)
 
 
 class ObservationEncoder:
@@ -212,7 +216,7 @@ class EpisodeRunner:
             if budget < 1:
                 break
             out = await engine.continue_sequence(seq, budget, request, self.stop_ids)
-            ep.add(out.ids, out.logprobs, out.version, policy=True)
+            ep.add(out.ids, out.logprobs, out.versions, policy=True)
             seq.extend(out.ids)
             ep.turns += 1
             stopped = bool(out.ids) and out.ids[-1] in self.stop_ids
@@ -234,7 +238,8 @@ class EpisodeRunner:
                 raise EnvFailed("step", _episode_name(item), "returned an empty observation without done")
             if len(seq) + len(obs) >= engine.max_seq_len:
                 break  # no room for the observation and one more token
-            ep.add(obs, [0.0] * len(obs), out.version, policy=False)
+            # observation tokens carry the version of the turn before them (never trained)
+            ep.add(obs, [0.0] * len(obs), [ep.versions[-1]] * len(obs), policy=False)
             seq.extend(obs)
         ep.truncated = True
         ep.reward = self.cfg.truncated_reward

@@ -117,5 +117,5 @@ def sample_continuations(
         tokens, logprobs, lengths = got.tokens.tolist(), got.logprobs.tolist(), got.lengths.tolist()
         for row, i in enumerate(idx):
             n = lengths[row]
-            out[i] = Continuation(tuple(tokens[row][:n]), tuple(logprobs[row][:n]), version)
+            out[i] = Continuation(tuple(tokens[row][:n]), tuple(logprobs[row][:n]), (version,) * n)
     return [c for c in out if c is not None]
