@@ -19,7 +19,7 @@ from single_controller.backends import registry
 from single_controller.backends.common import hf_model
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.rules import DIGIT_TASKS
-from single_controller.config.schema import Config, prompts_from_data, rollout_max_new_tokens
+from single_controller.config.schema import Config, env_enabled, prompts_from_data, rollout_max_new_tokens
 
 __all__ = ["CHECKS", "MEGATRON_CHECKS", "check_environment", "environment_problems"]
 
@@ -281,10 +281,45 @@ def task_speaks_the_models_tokenizer(cfg: Config) -> list[Problem]:
     ]
 
 
+# ---------------------------------------------------------------- multi-turn environments
+
+
+def env_reachable(cfg: Config) -> list[Problem]:
+    """`env.url` answers the environment protocol's health check now, before anything starts."""
+    if cfg.env.url is None:
+        return []
+    from single_controller.envs.contract import EnvContractError
+    from single_controller.envs.http_client import check_env_url
+
+    try:
+        check_env_url(cfg.env.url, cfg.env.timeout_s)
+    except EnvContractError as e:
+        return [Problem(("env.url",), str(e))]
+    return []
+
+
+def tool_calls_expressible(cfg: Config) -> list[Problem]:
+    """The tool-call format's literal text is something the model's tokenizer can write."""
+    if not env_enabled(cfg.env) or cfg.env.tool_call == "none":
+        return []
+    tok = _tokenizer_if_available(cfg)
+    if tok is None:
+        return []
+    from single_controller.envs.tool_calls import ToolCallFormatError, ToolCallParser, check_expressible
+
+    try:
+        check_expressible(ToolCallParser.from_config(cfg.env, tok), tok)
+    except ToolCallFormatError as e:
+        return [Problem(("env.tool_call", "env.tool_call_pattern", "model.path"), str(e))]
+    return []
+
+
 CHECKS: tuple[Check, ...] = (
     backend_packages,
     logger_packages,
     model_directory,
     task_speaks_the_models_tokenizer,
     dataset_files,
+    env_reachable,
+    tool_calls_expressible,
 )

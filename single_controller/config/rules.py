@@ -13,6 +13,7 @@ directory) is `config.environment`'s, checked only by `sc-grpo run`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 from single_controller.config.problems import Problem
 from single_controller.config.schema import (
     Config,
+    env_enabled,
     eval_max_new_tokens,
     prompts_from_data,
     required_capacity,
@@ -29,6 +31,9 @@ from single_controller.config.schema import (
 __all__ = ["DIGIT_TASKS", "RULES", "Rule", "rule_problems"]
 
 Rule = Callable[[Config], Problem | None]
+
+# Generation backends that play multi-turn episodes (`env`).
+EPISODE_ENGINES: tuple[str, ...] = ("torch", "vllm")
 
 # Built-in tasks whose prompt is the digits plus two marker tokens (so its length is num_digits + 2).
 DIGIT_TASKS: tuple[str, ...] = ("reverse_digits", "copy_digits")
@@ -424,6 +429,51 @@ def reward_functions_resolve(cfg: Config) -> Problem | None:
     return Problem(("reward.functions",), message)
 
 
+# ---------------------------------------------------------------- multi-turn environments
+
+
+def env_has_one_transport(cfg: Config) -> Problem | None:
+    if cfg.env.fn is None or cfg.env.url is None:
+        return None
+    return Problem(
+        ("env.fn", "env.url"), "env.fn and env.url are both set: an environment runs in-process or over HTTP"
+    )
+
+
+def env_resolves(cfg: Config) -> Problem | None:
+    """`env.fn` imports and is a class of the environment contract (`envs/contract.py`)."""
+    if cfg.env.fn is None:
+        return None
+    from single_controller.envs.contract import EnvContractError
+    from single_controller.envs.inprocess import check_env
+
+    try:
+        check_env(dataclasses.replace(cfg.env, url=None))
+    except EnvContractError as e:
+        return Problem(("env.fn", "env.args"), str(e))
+    return None
+
+
+def env_scores_its_episodes(cfg: Config) -> Problem | None:
+    if not env_enabled(cfg.env) or not cfg.reward.functions:
+        return None
+    return Problem(
+        ("env.fn", "env.url", "reward.functions"),
+        "reward.functions with an environment: an episode's reward is what the environment's final step "
+        "gives; score in the environment's step (it sees every action) and leave reward.functions empty",
+    )
+
+
+def env_needs_an_episode_engine(cfg: Config) -> Problem | None:
+    if not env_enabled(cfg.env) or cfg.backend.generation in EPISODE_ENGINES:
+        return None
+    return Problem(
+        ("env.fn", "env.url", "backend.generation"),
+        f"backend.generation={cfg.backend.generation} cannot play multi-turn episodes; use one of "
+        f"{', '.join(EPISODE_ENGINES)}",
+    )
+
+
 def checkpoint_exists(cfg: Config) -> Problem | None:
     ckpt = cfg.model.checkpoint
     if ckpt is None or (Path(ckpt) / "config.json").is_file():
@@ -464,6 +514,10 @@ RULES: tuple[Rule, ...] = (
     reward_fn_resolves,
     reward_functions_resolve,
     checkpoint_exists,
+    env_has_one_transport,
+    env_resolves,
+    env_scores_its_episodes,
+    env_needs_an_episode_engine,
     one_source_of_prompts,
     data_prompts_set_their_new_tokens,
 )
