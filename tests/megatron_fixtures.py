@@ -108,6 +108,20 @@ def make_rows(n: int, seed: int, hf_model=None) -> dict:
     }
 
 
+def make_multi_turn_rows(seed: int, hf_model) -> dict:
+    """12 multi-turn rows (3 groups of 4 sharing a prompt; `multi_turn_rows.multi_turn_rows`), gen_logprobs on
+    policy tokens the HF model's own logprobs plus noise, as `make_rows`."""
+    from multi_turn_rows import multi_turn_rows
+
+    from single_controller.algorithm.logprobs import token_logprobs
+    from single_controller.backends.torch.model import HFCausalLMPolicy
+
+    def logprobs_of(prompts, responses):
+        return token_logprobs(HFCausalLMPolicy(hf_model), prompts, responses)[0]
+
+    return multi_turn_rows(3, 4, seed, VOCAB, logprobs_of=logprobs_of)
+
+
 def take(rows: dict, idx) -> dict:
     idx = list(idx)
     return {k: (v[idx] if torch.is_tensor(v) else [v[i] for i in idx]) for k, v in rows.items()}

@@ -38,7 +38,17 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra: pip insta
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_fixtures import VOCAB, filled_storage, load_hf, make_hf_dir, make_rows, ray_init, rel_err, take  # noqa: E402
+from megatron_fixtures import (  # noqa: E402
+    VOCAB,
+    filled_storage,
+    load_hf,
+    make_hf_dir,
+    make_multi_turn_rows,
+    make_rows,
+    ray_init,
+    rel_err,
+    take,
+)
 
 from single_controller.algorithm.dp_split import balanced_partition  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
@@ -85,6 +95,12 @@ def arch_rows(hf_dirs):
 @pytest.fixture(scope="module")
 def rows(arch_rows):
     return arch_rows["llama"]
+
+
+@pytest.fixture(scope="module")
+def multi_turn_rows(hf_dir):
+    """Multi-turn rows (issue 36): policy blocks between masked-out observation blocks, groups sharing a prompt."""
+    return make_multi_turn_rows(seed=1, hf_model=load_hf(hf_dir))
 
 
 @pytest.fixture(scope="module")
@@ -282,18 +298,20 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
 
 
 @pytest.mark.parametrize(
-    "arch,tp,level",
+    "arch,tp,level,kind",
     [
-        ("llama", 1, "token"),
-        ("llama", 2, "token"),
-        ("llama", 1, "sequence"),
-        ("llama", 2, "sequence"),
-        ("gpt2", 1, "token"),
-        ("gpt2", 2, "sequence"),
-        ("qwen2", 1, "token"),
-        ("qwen2", 2, "token"),
-        ("qwen3", 1, "sequence"),
-        ("qwen3", 2, "token"),
+        ("llama", 1, "token", "single-turn"),
+        ("llama", 2, "token", "single-turn"),
+        ("llama", 1, "sequence", "single-turn"),
+        ("llama", 2, "sequence", "single-turn"),
+        ("gpt2", 1, "token", "single-turn"),
+        ("gpt2", 2, "sequence", "single-turn"),
+        ("qwen2", 1, "token", "single-turn"),
+        ("qwen2", 2, "token", "single-turn"),
+        ("qwen3", 1, "sequence", "single-turn"),
+        ("qwen3", 2, "token", "single-turn"),
+        ("llama", 1, "token", "multi-turn"),
+        ("llama", 2, "sequence", "multi-turn"),
     ],
     ids=[
         "llama-dp2-token",
@@ -306,15 +324,24 @@ def test_gpt2_logit_check_catches_a_wrong_conversion(single, hf_dirs, mistake, t
         "qwen2-tp2-token",
         "qwen3-dp2-sequence",
         "qwen3-tp2-token",
+        "llama-dp2-token-multi-turn",
+        "llama-tp2-sequence-multi-turn",
     ],
 )
-def test_streamed_split_api_matches_full_batch(pair, single, hf_dirs, arch_rows, arch, tp, level):
+def test_streamed_split_api_matches_full_batch(
+    pair, single, hf_dirs, arch_rows, multi_turn_rows, arch, tp, level, kind
+):
+    """Every chunking of the step over DP=2 or TP=2 gives the full-batch step's gradients, parameters and
+    metrics; on multi-turn rows (issue 36, acceptance 3) too, which count only their policy tokens."""
     import ray
 
-    hf_dir, rows = hf_dirs[arch], arch_rows[arch]
+    hf_dir = hf_dirs[arch]
+    rows = arch_rows[arch] if kind == "single-turn" else multi_turn_rows
     loss = LossConfig(level=level, clip_eps=0.2, is_truncation=1.5)
-    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=f"{arch}-rows")
+    tag = f"{arch}-rows" if kind == "single-turn" else f"{arch}-{kind}-rows"
+    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=tag)
     assert ref_metrics["train/is_truncated_frac"] > 0  # the truncation path is exercised
+    assert ref_metrics["train/tokens"] == sum(int(m.sum()) for m in rows["response_mask"])
     for chunking in CHUNKINGS:
         layouts = build(pair, hf_dir, tp=tp)
         metrics = run_step(pair, layouts, rows, chunking, loss)

@@ -30,6 +30,7 @@ from single_controller.types import LossConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from free_ports import free_port  # noqa: E402
+from multi_turn_rows import multi_turn_rows  # noqa: E402
 
 torch.set_num_threads(1)
 SMALL = ModelConfig(d_model=32, n_heads=2, n_layers=2)
@@ -57,6 +58,11 @@ def take(rows: dict, idx) -> dict:
     out = {k: [v[i] for i in idx] for k, v in rows.items() if k != "advantage"}
     out["advantage"] = rows["advantage"][list(idx)] if len(idx) else torch.zeros(0)
     return out
+
+
+def _masked_in(rows: dict) -> int:
+    """The number of masked-in (policy) tokens of `rows`."""
+    return sum(int(m.sum()) for m in rows["response_mask"])
 
 
 def seq_lengths(rows: dict) -> list[int]:
@@ -281,6 +287,113 @@ def test_chunking_does_not_change_the_single_process_step():
     assert_close_rel(t.params, want_params, 1e-10)
 
 
+# --- multi-turn rows (issue 36): only policy tokens train -----------------------------------------
+
+
+def _step_of(rows: dict, level: str) -> tuple[list[torch.Tensor], list, dict]:
+    """(applied gradient, parameters after, metrics) of one step of `rows` in two microbatches."""
+    t = _trainer()
+    t.begin_train_step(0, LossConfig(level=level))
+    t.train_microbatch(take(rows, range(5)))
+    t.train_microbatch(take(rows, range(5, len(rows["prompt_ids"]))))
+    m = t.finish_train_step(0)
+    return [p.grad.clone() for p in t.params], [p.detach().clone() for p in t.params], m
+
+
+def _without_timing(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k != "train/step_s"}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_observation_tokens_are_context_only_and_the_step_counts_only_policy_tokens(level):
+    """Multi-turn rows: the gen_logprobs and token_versions of observation tokens (masked out) and the ids of
+    a trailing observation block (nothing after it reads them) change nothing, bit for bit: gradients,
+    parameters, every metric. A trainer that trained on observation tokens would see the garbage
+    logprobs. `train/tokens` is the number of policy tokens, and every row, its observations at version -1
+    or at its policy tokens' version, counts as sampled with this step's weights (`train/mismatch_tokens`).
+    Control: an observation token in the middle of a row is context for the policy tokens after it, so
+    changing its id does change the step."""
+    rows = multi_turn_rows(3, 4, 5, TOKENIZER.vocab_size)
+    masks = rows["response_mask"]
+    policy_tokens = _masked_in(rows)
+    assert policy_tokens < sum(len(r) for r in rows["response_ids"])
+    assert any(bool((v[~m] == -1).any()) for v, m in zip(rows["token_versions"], masks))
+    assert any(bool((v[~m] == 0).any()) for v, m in zip(rows["token_versions"], masks))
+    grads, params, m = _step_of(rows, level)
+    assert (m["train/tokens"], m["train/sequences"], m["train/mismatch_tokens"]) == (policy_tokens, 12, policy_tokens)
+
+    g = torch.Generator().manual_seed(6)
+    garbage = copy.deepcopy(rows)
+    for i, mask in enumerate(masks):
+        obs = ~mask
+        garbage["gen_logprobs"][i] = torch.where(obs, torch.randn(len(mask), generator=g) * 20, rows["gen_logprobs"][i])
+        garbage["token_versions"][i] = torch.where(obs, -1 - rows["token_versions"][i], rows["token_versions"][i])
+        tail = len(mask) - int(mask.nonzero().max()) - 1  # the trailing observation block
+        if tail:
+            garbage["response_ids"][i][-tail:] = (rows["response_ids"][i][-tail:] + 1) % TOKENIZER.vocab_size
+    garbage["gen_logprobs"][0][(~masks[0]).nonzero()[0]] = float("nan")
+    assert sum(not torch.equal(a, b) for a, b in zip(rows["response_ids"], garbage["response_ids"])) >= 3
+    g2, p2, m2 = _step_of(garbage, level)
+    assert all(torch.equal(a, b) for a, b in zip(grads, g2)) and all(torch.equal(a, b) for a, b in zip(params, p2))
+    assert _without_timing(m2) == _without_timing(m)
+
+    context = copy.deepcopy(rows)
+    first_obs = int((~masks[3]).nonzero()[0])  # followed by a policy block: a row starts with one, obs between
+    context["response_ids"][3][first_obs] = (rows["response_ids"][3][first_obs] + 1) % TOKENIZER.vocab_size
+    g3, _, m3 = _step_of(context, level)
+    assert m3["train/tokens"] == policy_tokens and m3["train/loss"] != m["train/loss"]
+    assert not all(torch.equal(a, b) for a, b in zip(grads, g3))
+
+
+def test_a_mask_bit_flipped_onto_an_observation_token_trains_that_token():
+    """The mask is what decides: one observation token's bit set to True adds that token to `train/tokens`
+    and to the loss, and the step then equals the full-batch reference of the flipped rows, not of the
+    original ones (a trainer that ignored the mask would match both or neither)."""
+    rows = multi_turn_rows(3, 4, 5, TOKENIZER.vocab_size)
+    flipped = copy.deepcopy(rows)
+    obs = int((~rows["response_mask"][2]).nonzero()[0])
+    flipped["response_mask"][2][obs] = True
+    flipped["gen_logprobs"][2][obs] = -2.0  # a policy token carries its logprob
+    want_grads, _ = reference_step(rows, "token")
+    flip_grads, flip_params = reference_step(flipped, "token")
+    grads, params, m = _step_of(flipped, "token")
+    assert m["train/tokens"] == _masked_in(rows) + 1
+    assert_close_rel(grads, flip_grads, 1e-10)
+    assert_close_rel(params, flip_params, 1e-10)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close_rel(grads, want_grads, 1e-3)
+
+
+def test_mismatch_counts_rows_sampled_entirely_with_the_steps_weights_whatever_their_observation_versions():
+    """Step 1 on multi-turn rows whose policy tokens are at version 1, but for a few rows whose first turn
+    was sampled at version 0 (an episode continued across a `keep` sync): `train/mismatch_*` cover exactly
+    the policy tokens of the rows entirely at version 1, with observations at -1 or 1, and equal the
+    logprob gap computed by hand from the weights the step starts from."""
+    t = _trainer()
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    t.finish_train_step(0)
+    rows = multi_turn_rows(3, 4, 8, TOKENIZER.vocab_size, version=1)
+    for i in (1, 4, 7):  # the first policy block at version 0
+        mask, versions = rows["response_mask"][i], rows["token_versions"][i]
+        first_obs = int((~mask).nonzero()[0])
+        versions[:first_obs] = 0
+    fresh = [i for i in range(12) if i not in (1, 4, 7)]
+    with torch.no_grad():
+        logp, _ = token_logprobs(t.policy, rows["prompt_ids"], rows["response_ids"])
+    gap = [
+        (logp[i, : len(rows["response_ids"][i])] - rows["gen_logprobs"][i].double())[rows["response_mask"][i]]
+        for i in fresh
+    ]
+    t.begin_train_step(1, LossConfig())
+    t.train_microbatch(rows)
+    m = t.finish_train_step(1)
+    assert m["train/tokens"] == _masked_in(rows)
+    assert m["train/mismatch_tokens"] == sum(len(d) for d in gap) < m["train/tokens"]
+    want = float(torch.cat(gap).abs().mean())
+    assert m["train/mismatch_abs_logprob"] == pytest.approx(want, rel=1e-10)
+
+
 PASS_CHUNKS = ([0, 1, 2], [3, 4, 5, 6], [7, 8, 9])  # of make_rows(10, 7), lengths 7 7 8 | 6 8 5 7 | 7 5 7
 PASS_BUDGET = 12  # tokens per pass: 3 passes per chunk, rows 3 and 6 of the second (5 + 7 -> 2 x 7) in one
 
@@ -444,39 +557,59 @@ CHUNKINGS = [
     _random_chunking(NUM_ROWS),
     _random_chunking(NUM_ROWS),
 ]
-SCENARIOS = [(level, ci) for level in ("token", "sequence") for ci in range(len(CHUNKINGS))]
-# One chunk of the 12 rows (6 per rank) in passes of at most 20 tokens: 4 passes on each rank, two of them
-# packing two rows; with and without gradient checkpointing.
-DDP_PASS_BUDGET = 20
-PASS_SCENARIOS = [(level, ckpt) for level in ("token", "sequence") for ckpt in (False, True)]
+# The rows of a step: single-turn (`make_rows`, random prompts) or multi-turn (issue 36: 3 groups of 4 rows
+# sharing a prompt, policy blocks between observation blocks that are masked out; `multi_turn_rows`).
+ROW_KINDS = {
+    "single-turn": lambda: make_rows(NUM_ROWS, 11),
+    "multi-turn": lambda: multi_turn_rows(3, 4, 11, TOKENIZER.vocab_size),
+}
+LEVELS = ("token", "sequence")
+SCENARIOS = [(kind, level, ci) for kind in ROW_KINDS for level in LEVELS for ci in range(len(CHUNKINGS))]
+# One chunk of the 12 rows (6 per rank) in passes of at most DDP_PASS_BUDGET[kind] tokens: 4 passes on each
+# rank, some packing two rows (of the multi-turn rows: on rank 0 two of one prompt, which then runs once);
+# with and without gradient checkpointing.
+DDP_PASS_BUDGET = {"single-turn": 20, "multi-turn": 32}
+PASS_SCENARIOS = [(kind, level, ckpt) for kind in ROW_KINDS for level in LEVELS for ckpt in (False, True)]
+
+
+def _counting_shared_prefix(policy: TinyGPT) -> list[int]:
+    """[the number of `forward_shared_prefix` calls of `policy`]: the passes that ran a prompt once for several rows."""
+    calls = [0]
+    real = policy.forward_shared_prefix
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    policy.forward_shared_prefix = counted
+    return calls
+
+
+def _ddp_step(rank: int, world: int, rows: dict, chunking, level: str, cfg: TrainConfig = TRAIN) -> tuple:
+    """One step of `rows` in `chunking` on this rank, each chunk split across the ranks by length (what
+    CpuTrainerGroup does): (applied gradient, parameters after, metrics, shared-prefix forwards)."""
+    policy = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
+    shared = _counting_shared_prefix(policy)
+    core = TrainerCore(policy, cfg, process_group=dist.group.WORLD)
+    core.begin_train_step(0, LossConfig(level=level))
+    for chunk in chunking:
+        sub = take(rows, chunk)
+        core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]))
+    m = core.finish_train_step(0)
+    return [p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params], m, shared[0]
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = make_rows(NUM_ROWS, 11)
-    results = {}
-    for level, ci in SCENARIOS:
-        core = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, process_group=dist.group.WORLD)
-        core.begin_train_step(0, LossConfig(level=level))
-        for chunk in CHUNKINGS[ci]:
-            sub = take(rows, chunk)
-            mine = balanced_partition(seq_lengths(sub), world)[rank]  # what CpuTrainerGroup does
-            core.train_microbatch(take(sub, mine))
-        core.finish_train_step(0)
-        results[(level, ci)] = ([p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params])
-    for level, ckpt in PASS_SCENARIOS:
-        cfg = dataclasses.replace(TRAIN, micro_batch_tokens=DDP_PASS_BUDGET, gradient_checkpointing=ckpt)
-        core = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), cfg, process_group=dist.group.WORLD)
-        core.begin_train_step(0, LossConfig(level=level))
-        mine = balanced_partition(seq_lengths(rows), world)[rank]
-        core.train_microbatch(take(rows, mine))
-        m = core.finish_train_step(0)
-        results[("passes", level, ckpt)] = (
-            [p.grad.clone() for p in core.params],
-            [p.detach().clone() for p in core.params],
-            m["train/passes"],
+    results: dict = {}
+    for kind, level, ci in SCENARIOS:
+        results[(kind, level, ci)] = _ddp_step(rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
+    for kind, level, ckpt in PASS_SCENARIOS:
+        cfg = dataclasses.replace(TRAIN, micro_batch_tokens=DDP_PASS_BUDGET[kind], gradient_checkpointing=ckpt)
+        results[("passes", kind, level, ckpt)] = _ddp_step(
+            rank, world, ROW_KINDS[kind](), [list(range(NUM_ROWS))], level, cfg
         )
     # Rank 0's microbatch fails, rank 1's does not; both finish: both refuse (no rank applies a
     # step or waits for the other in the gradients' all-reduce), and an abort restores both.
@@ -505,31 +638,42 @@ def ddp_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("level, ci", SCENARIOS)
-def test_ddp_split_step_equals_full_batch(ddp_results, level, ci):
-    """Acceptance 1: 2 gloo ranks, chunking CHUNKINGS[ci] split across ranks by length: the applied
-    gradient and the post-step parameters equal a plain single-process full-batch step. float64: the
-    only differences are summation orders (~1e-15 relative); 1e-10 is tight and still robust. A wrong
-    normalizer (local instead of global N, or a per-microbatch mean) is off by O(1)."""
-    want_grads, want_params = reference_step(make_rows(NUM_ROWS, 11), level)
-    for rank in range(2):
-        grads, params = ddp_results[rank][(level, ci)]
-        assert_close_rel(grads, want_grads, 1e-10)
-        assert_close_rel(params, want_params, 1e-10)
-
-
-@pytest.mark.parametrize("level, ckpt", PASS_SCENARIOS)
-def test_ddp_token_budget_passes_equal_the_full_batch_step(ddp_results, level, ckpt):
-    """2 gloo ranks, each microbatch cut into >= 3 passes by `train.micro_batch_tokens` (with and
-    without gradient checkpointing): gradients and parameters equal the full-batch step (1e-10, as above)."""
-    rows = make_rows(NUM_ROWS, 11)
+@pytest.mark.parametrize("kind, level, ci", SCENARIOS)
+def test_ddp_split_step_equals_full_batch(ddp_results, kind, level, ci):
+    """Acceptance 1 (and acceptance 3 of issue 36 with the multi-turn rows): 2 gloo ranks, chunking
+    CHUNKINGS[ci] split across ranks by length: the applied gradient and the post-step parameters equal a
+    plain single-process full-batch step, which runs whole rows (no shared prompt). float64: the only
+    differences are summation orders (~1e-15 relative); 1e-10 is tight and still robust. A wrong
+    normalizer (local instead of global N, or a per-microbatch mean) is off by O(1). The step counts
+    exactly the masked-in tokens, over both ranks."""
+    rows = ROW_KINDS[kind]()
     want_grads, want_params = reference_step(rows, level)
     for rank in range(2):
-        grads, params, passes = ddp_results[rank][("passes", level, ckpt)]
-        mine = [seq_lengths(rows)[i] for i in balanced_partition(seq_lengths(rows), 2)[rank]]
-        assert passes == len(split_step.token_passes(mine, DDP_PASS_BUDGET)) >= 3
+        grads, params, m, shared = ddp_results[rank][(kind, level, ci)]
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
+        assert (m["train/tokens"], m["train/sequences"]) == (_masked_in(rows), NUM_ROWS)
+        if kind == "multi-turn" and ci == 0:  # 6 rows of 3 prompts on a rank: a prompt ran once for two rows
+            assert shared > 0, rank
+
+
+@pytest.mark.parametrize("kind, level, ckpt", PASS_SCENARIOS)
+def test_ddp_token_budget_passes_equal_the_full_batch_step(ddp_results, kind, level, ckpt):
+    """2 gloo ranks, each microbatch cut into >= 3 passes by `train.micro_batch_tokens` (with and
+    without gradient checkpointing): gradients and parameters equal the full-batch step (1e-10, as above)."""
+    rows = ROW_KINDS[kind]()
+    want_grads, want_params = reference_step(rows, level)
+    shared_passes = 0
+    for rank in range(2):
+        grads, params, m, shared = ddp_results[rank][("passes", kind, level, ckpt)]
+        mine = [seq_lengths(rows)[i] for i in balanced_partition(seq_lengths(rows), 2)[rank]]
+        assert m["train/passes"] == len(split_step.token_passes(mine, DDP_PASS_BUDGET[kind])) >= 3
+        assert_close_rel(grads, want_grads, 1e-10)
+        assert_close_rel(params, want_params, 1e-10)
+        assert m["train/tokens"] == _masked_in(rows)
+        shared_passes += shared
+    # gradient checkpointing runs whole rows; else the multi-turn rows' packed pair of one prompt shares it
+    assert shared_passes == (1 if kind == "multi-turn" and not ckpt else 0)
 
 
 def test_ddp_finish_after_a_failed_microbatch_refuses_on_every_rank(ddp_results):
