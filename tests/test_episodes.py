@@ -276,3 +276,83 @@ def test_rows_of_matches_the_storage_schema():
     e.add([6], [0.0], [5], policy=False)
     for name, col in rows_of([e]).items():
         assert col[0].dtype == ROLLOUT_SCHEMA[name].dtype, name
+
+
+# -- token in, token out with a BPE chat template ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    from single_controller.backends.common.hf_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("bpe") / "m", tokenizer="bpe", max_positions=128, seed=0)
+
+
+class ChatEnv:
+    """Answers the first turn with the observation `ok`, ends the episode at the second."""
+
+    def __init__(self):
+        self.turns = 0
+
+    async def reset(self, item):
+        return ""
+
+    async def step(self, action):
+        self.turns += 1
+        return StepOutcome(observation="ok") if self.turns == 1 else StepOutcome(reward=1.0, done=True)
+
+
+class IdsEngine:
+    """Continues with fixed ids (as if sampled), whatever they decode to."""
+
+    max_seq_len = 128
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.calls = turns, 0
+
+    async def continue_sequence(self, ids, max_new, request, stop_ids):
+        out = self.turns[self.calls]
+        self.calls += 1
+        return Continuation(tuple(out), tuple(-1.0 for _ in out), (0,) * len(out))
+
+
+def _unmerged(tok) -> list[int]:
+    """Ids of a multi-byte BPE token's bytes one by one: text whose re-encoding merges them."""
+    for piece, _ in sorted(tok.tok.get_vocab().items(), key=lambda kv: kv[1]):
+        if len(piece) >= 3 and piece.isalpha() and piece.isascii():
+            ids = [tok.encode(c)[0] for c in piece]
+            if tok.encode(tok.decode(ids)) != ids:
+                return ids
+    raise AssertionError("no merged token in the vocabulary")
+
+
+async def test_stored_ids_are_the_sampled_ids_where_re_tokenizing_the_text_gives_others(bpe_dir):
+    from single_controller.algorithm.losses import grpo_loss
+    from single_controller.data.tokenizer import load_tokenizer
+    from single_controller.types import LossConfig
+
+    tok = load_tokenizer(str(bpe_dir))
+    end = tok.eos_ids[0]  # <|im_end|> ends a turn of the ChatML template
+    first, second = _unmerged(tok) + [end], _unmerged(tok)[::-1] + [end]
+    assert tok.encode(tok.decode(first[:-1])) != first[:-1]  # the trap: decode + encode changes the ids
+    prompt_ids = tok.render_chat([{"role": "user", "content": "hi"}])
+    r = GenerationRequest(
+        "gb", Prompt("pb", tuple(prompt_ids)), SamplingParams(n=1, max_new_tokens=8), row_keys("gb", 1)
+    )
+    cfg = EnvConfig(fn="x", max_turns=3, timeout_s=1.0)
+    [ep] = await EpisodeRunner(cfg, ChatEnv, tok, QParser(), default_max_new=8).run_group(r, IdsEngine([first, second]))
+
+    obs = ep.response_ids[len(first) : len(ep.response_ids) - len(second)]
+    assert ep.response_ids == first + obs + second  # exactly what was sampled, around the observation
+    assert ep.mask == [True] * len(first) + [False] * len(obs) + [True] * len(second)
+    # the observation as inserted: the template's tokens between the turns, the policy's <|im_end|> not repeated
+    assert tok.tok.decode(obs) == "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    assert ep.prompt_ids == prompt_ids
+    # the loss counts exactly the sampled tokens
+    cols = rows_of([ep])
+    mask = cols["response_mask"][0][None]
+    logp = torch.randn(mask.shape, requires_grad=True)
+    out = grpo_loss(logp, cols["gen_logprobs"][0][None], torch.ones(1), mask, LossConfig())
+    out.loss_sum.backward()
+    assert out.num_tokens == len(first) + len(second)
+    assert (logp.grad[0][~mask[0]] == 0).all() and (logp.grad[0][mask[0]] != 0).all()
