@@ -85,7 +85,7 @@ def req(gid="g0", n=1, prompt_text="^4>", **sampling) -> GenerationRequest:
 
 
 def runner(calls: Calls, cfg: EnvConfig | None = None, **env_kw) -> EpisodeRunner:
-    cfg = cfg or EnvConfig(fn="scripted", max_turns=3, timeout_s=0.3, max_attempts=2)
+    cfg = cfg or EnvConfig(fn="scripted", max_turns=3, timeout_s=0.3, max_attempts=2, retry_backoff_s=0.05)
     return EpisodeRunner(cfg, lambda: Scripted(calls, **env_kw), TOKENIZER, QParser(), default_max_new=4)
 
 

@@ -573,6 +573,9 @@ class EnvConfig:
     max_attempts: PositiveInt = 2
     """Attempts of an episode whose environment failed (error or deadline) before its whole group is
     dropped with reason `env_failed` (counted; never a zero reward in the baseline)."""
+    retry_backoff_s: NonNegative = 0.5
+    """Pause before an episode's next attempt, doubled after each (0.5, 1, 2 s...): an environment
+    server that restarts gets that long to come back before the group is given up."""
     max_failures_in_a_row: PositiveInt = 64
     """Groups dropped as `env_failed` in a row, none scored between, before the run stops with
     `EnvironmentFailing` (a dead environment would drop every prompt)."""

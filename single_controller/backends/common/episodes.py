@@ -19,7 +19,8 @@ An episode ends when the environment says `done` (its reward), or after `env.max
 or when the next turn or observation would not fit the model's positions (`truncated_reward`: an
 outcome of the policy, not an error). Every environment call has the deadline `env.timeout_s`. An
 environment that fails (raises, misses a deadline, breaks the contract) fails that episode's attempt;
-the episode starts over with a fresh environment, up to `env.max_attempts` attempts; then the whole
+the episode starts over with a fresh environment after a pause (`env.retry_backoff_s`, doubled each
+time), up to `env.max_attempts` attempts; then the whole
 group fails with `EnvironmentFailed` and none of its rows is stored: a failed environment is never
 a zero reward in the GRPO baseline. Engine errors are not environment failures: they propagate.
 """
@@ -192,6 +193,8 @@ class EpisodeRunner:
                 last = e
             finally:
                 await self._close(env, item)
+            if attempt + 1 < self.cfg.max_attempts:  # a restarting server gets time to come back
+                await asyncio.sleep(self.cfg.retry_backoff_s * 2**attempt)
         assert last is not None
         raise _AttemptsExhausted(index, self.cfg.max_attempts, last)
 
