@@ -96,11 +96,16 @@ class EnvServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for task in list(self._handlers):
-            task.cancel()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        handlers = list(self._handlers)
+        for task in handlers:
+            task.cancel()  # requests in progress (a wedged environment's among them) end here
+        if handlers:
+            await asyncio.wait(handlers)
+        if server is not None:
+            await server.wait_closed()
         episodes, self._episodes = list(self._episodes.values()), {}
         for ep in episodes:
             if ep.timer is not None:
