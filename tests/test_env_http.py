@@ -124,16 +124,17 @@ async def test_a_server_that_accepts_and_never_answers_fails_the_call_at_its_dea
 
 
 async def test_a_wedged_environment_behind_a_live_server_fails_the_step_at_its_deadline():
-    async with EnvServer(_HangingStep) as server:
-        env = HttpEnvironment(server.url, timeout_s=0.3)
-        await env.reset(ITEM)
-        t0 = time.monotonic()
-        with pytest.raises(EnvFailed) as info:
-            await asyncio.wait_for(env.step(Action("1")), GUARD_S)
-        assert 0.3 <= time.monotonic() - t0 < 2.0
-        assert info.value.what == "step" and f"POST {server.url}/step: no answer" in str(info.value)
-        await asyncio.wait_for(env.close(), GUARD_S)  # the server still answers other calls
-    # stop() did not wait on the wedged step: we are here
+    server = EnvServer(_HangingStep)
+    url = await server.start()
+    env = HttpEnvironment(url, timeout_s=0.3)
+    await env.reset(ITEM)
+    t0 = time.monotonic()
+    with pytest.raises(EnvFailed) as info:
+        await asyncio.wait_for(env.step(Action("1")), GUARD_S)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert info.value.what == "step" and f"POST {url}/step: no answer" in str(info.value)
+    await asyncio.wait_for(env.close(), GUARD_S)  # the server still answers other calls
+    await asyncio.wait_for(server.stop(), GUARD_S)  # and stops without waiting on the wedged step
 
 
 async def test_check_env_url_on_a_silent_server_fails_at_its_deadline_naming_the_url():

@@ -3,6 +3,7 @@ loader and its checks, tool-call parsing (no torch, no Ray). Failure modes over 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import types
@@ -14,10 +15,16 @@ import pytest
 from single_controller.config.schema import EnvConfig
 from single_controller.data.tasks import EVAL_DATASETS, TASKS, TOKENIZER, is_held_out, load_task
 from single_controller.envs.builtin import GuessEnv, LookupEnv, digit_match, other_value
-from single_controller.envs.contract import Action, EnvContractError, Environment, EpisodeItem, ToolCall
+from single_controller.envs.contract import Action, EnvContractError, EnvFailed, Environment, EpisodeItem, ToolCall
 from single_controller.envs.http_client import HttpEnvironment
 from single_controller.envs.http_server import EnvServer
-from single_controller.envs.inprocess import check_env, check_env_class, load_env_factory
+from single_controller.envs.inprocess import (
+    GuardedEnvironment,
+    check_env,
+    check_env_class,
+    load_env_factory,
+    make_env_factory,
+)
 from single_controller.envs.tool_calls import (
     ToolCallFormatError,
     ToolCallParser,
@@ -382,3 +389,54 @@ def test_a_format_the_tokenizer_cannot_write_is_refused_naming_the_format_and_th
     check_expressible(hermes, _TemplateTokenizer("<tool_call>"))  # bytes write anything
     with pytest.raises(ToolCallFormatError, match=r"'</tool_call>'.*decodes back as ''"):
         check_expressible(hermes, _TemplateTokenizer("<tool_call>", drop="</tool_call>"))  # a skipped special token
+
+
+# -- in-process environments under the transport's rules -----------------------------------------------
+class _Wedged(_Good):
+    async def step(self, action):
+        await asyncio.Event().wait()
+
+
+class _Raising(_Good):
+    async def step(self, action):
+        raise KeyError("no such board")
+
+    async def close(self):
+        raise OSError("disk gone")
+
+
+class _NotAnOutcome(_Good):
+    async def step(self, action):
+        return {"reward": 1.0}
+
+
+async def test_in_process_environments_get_deadlines_and_env_failures_like_http_ones(monkeypatch):
+    mod = types.SimpleNamespace(Wedged=_Wedged, Raising=_Raising, NotAnOutcome=_NotAnOutcome)
+    monkeypatch.setitem(sys.modules, "_sc_env_bad", mod)
+    item = EpisodeItem("p00009", "^3>", "482", attempt=1, index=3)
+    wedged = make_env_factory(EnvConfig(fn="_sc_env_bad:Wedged", timeout_s=0.2))()
+    assert await wedged.reset(item) == ""
+    with pytest.raises(
+        EnvFailed, match=r"environment step for episode p00009.3.a1 failed: no answer within env.timeout_s=0.2 s"
+    ):
+        await asyncio.wait_for(wedged.step(Action("1")), 10.0)
+    raising = make_env_factory(EnvConfig(fn="_sc_env_bad:Raising"))()
+    await raising.reset(item)
+    with pytest.raises(
+        EnvFailed, match=r"step for episode p00009.3.a1 failed: _Raising.step raised KeyError: 'no such board'"
+    ):
+        await raising.step(Action("1"))
+    with pytest.raises(EnvFailed, match=r"environment close .* _Raising.close raised OSError: disk gone"):
+        await raising.close()
+    odd = make_env_factory(EnvConfig(fn="_sc_env_bad:NotAnOutcome"))()
+    await odd.reset(item)
+    with pytest.raises(EnvFailed, match="step returned a dict, not a StepOutcome"):
+        await odd.step(Action("1"))
+    good = make_env_factory(EnvConfig(fn="lookup"))()
+    assert isinstance(good, GuardedEnvironment) and isinstance(good.env, LookupEnv)
+    http = make_env_factory(EnvConfig(url="http://127.0.0.1:8765", timeout_s=3.0, args={"a": 1}))()
+    assert isinstance(http, HttpEnvironment) and (http.url, http.timeout_s, http.args) == (
+        "http://127.0.0.1:8765",
+        3.0,
+        {"a": 1},
+    )
