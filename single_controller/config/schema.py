@@ -67,8 +67,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class TaskConfig:
     name: str = "reverse_digits"
-    """Dataset of prompts: a registered task name (`reverse_digits`, `copy_digits`) or `module:function`
-    returning an iterable of `Prompt`s for (num_prompts, seed)."""
+    """Dataset of prompts: a registered task name (`reverse_digits`, `copy_digits`; `lookup`, `guess`: the
+    prompts of the built-in environments, with `env.fn` of the same name) or `module:function` returning
+    an iterable of `Prompt`s for (num_prompts, seed)."""
     reward_fn: str = "single_controller.data.tasks:positional_match_reward"
     """Reward function `module:function`, called as fn(prompt, response_text) -> float inside the
     generation worker (or a batched one, as in `reward.functions`). Used when `reward.functions` is

@@ -7,9 +7,14 @@ Contract:
 * A task is a dataset function `(num_prompts, num_digits, seed) -> list[Prompt]`, registered in
   `TASKS` by name; `prompt_id`s are `p00000`, `p00001`, ... (unique within the list), and
   `Prompt.answer` is the exact expected response text.
+* `lookup` and `guess` are the prompts of the built-in environments of the same names
+  (`single_controller/envs/builtin.py`, multi-turn: `env.fn`): `^K>` with a secret `num_digits`-digit
+  value, `^>` with a secret digit, the secret being the prompt's `answer`. Their prompt text does not
+  determine the answer, so the held-out split keys on the secret: `lookup.held_out` has the held-out
+  values (the training pool never draws one), `guess.held_out` each of the ten digits once.
 * Held-out split: a digit string is held out for evaluation iff `is_held_out(digits)` (a fixed
   hash, 1 string in `HELD_OUT_BUCKETS`), the same for every seed, pool size and digit task. The
-  training tasks (`TASKS`) never draw a held-out string; the held-out sets (`EVAL_DATASETS`,
+  digit tasks never draw a held-out string; the held-out sets (`EVAL_DATASETS`,
   `<task>.held_out`, ids `h00000`, ...) draw only those, distinct, so eval prompts and training
   prompts are disjoint by construction. `load_eval_prompts(cfg)` resolves `eval.dataset`.
 * A reward function is `fn(prompt, response_text) -> float` (see `protocols.RewardFunction`).
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from single_controller.types import Prompt
 
 PAD_CHAR, BOS_CHAR, EOS_CHAR = "_", "^", "$"
+DIGITS = "0123456789"
 _SYMBOLS = ">+-=:?"
 
 
@@ -129,7 +135,12 @@ def _held_out_prompts(num_prompts: int, num_digits: int, seed: int, transform: C
     """Eval prompts: distinct held-out digit strings in a seeded order (fewer if fewer exist)."""
     if num_prompts < 1 or num_digits < 1:
         raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
-    rng = random.Random(seed)
+    chosen = _held_out_strings(num_prompts, num_digits, random.Random(seed))
+    return [_digit_prompt("h", i, d, transform) for i, d in enumerate(chosen)]
+
+
+def _held_out_strings(num_prompts: int, num_digits: int, rng: random.Random) -> list[str]:
+    """Distinct held-out digit strings in the order `rng` gives (fewer if fewer exist)."""
     if 10**num_digits <= _ENUMERATE_UP_TO:
         pool = [s for s in (str(i).zfill(num_digits) for i in range(10**num_digits)) if is_held_out(s)]
         rng.shuffle(pool)
@@ -142,7 +153,7 @@ def _held_out_prompts(num_prompts: int, num_digits: int, seed: int, transform: C
             if digits not in seen and is_held_out(digits):
                 seen.add(digits)
                 chosen.append(digits)
-    return [_digit_prompt("h", i, d, transform) for i, d in enumerate(chosen)]
+    return chosen
 
 
 def _reverse(d: str) -> str:
@@ -173,15 +184,69 @@ def copy_digits_held_out(num_prompts: int, num_digits: int, seed: int) -> list[P
     return _held_out_prompts(num_prompts, num_digits, seed, _copy)
 
 
+# -- the prompts of the built-in environments (`single_controller/envs/builtin.py`, env.fn of the same name)
+def _lookup_prompt(prefix: str, i: int, key: str, value: str) -> Prompt:
+    return Prompt(f"{prefix}{i:05d}", tuple(TOKENIZER.encode(f"{BOS_CHAR}{key}>")), value)
+
+
+def lookup(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """`^K>` (K: a one-digit key) -> the key's secret `num_digits`-digit value, drawn from the seed per
+    prompt (never a held-out value): only the `lookup` environment's tool tells it (`?K` -> `=VVV>`)."""
+    if num_prompts < 1 or num_digits < 1:
+        raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
+    rng = random.Random(seed)
+    prompts: list[Prompt] = []
+    while len(prompts) < num_prompts:
+        key, value = rng.choice(DIGITS), "".join(rng.choice(DIGITS) for _ in range(num_digits))
+        if not is_held_out(value):
+            prompts.append(_lookup_prompt("p", len(prompts), key, value))
+    return prompts
+
+
+def lookup_held_out(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """The held-out split of `lookup`: distinct held-out values (fewer if fewer exist), seeded keys."""
+    if num_prompts < 1 or num_digits < 1:
+        raise ValueError(f"need num_prompts >= 1 and num_digits >= 1, got {num_prompts}, {num_digits}")
+    rng = random.Random(seed)
+    values = _held_out_strings(num_prompts, num_digits, rng)
+    return [_lookup_prompt("h", i, rng.choice(DIGITS), v) for i, v in enumerate(values)]
+
+
+def guess(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """`^>` -> a secret digit drawn from the seed per prompt, found by playing the `guess` environment
+    (`num_digits` is not used: the secret is one digit)."""
+    if num_prompts < 1:
+        raise ValueError(f"need num_prompts >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    ids = tuple(TOKENIZER.encode(BOS_CHAR + ">"))
+    return [Prompt(f"p{i:05d}", ids, rng.choice(DIGITS)) for i in range(num_prompts)]
+
+
+def guess_held_out(num_prompts: int, num_digits: int, seed: int) -> list[Prompt]:
+    """The eval set of `guess`: every secret digit once, in a seeded order (at most 10 prompts). The
+    prompt text is the same for every secret, so nothing is held out but the episodes: eval measures
+    the search the policy learned, over each secret equally."""
+    if num_prompts < 1:
+        raise ValueError(f"need num_prompts >= 1, got {num_prompts}")
+    secrets = list(DIGITS)
+    random.Random(seed).shuffle(secrets)
+    ids = tuple(TOKENIZER.encode(BOS_CHAR + ">"))
+    return [Prompt(f"h{i:05d}", ids, d) for i, d in enumerate(secrets[:num_prompts])]
+
+
 TASKS: dict[str, Callable[[int, int, int], list[Prompt]]] = {
     "reverse_digits": reverse_digits,
     "copy_digits": copy_digits,
+    "lookup": lookup,
+    "guess": guess,
 }
 
 # Held-out sets by name; `<task>.held_out` is the default eval set of task `<task>`.
 EVAL_DATASETS: dict[str, Callable[[int, int, int], list[Prompt]]] = {
     "reverse_digits.held_out": reverse_digits_held_out,
     "copy_digits.held_out": copy_digits_held_out,
+    "lookup.held_out": lookup_held_out,
+    "guess.held_out": guess_held_out,
 }
 
 

@@ -45,6 +45,9 @@ class EpisodeItem:
 class ToolCall:
     name: str
     arguments: Any  # parsed arguments: a dict (JSON formats) or the raw argument string
+    # Set when the action tried a call the parser could not read (e.g. a `<tool_call>` with bad JSON):
+    # `arguments` is then the raw text; the environment answers with an error observation.
+    error: str | None = None
 
 
 @dataclass(frozen=True)

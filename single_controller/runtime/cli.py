@@ -153,6 +153,11 @@ def _cmd_storage(args: argparse.Namespace) -> int:
     return int(fn(list(args.args)))
 
 
+def _cmd_env(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.envs.http_server:main")
+    return int(fn(list(args.args)))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     fn = _load_entry_point("single_controller.runtime.status:main")
     argv = ["--url", args.url] if args.url else []
@@ -175,6 +180,7 @@ commands:
   status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
   init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
   storage  a TransferQueue for runs:  sc-grpo storage serve --address HEAD_IP:6379
+  env      serve an environment:     sc-grpo env serve lookup --port 8765
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
 The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
@@ -190,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_run, _add_config, _add_bench, _add_status, _add_storage, _add_init_model):
+    for add in (_add_run, _add_config, _add_bench, _add_status, _add_storage, _add_env, _add_init_model):
         add(sub)
     return parser
 
@@ -302,6 +308,23 @@ def _add_storage(sub: Any) -> None:
     )
     p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve|list and their options (--help)")
     p.set_defaults(func=_cmd_storage)
+
+
+def _add_env(sub: Any) -> None:
+    p = _subparser(
+        sub,
+        "env",
+        help="serve an environment over HTTP for multi-turn runs (env.url)",
+        description="serve: serve SPEC (lookup, guess or module:Class, what env.fn takes) over the JSON "
+        "protocol of docs/environments.md, on 127.0.0.1 unless --host says otherwise; prints the url it "
+        "listens on, one line, and serves until Ctrl-C / SIGTERM. Options: --host, --port (default 8765, "
+        "0: a free one), --args JSON (the class's keyword arguments), --idle-timeout S.",
+        epilog="examples:\n  sc-grpo env serve lookup --port 8765\n"
+        "  sc-grpo env serve guess --args '{\"shaped\": true}'\n"
+        "  sc-grpo run configs/embedded.yaml env.url=http://127.0.0.1:8765",
+    )
+    p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve SPEC and its options (--help)")
+    p.set_defaults(func=_cmd_env)
 
 
 def _add_init_model(sub: Any) -> None:

@@ -1,0 +1,162 @@
+"""In-process environments (`env.fn`) and the check of an environment before start-up (`check_env`).
+
+Contract:
+* `env.fn` is a built-in name (`BUILTIN_ENVS`: `lookup`, `guess`) or `module:Class` (dots after the
+  colon walk attributes), imported from the current directory and the Python path.
+* `check_env_class(obj, spec, args)` raises `EnvContractError`, naming the spec and what is wrong,
+  unless `obj` is a class with `async def reset` and `async def step` (and `close`, when it has one,
+  `async def` too) whose constructor accepts `args` as keywords (checked on its signature: nothing is
+  instantiated before start-up).
+* `load_env_factory(cfg)` resolves and checks `env.fn` once, and returns the per-episode factory: each
+  call is a fresh `Class(**env.args)`.
+* `make_env_factory(cfg)` is what a runner uses: per-episode environments of either transport under the
+  same rules (every call within `env.timeout_s`, every failure an `EnvFailed` naming the call and the
+  episode): `GuardedEnvironment` around `env.fn`'s class, `HttpEnvironment` for `env.url`.
+* `check_env(cfg)` validates what the config names, `fn` or `url` (reachable, speaking the protocol:
+  `http_client.check_env_url`), raising `EnvContractError`; nothing when both are null (env off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from single_controller.envs.contract import Action, EnvContractError, EnvFailed, Environment, EpisodeItem, StepOutcome
+
+if TYPE_CHECKING:
+    from single_controller.config.schema import EnvConfig
+
+BUILTIN_ENVS: dict[str, str] = {
+    "lookup": "single_controller.envs.builtin:LookupEnv",
+    "guess": "single_controller.envs.builtin:GuessEnv",
+}
+
+
+def resolve_env_class(spec: str) -> Any:
+    """The object `spec` names (a built-in name or `module:Class`), or `EnvContractError` saying why not."""
+    target = BUILTIN_ENVS.get(spec, spec)
+    module_name, sep, attr_path = target.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise EnvContractError(
+            f"env.fn {spec!r}: expected a built-in environment ({', '.join(sorted(BUILTIN_ENVS))}) or 'module:Class'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EnvContractError(
+            f"env.fn {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e} (modules are imported "
+            "from the current directory and the Python path)"
+        ) from e
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise EnvContractError(f"env.fn {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
+def check_env_class(obj: Any, spec: str = "", args: Mapping[str, Any] | None = None) -> None:
+    """Refuse what cannot serve as an environment class (see the module's contract)."""
+    name = f"env.fn {spec!r}" if spec else f"environment {obj!r}"
+    if not inspect.isclass(obj):
+        raise EnvContractError(f"{name} is a {type(obj).__name__}, not a class with async reset(item) and step(action)")
+    for method in ("reset", "step", "close"):
+        fn = getattr(obj, method, None)
+        if fn is None and method != "close":
+            raise EnvContractError(
+                f"{name}: class {obj.__qualname__} has no {method}() method (the contract needs "
+                f"`async def {method}(...)`)"
+            )
+        if fn is not None and not inspect.iscoroutinefunction(fn):
+            raise EnvContractError(
+                f"{name}: {obj.__qualname__}.{method} must be `async def` (it is a plain {type(fn).__name__})"
+            )
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return  # no signature to check (a C type): the first episode will tell
+    try:
+        signature.bind(**dict(args or {}))
+    except TypeError as e:
+        raise EnvContractError(
+            f"{name}: {obj.__qualname__}{signature} rejects env.args {dict(args or {})!r}: {e}"
+        ) from None
+
+
+def load_env_factory(cfg: EnvConfig) -> Callable[[], Environment]:
+    """The per-episode factory of `env.fn`: a fresh `Class(**env.args)` per call (checked first)."""
+    if cfg.fn is None:
+        raise EnvContractError("env.fn is null: there is no in-process environment to load")
+    cls = resolve_env_class(cfg.fn)
+    check_env_class(cls, cfg.fn, cfg.args)
+    return functools.partial(cls, **dict(cfg.args))
+
+
+class GuardedEnvironment:
+    """An in-process environment held to the transport's rules: every call within `timeout_s`, and any
+    error (or an answer outside the contract) an `EnvFailed` naming the call and the episode, as the
+    HTTP client's. A call that blocks the event loop itself (`time.sleep`, a busy loop) cannot be
+    bounded from inside it: such an environment belongs behind `sc-grpo env serve`."""
+
+    def __init__(self, env: Any, timeout_s: float):
+        self.env, self.timeout_s = env, timeout_s
+        self.episode = "(none)"
+
+    async def reset(self, item: EpisodeItem) -> str:
+        self.episode = f"{item.prompt_id}.{item.index}.a{item.attempt}"
+        observation = await self._call("reset", self.env.reset(item))
+        if not isinstance(observation, str):
+            raise EnvFailed("reset", self.episode, f"reset returned a {type(observation).__name__}, not a str")
+        return observation
+
+    async def step(self, action: Action) -> StepOutcome:
+        out = await self._call("step", self.env.step(action))
+        if not isinstance(out, StepOutcome):
+            raise EnvFailed("step", self.episode, f"step returned a {type(out).__name__}, not a StepOutcome")
+        return out
+
+    async def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            await self._call("close", close())
+
+    async def _call(self, what: str, call: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await call
+        except TimeoutError:
+            raise EnvFailed(what, self.episode, f"no answer within env.timeout_s={self.timeout_s:g} s") from None
+        except Exception as e:
+            raise EnvFailed(
+                what, self.episode, f"{type(self.env).__name__}.{what} raised {type(e).__name__}: {e}"
+            ) from e
+
+
+def make_env_factory(cfg: EnvConfig) -> Callable[[], Environment]:
+    """The per-episode environments of a run, either transport, with the same rules: `env.fn` as
+    `GuardedEnvironment`s, `env.url` as `HttpEnvironment`s (each call within `env.timeout_s`, every
+    failure an `EnvFailed`)."""
+    if cfg.url is not None and cfg.fn is None:
+        from single_controller.envs.http_client import HttpEnvironment
+
+        url, timeout_s, args = cfg.url, cfg.timeout_s, dict(cfg.args)
+        return lambda: HttpEnvironment(url, timeout_s=timeout_s, args=args)
+    factory = load_env_factory(cfg)
+    return lambda: GuardedEnvironment(factory(), cfg.timeout_s)
+
+
+def check_env(cfg: EnvConfig) -> None:
+    """Before start-up: `env.fn` imports and satisfies the contract, or `env.url` answers /health with
+    the protocol (within `env.timeout_s`). Raises `EnvContractError` naming the spec or url."""
+    if cfg.fn is not None and cfg.url is not None:
+        raise EnvContractError(f"env.fn ({cfg.fn!r}) and env.url ({cfg.url!r}) exclude each other: give one")
+    if cfg.fn is not None:
+        load_env_factory(cfg)
+    elif cfg.url is not None:
+        from single_controller.envs.http_client import check_env_url
+
+        check_env_url(cfg.url, cfg.timeout_s)
