@@ -153,11 +153,7 @@ class Controller:
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
         # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
-        prompts = (
-            PromptLedger.from_dict(resume["prompts"], prompt_history)
-            if resume is not None
-            else PromptLedger(prompt_history)
-        )
+        prompts = PromptLedger.from_dict(resume["prompts"], prompt_history) if resume else PromptLedger(prompt_history)
         self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_ids = stop_token_ids
         self.on_step = on_step

@@ -46,8 +46,10 @@ class PromptStream:
     unique over the run (`e{epoch}-{id}`), which the exactly-once prompt ledger relies on: a pool
     that repeats an id is refused as it is loaded, naming the ids. Its
     position (epoch, cursor) is part of a checkpoint; `seek(taken)` restores it exactly.
-    With eval on, no training prompt has the token ids of an eval prompt (the built-in tasks never
-    draw their held-out split anyway; this also keeps a custom `eval.dataset` out of training)."""
+    With eval on, no training prompt has the token ids and answer of an eval prompt (the built-in
+    tasks never draw their held-out split anyway; this also keeps a custom `eval.dataset` out of
+    training; the answer counts because an environment's task may hide behind one prompt text, as
+    `lookup`'s secret values do)."""
 
     def __init__(self, cfg: Config):
         from single_controller.data.sources import eval_prompts, train_prompts
@@ -55,8 +57,8 @@ class PromptStream:
         loaded = train_prompts(cfg)
         self.pool, self.too_long = loaded.prompts, loaded.too_long
         if cfg.eval.enabled:
-            held_out = {p.token_ids for p in eval_prompts(cfg)}
-            self.pool = [p for p in self.pool if p.token_ids not in held_out]
+            held_out = {(p.token_ids, p.answer) for p in eval_prompts(cfg)}
+            self.pool = [p for p in self.pool if (p.token_ids, p.answer) not in held_out]
             if not self.pool:
                 what = "data.train_files" if cfg.data.train_files else f"task {cfg.task.name!r}"
                 raise ValueError(f"every prompt of {what} is also an eval prompt: nothing left to train on")

@@ -339,7 +339,9 @@ class GenerationCore:
 
 def _transcript(tokenizer: RunTokenizer, e: Episode) -> str:
     """An episode's response for logs: policy turns as text, observations in [brackets]."""
-    parts, run, policy = [], [], None
+    parts: list[str] = []
+    run: list[int] = []
+    policy: bool | None = None
     for tok, m in zip(e.response_ids, e.mask):
         if m != policy and run:
             parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
@@ -410,12 +412,16 @@ class GenerationActor:
         self._running = 0
         self._closed = False
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
-        # Multi-turn episodes (`env` set): every request is a group of episodes, not a batch item.
-        self._episodes: EpisodeRunner | None = None
+        self._episodes: EpisodeRunner | None = None  # multi-turn (`env` set)
         self._groups: dict[str, asyncio.Task] = {}  # episode groups under way
         if env is not None and env_enabled(env):
-            self._episodes = episode_runner(env, self._core.tokenizer, default_max_new=max_new_tokens, name=name)
-            self._batcher = TurnBatcher(int(policy.max_seq_len), self._continue_in_turn, self._pass_gate)
+            self._play_episodes(env, policy, max_new_tokens)
+
+    def _play_episodes(self, env: EnvConfig, policy: nn.Module, max_new_tokens: int) -> None:
+        """Multi-turn: every request is a group of episodes (`backends/common/episodes.py`), not a batch item."""
+        self._episodes = episode_runner(env, self._core.tokenizer, default_max_new=max_new_tokens, name=self.name)
+        positions = int(policy.max_seq_len)  # type: ignore[arg-type]  # TinyGPT's and HF policies' attribute
+        self._batcher = TurnBatcher(positions, self._continue_in_turn, self._pass_gate)
 
     def _start(self) -> None:
         # Created on first use: the event loop is running by then (Ray builds async actors outside it).
