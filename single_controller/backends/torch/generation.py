@@ -525,7 +525,9 @@ class GenerationActor:
         """Play a group's episodes and store their rows (`backends/common/episodes.py`)."""
         assert self._episodes is not None
         gid = request.group_id
-        while request.min_version is not None and (self._core.version or -1) < request.min_version:
+        while request.min_version is not None and (
+            self._core.version is None or self._core.version < request.min_version
+        ):
             await self._weights_changed.wait()  # version-gated, as the batching loop holds requests
         self._core.running_ids.add(gid)
         try:
