@@ -40,7 +40,7 @@ from single_controller.data.tokenizer import RunTokenizer
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.envs.contract import Action, EnvFailed, Environment, EpisodeItem, StepOutcome
 from single_controller.protocols import EnvironmentFailed
-from single_controller.types import GenerationRequest
+from single_controller.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from single_controller.envs.tool_calls import ToolCallParser
@@ -340,3 +340,40 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
         "truncated": float(sum(e.truncated for e in episodes)),
         "retries": float(sum(e.attempts - 1 for e in episodes)),
     }
+
+
+def episode_result(
+    request: GenerationRequest, episodes: Sequence[Episode], tokenizer: RunTokenizer
+) -> GenerationResult:
+    """A group's result: its rewards and episode statistics; its version span over the policy tokens
+    only (an observation carries the version of the turn before it and is never trained)."""
+    versions = [v for e in episodes for v, m in zip(e.versions, e.mask) if m]
+    if not versions:
+        raise ValueError(f"group {request.group_id}: no episode sampled a token (the prompt fills the context)")
+    rewards = tuple(e.reward for e in episodes)
+    return GenerationResult(
+        group_id=request.group_id,
+        rewards=rewards,
+        response_lengths=tuple(len(e.response_ids) for e in episodes),
+        prompt_length=len(episodes[0].prompt_ids),
+        version_start=min(versions),
+        version_end=max(versions),
+        sample=(tokenizer.decode(episodes[0].prompt_ids), transcript(tokenizer, episodes[0]), rewards[0]),
+        episode_stats=episode_stats(episodes),
+    )
+
+
+def transcript(tokenizer: RunTokenizer, e: Episode) -> str:
+    """An episode's response for logs: policy turns as text, observations in [brackets]."""
+    parts: list[str] = []
+    run: list[int] = []
+    policy = None
+    for tok, m in zip(e.response_ids, e.mask):
+        if m != policy and run:
+            parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
+            run = []
+        policy = m
+        run.append(tok)
+    if run:
+        parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
+    return "".join(parts)

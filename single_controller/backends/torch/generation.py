@@ -43,8 +43,8 @@ from single_controller.backends.common.episodes import (
     Continuation,
     Episode,
     EpisodeRunner,
+    episode_result,
     episode_runner,
-    episode_stats,
     rows_of,
 )
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
@@ -290,28 +290,13 @@ class GenerationCore:
     def store_episodes(self, r: GenerationRequest, episodes: Sequence[Episode]) -> GenerationResult | None:
         """Store a group's finished episodes (nothing for an eval request) unless it was cancelled
         meanwhile (None); its result."""
-        versions = [v for e in episodes for v, m in zip(e.versions, e.mask) if m]
-        rewards = tuple(e.reward for e in episodes)
-        result = GenerationResult(
-            group_id=r.group_id,
-            rewards=rewards,
-            response_lengths=tuple(len(e.response_ids) for e in episodes),
-            prompt_length=len(episodes[0].prompt_ids),
-            version_start=min(versions),
-            version_end=max(versions),
-            sample=(
-                self.tokenizer.decode(episodes[0].prompt_ids),
-                _transcript(self.tokenizer, episodes[0]),
-                rewards[0],
-            ),
-            episode_stats=episode_stats(episodes),
-        )
+        result = episode_result(r, episodes, self.tokenizer)
         with self._write_lock:
             if r.group_id in self._cancelled:
                 return None
             if not r.eval:
                 columns: dict[str, Any] = dict(rows_of(episodes))
-                columns["reward"] = torch.tensor(rewards, dtype=torch.float32)
+                columns["reward"] = torch.tensor(result.rewards, dtype=torch.float32)
                 self.storage.put_rows_sync(r.row_keys, columns)
                 self._written.add(r.group_id)
             self._counts["groups"] += not r.eval
@@ -335,22 +320,6 @@ class GenerationCore:
             env_failures=self.env_failures,
             **self._counts,
         )
-
-
-def _transcript(tokenizer: RunTokenizer, e: Episode) -> str:
-    """An episode's response for logs: policy turns as text, observations in [brackets]."""
-    parts: list[str] = []
-    run: list[int] = []
-    policy: bool | None = None
-    for tok, m in zip(e.response_ids, e.mask):
-        if m != policy and run:
-            parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
-            run = []
-        policy = m
-        run.append(tok)
-    if run:
-        parts.append(tokenizer.decode(run) if policy else f"[{tokenizer.decode(run)}]")
-    return "".join(parts)
 
 
 class GenerationActor:

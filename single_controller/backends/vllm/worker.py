@@ -26,6 +26,18 @@ thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, 
   `cancel` returns. Either way, once `cancel` returns no key of the group is in storage, and none
   will be.
 * `pause(after_steps)` / `resume()`: stop stepping (in-flight requests frozen) and go on.
+
+Multi-turn episodes (`env` set): every request, rollout or eval, is a group of G episodes played by
+`backends/common/episodes.py`'s `EpisodeRunner` against the environment; each policy turn is ONE
+engine request (n = 1, the whole sequence so far as its prompt, the turn's budget and stop tokens,
+the sampling settings and logprobs above), stepped by the same engine loop as every other request,
+so all the episodes' turns run concurrently. The prefix cache is on: a turn reuses the KV of its
+episode's earlier turns; its blocks are salted with the weight version, so none is reused across an
+update. The rows (`rows_of`: observation tokens masked out, logprob 0) and the result
+(`episode_result`) are the torch worker's. Version gating, `keep` updates between steps (a turn's
+tokens carry their versions), pause and cancel hold as above: `cancel` aborts the group's turns in
+the engine and stops its episodes; no row of it is written after `cancel` returns. A group whose
+environment fails (`EnvironmentFailed`) is answered with it alone, nothing stored.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -44,14 +57,22 @@ import torch
 
 from replay.storage import Columns, LazyRowStorage
 from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
+from single_controller.backends.common.episodes import (
+    Continuation,
+    Episode,
+    EpisodeRunner,
+    episode_result,
+    episode_runner,
+    rows_of,
+)
 from single_controller.backends.common.rewards import GroupToScore, RewardScorer
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
-from single_controller.config.schema import Config, run_reward
+from single_controller.config.schema import Config, env_enabled, rollout_max_new_tokens, run_reward
 from single_controller.data.tokenizer import load_tokenizer
-from single_controller.protocols import GenerationFailed
+from single_controller.protocols import EnvironmentFailed, GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 
@@ -64,6 +85,8 @@ class VllmGenerationStatistics:
     tokens: int
     running: int  # groups in the engine
     cancelled: int
+    env_failures: int  # episode groups answered with EnvironmentFailed (none stored)
+    cached_tokens: int  # episode turns' prompt tokens whose KV came from the prefix cache
     weight_updates: int
     last_update_s: float
     paused: bool
@@ -76,6 +99,22 @@ class _Group:
     state: str = "running"  # (held ->) running -> writing -> done; held: waiting for newer weights
     cancelled: bool = False
     written: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None  # episodes (`env`): the task playing them
+    turns: set[str] = field(default_factory=set)  # episodes: the engine requests of their turns under way
+
+
+@dataclass
+class _GroupEngine:
+    """The `TurnEngine` (`backends/common/episodes.py`) a group's episodes continue their sequences on."""
+
+    actor: VllmGenerationActor
+    group: _Group
+    max_seq_len: int
+
+    async def continue_sequence(
+        self, ids: Sequence[int], max_new: int, request: GenerationRequest, stop_ids: tuple[int, ...]
+    ) -> Continuation:
+        return await self.actor._continue(self.group, ids, max_new, stop_ids)
 
 
 def checkpoint_names(model_dir: str) -> set[str]:
@@ -91,11 +130,12 @@ def checkpoint_names(model_dir: str) -> set[str]:
 
 def max_model_len(cfg: Config, positions: int) -> int:
     """The engine's context: the model's positions, or less when the data bounds the sequences
-    (`data.max_prompt_tokens` + the most new tokens; for the digit tasks, `model.max_seq_len`)."""
-    from single_controller.config.schema import eval_max_new_tokens, prompts_from_data, rollout_max_new_tokens
+    (`data.max_prompt_tokens` + the most new tokens, unless episodes grow them turn by turn; for the
+    digit tasks, `model.max_seq_len`)."""
+    from single_controller.config.schema import eval_max_new_tokens, prompts_from_data
 
     if prompts_from_data(cfg):
-        if cfg.data.max_prompt_tokens is None:
+        if cfg.data.max_prompt_tokens is None or env_enabled(cfg.env):
             return positions
         new = max(rollout_max_new_tokens(cfg), eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
         return min(positions, cfg.data.max_prompt_tokens + new)
@@ -120,7 +160,10 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
         distributed_executor_backend="uni",  # the engine in this process: nothing to clean up elsewhere
         worker_extension_cls="single_controller.backends.vllm.extension.WeightLoader",
         logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
-        enable_prefix_caching=False,  # cached KV would outlive a weight update
+        # Episodes (`env`): each turn re-sends its whole sequence, whose earlier turns' KV the cache
+        # holds. Blocks are salted with the weight version that computed them (`_continue`), so none
+        # is reused across a weight update. Single-turn groups (one request each) need no cache.
+        enable_prefix_caching=env_enabled(cfg.env),
         async_scheduling=False,  # outputs of a step are labelled with the weights that made them
         disable_log_stats=True,
     )
@@ -154,13 +197,17 @@ class VllmGenerationActor:
         # that the running thread count is the one their metadata was planned with.
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-engine")
         t0 = time.perf_counter()
-        args = EngineArgs(**engine_args(cfg, seed))
+        kwargs = engine_args(cfg, seed)
+        self.max_model_len: int = kwargs["max_model_len"]
+        args = EngineArgs(**kwargs)
         self.engine = self._engine_thread.submit(LLMEngine.from_engine_args, args).result()
         self.engine_start_s = time.perf_counter() - t0
         self.version: int | None = None  # set by the first update_weights (v0 from the trainer)
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._groups: dict[str, _Group] = {}
-        self._counts = dict(engine_steps=0, groups=0, rows=0, tokens=0, cancelled=0, weight_updates=0)
+        self._counts = dict(
+            engine_steps=0, groups=0, rows=0, tokens=0, cancelled=0, weight_updates=0, env_failures=0, cached_tokens=0
+        )
         self._last_update_s = 0.0
         self._paused = False
         self._pause_at: int | None = None  # pause() asks the engine loop to pause at this step count
@@ -168,6 +215,15 @@ class VllmGenerationActor:
         self._loop_task: asyncio.Task | None = None
         self._writes: set[asyncio.Task] = set()
         self._step_future: asyncio.Future | None = None
+        # Multi-turn episodes (`env` set): every request is a group of episodes, each turn one engine request.
+        self._episodes: EpisodeRunner | None = None
+        if env_enabled(cfg.env):
+            self._episodes = episode_runner(
+                cfg.env, self.tokenizer, default_max_new=rollout_max_new_tokens(cfg), name=name
+            )
+        self._asks: dict[str, asyncio.Future] = {}  # engine request id of a turn -> its output
+        self._turn_ids = itertools.count()
+        self._episode_tasks: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -178,6 +234,7 @@ class VllmGenerationActor:
             self._write_lock = asyncio.Lock()
             self._has_work = asyncio.Event()
             self._stepped = asyncio.Condition()
+            self._weights_loaded = asyncio.Event()  # set (and replaced) by every weight load
             self._loop_task = asyncio.get_running_loop().create_task(
                 self._engine_loop(), name=f"{self.name}.engine_loop"
             )
@@ -194,6 +251,11 @@ class VllmGenerationActor:
                 )
                 err.__cause__ = cause
                 g.future.set_exception(err)
+        for rid, fut in self._asks.items():  # the episodes waiting for a turn fail with it
+            if not fut.done():
+                err = GenerationFailed(f"{self.name}: engine loop stopped before turn {rid} finished: {cause!r}")
+                err.__cause__ = cause
+                fut.set_exception(err)
 
     async def connect(self) -> float:
         """Connect the storage client now (the engine is already up); returns the engine's start time."""
@@ -208,8 +270,12 @@ class VllmGenerationActor:
             await asyncio.wait([self._loop_task])
             if self._step_future is not None:
                 await asyncio.wait([self._step_future])
+            for task in list(self._episode_tasks):
+                task.cancel()
+            if self._episode_tasks:  # each withdraws its turn from the engine
+                await asyncio.wait(list(self._episode_tasks))
             async with self._engine_lock:
-                ids = [gid for gid, g in self._groups.items() if g.state == "running"]
+                ids = [gid for gid, g in self._groups.items() if g.state == "running" and g.task is None]
                 if ids:
                     self.engine.abort_request(ids)
             if self._writes:
@@ -220,19 +286,27 @@ class VllmGenerationActor:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _sampling_params(self, request: GenerationRequest):
+    def _sampling_params(
+        self,
+        request: GenerationRequest,
+        *,
+        n: int | None = None,
+        max_tokens: int | None = None,
+        stop: Sequence[int] | None = None,
+    ):
+        """The request's settings; an episode's turn (`_continue`) sets its own count, budget and stops."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
         return SamplingParams(
-            n=s.n,
+            n=s.n if n is None else n,
             temperature=s.temperature,
             top_p=s.top_p,
-            max_tokens=s.max_new_tokens,
+            max_tokens=s.max_new_tokens if max_tokens is None else max_tokens,
             logprobs=0,  # the sampled token's own logprob
             ignore_eos=True,  # the run decides what ends a completion: stop_token_ids or the length
-            stop_token_ids=list(s.stop_token_ids) or None,
+            stop_token_ids=list(s.stop_token_ids if stop is None else stop) or None,
             detokenize=False,  # decoded for the reward with the model directory's tokenizer (load_tokenizer)
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -267,7 +341,9 @@ class VllmGenerationActor:
             async with self._engine_lock:
                 for g in live:
                     self._groups[g.request.group_id] = g
-                    if self._needs_newer(g.request):
+                    if self._episodes is not None:
+                        self._start_episodes(g)
+                    elif self._needs_newer(g.request):
                         g.state = "held"  # enters the engine when its weights are loaded (`_load`)
                     else:
                         self._add_to_engine(g)
@@ -303,30 +379,54 @@ class VllmGenerationActor:
         g = self._groups.get(group_id)
         if g is None:  # unknown, or already answered
             return False
-        g.cancelled = True
+        g.cancelled = True  # an episode group that sees it writes nothing (`_episode_group`)
         if g.state == "held":  # never reached the engine
             self._forget(g)
             self._counts["cancelled"] += 1
+            if g.task is not None:
+                g.task.cancel()
         elif g.state == "running":
-            await asyncio.shield(self._abort(group_id))
+            await asyncio.shield(self._abort(g))
         elif g.state == "writing":
             await g.written.wait()  # the writer clears the rows of a group cancelled meanwhile
         if not g.future.done():
             g.future.set_exception(GenerationFailed(f"{self.name}: group {group_id} was cancelled"))
         return True
 
-    async def _abort(self, group_id: str) -> None:
+    async def _abort(self, g: _Group) -> None:
+        """Take a running group out of the engine: its request, or its episodes' turns and their task."""
         async with self._engine_lock:
-            g = self._groups.get(group_id)
-            if g is not None and g.state == "running":
-                self.engine.abort_request([group_id])
-                self._forget(g)
-                self._counts["cancelled"] += 1
+            if g.state != "running":
+                return
+            ids = [g.request.group_id] if g.task is None else [rid for rid in g.turns if rid in self._asks]
+            if ids:
+                self.engine.abort_request(ids)
+            for rid in ids:
+                fut = self._asks.pop(rid, None)
+                if fut is not None:
+                    fut.cancel()
+            if g.task is not None:
+                g.task.cancel()
+            self._forget(g)
+            self._counts["cancelled"] += 1
 
     def _forget(self, g: _Group) -> None:
         g.state = "done"
         g.written.set()
-        self._groups.pop(g.request.group_id, None)
+        if self._groups.get(g.request.group_id) is g:  # not a later group of the same id
+            del self._groups[g.request.group_id]
+
+    def _answer(self, g: _Group, outcome: GenerationResult | BaseException) -> None:
+        """The group is over: no write of it can come any more; its caller gets `outcome`."""
+        self._forget(g)
+        if g.future.done():
+            return
+        if g.cancelled:
+            g.future.set_exception(GenerationFailed(f"{self.name}: group {g.request.group_id} was cancelled"))
+        elif isinstance(outcome, BaseException):
+            g.future.set_exception(outcome)
+        else:
+            g.future.set_result(outcome)
 
     def _step_in_turn(self) -> Any:
         with self._turns.hold():
@@ -352,6 +452,9 @@ class VllmGenerationActor:
                 # ran before (the group is skipped) or sees state "writing" (and waits for the put).
                 finished = []
                 for out in outputs:
+                    ask = self._asks.pop(out.request_id, None) if out.finished else None
+                    if ask is not None and not ask.done():  # an episode's turn: its task goes on
+                        ask.set_result(out)
                     g = self._groups.get(out.request_id)
                     if out.finished and g is not None and g.state == "running" and not g.cancelled:
                         g.state = "writing"
@@ -362,6 +465,19 @@ class VllmGenerationActor:
                 task.add_done_callback(self._writes.discard)
             async with self._stepped:
                 self._stepped.notify_all()
+
+    def _sampled(self, group_id: str, c: Any) -> tuple[list[int], list[float], list[int]]:
+        """A completion's token ids, their logprobs and the weight version that sampled each (the
+        engine's labels: `set_weight_version` at each update)."""
+        ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise GenerationFailed(f"{self.name}: group {group_id}: no logprob for every sampled token")
+        lps = [c.logprobs[j][tok].logprob for j, tok in enumerate(ids)]
+        assert self.version is not None  # nothing is sampled before the first update_weights
+        versions = [self.version] * len(ids)
+        for span in c.weight_versions or ():
+            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        return ids, lps, versions
 
     def _rows(self, g: _Group, out: Any) -> tuple[dict[str, list], GenerationResult]:
         req = g.request
@@ -377,13 +493,7 @@ class VllmGenerationActor:
                 f"{self.name}: group {req.group_id} came back with {len(completions)} of {req.sampling.n} completions"
             )
         for c in completions:
-            ids = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise GenerationFailed(f"{self.name}: group {req.group_id}: no logprob for every sampled token")
-            lps = [c.logprobs[j][tok].logprob for j, tok in enumerate(ids)]
-            versions = [self.version] * len(ids)
-            for span in c.weight_versions or ():
-                versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+            ids, lps, versions = self._sampled(req.group_id, c)
             text_ids = ids[:-1] if ids and ids[-1] in stop else ids
             cols["prompt_ids"].append(prompt)
             cols["response_ids"].append(torch.tensor(ids, dtype=torch.long))
@@ -464,15 +574,105 @@ class VllmGenerationActor:
                 self._counts["groups"] += 1
                 self._counts["rows"] += len(r.rewards)
                 self._counts["tokens"] += sum(r.response_lengths)
-            self._forget(g)
-            if g.future.done():
-                continue
+            self._answer(g, r)
+
+    # -- multi-turn episodes (`env`): `backends/common/episodes.py` --------------------------------
+
+    def _start_episodes(self, g: _Group) -> None:
+        """Start the task playing a group's episodes (held inside it until its weights are loaded)."""
+        g.state = "held" if self._needs_newer(g.request) else "running"
+        g.task = asyncio.get_running_loop().create_task(
+            self._episode_group(g), name=f"{self.name}.{g.request.group_id}"
+        )
+        self._episode_tasks.add(g.task)
+        g.task.add_done_callback(self._episode_tasks.discard)
+
+    async def _episode_group(self, g: _Group) -> None:
+        """Play the group's episodes, store their rows (none for an eval request), answer its caller.
+        `cancel` sets `g.cancelled` before anything else: a group that sees it here writes nothing,
+        and one that is writing already has its rows cleared before that cancel returns."""
+        assert self._episodes is not None
+        req = g.request
+        try:
+            while self._needs_newer(req):  # `protocols.VersionGated`
+                await self._weights_loaded.wait()
+            g.state = "running"
+            episodes = await self._episodes.run_group(req, _GroupEngine(self, g, self.max_model_len))
+            result = episode_result(req, episodes, self.tokenizer)
             if g.cancelled:
-                g.future.set_exception(GenerationFailed(f"{self.name}: group {g.request.group_id} was cancelled"))
-            elif isinstance(r, BaseException):
-                g.future.set_exception(r)
-            else:
-                g.future.set_result(r)
+                self._answer(g, result)  # answered as cancelled
+                return
+            g.state = "writing"  # from here `cancel` waits for `written`
+            store = asyncio.ensure_future(self._store_episodes(g, episodes, result))
+            try:
+                await asyncio.shield(store)
+            except asyncio.CancelledError:
+                await store  # a write under way ends (and answers) before the task does
+                raise
+        except asyncio.CancelledError:  # by cancel() or close(): no write of it comes any more
+            self._answer(g, GenerationFailed(f"{self.name}: group {req.group_id} was cancelled"))
+            raise
+        except EnvironmentFailed as e:  # this group alone, nothing stored
+            self._counts["env_failures"] += 1
+            self._answer(g, e)
+        except Exception as e:  # noqa: BLE001 - the engine's GenerationFailed, or a bug: its caller sees it
+            self._answer(g, e)
+
+    async def _store_episodes(self, g: _Group, episodes: Sequence[Episode], result: GenerationResult) -> None:
+        keys = list(g.request.row_keys)
+        try:
+            if keys:
+                columns: Columns = {**rows_of(episodes), "reward": torch.tensor(result.rewards, dtype=torch.float32)}
+                async with self._write_lock:
+                    await asyncio.to_thread(self.storage.put_rows_sync, keys, columns)
+                    if g.cancelled:  # cancelled while the put was in flight: take its rows back
+                        await asyncio.to_thread(self.storage.clear_rows_sync, keys)
+        except Exception as e:  # noqa: BLE001 - this group fails with it
+            err = GenerationFailed(f"{self.name}: storing group {g.request.group_id} failed: {e!r}")
+            err.__cause__ = e
+            self._answer(g, err)
+            return
+        self._counts["groups"] += 1
+        self._counts["rows"] += len(episodes)
+        self._counts["tokens"] += int(result.episode_stats["policy_tokens"])
+        self._answer(g, result)
+
+    async def _continue(self, g: _Group, ids: Sequence[int], max_new: int, stop_ids: tuple[int, ...]) -> Continuation:
+        """One turn of an episode of `g`: one engine request (n=1) with the whole sequence so far as
+        its prompt, stepped by the engine loop with every other request. Its prefix blocks are
+        salted with the weights' version: a turn reuses the KV its episode's earlier turns (and its
+        group's prompt) left in the cache under the same weights, never across an update."""
+        from vllm.inputs import TokensPrompt
+
+        gid = g.request.group_id
+        rid = f"{gid}/turn{next(self._turn_ids)}"
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        async with self._engine_lock:
+            if self._closed:
+                raise GenerationFailed(f"{self.name} is closed")
+            if g.cancelled or g.state != "running":
+                raise GenerationFailed(f"{self.name}: group {gid} was cancelled")
+            prompt = TokensPrompt(prompt_token_ids=list(ids), cache_salt=f"v{self.version}")
+            params = self._sampling_params(g.request, n=1, max_tokens=max_new, stop=stop_ids)
+            self.engine.add_request(rid, prompt, params)
+            self._asks[rid] = fut
+            g.turns.add(rid)
+        self._has_work.set()
+        try:
+            out = await fut
+        except asyncio.CancelledError:  # its episode is given up: the turn leaves the engine
+            await asyncio.shield(self._drop_turn(rid))
+            raise
+        finally:
+            g.turns.discard(rid)
+        self._counts["cached_tokens"] += out.num_cached_tokens or 0
+        new, logprobs, versions = self._sampled(gid, out.outputs[0])
+        return Continuation(tuple(new), tuple(logprobs), tuple(versions))
+
+    async def _drop_turn(self, rid: str) -> None:
+        async with self._engine_lock:
+            if self._asks.pop(rid, None) is not None and not self._closed:
+                self.engine.abort_request([rid])
 
     # -- weights and flow control ----------------------------------------------------------------
 
@@ -529,7 +729,13 @@ class VllmGenerationActor:
             self.version = snap.manifest.version
             self._counts["weight_updates"] += 1
             self._last_update_s = time.perf_counter() - t0
-            held = [g for g in self._groups.values() if g.state == "held" and not self._needs_newer(g.request)]
+            self._weights_loaded.set()  # episode groups held for these weights start now (`_episode_group`)
+            self._weights_loaded = asyncio.Event()
+            held = [
+                g
+                for g in self._groups.values()
+                if g.state == "held" and g.task is None and not self._needs_newer(g.request)
+            ]
             if held:  # requests that waited for these weights start now, in the order they came
                 for g in held:
                     self._add_to_engine(g)
