@@ -3,6 +3,7 @@ ids in and out, the loss mask on policy tokens only, retries and deadlines of th
 failed groups never stored, cancel and weight updates between turns."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -356,3 +357,18 @@ async def test_stored_ids_are_the_sampled_ids_where_re_tokenizing_the_text_gives
     out.loss_sum.backward()
     assert out.num_tokens == len(first) + len(second)
     assert (logp.grad[0][~mask[0]] == 0).all() and (logp.grad[0][mask[0]] != 0).all()
+
+
+async def test_a_group_for_a_version_waits_for_it_and_version_zero_is_served_at_once():
+    storage, calls = InMemoryRowStorage(), Calls()
+    actor = env_actor(storage, calls)
+    await actor.update_weights(handle(0, seed=0))
+    r0 = dataclasses.replace(req("gv0", n=1), min_version=0)
+    assert (await asyncio.wait_for(actor.generate(r0), 10)).version_start == 0
+    r1 = dataclasses.replace(req("gv1", n=1), min_version=1)
+    held = asyncio.create_task(actor.generate(r1))
+    await asyncio.sleep(0.3)
+    assert not held.done() and storage.statistics().puts == 1  # held for version 1
+    await actor.update_weights(handle(1, seed=1))
+    assert (await asyncio.wait_for(held, 10)).version_start == 1
+    await actor.close()
