@@ -115,17 +115,17 @@ async def test_lookup_pays_1_only_for_the_right_call_and_the_exact_value(transpo
         perfect = await run_episode(factory(), item, lookup_perfect, 4)
         assert perfect.reward == 1.0 and perfect.turns == 2
         assert perfect.transcript == f"{item.prompt}?{_key(item.prompt)}$={answer}>{answer}$"
-        # Without the tool: 0.8 of the digits guessed right, nothing for the call.
+        # Without the tool: 0.7 of the digits guessed right, nothing for the call.
         blind = await run_episode(factory(), item, lambda t: "000", 4)
-        assert blind.reward == pytest.approx(0.8 * sum(a == "0" for a in answer) / 3) and blind.turns == 1
+        assert blind.reward == pytest.approx(0.7 * sum(a == "0" for a in answer) / 3) and blind.turns == 1
         # Another key's value is a different, fixed value: copying it scores its chance matches only.
         wrong = await run_episode(factory(), item, lookup_wrong_key, 4)
         other = other_value(item.prompt_id, str((int(_key(item.prompt)) + 1) % 10), answer)
         assert other != answer and wrong.transcript.endswith(f"={other}>{other}$")
-        assert wrong.reward == pytest.approx(0.8 * digit_match(answer, other)) and wrong.reward < 0.8
-        # The right call but one digit wrong: 0.2 + 0.8 * 2/3.
+        assert wrong.reward == pytest.approx(0.1 + 0.7 * digit_match(answer, other)) and wrong.reward < 0.8
+        # The right call but one digit wrong: 0.1 + 0.2 + 0.7 * 2/3.
         miscopy = await run_episode(factory(), item, lookup_miscopy, 4)
-        assert miscopy.reward == pytest.approx(0.2 + 0.8 * 2 / 3)
+        assert miscopy.reward == pytest.approx(0.3 + 0.7 * 2 / 3)
 
 
 async def test_lookup_by_hand(transport):
@@ -140,8 +140,8 @@ async def test_lookup_by_hand(transport):
     right = await env.step(Action("?3", REGEX.parse("?3")))
     assert right.observation == "=482>"
     final = await env.step(Action("4829", REGEX.parse("4829")))
-    # 3 of 4 positions (the extra digit counts wrong), and the right call: 0.8 * 3/4 + 0.2
-    assert final.done and final.reward == pytest.approx(0.8) and final.info["called_right_key"] is True
+    # 3 of 4 positions (the extra digit counts wrong), and the right call: 0.7 * 3/4 + 0.2 + 0.1
+    assert final.done and final.reward == pytest.approx(0.825) and final.info["called_right_key"] is True
     # `?x` does not parse as a call (the default pattern wants digits): a final answer scoring 0.
     env2 = factory()
     await env2.reset(item)

@@ -12,8 +12,10 @@ dataset gives one), secret value `answer` (digits). A turn that parses as a tool
 default regex format) is answered `=VVV>`: the key's value, or for another key a different
 deterministic value (`other_value`); for an empty or malformed key, an unknown tool or an unreadable
 call, `:>`. Calls are answered as often as they come (`env.max_turns` bounds them). Any other turn
-is the final answer: done, reward = 0.8 * `digit_match(answer, text)` + 0.2 * (the tool was called
-with the right key before), so 1.0 needs the right call and the exact answer:
+is the final answer: done, reward = 0.7 * `digit_match(answer, text)` + 0.2 * (the tool was called
+with the right key before) + 0.1 * (the tool was called at all), so 1.0 needs the right call and
+the exact answer. The two call terms are the shaping that lets a model learn from scratch to call at
+all, then with the right key, before it can copy a value it has seen:
 
     ^3>?3$=482>482$        turn 1 calls the tool, turn 2 answers: reward 1.0
 
@@ -97,7 +99,8 @@ class LookupEnv:
             self.calls += 1
             return StepOutcome(observation=self._call(action.tool_call))
         match = digit_match(self.answer, action.text)
-        reward = 0.8 * match + 0.2 * float(self.called_right_key)
+        # in tenths, so the perfect episode's reward is exactly 1.0 (0.7 + 0.2 + 0.1 is not)
+        reward = (7 * match + 2 * float(self.called_right_key) + float(self.calls > 0)) / 10
         info = {"match": match, "called_right_key": self.called_right_key, "tool_calls": self.calls}
         return StepOutcome(reward=reward, done=True, info=info)
 
