@@ -372,3 +372,16 @@ async def test_a_group_for_a_version_waits_for_it_and_version_zero_is_served_at_
     await actor.update_weights(handle(1, seed=1))
     assert (await asyncio.wait_for(held, 10)).version_start == 1
     await actor.close()
+
+
+async def test_an_eval_request_plays_its_episodes_and_stores_nothing():
+    storage, calls = InMemoryRowStorage(), Calls()
+    actor = env_actor(storage, calls)
+    await actor.update_weights(handle(0, seed=0))
+    prompt = Prompt("pe", tuple(ENC("^4>")), answer="123")
+    r = GenerationRequest("ge", prompt, SamplingParams(n=2, max_new_tokens=3, temperature=0.0), eval=True)
+    res = await actor.generate(r)
+    assert len(res.rewards) == 2 and res.episode_stats["episodes"] == 2 and res.episode_stats["turns"] >= 2
+    assert storage.statistics().puts == 0
+    assert (await actor.statistics()).eval_requests == 1
+    await actor.close()
