@@ -1,6 +1,7 @@
 """An HTTP environment server that hangs, then dies, under a real `sc-grpo run` (issue 36, acceptance 4).
 
-The run plays `lookup` over `env.url` against `sc-grpo env serve` in its own process. Mid-run the
+The run (`configs/env_lookup_http.yaml`) plays `lookup` over `env.url` against `sc-grpo env serve` in
+its own process. Mid-run the
 server is frozen (SIGSTOP: it accepts connections and answers nothing) for longer than
 `env.timeout_s`, then thawed; later it is killed (SIGKILL) and started again on the same port. The run
 must go on to its last step without a hang: episodes retried, or their groups dropped as
@@ -62,8 +63,7 @@ def test_a_hanging_then_killed_http_environment_costs_deadlines_never_a_hang_or_
         "-m",
         "single_controller",
         "run",
-        str(ROOT / "configs/env_lookup.yaml"),
-        "env.fn=null",
+        str(ROOT / "configs/env_lookup_http.yaml"),
         f"env.url=http://127.0.0.1:{port}",
         "env.timeout_s=1",
         "env.max_attempts=4",
