@@ -349,30 +349,40 @@ class RunState:
 
     def reward_failed(self, group_id: str, why: str) -> None:
         """Count a group just dropped as `reward_failed` (its reward function raised, or gave a
-        non-finite reward). The advantage pump resets the run of failures at every group it scores;
-        `rollout.max_reward_failures_in_a_row` of them raise `RewardFunctionFailing`."""
-        c, bound = self.counters, self.cfg.rollout.max_reward_failures_in_a_row
-        c.reward_failed += 1
-        c.reward_failed_in_a_row += 1
-        self.notify()
-        if c.reward_failed_in_a_row >= bound:
-            raise RewardFunctionFailing(
-                f"the reward function failed on {c.reward_failed_in_a_row} groups in a row, none scored between "
-                f"(rollout.max_reward_failures_in_a_row = {bound}); the last, {group_id}: {why}"
-            )
+        non-finite reward); `rollout.max_reward_failures_in_a_row` of them raise `RewardFunctionFailing`."""
+        self._failed_in_a_row("reward_failed", group_id, why)
 
     def env_failed(self, group_id: str, why: str) -> None:
         """Count a group just dropped as `env_failed` (its environment failed an episode more often
-        than `env.max_attempts` allows). `env.max_failures_in_a_row` of them, none scored between,
-        raise `EnvironmentFailing`."""
-        c, bound = self.counters, self.cfg.env.max_failures_in_a_row
-        c.env_failed += 1
-        c.env_failed_in_a_row += 1
+        than `env.max_attempts` allows); `env.max_failures_in_a_row` of them raise `EnvironmentFailing`."""
+        self._failed_in_a_row("env_failed", group_id, why)
+
+    def _failed_in_a_row(self, kind: str, group_id: str, why: str) -> None:
+        """Count a failed group of `kind`; the advantage pump resets the runs of failures at every
+        group it scores, and a run as long as the kind's bound stops the run."""
+        c = self.counters
+        setattr(c, kind, getattr(c, kind) + 1)
+        in_a_row = getattr(c, f"{kind}_in_a_row") + 1
+        setattr(c, f"{kind}_in_a_row", in_a_row)
         self.notify()
-        if c.env_failed_in_a_row >= bound:
-            raise EnvironmentFailing(
-                f"the environment failed on {c.env_failed_in_a_row} groups in a row, none scored between "
-                f"(env.max_failures_in_a_row = {bound}); the last, {group_id}: {why}"
+        error, what, setting, bound = {
+            "reward_failed": (
+                RewardFunctionFailing,
+                "reward function",
+                "rollout.max_reward_failures_in_a_row",
+                self.cfg.rollout.max_reward_failures_in_a_row,
+            ),
+            "env_failed": (
+                EnvironmentFailing,
+                "environment",
+                "env.max_failures_in_a_row",
+                self.cfg.env.max_failures_in_a_row,
+            ),
+        }[kind]
+        if in_a_row >= bound:
+            raise error(
+                f"the {what} failed on {in_a_row} groups in a row, none scored between "
+                f"({setting} = {bound}); the last, {group_id}: {why}"
             )
 
     # -- versions and admission -------------------------------------------------------------------

@@ -425,6 +425,32 @@ async def test_a_reward_function_failing_on_everything_stops_the_run_naming_its_
     await assert_clean_end(ctl, trainer, storage)
 
 
+async def test_an_environment_failure_drops_its_group_as_env_failed_and_a_dead_one_stops_the_run():
+    from single_controller.protocols import EnvironmentFailed
+
+    def flaky(prompt_id, attempt, G):
+        if prompt_id in ("p000002", "p000005"):
+            raise EnvironmentFailed(f"group of {prompt_id}: episode 0 failed 2 time(s)")
+        return sim_rewards(prompt_id, attempt, G)
+
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, P=4, L=1), Faults(rewards=flaky))
+    assert err is None and summary.steps == 4
+    for pid in ("p000002", "p000005"):  # dropped, never retried (the worker retried its episodes already)
+        rec = ctl.state.prompts[pid]
+        assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "env_failed", [f"{pid}-a0"])
+    assert ctl.state.counters.env_failed == 2 == ctl.statistics().env_failed
+    assert ctl.state.counters.reward_failed == 0
+    await assert_clean_end(ctl, trainer, storage)
+
+    def dead(prompt_id, attempt, G):
+        raise EnvironmentFailed("connection refused")
+
+    cfg = make_cfg(steps=4, P=4, L=1, env={"max_failures_in_a_row": 5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=dead), timeout=10)
+    assert err is not None and "EnvironmentFailing" in str(err) and "failed on 5 groups in a row" in str(err)
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_drain_policy_syncs_with_nothing_in_flight():
     cfg = make_cfg(steps=5, L=1, sync={"drain_policy": "drain"})
     storage = InMemoryRowStorage()
