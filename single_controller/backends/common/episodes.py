@@ -194,9 +194,13 @@ class EpisodeRunner:
             finally:
                 await self._close(env, item)
             if attempt + 1 < self.cfg.max_attempts:  # a restarting server gets time to come back
-                await asyncio.sleep(self.cfg.retry_backoff_s * 2**attempt)
+                await asyncio.sleep(self._retry_backoff_s(attempt))
         assert last is not None
         raise _AttemptsExhausted(index, self.cfg.max_attempts, last)
+
+    def _retry_backoff_s(self, attempt: int) -> float:
+        """The pause after failed attempt `attempt` (0-based): `env.retry_backoff_s`, doubled each time."""
+        return self.cfg.retry_backoff_s * 2**attempt
 
     def _item(self, request: GenerationRequest, index: int, attempt: int) -> EpisodeItem:
         p = request.prompt
