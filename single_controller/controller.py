@@ -498,17 +498,11 @@ class Controller:
             "sync/policy_version": st.versions.policy,
             "sync/last_s": st.sync.last_s,
             "sync/admission_closed_s": st.sync.last_closed_s,
-            "rollout/workers_routable": st.routable_count(),
-            "rollout/workers_shrunk": len(st.elastic.out),
-            "elastic/shrinks": st.elastic.shrinks,
-            "elastic/expands": st.elastic.expands,
-            "elastic/shrink_s": st.elastic.shrink_s,
-            "elastic/expand_s": st.elastic.expand_s,
-            "elastic/preempted_groups": st.elastic.preempted_groups,
             "rollout/worker_deaths": st.counters.worker_deaths,
             "rollout/worker_restarts": st.counters.worker_restarts,
             "rollout/reward_failed": st.counters.reward_failed,
         }
+        rec.update(elastic.step_record(st))
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         self._add_rewards(rec, report)
         # bytes the controller moved through storage this step vs bytes the trainers read

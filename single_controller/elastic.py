@@ -151,3 +151,17 @@ async def _wake_with_published_weights(state: RunState, worker: ElasticWorker, n
             raise RuntimeError(f"it holds weights v{held} after applying the published v{target.version}")
         if state.versions.published is target:
             return
+
+
+def step_record(state: RunState) -> dict[str, float]:
+    """The step record's routing keys: workers routable and shrunk now, and the run's resize totals."""
+    el = state.elastic
+    return {
+        "rollout/workers_routable": state.routable_count(),
+        "rollout/workers_shrunk": len(el.out),
+        "elastic/shrinks": el.shrinks,
+        "elastic/expands": el.expands,
+        "elastic/shrink_s": el.shrink_s,
+        "elastic/expand_s": el.expand_s,
+        "elastic/preempted_groups": el.preempted_groups,
+    }
