@@ -50,7 +50,7 @@ def _worker(state: RunState, name: str) -> ElasticWorker:
     worker = by_name[name]
     if not isinstance(worker, Sleepable):
         raise TypeError(f"generation worker {name} cannot be shrunk: its backend has no sleep/wake/weights_version")
-    return worker  # type: ignore[return-value]  # a GenerationWorker, and Sleepable as checked
+    return worker  # a GenerationWorker, and Sleepable as checked
 
 
 def _check_level(state: RunState, level: int) -> None:
