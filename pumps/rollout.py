@@ -29,13 +29,14 @@ dropped group was meant for.
 A dead worker (`GenerationWorkerDied`) is taken out of routing on its first failed call; its
 in-flight prompts are re-dispatched to the others without charging their retry budget; it is
 restarted (`Restartable`) and given the current weights before it takes work again. With no
-worker left to route to and none coming back, the run stops with `NoGenerationWorkers`.
+worker left to route to and none coming back, the run stops with `NoGenerationWorkers`. A worker
+shrunk out of the run (`single_controller/elastic.py`) is out of routing but not dead: with every
+worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 from dataclasses import dataclass, field
 
@@ -122,7 +123,9 @@ def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams
     """Dispatch up to DISPATCH_SLICE admissible groups, each to the least-loaded routable worker
     (ties: the first in routing order), and tell the other pumps once."""
     led, version = state.ledger, state.versions.dispatch
-    routable = state.routable()
+    routable = state.routable()  # read once: a shrink takes a worker out between slices, never inside one
+    if not routable:
+        return
     budget = min(
         DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident()
     )
@@ -134,7 +137,7 @@ def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams
         attempt = len(state.prompts[prompt.prompt_id].attempts)
         rec = led.reserve(prompt, attempt=attempt, target_step=target, policy_version=version, now=state.clock())
         state.prompts.add_attempt(prompt.prompt_id, rec.group_id)
-        load = flights.load
+        load = state.worker_load
         worker = min(routable, key=lambda w: load[w.name])
         flights.submit(worker, rec, sampling)
         state.pumps[PUMP].iterations += 1
@@ -180,7 +183,9 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
             state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
             state.notify()
             return
-        if not [w for w in state.routable() if w is not worker] and not state.health.restarting - {worker.name}:
+        others = [w for w in state.routable() if w is not worker] or state.health.restarting - {worker.name}
+        # a shrunk worker can still be expanded: the pump waits for it (`elastic`), not an error
+        if not others and not set(state.elastic.out) - {worker.name}:
             raise NoGenerationWorkers(
                 f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
                 f"restarting {worker.name} failed: {type(e).__name__}: {e}"
@@ -237,7 +242,6 @@ class _Flights:
 
     state: RunState
     children: asyncio.TaskGroup
-    load: collections.Counter[str] = field(default_factory=collections.Counter)  # in flight, by worker name
     pending: dict[str, _Flight] = field(default_factory=dict)
     bug: BaseException | None = None  # raised in a done callback: the pump raises it
     closed: bool = False
@@ -249,7 +253,8 @@ class _Flights:
         incarnation = state.health.restarts_of[worker.name]
         flight = _Flight(worker, rec, request, worker.submit(request), state.clock(), incarnation)
         flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, state, flight)
-        self.load[worker.name] += 1
+        state.worker_load[worker.name] += 1
+        state.dispatched_to[rec.group_id] = worker.name  # what a shrink aborts
         self.pending[rec.group_id] = flight
         state.in_flight_requests[rec.group_id] = flight.future  # what `abort_rollouts` cancels
         flight.future.add_done_callback(functools.partial(self._done, flight))
@@ -261,7 +266,8 @@ class _Flights:
         if self.closed:
             return  # withdrawn by `close`
         state, rec = self.state, flight.rec
-        self.load[flight.worker.name] -= 1
+        state.worker_load[flight.worker.name] -= 1
+        state.dispatched_to.pop(rec.group_id, None)
         del self.pending[rec.group_id]
         state.in_flight_requests.pop(rec.group_id, None)
         try:
@@ -283,6 +289,8 @@ class _Flights:
         for task in self.restarts:  # a restart takes up to `timeouts.setup_s`: the run's end does not wait
             task.cancel()
         left, self.pending = list(self.pending.values()), {}
+        self.state.worker_load.clear()
+        self.state.dispatched_to.clear()
         for flight in left:
             self.state.in_flight_requests.pop(flight.rec.group_id, None)
             flight.future.cancel()

@@ -52,6 +52,8 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
     cfg = state.cfg
     t0 = state.clock()
     t_open = None
+    # published first: an expand that ends from now on ends with these weights, or is in the fanout below
+    state.versions.published = handle
     state.set_admission(False)
     try:
         if cfg.sync.drain_policy == "drain":

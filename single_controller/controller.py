@@ -39,13 +39,14 @@ from pumps.weight_sync import weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
+from single_controller import elastic
 from single_controller.channels import Channel
 from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
 from single_controller.errors import error_text
 from single_controller.protocols import Checkpointable
-from single_controller.state import PumpStatistics, RunState, SyncRecord, Workers
+from single_controller.state import ElasticStatistics, PumpStatistics, RunState, SyncRecord, Workers
 from single_controller.types import Prompt, WeightsHandle
 
 
@@ -97,6 +98,8 @@ class ControllerStatistics:
     last_success_rate: float
     generation_workers: int = 0
     generation_workers_down: int = 0  # dead or restarting: out of routing
+    generation_workers_active: int = 0  # routable: neither down nor shrunk
+    elastic: ElasticStatistics = field(default_factory=lambda: ElasticStatistics(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0))
     worker_deaths: int = 0
     worker_restarts: int = 0
     reward_failed: int = 0  # groups dropped because their reward function failed
@@ -200,6 +203,7 @@ class Controller:
             st.versions.latest_weights = await within(
                 st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})"
             )
+        st.versions.published = st.versions.latest_weights
         # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
         # the cyclic collector for the run: each full collection would walk it again (~60 ms
         # each on this machine). Given back at the end, so nothing is kept alive for good.
@@ -237,6 +241,18 @@ class Controller:
             list(self.history),
             self.last_checkpoint,
         )
+
+    # -- elastic generation ------------------------------------------------------------------
+    async def shrink_generation(self, name: str, level: int | None = None) -> None:
+        """Take generation worker `name` out of the run (out of routing, its groups in flight aborted or
+        drained, then asleep at `level`, by default `rollout.sleep_level`); see `single_controller/elastic.py`.
+        Call it on the controller's loop while the run goes on; idempotent."""
+        await elastic.shrink(self.state, name, self.cfg.rollout.sleep_level if level is None else level)
+
+    async def expand_generation(self, name: str) -> None:
+        """Bring a shrunk generation worker back: woken, the published weights applied and checked,
+        then routed to again; `elastic.ExpandFailed` leaves it out. Idempotent."""
+        await elastic.expand(self.state, name)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
@@ -482,11 +498,11 @@ class Controller:
             "sync/policy_version": st.versions.policy,
             "sync/last_s": st.sync.last_s,
             "sync/admission_closed_s": st.sync.last_closed_s,
-            "rollout/workers_routable": st.routable_count(),
             "rollout/worker_deaths": st.counters.worker_deaths,
             "rollout/worker_restarts": st.counters.worker_restarts,
             "rollout/reward_failed": st.counters.reward_failed,
         }
+        rec.update(elastic.step_record(st))
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         self._add_rewards(rec, report)
         # bytes the controller moved through storage this step vs bytes the trainers read
@@ -625,6 +641,8 @@ class Controller:
             last_success_rate=last.get("rollout/success_rate", 0.0),
             generation_workers=len(st.workers.generators),
             generation_workers_down=len(st.health.down),
+            generation_workers_active=st.routable_count(),
+            elastic=st.elastic.statistics(),
             worker_deaths=st.counters.worker_deaths,
             worker_restarts=st.counters.worker_restarts,
             reward_failed=st.counters.reward_failed,

@@ -242,6 +242,22 @@ class Restartable(Protocol):
 
 
 @runtime_checkable
+class Sleepable(Protocol):
+    """A GenerationWorker that can give its memory back while it is out of the run (an elastic
+    shrink, `single_controller/elastic.py`), called only once it is out of routing with nothing in
+    flight: `sleep(1)` frees its weights, `sleep(2)` its weights and caches; it then serves nothing
+    (it keeps no weights that could be served stale). `wake()` takes its memory back; it serves only
+    after an `update_weights`. `weights_version()`: the version of the weights it holds (None: none).
+    Both are idempotent."""
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake(self) -> None: ...
+
+    async def weights_version(self) -> int | None: ...
+
+
+@runtime_checkable
 class RewardFunction(Protocol):
     """Scores one completion: `reward_fn(prompt, response_text) -> float` (the per-completion form;
     the batched form, fn(prompts, completions, **columns) -> list[float | None] once per group, is

@@ -142,6 +142,9 @@ class Versions:
     policy: int
     dispatch: int
     latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
+    # the newest snapshot published: the one the weight-sync pump is applying, or `latest_weights`
+    # (an expanded worker applies it before it rejoins routing)
+    published: WeightsHandle | None = None
 
 
 @dataclass
@@ -188,6 +191,52 @@ class WorkerHealth:
     restarting: set[str] = field(default_factory=set)
     given_up: set[str] = field(default_factory=set)  # dead workers that will not be restarted again
     restarts_of: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass(frozen=True)
+class ElasticStatistics:
+    shrunk: int  # generation workers out of the run now (shrinking, asleep or waking)
+    shrinks: int
+    expands: int
+    shrink_s: float
+    expand_s: float
+    last_shrink_s: float
+    last_expand_s: float
+    preempted_groups: int
+    failed_expands: int
+
+
+@dataclass
+class Elastic:
+    """Generation workers shrunk out of the run (`single_controller/elastic.py` writes it): out of
+    routing, not dead. `out` names each one's phase: `shrinking` (its groups being aborted or
+    drained), `asleep`, `waking` (woken, getting the published weights). `level`: the sleep level
+    of each one that is out (0: routing only)."""
+
+    out: dict[str, str] = field(default_factory=dict)  # worker name -> phase
+    level: dict[str, int] = field(default_factory=dict)
+    shrinks: int = 0
+    expands: int = 0
+    failed_expands: int = 0
+    shrink_s: float = 0.0  # total seconds of the shrinks (out of routing -> asleep)
+    expand_s: float = 0.0  # total seconds of the expands (wake -> weights -> back in routing)
+    last_shrink_s: float = 0.0
+    last_expand_s: float = 0.0
+    preempted_groups: int = 0  # groups in flight a shrink aborted (their prompts re-dispatched uncharged)
+    resizing: dict[str, asyncio.Lock] = field(default_factory=dict)  # one shrink or expand of a worker at a time
+
+    def statistics(self) -> ElasticStatistics:
+        return ElasticStatistics(
+            len(self.out),
+            self.shrinks,
+            self.expands,
+            self.shrink_s,
+            self.expand_s,
+            self.last_shrink_s,
+            self.last_expand_s,
+            self.preempted_groups,
+            self.failed_expands,
+        )
 
 
 @dataclass
@@ -254,11 +303,15 @@ class RunState:
         self.stop = Stop()
         self.hooks = StepHooks()
         self.health = WorkerHealth()
+        self.elastic = Elastic()
         self.counters = Counters()
         self.sync = SyncRecord()
         self.finishing: Finishing | None = None  # the train pump's
         # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
         self.in_flight_requests: dict[str, asyncio.Future] = {}
+        # the rollout pump's too: group_id -> the worker its request went to, and requests in flight by worker
+        self.dispatched_to: dict[str, str] = {}
+        self.worker_load: collections.Counter[str] = collections.Counter()
         self.teardown_errors: list[str] = []
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}
@@ -440,15 +493,18 @@ class RunState:
 
     # -- generation worker health ------------------------------------------------------------------
     def routable(self) -> list[GenerationWorker]:
-        """Generation workers that take work: not known dead, not restarting."""
-        return [w for w in self.workers.generators if w.name not in self.health.down]
+        """Generation workers that take work: not known dead, not restarting, not shrunk."""
+        down, out = self.health.down, self.elastic.out
+        return [w for w in self.workers.generators if w.name not in down and w.name not in out]
 
     def routable_count(self) -> int:
-        """`len(routable())`, without the list."""
-        return len(self.workers.generators) - len(self.health.down)
+        """`len(routable())`, without the list in the common case (no worker shrunk)."""
+        if not self.elastic.out:
+            return len(self.workers.generators) - len(self.health.down)
+        return len(self.routable())
 
     def any_routable(self) -> bool:
-        return len(self.health.down) < len(self.workers.generators)
+        return self.routable_count() > 0
 
     def worker_down(self, worker: GenerationWorker, why: str) -> None:
         """Take a dead worker out of routing (the rollout pump restarts it)."""

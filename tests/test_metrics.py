@@ -31,7 +31,7 @@ from single_controller.config.schema import Config, MetricsConfig, RolloutConfig
 from single_controller.controller import Controller, ControllerStatistics
 from single_controller.runtime import status
 from single_controller.runtime.metrics import families, parse_metrics, serve_from_config, start_metrics_server
-from single_controller.state import PumpStatistics, SyncRecord, Workers
+from single_controller.state import ElasticStatistics, PumpStatistics, SyncRecord, Workers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -164,6 +164,9 @@ def handmade_statistics() -> ControllerStatistics:
         last_step_s=1.5,
         last_reward_mean=0.25,
         last_success_rate=0.125,
+        generation_workers=3,
+        generation_workers_active=1,
+        elastic=ElasticStatistics(2, 5, 3, 1.5, 0.75, 0.25, 0.125, 7, 1),
     )
 
 
@@ -233,6 +236,15 @@ def test_families_of_a_handmade_record():
     assert value(m, "sc_grpo_storage_bytes_total", op="get") == 800
     # resident_rows == -1 means unknown: no sample rather than a wrong one.
     assert "sc_grpo_storage_resident_rows" not in m
+    # Elastic generation: 3 workers, 2 shrunk, 1 active; 5 shrinks (1.5 s), 3 expands (0.75 s), 7 preempted groups.
+    assert value(m, "sc_grpo_generation_workers_active") == 1
+    assert value(m, "sc_grpo_generation_workers_shrunk") == 2
+    assert value(m, "sc_grpo_generation_shrinks_total") == 5
+    assert value(m, "sc_grpo_generation_expands_total") == 3
+    assert value(m, "sc_grpo_generation_expand_failures_total") == 1
+    assert value(m, "sc_grpo_generation_shrink_seconds_total") == 1.5
+    assert value(m, "sc_grpo_generation_expand_seconds_total") == 0.75
+    assert value(m, "sc_grpo_generation_preempted_groups_total") == 7
 
 
 def test_nothing_in_flight_is_a_zero_at_the_served_version_not_an_empty_panel():

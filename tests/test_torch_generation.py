@@ -303,3 +303,42 @@ async def test_actor_holds_a_request_until_it_has_the_weights_of_its_min_version
     assert (stats.puts, stats.rows_put) == (3, 4 * 4)  # grp0, grp4, then grp1 + grp2 in one batch; grp3 never sampled
     assert await actor.in_flight() == 0
     await actor.close()
+
+
+def _greedy(gid: str) -> GenerationRequest:
+    return GenerationRequest(gid, PROMPTS[0], SamplingParams(n=2, temperature=0.0, max_new_tokens=4), row_keys(gid, 2))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_a_sleeping_actor_frees_its_weights_and_after_wake_and_update_gives_identical_logprobs(level):
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage)
+    weights = handle(0, seed=0)
+    await actor.update_weights(weights)
+    before = await actor.generate(_greedy("before"))
+    params = list(actor._core.policy.parameters())
+    assert sum(p.untyped_storage().nbytes() for p in params) > 0
+
+    await actor.sleep(level)
+    await actor.sleep(level)  # idempotent
+    assert sum(p.untyped_storage().nbytes() for p in params) == 0  # the weights' memory is given back
+    assert await actor.weights_version() is None  # nothing that could be served stale
+    with pytest.raises(GenerationFailed, match="while asleep"):
+        await actor.update_weights(weights)
+    held = asyncio.create_task(actor.generate(_greedy("held")))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not held.done()  # asleep: no batch starts
+
+    await actor.wake()
+    await actor.wake()  # idempotent
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not held.done() and await actor.weights_version() is None  # woken, but with no weights yet
+    assert await actor.update_weights(weights) == 0
+    after = await held
+    assert after.version_start == 0 and after.response_lengths == before.response_lengths
+    rows = [storage.get_rows_sync(row_keys(g, 2), GENERATION_FIELDS) for g in ("before", "held")]
+    for field in ("response_ids", "gen_logprobs"):
+        assert all(torch.equal(a, b) for a, b in zip(rows[0][field], rows[1][field]))
+    await actor.close()

@@ -72,6 +72,7 @@ def test_model_dir_problems_for_vllm(tmp_path):
         (["backend.generation=vllm"], "backend.generation=vllm needs model.path"),
         (["backend.generation=vllm", "model.path=m", "rollout.top_p=0.9"], "use rollout.top_p=1.0"),
         (["backend.generation=vllm", "model.path=m", "vllm.max_num_seqs=8"], "exceeds vllm.max_num_seqs"),
+        (["backend.generation=vllm", "model.path=m", "rollout.sleep_level=1"], "sleep mode is CUDA/ROCm only"),
         (["vllm.device=tpu"], "vllm.device: must be one of cpu, cuda"),
         (["sync.drain_policy=pause"], "sync.drain_policy: must be one of drain, keep, abort"),
     ],
@@ -81,6 +82,11 @@ def test_vllm_settings_are_checked_at_load(overrides, needle):
         load_config(None, overrides)
     assert needle in " ".join(str(e.value).split())
     assert len(e.value.problems) == 1
+
+
+def test_vllm_on_a_gpu_and_the_torch_backend_may_sleep_deeper_than_routing():
+    assert load_config(None, ["backend.generation=vllm", "model.path=m", "vllm.device=cuda", "rollout.sleep_level=2"])
+    assert load_config(None, ["rollout.sleep_level=2"]).rollout.sleep_level == 2
 
 
 def test_shipped_vllm_configs_select_vllm():

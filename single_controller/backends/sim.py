@@ -71,6 +71,7 @@ class Faults:
     # worker name -> hangs (a stopped process: no answer to anything, not even a cancel) once this
     # many groups were served, until it is restarted (killed: everything it had fails)
     hang_after: dict[str, int] = field(default_factory=dict)
+    wake_fails: set[str] = field(default_factory=set)  # worker names whose wake (an expand) fails
 
 
 class SimMeter:
@@ -235,6 +236,10 @@ class SimGenerationWorker:
         self._death: asyncio.Event | None = None  # created lazily on the running loop
         self._hung: asyncio.Future[None] | None = None  # while hung: resolved when it is killed (restarted)
         self.calls_while_dead = 0  # requests routed to this worker while it was dead
+        self.asleep: int | None = None  # the sleep level while shrunk (`sleep`), None while awake
+        self.weights_dropped = False  # by a sleep at level >= 1: nothing to serve until an update
+        self.calls_while_asleep = 0  # requests routed to this worker while it slept
+        self.sleeps: list[int] = []  # the level of every sleep, in order
         self.restarts = 0
         self._epoch = 0
         self._reset_engine()
@@ -277,6 +282,13 @@ class SimGenerationWorker:
         return work.result()
 
     def submit(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        if self.asleep is not None or self.weights_dropped:
+            self.calls_while_asleep += 1
+            failed: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+            failed.set_exception(
+                GenerationFailed(f"{self.name}: asleep (level {self.asleep}), or woken with no weights")
+            )
+            return failed
         f = self.faults
         scripted = (
             f.gate is not None
@@ -486,8 +498,13 @@ class SimGenerationWorker:
         computed, ahead of those still queued."""
         self._check_alive()
         await self._unless_hung()
-        if weights.version <= self.version:
+        if weights.version <= self.version and not self.weights_dropped:
             raise RuntimeError(f"{self.name}: weights v{weights.version} after v{self.version}")
+        if self.asleep is not None and self.asleep > 0:
+            raise GenerationFailed(
+                f"{self.name}: update_weights(v{weights.version}) while asleep at level {self.asleep}"
+            )
+        self.weights_dropped = False
         if not self._computing:
             self.version = weights.version
             return
@@ -513,6 +530,23 @@ class SimGenerationWorker:
 
     async def in_flight(self) -> int:
         return self._in_flight
+
+    async def sleep(self, level: int) -> None:
+        """Shrunk (`protocols.Sleepable`): level >= 1 drops the weights (the version is kept only to
+        say which weights it had); every request routed to it meanwhile fails and is counted."""
+        self._check_alive()
+        self.asleep = max(level, self.asleep or 0)
+        self.weights_dropped = self.weights_dropped or level >= 1
+        self.sleeps.append(level)
+
+    async def wake(self) -> None:
+        self._check_alive()
+        if self.name in self.faults.wake_fails:
+            raise GenerationFailed(f"{self.name}: wake failed (scripted)")
+        self.asleep = None
+
+    async def weights_version(self) -> int | None:
+        return None if self.weights_dropped else self.version
 
 
 def _drop_outcome(task: asyncio.Task) -> None:
@@ -775,7 +809,7 @@ def sim_workers(
     return gens, trainer
 
 
-GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart")
+GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart", "sleep", "wake", "weights_version")
 TRAINER_CALLS = (
     "begin_train_step",
     "train_microbatch",

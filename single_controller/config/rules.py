@@ -163,6 +163,17 @@ def vllm_samples_the_full_distribution(cfg: Config) -> Problem | None:
     )
 
 
+def vllm_sleeps_only_on_a_gpu(cfg: Config) -> Problem | None:
+    level = cfg.rollout.sleep_level
+    if cfg.backend.generation != "vllm" or cfg.vllm.device != "cpu" or level == 0:
+        return None
+    return Problem(
+        ("backend.generation", "vllm.device", "rollout.sleep_level"),
+        f"rollout.sleep_level={level} with vLLM on the CPU: vLLM's sleep mode is CUDA/ROCm only, so a shrunk "
+        "vLLM worker on the CPU can only leave routing (rollout.sleep_level=0)",
+    )
+
+
 def vllm_fits_a_group(cfg: Config) -> Problem | None:
     g, seqs = cfg.rollout.group_size, cfg.vllm.max_num_seqs
     if cfg.backend.generation != "vllm" or g <= seqs:
@@ -496,6 +507,7 @@ RULES: tuple[Rule, ...] = (
     vllm_needs_a_model_directory,
     vllm_samples_the_full_distribution,
     vllm_fits_a_group,
+    vllm_sleeps_only_on_a_gpu,
     heads_divide_the_hidden_size,
     capacity_holds_the_lookahead,
     staleness_bound_covers_the_lookahead,

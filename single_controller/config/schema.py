@@ -255,6 +255,18 @@ class RolloutConfig:
     request or a weight update): its prompts are re-dispatched uncharged, it is killed and restarted
     with the newest weights, a failed attempt is tried again while attempts remain; then it stays
     out of routing, and with no worker left the run stops with `NoGenerationWorkers`."""
+    shrink: Literal["abort", "drain"] = "abort"
+    """What a shrink (`Controller.shrink_generation`: a generation worker taken out of the run for
+    a while) does with the groups in flight on the worker, once it is out of routing: `abort` cancels
+    them (their prompts re-dispatched uncharged, counted as preempted); `drain` lets them finish up to
+    `rollout.shrink_drain_timeout_s`, then aborts what is left."""
+    shrink_drain_timeout_s: Positive = 30.0
+    """How long a `drain` shrink waits for the worker's groups in flight before aborting the rest."""
+    sleep_level: Annotated[int, Interval(ge=0, le=2)] = 0
+    """The deepest sleep a shrink may put a generation worker to: 0 = out of routing only (it keeps
+    its weights and caches), 1 = its weights freed too, 2 = its weights and caches freed. An expand
+    wakes it, applies the newest published weights and checks their version before routing to it.
+    vLLM sleeps only on CUDA/ROCm: vLLM on the CPU allows level 0 alone."""
 
 
 @dataclass(frozen=True)

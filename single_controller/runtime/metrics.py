@@ -94,6 +94,7 @@ def families(s: ControllerStatistics) -> list[Metric]:
         _staleness_families,
         _sync_families,
         _step_families,
+        _elastic_families,
         _mismatch_families,
         _eval_families,
         _storage_families,
@@ -373,6 +374,30 @@ _EPISODE_COUNTERS = (
     ("truncated", "env_truncated_episodes", "Episodes that ended at env.max_turns or the model's length.", None),
     ("retries", "env_episode_retries", "Episode attempts started again after an environment failure.", None),
 )
+
+
+def _elastic_families(f: _Families, s: ControllerStatistics) -> None:
+    e = s.elastic
+    f.gauge(
+        "generation_workers_active",
+        "Generation workers in routing (neither down nor shrunk).",
+        s.generation_workers_active,
+    )
+    f.gauge(
+        "generation_workers_shrunk", "Generation workers shrunk out of the run (shrinking, asleep or waking).", e.shrunk
+    )
+    f.counter("generation_shrinks", "Generation workers shrunk (out of routing, then asleep).", e.shrinks)
+    f.counter(
+        "generation_expands", "Generation workers expanded (woken, published weights applied, routed).", e.expands
+    )
+    f.counter("generation_expand_failures", "Expands that failed (the worker stayed out of routing).", e.failed_expands)
+    f.counter("generation_shrink", "Time spent in shrinks.", e.shrink_s, unit="seconds")
+    f.counter("generation_expand", "Time spent in expands (wake + weights + check).", e.expand_s, unit="seconds")
+    f.counter(
+        "generation_preempted_groups",
+        "Groups in flight a shrink aborted (re-dispatched uncharged).",
+        e.preempted_groups,
+    )
 
 
 def _episode_counters(f: _Families, totals: dict[str, float]) -> None:

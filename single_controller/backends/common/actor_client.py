@@ -235,6 +235,17 @@ class ActorGenerationClient:
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
 
+    async def sleep(self, level: int) -> None:
+        """Elastic shrink (`protocols.Sleepable`): level 0 is routing only, nothing to send."""
+        if level > 0:
+            await self.actor.sleep.remote(level)
+
+    async def wake(self) -> None:
+        await self.actor.wake.remote()
+
+    async def weights_version(self) -> int | None:
+        return await self.actor.weights_version.remote()
+
     async def pause(self, *after_steps: int) -> int:
         """Idle the engine (vLLM: after `after_steps` more engine steps); returns the requests in flight."""
         return await self.actor.pause.remote(*after_steps)

@@ -19,7 +19,8 @@ first, an eval request weighed by its rows), runs the core in a thread (`asyncio
 future. It is version-gated (`protocols.VersionGated`): a request whose `min_version` is newer
 than the weights loaded waits in its lane until an update brings them. Weights change only under
 `_weights_lock`, which a batch holds from its first to its last token, so a batch never sees a
-half-applied update and version_start == version_end.
+half-applied update and version_start == version_end. `sleep(1|2)` frees the weights (elastic
+shrink: `protocols.Sleepable`); `wake()` takes the memory back, and serving resumes with the next update.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -124,6 +126,7 @@ class GenerationCore:
         self._cancelled: set[str] = set()  # running groups cancelled: not to be written
         self._written: set[str] = set()  # running groups whose rows are already stored
         self.env_failures = 0  # episode groups answered with EnvironmentFailed (multi-turn)
+        self._shapes: list[tuple[torch.Size, torch.dtype]] = []  # the parameters' while dropped (a sleep)
 
     def end_batch(self) -> None:
         with self._write_lock:
@@ -147,6 +150,20 @@ class GenerationCore:
         load_snapshot(state_module(self.policy), snapshot)
         self.version = v
         self._counts["weight_updates"] += 1
+
+    def drop_weights(self) -> None:
+        """Free the parameters' memory (a sleep): each keeps its place in the module with no storage,
+        and the version is forgotten, so nothing is served until `restore_weights` and a load."""
+        params = list(state_module(self.policy).parameters())
+        self._shapes = [(p.shape, p.dtype) for p in params]
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.version = None
+
+    def restore_weights(self) -> None:
+        """Give the parameters storage again (uninitialized: `version` stays None until a load)."""
+        for p, (shape, dtype) in zip(state_module(self.policy).parameters(), self._shapes):
+            p.data = torch.empty(shape, dtype=dtype)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult | RewardFailed | None]:
         """Sample, score and store a batch; one entry per request (None: cancelled meanwhile, not
@@ -383,6 +400,8 @@ class GenerationActor:
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._episodes: EpisodeRunner | None = None  # multi-turn (`env` set)
         self._groups: dict[str, asyncio.Task] = {}  # episode groups under way
+        self._woken = False  # woken, waiting for the update that resumes serving
+        self._asleep = False  # weights dropped by sleep(1|2): no batch starts until wake() and an update
         if env is not None and env_enabled(env):
             self._play_episodes(env, policy, max_new_tokens)
 
@@ -558,8 +577,13 @@ class GenerationActor:
         if snapshot.manifest.version != version:
             raise ValueError(f"handle v{version} carries a snapshot of v{snapshot.manifest.version}")
         async with self._weights_lock:
+            if self._asleep:
+                raise GenerationFailed(f"{self.name}: update_weights(v{version}) while asleep (wake() first)")
             # Synchronous on the loop: nothing can cancel it halfway.
             self._core.load_weights(snapshot)
+        if self._woken:  # a sleep stopped serving: the published weights are in, it serves again
+            self._woken = False
+            self._serving.set()
         self._weights_changed.set()  # episode groups held for these weights may start now
         self._weights_changed = asyncio.Event()
         if self._pending or self._eval_pending:
@@ -567,6 +591,35 @@ class GenerationActor:
         loaded = self._core.version
         assert loaded is not None  # load_weights set it
         return loaded
+
+    async def sleep(self, level: int) -> None:
+        """Shrunk out of the run (`protocols.Sleepable`): level 1 frees the weights, level 2 the weights
+        and caches (this engine keeps no cache between batches: the same); level 0 changes nothing.
+        Waits for the batch being sampled; no batch starts until `wake()` and an update. Idempotent."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"{self.name}: sleep level must be 0, 1 or 2, got {level}")
+        self._start()
+        if level == 0 or self._asleep:
+            return
+        self._serving.clear()
+        await self._idle.wait()
+        async with self._weights_lock:
+            self._core.drop_weights()
+            self._asleep = True
+        gc.collect()  # the parameters' storage goes back now, not at the next collection
+
+    async def wake(self) -> None:
+        """Take the weights' memory back (not their values: the next update brings them). Idempotent."""
+        self._start()
+        if not self._asleep:
+            return
+        async with self._weights_lock:
+            self._core.restore_weights()
+            self._asleep = False
+        self._woken = True  # the next update resumes serving
+
+    async def weights_version(self) -> int | None:
+        return self._core.version
 
     async def pause(self) -> int:
         """Stop starting batches (requests keep queueing) and return once the batch being sampled,

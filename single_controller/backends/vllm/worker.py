@@ -772,6 +772,10 @@ class VllmGenerationActor:
             (weights,) = await asyncio.get_running_loop().run_in_executor(self._engine_thread, rpc)
         return weights
 
+    async def weights_version(self) -> int | None:
+        """The policy version of the loaded weights (an elastic expand checks it)."""
+        return self.version
+
     async def version_of_engine(self) -> str:
         return self.engine.get_weight_version()
 

@@ -1,0 +1,167 @@
+"""Elastic generation workers: shrink one out of a running run, expand it back in.
+
+Contract (`Controller.shrink_generation` / `expand_generation` call these on the controller's loop):
+
+* shrink(name, level): out of routing first, in one synchronous step (`RunState.elastic.out`; the
+  rollout pump reads `routable()` once per dispatch slice, which has no await, so nothing is
+  dispatched to the worker from this moment); then its groups in flight are aborted (reason
+  `preempted`: discarded, prompts re-dispatched uncharged) or, with `rollout.shrink=drain`, left to
+  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted; once none is in flight on it,
+  the worker sleeps at `level` (0: routing only, no call; 1: weights freed; 2: weights and caches).
+* expand(name): wake, apply the published weights (`versions.published`, the snapshot the
+  weight-sync pump applies or applied last) until the published snapshot did not change meanwhile,
+  check that the worker's version equals it, and only then rejoin routing, in the same synchronous
+  step as that last check. A weight sync that starts after that step finds the worker routable and
+  updates it with the others. Any failure leaves the worker out of routing (`asleep`) and raises
+  `ExpandFailed`; the run's versions are never touched.
+
+Both are idempotent (a shrunk worker shrinks again only to a deeper level; a routable one expands to
+nothing) and serialized per worker. With every worker shrunk the rollout pump waits for an expand:
+admission needs a routable worker (an event, not a poll, and not `NoGenerationWorkers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import GenerationWorker, Sleepable
+from single_controller.state import RunState
+
+log = logging.getLogger("sc_grpo.elastic")
+
+PREEMPTED = "preempted"  # the abort reason of a shrunk worker's groups
+
+
+class ElasticWorker(GenerationWorker, Sleepable, Protocol):
+    """A generation worker that can be shrunk and expanded."""
+
+
+class ExpandFailed(RuntimeError):
+    """An expand did not bring the worker back: it stays out of routing, asleep; retry the expand."""
+
+
+def _worker(state: RunState, name: str) -> ElasticWorker:
+    by_name: dict[str, GenerationWorker] = {w.name: w for w in state.workers.generators}
+    if name not in by_name:
+        raise ValueError(f"no generation worker is named {name!r} (there are: {', '.join(by_name)})")
+    worker = by_name[name]
+    if not isinstance(worker, Sleepable):
+        raise TypeError(f"generation worker {name} cannot be shrunk: its backend has no sleep/wake/weights_version")
+    return worker  # a GenerationWorker, and Sleepable as checked
+
+
+def _check_level(state: RunState, level: int) -> None:
+    if not 0 <= level <= state.cfg.rollout.sleep_level:
+        raise ValueError(f"sleep level {level} is not in 0..rollout.sleep_level={state.cfg.rollout.sleep_level}")
+
+
+async def shrink(state: RunState, name: str, level: int) -> None:
+    """Take generation worker `name` out of the run and put it to sleep at `level` (see the module)."""
+    _check_level(state, level)
+    worker = _worker(state, name)
+    el = state.elastic
+    async with el.resizing.setdefault(name, asyncio.Lock()):
+        if name in el.out and el.out[name] == "asleep" and el.level[name] >= level:
+            return  # asleep already, as deep or deeper
+        t0 = state.clock()
+        if name not in el.out:
+            el.out[name] = "shrinking"  # out of routing now: the step that picks a worker no longer sees it
+            el.level[name] = 0
+            state.notify()
+            await _empty(state, name)
+        el.out[name] = "shrinking"
+        if level > el.level[name]:
+            await within(
+                worker.sleep(level), state.cfg.timeouts.weight_sync_s, f"generation worker {name}: sleep({level})"
+            )
+            el.level[name] = level
+        el.out[name] = "asleep"
+        el.shrinks += 1
+        el.last_shrink_s = state.clock() - t0
+        el.shrink_s += el.last_shrink_s
+        state.notify()
+    log.info("generation worker %s shrunk to sleep level %d in %.3fs", name, level, el.last_shrink_s)
+
+
+async def _empty(state: RunState, name: str) -> None:
+    """Returns once no group is in flight on worker `name`: aborted at once, or drained up to the
+    deadline and the rest aborted (`rollout.shrink`)."""
+    r = state.cfg.rollout
+    idle = lambda: state.worker_load[name] == 0 or state.stop.rollout_done  # noqa: E731
+    if r.shrink == "drain":
+        try:
+            await within(
+                state.changed.wait_until(idle),
+                r.shrink_drain_timeout_s,
+                f"groups in flight on generation worker {name} to drain before its shrink",
+            )
+            return
+        except DeadlineExceeded:
+            pass  # what did not finish in time is aborted
+    state.elastic.preempted_groups += state.abort_rollouts(
+        PREEMPTED, lambda rec: state.dispatched_to.get(rec.group_id) == name
+    )
+    state.notify()
+    await state.changed.wait_until(idle)
+
+
+async def expand(state: RunState, name: str) -> None:
+    """Wake generation worker `name`, give it the published weights, and route to it again (see the module)."""
+    worker = _worker(state, name)
+    el = state.elastic
+    async with el.resizing.setdefault(name, asyncio.Lock()):
+        if name not in el.out:
+            return  # in the run already
+        t0 = state.clock()
+        el.out[name] = "waking"
+        try:
+            await _wake_with_published_weights(state, worker, name)
+        except Exception as e:
+            el.out[name] = "asleep"  # woken maybe, but never routed without the published weights
+            el.failed_expands += 1
+            state.notify()
+            raise ExpandFailed(f"expand of generation worker {name} failed: {type(e).__name__}: {e}") from e
+        # the last check and this are one synchronous step: no sync can publish in between
+        del el.out[name], el.level[name]
+        el.expands += 1
+        el.last_expand_s = state.clock() - t0
+        el.expand_s += el.last_expand_s
+        state.notify()
+    log.info("generation worker %s expanded in %.3fs", name, el.last_expand_s)
+
+
+async def _wake_with_published_weights(state: RunState, worker: ElasticWorker, name: str) -> None:
+    cfg = state.cfg
+    if state.elastic.level[name] > 0:
+        await within(worker.wake(), cfg.timeouts.setup_s, f"generation worker {name}: wake()")
+    while True:  # until no sync published newer weights while these were applied
+        target = state.versions.published
+        if target is None:
+            raise RuntimeError("no weights were published yet")
+        what = f"generation worker {name}: weights_version()"
+        held = await within(worker.weights_version(), cfg.timeouts.weight_sync_s, what)
+        if held != target.version:
+            what = f"generation worker {name}: update_weights(v{target.version}) (expand)"
+            await within(worker.update_weights(target), cfg.timeouts.weight_sync_s, what)
+            held = await within(worker.weights_version(), cfg.timeouts.weight_sync_s, what)
+        if held != target.version:
+            raise RuntimeError(f"it holds weights v{held} after applying the published v{target.version}")
+        if state.versions.published is target:
+            return
+
+
+def step_record(state: RunState) -> dict[str, float]:
+    """The step record's routing keys: workers routable and shrunk now, and the run's resize totals."""
+    el = state.elastic
+    return {
+        "rollout/workers_routable": state.routable_count(),
+        "rollout/workers_shrunk": len(el.out),
+        "elastic/shrinks": el.shrinks,
+        "elastic/expands": el.expands,
+        "elastic/shrink_s": el.shrink_s,
+        "elastic/expand_s": el.expand_s,
+        "elastic/preempted_groups": el.preempted_groups,
+    }
