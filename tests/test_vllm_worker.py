@@ -558,7 +558,7 @@ def episodes(tmp_path_factory, loop):
     model_dir = hf_model.init_model(
         tmp_path_factory.mktemp("vllm-env") / "tiny", hidden_size=64, head_dim=32, max_positions=128, init_std=0.2
     )
-    overrides = ["env.fn=tests:lookup", "env.max_turns=3", "env.max_tokens_per_turn=8", "env.timeout_s=5"]
+    overrides = ["env.fn=lookup", "env.max_turns=3", "env.max_tokens_per_turn=8", "env.timeout_s=5"]
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", "model.max_seq_len=128", *overrides])
     storage, script = GatedStorage(), Script()
 
