@@ -4,6 +4,7 @@ loader and its checks, tool-call parsing (no torch, no Ray). Failure modes over 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import sys
 import types
@@ -15,16 +16,17 @@ import pytest
 from single_controller.config.schema import EnvConfig
 from single_controller.data.tasks import EVAL_DATASETS, TASKS, TOKENIZER, is_held_out, load_task
 from single_controller.envs.builtin import GuessEnv, LookupEnv, digit_match, other_value
-from single_controller.envs.contract import Action, EnvContractError, EnvFailed, Environment, EpisodeItem, ToolCall
+from single_controller.envs.contract import (
+    Action,
+    EnvContractError,
+    Environment,
+    EpisodeItem,
+    StepOutcome,
+    ToolCall,
+)
 from single_controller.envs.http_client import HttpEnvironment
 from single_controller.envs.http_server import EnvServer
-from single_controller.envs.inprocess import (
-    GuardedEnvironment,
-    check_env,
-    check_env_class,
-    load_env_factory,
-    make_env_factory,
-)
+from single_controller.envs.inprocess import check_env, check_env_class, load_env_factory
 from single_controller.envs.tool_calls import (
     ToolCallFormatError,
     ToolCallParser,
@@ -391,7 +393,7 @@ def test_a_format_the_tokenizer_cannot_write_is_refused_naming_the_format_and_th
         check_expressible(hermes, _TemplateTokenizer("<tool_call>", drop="</tool_call>"))  # a skipped special token
 
 
-# -- in-process environments under the transport's rules -----------------------------------------------
+# -- in-process environments under the runner's rules, as HTTP ones -----------------------------------------------
 class _Wedged(_Good):
     async def step(self, action):
         await asyncio.Event().wait()
@@ -410,31 +412,58 @@ class _NotAnOutcome(_Good):
         return {"reward": 1.0}
 
 
+class _ClosingBadly(_Good):
+    async def step(self, action):
+        return StepOutcome(reward=0.5, done=True)
+
+    async def close(self):
+        raise OSError("disk gone")
+
+
+class _OneTurn:
+    """A `TurnEngine` whose every turn is `1$`."""
+
+    max_seq_len = 32
+
+    async def continue_sequence(self, ids, max_new, request, stop_ids):
+        from single_controller.backends.common.episodes import Continuation
+
+        out = tuple(TOKENIZER.encode("1$"))
+        return Continuation(out, (-1.0,) * len(out), (0,) * len(out))
+
+
+async def _play(cfg: EnvConfig):
+    """One episode of `cfg`'s environment through the runner every engine uses (one attempt)."""
+    from single_controller.backends.common.episodes import episode_runner
+    from single_controller.types import GenerationRequest, Prompt, SamplingParams
+
+    request = GenerationRequest(
+        "g9", Prompt("p00009", tuple(TOKENIZER.encode("^3>")), "482"), SamplingParams(n=1), ("g9_g0",)
+    )
+    runner = episode_runner(dataclasses.replace(cfg, max_attempts=1), TOKENIZER, default_max_new=2, name="gen")
+    return await asyncio.wait_for(runner.run_group(request, _OneTurn()), 10.0)
+
+
 async def test_in_process_environments_get_deadlines_and_env_failures_like_http_ones(monkeypatch):
-    mod = types.SimpleNamespace(Wedged=_Wedged, Raising=_Raising, NotAnOutcome=_NotAnOutcome)
+    from single_controller.backends.common.episodes import env_factory
+    from single_controller.protocols import EnvironmentFailed
+
+    mod = types.SimpleNamespace(Wedged=_Wedged, Raising=_Raising, NotAnOutcome=_NotAnOutcome, Closing=_ClosingBadly)
     monkeypatch.setitem(sys.modules, "_sc_env_bad", mod)
-    item = EpisodeItem("p00009", "^3>", "482", attempt=1, index=3)
-    wedged = make_env_factory(EnvConfig(fn="_sc_env_bad:Wedged", timeout_s=0.2))()
-    assert await wedged.reset(item) == ""
     with pytest.raises(
-        EnvFailed, match=r"environment step for episode p00009.3.a1 failed: no answer within env.timeout_s=0.2 s"
+        EnvironmentFailed, match=r"environment step for episode p00009#0 failed: no answer within env.timeout_s=0.2s"
     ):
-        await asyncio.wait_for(wedged.step(Action("1")), 10.0)
-    raising = make_env_factory(EnvConfig(fn="_sc_env_bad:Raising"))()
-    await raising.reset(item)
-    with pytest.raises(
-        EnvFailed, match=r"step for episode p00009.3.a1 failed: _Raising.step raised KeyError: 'no such board'"
-    ):
-        await raising.step(Action("1"))
-    with pytest.raises(EnvFailed, match=r"environment close .* _Raising.close raised OSError: disk gone"):
-        await raising.close()
-    odd = make_env_factory(EnvConfig(fn="_sc_env_bad:NotAnOutcome"))()
-    await odd.reset(item)
-    with pytest.raises(EnvFailed, match="step returned a dict, not a StepOutcome"):
-        await odd.step(Action("1"))
-    good = make_env_factory(EnvConfig(fn="lookup"))()
-    assert isinstance(good, GuardedEnvironment) and isinstance(good.env, LookupEnv)
-    http = make_env_factory(EnvConfig(url="http://127.0.0.1:8765", timeout_s=3.0, args={"a": 1}))()
+        await _play(EnvConfig(fn="_sc_env_bad:Wedged", timeout_s=0.2))
+    with pytest.raises(EnvironmentFailed, match=r"step for episode p00009#0 failed: KeyError\('no such board'\)"):
+        await _play(EnvConfig(fn="_sc_env_bad:Raising"))
+    with pytest.raises(EnvironmentFailed, match="step for episode p00009#0 failed: returned dict, not a StepOutcome"):
+        await _play(EnvConfig(fn="_sc_env_bad:NotAnOutcome"))
+    # a close that raises leaves the episode's outcome as it was (the environment's leak, not the policy's)
+    [episode] = await _play(EnvConfig(fn="_sc_env_bad:Closing"))
+    assert episode.reward == 0.5
+    good = env_factory(EnvConfig(fn="lookup"))()
+    assert isinstance(good, LookupEnv)
+    http = env_factory(EnvConfig(url="http://127.0.0.1:8765", timeout_s=3.0, args={"a": 1}))()
     assert isinstance(http, HttpEnvironment) and (http.url, http.timeout_s, http.args) == (
         "http://127.0.0.1:8765",
         3.0,

@@ -9,23 +9,21 @@ Contract:
   instantiated before start-up).
 * `load_env_factory(cfg)` resolves and checks `env.fn` once, and returns the per-episode factory: each
   call is a fresh `Class(**env.args)`.
-* `make_env_factory(cfg)` is what a runner uses: per-episode environments of either transport under the
-  same rules (every call within `env.timeout_s`, every failure an `EnvFailed` naming the call and the
-  episode): `GuardedEnvironment` around `env.fn`'s class, `HttpEnvironment` for `env.url`.
+  The deadlines and the failures of an episode's calls, whatever the transport, are the runner's
+  (`backends/common/episodes.py`: `EpisodeRunner`, `env_factory`).
 * `check_env(cfg)` validates what the config names, `fn` or `url` (reachable, speaking the protocol:
   `http_client.check_env_url`), raising `EnvContractError`; nothing when both are null (env off).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from single_controller.envs.contract import Action, EnvContractError, EnvFailed, Environment, EpisodeItem, StepOutcome
+from single_controller.envs.contract import EnvContractError, Environment
 
 if TYPE_CHECKING:
     from single_controller.config.schema import EnvConfig
@@ -94,59 +92,6 @@ def load_env_factory(cfg: EnvConfig) -> Callable[[], Environment]:
     cls = resolve_env_class(cfg.fn)
     check_env_class(cls, cfg.fn, cfg.args)
     return functools.partial(cls, **dict(cfg.args))
-
-
-class GuardedEnvironment:
-    """An in-process environment held to the transport's rules: every call within `timeout_s`, and any
-    error (or an answer outside the contract) an `EnvFailed` naming the call and the episode, as the
-    HTTP client's. A call that blocks the event loop itself (`time.sleep`, a busy loop) cannot be
-    bounded from inside it: such an environment belongs behind `sc-grpo env serve`."""
-
-    def __init__(self, env: Any, timeout_s: float):
-        self.env, self.timeout_s = env, timeout_s
-        self.episode = "(none)"
-
-    async def reset(self, item: EpisodeItem) -> str:
-        self.episode = f"{item.prompt_id}.{item.index}.a{item.attempt}"
-        observation = await self._call("reset", self.env.reset(item))
-        if not isinstance(observation, str):
-            raise EnvFailed("reset", self.episode, f"reset returned a {type(observation).__name__}, not a str")
-        return observation
-
-    async def step(self, action: Action) -> StepOutcome:
-        out = await self._call("step", self.env.step(action))
-        if not isinstance(out, StepOutcome):
-            raise EnvFailed("step", self.episode, f"step returned a {type(out).__name__}, not a StepOutcome")
-        return out
-
-    async def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if close is not None:
-            await self._call("close", close())
-
-    async def _call(self, what: str, call: Awaitable[Any]) -> Any:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await call
-        except TimeoutError:
-            raise EnvFailed(what, self.episode, f"no answer within env.timeout_s={self.timeout_s:g} s") from None
-        except Exception as e:
-            raise EnvFailed(
-                what, self.episode, f"{type(self.env).__name__}.{what} raised {type(e).__name__}: {e}"
-            ) from e
-
-
-def make_env_factory(cfg: EnvConfig) -> Callable[[], Environment]:
-    """The per-episode environments of a run, either transport, with the same rules: `env.fn` as
-    `GuardedEnvironment`s, `env.url` as `HttpEnvironment`s (each call within `env.timeout_s`, every
-    failure an `EnvFailed`)."""
-    if cfg.url is not None and cfg.fn is None:
-        from single_controller.envs.http_client import HttpEnvironment
-
-        url, timeout_s, args = cfg.url, cfg.timeout_s, dict(cfg.args)
-        return lambda: HttpEnvironment(url, timeout_s=timeout_s, args=args)
-    factory = load_env_factory(cfg)
-    return lambda: GuardedEnvironment(factory(), cfg.timeout_s)
 
 
 def check_env(cfg: EnvConfig) -> None:
