@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from single_controller.backends.common.rewards import finite
 from single_controller.config.schema import EnvConfig
 from single_controller.data.tokenizer import RunTokenizer
 from single_controller.deadlines import DeadlineExceeded, within
@@ -113,24 +114,23 @@ class ObservationEncoder:
     def __init__(self, tokenizer: RunTokenizer):
         self.tokenizer = tokenizer
         self._tok = getattr(tokenizer, "tok", None) if tokenizer.has_chat_template else None
+        self._before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._SENTINEL}]
+        self._stop_text_len = 0  # the template's copy of the stop token after a turn (skipped when the policy wrote it)
+        if self._tok is not None:
+            closed = str(self._tok.apply_chat_template(self._before, tokenize=False, add_generation_prompt=False))
+            end = closed[closed.index(self._SENTINEL) + len(self._SENTINEL) :]
+            stops = (self._tok.decode([i]) for i in tokenizer.eos_ids)
+            self._stop_text_len = next((len(eos) for eos in stops if eos and end.startswith(eos)), 0)
 
     def encode(self, text: str, *, role: str, stopped: bool) -> list[int]:
         if self._tok is None:
             return self.tokenizer.encode(text)
-        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._SENTINEL}]
-        closed = str(self._tok.apply_chat_template(before, tokenize=False, add_generation_prompt=False))
         opened = str(
             self._tok.apply_chat_template(
-                [*before, {"role": role, "content": text}], tokenize=False, add_generation_prompt=True
+                [*self._before, {"role": role, "content": text}], tokenize=False, add_generation_prompt=True
             )
         )
-        cut = opened.index(self._SENTINEL) + len(self._SENTINEL)
-        if stopped:  # the policy's own stop token closed its turn: skip the template's copy of it
-            end = closed[cut:]
-            for eos in (self._tok.decode([i]) for i in self.tokenizer.eos_ids):
-                if eos and end.startswith(eos):
-                    cut += len(eos)
-                    break
+        cut = opened.index(self._SENTINEL) + len(self._SENTINEL) + (self._stop_text_len if stopped else 0)
         return self.tokenizer.encode(opened[cut:])
 
 
@@ -260,7 +260,7 @@ class EpisodeRunner:
             ep.env_s += time.perf_counter() - started
         if not isinstance(out, StepOutcome):
             raise EnvFailed("step", _episode_name(item), f"returned {type(out).__name__}, not a StepOutcome")
-        if out.done and not _finite(out.reward):
+        if out.done and finite(out.reward) is None:
             raise EnvFailed("step", _episode_name(item), f"gave the reward {out.reward!r}, not a finite number")
         return out
 
@@ -311,14 +311,6 @@ class _AttemptsExhausted(Exception):
 
 def _episode_name(item: EpisodeItem) -> str:
     return f"{item.prompt_id}#{item.index}" + (f" (attempt {item.attempt + 1})" if item.attempt else "")
-
-
-def _finite(v: Any) -> bool:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return False
-    return f == f and f not in (float("inf"), float("-inf"))
 
 
 def rows_of(episodes: Sequence[Episode]) -> dict[str, list[torch.Tensor]]:

@@ -95,7 +95,7 @@ def _call(f: RewardFn, prompt: Prompt, kwargs: dict[str, list]) -> Any:
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
-def _finite(v: Any) -> float | None:
+def finite(v: Any) -> float | None:
     """`v` as a finite float (a number, numpy's or torch's included); None if it is not one."""
     if isinstance(v, (str, bytes)):
         return None
@@ -266,7 +266,7 @@ class RewardScorer:
             if v is None:
                 values.append(None)
                 continue
-            x = _finite(v)
+            x = finite(v)
             if x is None:
                 c.error = f"gave {v!r:.80} for completion {i} (not a finite number or None)"
                 return
