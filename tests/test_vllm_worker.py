@@ -325,11 +325,9 @@ def test_a_cancelled_call_stores_nothing(env, loop):
     assert [k for r in reqs for k in storage.keys_of(r.group_id)] == []
 
 
-def test_cancel_during_the_put_takes_the_rows_back(env, loop):
-    """A group whose rows are being written when its cancel arrives: cancel returns only after the
-    put landed AND its rows were cleared, so no key of it remains."""
-    actor, trainer, storage, state = env
-    (req,) = _requests("late", 1)
+def _cancel_while_put(actor, storage, loop, req):
+    """Cancel `req` while its rows are being put: the cancel waits for the put in flight and answers
+    True (its rows were written, and are taken back). Returns the request's own outcome."""
     storage.gate.clear()
     storage.put_started.clear()
     task = loop.create_task(actor.generate_many([req]))
@@ -348,6 +346,15 @@ def test_cancel_during_the_put_takes_the_rows_back(env, loop):
     finally:
         storage.gate.set()
     (res,) = run(loop, task)
+    return res
+
+
+def test_cancel_during_the_put_takes_the_rows_back(env, loop):
+    """A group whose rows are being written when its cancel arrives: cancel returns only after the
+    put landed AND its rows were cleared, so no key of it remains."""
+    actor, trainer, storage, state = env
+    (req,) = _requests("late", 1)
+    res = _cancel_while_put(actor, storage, loop, req)
     assert isinstance(res, GenerationFailed)
     assert storage.keys_of(req.group_id) == []
 
@@ -651,23 +658,6 @@ def test_an_environment_failure_answers_its_group_alone_and_stores_nothing_of_it
 def test_an_episode_group_cancelled_while_its_rows_are_put_has_them_taken_back(episodes, loop):
     actor, trainer, storage, script = episodes
     (req,) = _requests("epput", 1, G=2, seed=5)
-    storage.gate.clear()
-    storage.put_started.clear()
-    task = loop.create_task(actor.generate_many([req]))
-
-    async def cancel_while_writing():
-        while not storage.put_started.is_set():
-            await asyncio.sleep(0.005)  # test code: the writer thread signals through a threading.Event
-        cancel = asyncio.ensure_future(actor.cancel(req.group_id))
-        await asyncio.sleep(0.05)
-        assert not cancel.done()  # waits for the put in flight
-        storage.gate.set()
-        return await cancel
-
-    try:
-        assert run(loop, cancel_while_writing()) is True
-    finally:
-        storage.gate.set()
-    (res,) = run(loop, task)
+    res = _cancel_while_put(actor, storage, loop, req)
     assert isinstance(res, GenerationFailed) and "cancelled" in str(res)
     assert storage.keys_of(req.group_id) == []
