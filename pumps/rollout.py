@@ -123,12 +123,13 @@ def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams
     """Dispatch up to DISPATCH_SLICE admissible groups, each to the least-loaded routable worker
     (ties: the first in routing order), and tell the other pumps once."""
     led, version = state.ledger, state.versions.dispatch
-    routable = state.routable()  # read once: a shrink takes a worker out between slices, never inside one
+    routable = _with_room(state)  # read once: a shrink takes a worker out between slices, never inside one
     if not routable:
         return
     budget = min(
         DISPATCH_SLICE, state.cfg.rollout.max_in_flight_groups - state.in_flight(), led.capacity - led.resident()
     )
+    cap = state.cfg.rollout.max_in_flight_per_worker
     for _ in range(budget):
         target = led.next_target_step()
         if target is None or not state.sampler.may_admit(target, version) or not state.has_prompt():
@@ -140,8 +141,19 @@ def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams
         load = state.worker_load
         worker = min(routable, key=lambda w: load[w.name])
         flights.submit(worker, rec, sampling)
+        if cap and load[worker.name] >= cap:
+            routable.remove(worker)
+            if not routable:
+                break
         state.pumps[PUMP].iterations += 1
     state.notify()
+
+
+def _with_room(state: RunState) -> list[GenerationWorker]:
+    """The routable workers below `rollout.max_in_flight_per_worker` groups in flight."""
+    cap = state.cfg.rollout.max_in_flight_per_worker
+    routable = state.routable()
+    return [w for w in routable if state.worker_load[w.name] < cap] if cap else routable
 
 
 def _needs_restart(state: RunState) -> list[GenerationWorker]:
@@ -202,6 +214,8 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
 
 def _admissible(state: RunState) -> bool:
     if state.stop.requested or not state.admission_open or not state.any_routable():
+        return False
+    if state.cfg.rollout.max_in_flight_per_worker and not _with_room(state):
         return False
     if state.in_flight() >= state.cfg.rollout.max_in_flight_groups or not state.ledger.has_capacity():
         return False

@@ -200,6 +200,8 @@ async def _send_next(state: RunState, cur: _Step) -> None:
     """Send the step's next unsent chunk, beginning the step first if it is not open."""
     trainer, step = state.workers.trainer, cur.number
     if not cur.is_open:
+        if state.hooks.before_train is not None:  # in a pool: the train slots are granted first
+            await state.waiting(state.hooks.before_train(step), PUMP, "train slots")
         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
         cur.is_open = True
     await _timed(
@@ -280,6 +282,7 @@ def _may_send_ahead(state: RunState, step: int) -> bool:
         and not (state.stop.requested or state.stop.abandon_open_step)
         and step < cfg.run.max_steps
         and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
+        and state.hooks.before_train is None  # in a pool a step begins only once its train slots are granted
     )
 
 

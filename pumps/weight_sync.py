@@ -43,6 +43,8 @@ async def weight_sync_pump(state: RunState, weights: Channel[WeightsHandle]) -> 
                 break
             await _sync(state, handle)
             clk.iterations += 1
+            if state.hooks.after_sync is not None:  # in a pool: the train slots go back now
+                await state.hooks.after_sync(handle.version)
     finally:
         clk.finished = True
         state.notify()

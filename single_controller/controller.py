@@ -204,6 +204,7 @@ class Controller:
                 st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})"
             )
         st.versions.published = st.versions.latest_weights
+        st.notify()  # (a pool member registers once there are weights to expand workers with)
         # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
         # the cyclic collector for the run: each full collection would walk it again (~60 ms
         # each on this machine). Given back at the end, so nothing is kept alive for good.

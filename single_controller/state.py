@@ -169,6 +169,10 @@ class StepHooks:
     # Whether `after_step` would write a checkpoint once the trainer is at this version (the train
     # pump then sends no next step behind the finish: a checkpoint needs no step open).
     checkpoint_due: Callable[[int], bool] | None = None
+    # In a pool (`single_controller/pool/link.py`): awaited before a step begins on the trainer (the
+    # grant of the run's train slots), and after each weight sync with the version it applied.
+    before_train: Callable[[int], Awaitable[None]] | None = None
+    after_sync: Callable[[int], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)

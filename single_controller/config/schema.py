@@ -237,6 +237,11 @@ class RolloutConfig:
     """End a completion at the EOS token (otherwise exactly `max_new_tokens` are generated)."""
     max_in_flight_groups: PositiveInt = 32
     """Prompt groups dispatched to generation workers and not yet returned, at most."""
+    max_in_flight_per_worker: Count = 0
+    """Groups in flight on one generation worker at most (0: no limit but `max_in_flight_groups`).
+    With elastic workers (a pool, or shrink/expand) a limit keeps the run's groups from queuing on
+    the workers routable at the moment they are dispatched: a worker that joins later finds the
+    rest still undispatched. Set it to about what one worker computes at once (its batch)."""
     max_batch_groups: PositiveInt = 16
     """A generation worker batches up to this many pending groups into one sampling pass."""
     on_failure: Literal["retry", "drop"] = "retry"

@@ -1,0 +1,206 @@
+"""`sc-grpo bench pool`: two runs sharing S slots, against the two static splits, in one invocation.
+
+Each run is a real controller on simulated workers (`backends/sim.py`), tied to one pool scheduler
+in this process (`single_controller/pool/`): the same shrink / expand / train-grant path a pooled
+run takes, with scripted compute. A run's work per step is given in slot-seconds: `gen` (spread
+over its generation workers, one group at a time each) and `train` (on its train slots, together:
+its wall time is `train / len(train_slots)`). An expand costs `--switch-ms` (a wake with the weights
+reloaded: sleep level 1).
+
+Layouts (S = 4):
+
+* shared (`gap_ratio`): both runs may generate on every slot; A trains on slot 0, B on slots 2-3
+  (partial overlap: a run's train slots are among its generation slots);
+* static by run: A owns slots 0-1 (trains on 0), B owns 2-3 (trains on both), always;
+* static by role: slots 0-1 generate (slot 0 for A, 1 for B), A trains on slot 2, B on 3... with
+  B's training on one slot then (the role split has one training slot per run).
+
+Printed per layout: makespan (both runs' K steps), slot busy fraction (useful work + the compute
+of preempted groups, over S x makespan), that over the physical limit (useful work / S over the
+makespan: 1.0 = no slot ever idle or wasted), switching overhead (slot-seconds in shrinks and
+expands over S x makespan), preempted groups, and Jain's fairness over the runs' speed-ups against
+the static split by run. The shared pool's makespan over the better static split is the figure the
+issue's acceptance reads (heterogeneous mix <= 0.85, symmetric <= 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass, replace
+
+from replay.storage import InMemoryRowStorage
+from single_controller.backends.sim import Faults, sim_prompts, sim_workers
+from single_controller.config.schema import (
+    BackendConfig,
+    Config,
+    RolloutConfig,
+    RunConfig,
+    SamplerConfig,
+    StorageConfig,
+    TimeoutConfig,
+    TrainConfig,
+)
+from single_controller.controller import Controller
+from single_controller.pool.link import InProcessPool, PoolLink
+from single_controller.pool.planner import RunSlots
+from single_controller.pool.scheduler import PoolScheduler
+from single_controller.state import Workers
+
+SLEEP_LEVEL = 1
+
+
+@dataclass(frozen=True)
+class SimRun:
+    name: str
+    gen: float  # slot-seconds of generation per step, in units
+    train: float  # slot-seconds of training per step, in units
+    slots: RunSlots
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    policy: str
+    runs: tuple[SimRun, ...]
+
+
+def layouts(mix: str) -> list[Layout]:
+    a, b = ((3.0, 1.0), (1.0, 3.0)) if mix == "heterogeneous" else ((2.0, 2.0), (2.0, 2.0))
+    every = (0, 1, 2, 3)
+
+    def pair(a_slots: RunSlots, b_slots: RunSlots) -> tuple[SimRun, ...]:
+        return SimRun("A", *a, a_slots), SimRun("B", *b, b_slots)
+
+    return [
+        Layout("shared (gap_ratio)", "gap_ratio", pair(RunSlots("A", every, (0,)), RunSlots("B", every, (2, 3)))),
+        Layout("static by run", "static", pair(RunSlots("A", (0, 1), (0,)), RunSlots("B", (2, 3), (2, 3)))),
+        Layout("static by role", "static", pair(RunSlots("A", (0,), (2,)), RunSlots("B", (1,), (3,)))),
+    ]
+
+
+def _config(steps: int, groups: int, lookahead: int) -> Config:
+    return Config(
+        run=RunConfig(max_steps=steps, progress_bar=False, plot=False),
+        rollout=RolloutConfig(
+            group_size=2, max_in_flight_groups=4 * groups, max_in_flight_per_worker=2, sleep_level=SLEEP_LEVEL
+        ),
+        train=TrainConfig(groups_per_step=groups, min_groups_per_chunk=groups),
+        sampler=SamplerConfig(max_lookahead_versions=lookahead, max_staleness_versions=lookahead),
+        backend=BackendConfig(generation="sim", trainer="sim"),
+        storage=StorageConfig(kind="memory"),
+        timeouts=TimeoutConfig(generate_s=60, train_call_s=60, weight_sync_s=60, storage_s=60),
+    )
+
+
+def _slow_wake(worker, switch_s: float) -> None:
+    wake = worker.wake
+
+    async def slow_wake() -> None:
+        await asyncio.sleep(switch_s)
+        await wake()
+
+    worker.wake = slow_wake
+
+
+async def run_layout(layout: Layout, *, steps: int, groups: int, lookahead: int, unit_s: float, switch_s: float):
+    """Both runs of `layout` to the end in one pool; returns their figures."""
+    pool = PoolScheduler(4, layout.policy)
+    links, gens = [], []
+    for r in layout.runs:
+        storage = InMemoryRowStorage()
+        g, trainer = sim_workers(
+            storage,
+            num_generators=len(r.slots.gen_slots),
+            gen_group_s=r.gen * unit_s / groups,
+            train_group_s=r.train * unit_s / len(r.slots.train_slots) / groups,
+            faults=Faults(),
+            keep_logs=False,
+        )
+        for w in g:
+            _slow_wake(w, switch_s)
+        ctl = Controller(_config(steps, groups, lookahead), sim_prompts(), storage, Workers(g, trainer))
+        links.append(PoolLink(ctl, InProcessPool(pool), r.slots, SLEEP_LEVEL))
+        gens.append(g)
+    ends: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    async def one(link: PoolLink) -> None:
+        await link.run()
+        ends[link.spec.name] = time.perf_counter() - t0
+
+    async with asyncio.TaskGroup() as tg:
+        serving = tg.create_task(pool.serve())
+        async with asyncio.TaskGroup() as runs:
+            for link in links:
+                runs.create_task(one(link))
+        pool.close()
+    await serving
+    return _figures(layout, pool, links, ends, steps=steps, unit_s=unit_s)
+
+
+def _figures(layout: Layout, pool: PoolScheduler, links, ends, *, steps: int, unit_s: float) -> dict:
+    makespan = max(ends.values())
+    useful = sum(r.gen + r.train for r in layout.runs) * steps * unit_s
+    preempted = sum(link.ctl.state.elastic.preempted_groups for link in links)
+    wasted = sum(
+        link.ctl.state.elastic.preempted_groups * r.gen * unit_s / link.ctl.cfg.train.groups_per_step
+        for link, r in zip(links, layout.runs, strict=True)
+    )
+    s = pool.statistics()
+    return {
+        "makespan_s": makespan,
+        "ends": ends,
+        "busy": (useful + wasted) / (4 * makespan),
+        "of_limit": useful / 4 / makespan,
+        "switching": s.switch_s / (4 * makespan),
+        "preempted": preempted,
+        "resizes": s.shrinks + s.expands,
+        "max_train_wait_s": s.max_train_wait_s,
+    }
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="sc-grpo bench pool", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="K: steps each run trains")
+    p.add_argument("--groups", type=int, default=12, help="groups per step")
+    p.add_argument("--lookahead", type=int, default=0, help="sampler.max_lookahead_versions of both runs")
+    p.add_argument("--unit-ms", type=float, default=100.0, help="wall time of one unit of work (slot-seconds)")
+    p.add_argument("--switch-ms", type=float, default=5.0, help="cost of one expand (wake + weights)")
+    p.add_argument("--mix", choices=("heterogeneous", "symmetric", "both"), default="both")
+    args = p.parse_args(argv)
+    mixes = ("heterogeneous", "symmetric") if args.mix == "both" else (args.mix,)
+    print(
+        f"bench pool: S=4 slots, K={args.steps} steps per run, {args.groups} groups per step, lookahead "
+        f"{args.lookahead}, unit {args.unit_ms:g} ms, expand {args.switch_ms:g} ms, sim workers"
+    )
+    for mix in mixes:
+        _print_mix(mix, args)
+    return 0
+
+
+def _print_mix(mix: str, args: argparse.Namespace) -> None:
+    kw = dict(steps=args.steps, groups=args.groups, lookahead=args.lookahead, unit_s=args.unit_ms / 1e3)
+    results = {lay.name: asyncio.run(run_layout(lay, switch_s=args.switch_ms / 1e3, **kw)) for lay in layouts(mix)}
+    work = ", ".join(f"{r.name} gen:train {r.gen:g}:{r.train:g}" for r in layouts(mix)[0].runs)
+    print(f"\n{mix} mix ({work})")
+    print(f"{'layout':<20} {'makespan s':>10} {'busy':>6} {'of limit':>8} {'switch':>7} {'preempt':>7} {'fair':>5}")
+    by_run = results["static by run"]["ends"]
+    for name, f in results.items():
+        fair = jain([by_run[r] / f["ends"][r] for r in by_run])
+        print(
+            f"{name:<20} {f['makespan_s']:>10.3f} {f['busy']:>6.3f} {f['of_limit']:>8.3f} "
+            f"{f['switching']:>7.3f} {f['preempted']:>7d} {fair:>5.2f}"
+        )
+    shared = results["shared (gap_ratio)"]["makespan_s"]
+    best = min(f["makespan_s"] for n, f in results.items() if n.startswith("static"))
+    print(f"shared / better static split: {shared / best:.3f}")
+
+
+def with_steps(layout: Layout, **kw) -> Layout:
+    return replace(layout, **kw)

@@ -1,0 +1,135 @@
+"""A run's side of a pool: its controller's generation workers on the pool's slots.
+
+`PoolLink(ctl, pool, spec, level)` ties one `Controller` to a pool (`PoolApi`: the scheduler in
+this process, or its Ray actor). `run()` runs the controller in the pool:
+
+1. every generation worker starts out of the run (shrunk, asleep at `level`); worker i sits on
+   slot `spec.gen_slots[i]`;
+2. once the controller has published its first weights the run registers, and from then on pushes
+   its generation demand whenever it changes (`generation_demand`: groups in flight plus those the
+   staleness gate would admit now; an event on the run's state, not a poll);
+3. the train pump asks for the train slots before it begins a step (`StepHooks.before_train`: the
+   pool shrinks whatever worker is resident there first), and the weight-sync pump releases them
+   once the step's weights are on every routable worker (`StepHooks.after_sync`). Shrunk workers get
+   the published weights when they are expanded again (`single_controller/elastic.py`);
+4. the pool calls back `shrink_slot` / `expand_slot`, which are the controller's own elastic
+   shrink and expand of that slot's worker;
+5. when the run ends (or fails) it leaves the pool, freeing its slots for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from single_controller import elastic
+from single_controller.controller import Controller, RunSummary
+from single_controller.pool.planner import RunSlots
+from single_controller.state import RunState
+
+
+class PoolApi(Protocol):
+    """What a run calls on its pool (`InProcessPool`, or the pool actor's client)."""
+
+    async def register(self, spec: RunSlots, handle: PoolLink) -> None: ...
+
+    async def unregister(self, name: str) -> None: ...
+
+    async def report_demand(self, name: str, groups: int) -> None: ...
+
+    async def acquire_train(self, name: str, step: int) -> None: ...
+
+    async def release_train(self, name: str, step: int) -> None: ...
+
+
+def generation_demand(state: RunState) -> int:
+    """Groups this run could generate now: those in flight, plus those the staleness gate would
+    admit at the current dispatch version (capped by `rollout.max_in_flight_groups`)."""
+    n = state.in_flight()
+    if state.stop.requested or not state.has_prompt():
+        return n
+    cfg, led = state.cfg, state.ledger
+    room = cfg.rollout.max_in_flight_groups - n
+    s = led.next_target_step()
+    while s is not None and s < cfg.run.max_steps and room > 0 and state.sampler.may_admit(s, state.versions.dispatch):
+        short = min(room, max(0, cfg.train.groups_per_step - led.live(s)))
+        n, room, s = n + short, room - short, s + 1
+    return n
+
+
+class PoolLink:
+    def __init__(self, ctl: Controller, pool: PoolApi, spec: RunSlots, level: int):
+        gens = [w.name for w in ctl.state.workers.generators]
+        if len(gens) != len(spec.gen_slots):
+            raise ValueError(
+                f"run {spec.name}: {len(gens)} generation workers for {len(spec.gen_slots)} gen_slots {spec.gen_slots}"
+            )
+        self.ctl, self.pool, self.spec, self.level = ctl, pool, spec, level
+        self.worker_on = dict(zip(spec.gen_slots, gens, strict=True))
+        self.train_held: set[int] = set()
+
+    # -- what the pool calls -------------------------------------------------------------------
+    async def shrink_slot(self, slot: int) -> None:
+        await self.ctl.shrink_generation(self.worker_on[slot], self.level)
+
+    async def expand_slot(self, slot: int) -> None:
+        await self.ctl.expand_generation(self.worker_on[slot])
+
+    # -- the run -------------------------------------------------------------------------------
+    async def run(self) -> RunSummary:
+        st = self.ctl.state
+        for name in self.worker_on.values():  # out of the run until the pool expands them
+            await elastic.shrink(st, name, self.level)
+        st.hooks.before_train = self._before_train
+        st.hooks.after_sync = self._after_sync
+        try:
+            async with asyncio.TaskGroup() as tg:
+                running = tg.create_task(self.ctl.run())
+                member = tg.create_task(self._member(st))
+                running.add_done_callback(lambda _: member.cancel())
+        finally:
+            await asyncio.shield(self.pool.unregister(self.spec.name))
+        return running.result()
+
+    async def _member(self, st: RunState) -> None:
+        await st.changed.wait_until(lambda: st.versions.published is not None)
+        await self.pool.register(self.spec, self)
+        last = -1
+        while True:
+            # Exits: cancelled when the controller's run ends.
+            demand = generation_demand(st)
+            if demand != last:
+                await self.pool.report_demand(self.spec.name, demand)
+                last = demand
+            await st.changed.wait_until(lambda: generation_demand(st) != last)
+
+    async def _before_train(self, step: int) -> None:
+        await self.pool.acquire_train(self.spec.name, step)
+        self.train_held.add(step)
+
+    async def _after_sync(self, version: int) -> None:
+        for step in sorted(s for s in self.train_held if s < version):
+            self.train_held.discard(step)
+            await self.pool.release_train(self.spec.name, step)
+
+
+class InProcessPool:
+    """A `PoolApi` on a scheduler in this process (the bench, the tests)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    async def register(self, spec: RunSlots, handle: PoolLink) -> None:
+        self.scheduler.register(spec, handle)
+
+    async def unregister(self, name: str) -> None:
+        self.scheduler.unregister(name)
+
+    async def report_demand(self, name: str, groups: int) -> None:
+        self.scheduler.report_demand(name, groups)
+
+    async def acquire_train(self, name: str, step: int) -> None:
+        await self.scheduler.acquire_train(name, step)
+
+    async def release_train(self, name: str, step: int) -> None:
+        self.scheduler.release_train(name, step)
