@@ -244,11 +244,12 @@ class Controller:
         )
 
     # -- elastic generation ------------------------------------------------------------------
-    async def shrink_generation(self, name: str, level: int | None = None) -> None:
+    async def shrink_generation(self, name: str, level: int | None = None, mode: str | None = None) -> None:
         """Take generation worker `name` out of the run (out of routing, its groups in flight aborted or
-        drained, then asleep at `level`, by default `rollout.sleep_level`); see `single_controller/elastic.py`.
-        Call it on the controller's loop while the run goes on; idempotent."""
-        await elastic.shrink(self.state, name, self.cfg.rollout.sleep_level if level is None else level)
+        drained (`mode`, by default `rollout.shrink`), then asleep at `level`, by default
+        `rollout.sleep_level`); see `single_controller/elastic.py`. Call it on the controller's loop
+        while the run goes on; idempotent."""
+        await elastic.shrink(self.state, name, self.cfg.rollout.sleep_level if level is None else level, mode)
 
     async def expand_generation(self, name: str) -> None:
         """Bring a shrunk generation worker back: woken, the published weights applied and checked,

@@ -58,8 +58,9 @@ def _check_level(state: RunState, level: int) -> None:
         raise ValueError(f"sleep level {level} is not in 0..rollout.sleep_level={state.cfg.rollout.sleep_level}")
 
 
-async def shrink(state: RunState, name: str, level: int) -> None:
-    """Take generation worker `name` out of the run and put it to sleep at `level` (see the module)."""
+async def shrink(state: RunState, name: str, level: int, mode: str | None = None) -> None:
+    """Take generation worker `name` out of the run and put it to sleep at `level` (see the module);
+    `mode`: `abort` or `drain` its groups in flight (default: `rollout.shrink`)."""
     _check_level(state, level)
     worker = _worker(state, name)
     el = state.elastic
@@ -71,7 +72,7 @@ async def shrink(state: RunState, name: str, level: int) -> None:
             el.out[name] = "shrinking"  # out of routing now: the step that picks a worker no longer sees it
             el.level[name] = 0
             state.notify()
-            await _empty(state, name)
+            await _empty(state, name, mode or state.cfg.rollout.shrink)
         el.out[name] = "shrinking"
         if level > el.level[name]:
             await within(
@@ -86,12 +87,12 @@ async def shrink(state: RunState, name: str, level: int) -> None:
     log.info("generation worker %s shrunk to sleep level %d in %.3fs", name, level, el.last_shrink_s)
 
 
-async def _empty(state: RunState, name: str) -> None:
+async def _empty(state: RunState, name: str, mode: str) -> None:
     """Returns once no group is in flight on worker `name`: aborted at once, or drained up to the
-    deadline and the rest aborted (`rollout.shrink`)."""
+    deadline and the rest aborted (`mode`)."""
     r = state.cfg.rollout
     idle = lambda: state.worker_load[name] == 0 or state.stop.rollout_done  # noqa: E731
-    if r.shrink == "drain":
+    if mode == "drain":
         try:
             await within(
                 state.changed.wait_until(idle),

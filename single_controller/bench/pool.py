@@ -9,11 +9,11 @@ reloaded: sleep level 1).
 
 Layouts (S = 4):
 
-* shared (`gap_ratio`): both runs may generate on every slot; A trains on slot 0, B on slots 2-3
-  (partial overlap: a run's train slots are among its generation slots);
-* static by run: A owns slots 0-1 (trains on 0), B owns 2-3 (trains on both), always;
-* static by role: slots 0-1 generate (slot 0 for A, 1 for B), A trains on slot 2, B on 3... with
-  B's training on one slot then (the role split has one training slot per run).
+* shared (`gap_ratio`): both runs may generate on every slot and train where the split by run
+  would have them train (partial overlap: a run's train slots are among its generation slots);
+* static by run: A owns slots 0-1, B owns 2-3, always; each trains on the first one or both, by its
+  training share (`layouts`);
+* static by role: slots 0-1 generate (slot 0 for A, 1 for B), slots 2-3 train (2 for A, 3 for B).
 
 Printed per layout: makespan (both runs' K steps), slot busy fraction (useful work + the compute
 of preempted groups, over S x makespan), that over the physical limit (useful work / S over the
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import Faults, sim_prompts, sim_workers
@@ -66,18 +67,41 @@ class Layout:
     runs: tuple[SimRun, ...]
 
 
-def layouts(mix: str) -> list[Layout]:
+def layouts(mix: str, b_size: float = 1.0) -> list[Layout]:
+    """The three layouts of a mix; `b_size`: run B's work per step relative to A's. Each run's train
+    slots are sized to its training share of the two slots a split by run gives it (half up: A 1:3
+    -> 1 slot, B 3:1 -> 2 slots, 2:2 -> 1 slot), and are the first of those two slots."""
     a, b = ((3.0, 1.0), (1.0, 3.0)) if mix == "heterogeneous" else ((2.0, 2.0), (2.0, 2.0))
+    b = (b[0] * b_size, b[1] * b_size)
     every = (0, 1, 2, 3)
+
+    def train_slots(work: tuple[float, float], first: int) -> tuple[int, ...]:
+        n = max(1, min(2, math.floor(2 * work[1] / (work[0] + work[1]) + 0.5)))
+        return tuple(range(first, first + n))
+
+    ta, tb = train_slots(a, 0), train_slots(b, 2)
 
     def pair(a_slots: RunSlots, b_slots: RunSlots) -> tuple[SimRun, ...]:
         return SimRun("A", *a, a_slots), SimRun("B", *b, b_slots)
 
     return [
-        Layout("shared (gap_ratio)", "gap_ratio", pair(RunSlots("A", every, (0,)), RunSlots("B", every, (2, 3)))),
-        Layout("static by run", "static", pair(RunSlots("A", (0, 1), (0,)), RunSlots("B", (2, 3), (2, 3)))),
+        Layout("shared (gap_ratio)", "gap_ratio", pair(RunSlots("A", every, ta), RunSlots("B", every, tb))),
+        Layout("static by run", "static", pair(RunSlots("A", (0, 1), ta), RunSlots("B", (2, 3), tb))),
+        # by role: slots 0-1 generate (one per run), slots 2-3 train (one per run)
         Layout("static by role", "static", pair(RunSlots("A", (0,), (2,)), RunSlots("B", (1,), (3,)))),
     ]
+
+
+def lower_bound(layout: Layout, steps: int, lookahead: int, unit_s: float) -> float:
+    """No schedule of `layout` ends sooner: the slots' total work over S, and each run's own chain
+    (its training steps one after the other, plus its generation between them with lookahead 0, or
+    the first step's alone with lookahead >= 1: generation overlaps training then)."""
+    chains = []
+    for r in layout.runs:
+        gen, train = r.gen / len(r.slots.gen_slots), r.train / len(r.slots.train_slots)
+        chains.append((steps * (gen + train) if lookahead == 0 else gen + steps * train) * unit_s)
+    total = sum(r.gen + r.train for r in layout.runs) * steps * unit_s
+    return max(total / 4, *chains)
 
 
 def _config(steps: int, groups: int, lookahead: int) -> Config:
@@ -169,38 +193,42 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sc-grpo bench pool", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8, help="K: steps each run trains")
     p.add_argument("--groups", type=int, default=12, help="groups per step")
-    p.add_argument("--lookahead", type=int, default=0, help="sampler.max_lookahead_versions of both runs")
+    p.add_argument("--lookahead", type=int, default=1, help="sampler.max_lookahead_versions of both runs")
     p.add_argument("--unit-ms", type=float, default=100.0, help="wall time of one unit of work (slot-seconds)")
     p.add_argument("--switch-ms", type=float, default=5.0, help="cost of one expand (wake + weights)")
-    p.add_argument("--mix", choices=("heterogeneous", "symmetric", "both"), default="both")
+    p.add_argument(
+        "--b-sizes", default="1,0.5", help="run B's work per step relative to A's, one heterogeneous mix each"
+    )
     args = p.parse_args(argv)
-    mixes = ("heterogeneous", "symmetric") if args.mix == "both" else (args.mix,)
     print(
         f"bench pool: S=4 slots, K={args.steps} steps per run, {args.groups} groups per step, lookahead "
         f"{args.lookahead}, unit {args.unit_ms:g} ms, expand {args.switch_ms:g} ms, sim workers"
     )
-    for mix in mixes:
-        _print_mix(mix, args)
+    for size in (float(x) for x in args.b_sizes.split(",")):
+        _print_mix("heterogeneous", size, args)
+    _print_mix("symmetric", 1.0, args)
     return 0
 
 
-def _print_mix(mix: str, args: argparse.Namespace) -> None:
+def _print_mix(mix: str, b_size: float, args: argparse.Namespace) -> None:
     kw = dict(steps=args.steps, groups=args.groups, lookahead=args.lookahead, unit_s=args.unit_ms / 1e3)
-    results = {lay.name: asyncio.run(run_layout(lay, switch_s=args.switch_ms / 1e3, **kw)) for lay in layouts(mix)}
-    work = ", ".join(f"{r.name} gen:train {r.gen:g}:{r.train:g}" for r in layouts(mix)[0].runs)
-    print(f"\n{mix} mix ({work})")
-    print(f"{'layout':<20} {'makespan s':>10} {'busy':>6} {'of limit':>8} {'switch':>7} {'preempt':>7} {'fair':>5}")
+    lays = layouts(mix, b_size)
+    results = {lay.name: asyncio.run(run_layout(lay, switch_s=args.switch_ms / 1e3, **kw)) for lay in lays}
+    work = ", ".join(f"{r.name} gen:train {r.gen:g}:{r.train:g} units" for r in lays[0].runs)
+    print(f"\n{mix} mix ({work} per step)")
+    print(
+        f"{'layout':<20} {'makespan s':>10} {'bound s':>8} {'busy':>6} {'of limit':>8} {'switch':>7} "
+        f"{'preempt':>7} {'fair':>5}"
+    )
     by_run = results["static by run"]["ends"]
-    for name, f in results.items():
+    for lay in lays:
+        f = results[lay.name]
         fair = jain([by_run[r] / f["ends"][r] for r in by_run])
+        bound = lower_bound(lay, args.steps, args.lookahead, args.unit_ms / 1e3)
         print(
-            f"{name:<20} {f['makespan_s']:>10.3f} {f['busy']:>6.3f} {f['of_limit']:>8.3f} "
+            f"{lay.name:<20} {f['makespan_s']:>10.3f} {bound:>8.3f} {f['busy']:>6.3f} {f['of_limit']:>8.3f} "
             f"{f['switching']:>7.3f} {f['preempted']:>7d} {fair:>5.2f}"
         )
     shared = results["shared (gap_ratio)"]["makespan_s"]
     best = min(f["makespan_s"] for n, f in results.items() if n.startswith("static"))
     print(f"shared / better static split: {shared / best:.3f}")
-
-
-def with_steps(layout: Layout, **kw) -> Layout:
-    return replace(layout, **kw)

@@ -44,11 +44,12 @@ class PoolApi(Protocol):
 
 def generation_demand(state: RunState) -> int:
     """Groups this run could generate now: those in flight, plus those the staleness gate would
-    admit at the current dispatch version (capped by `rollout.max_in_flight_groups`)."""
+    admit at the current dispatch version (for the step its trainer fills and, as the lookahead
+    allows, later ones), up to `rollout.max_in_flight_groups`."""
+    cfg, led = state.cfg, state.ledger
     n = state.in_flight()
     if state.stop.requested or not state.has_prompt():
         return n
-    cfg, led = state.cfg, state.ledger
     room = cfg.rollout.max_in_flight_groups - n
     s = led.next_target_step()
     while s is not None and s < cfg.run.max_steps and room > 0 and state.sampler.may_admit(s, state.versions.dispatch):
@@ -69,8 +70,10 @@ class PoolLink:
         self.train_held: set[int] = set()
 
     # -- what the pool calls -------------------------------------------------------------------
-    async def shrink_slot(self, slot: int) -> None:
-        await self.ctl.shrink_generation(self.worker_on[slot], self.level)
+    async def shrink_slot(self, slot: int, preempt: bool) -> None:
+        """`preempt`: for a train grant, its groups in flight are aborted at once (re-dispatched
+        uncharged); otherwise (a rebalance) they drain first, up to `rollout.shrink_drain_timeout_s`."""
+        await self.ctl.shrink_generation(self.worker_on[slot], self.level, "abort" if preempt else "drain")
 
     async def expand_slot(self, slot: int) -> None:
         await self.ctl.expand_generation(self.worker_on[slot])

@@ -15,8 +15,11 @@ Policies:
   proportional to its demand, at least one slot and at most one per group it demands; slots are
   kept where they are when their run is within its target (no needless switch), then handed to the
   run furthest below its target, normalized ((target - held) / target), donors being the runs above
-  theirs; what is left goes to runs whose demand is still not covered by one worker per group; a
-  slot nobody needs keeps its resident (idle, switching would cost and buy nothing).
+  theirs; what is left goes to runs whose demand is still not covered by one worker per group, the
+  largest shortfall first; a slot nobody needs keeps its resident (idle: switching would cost and
+  buy nothing). Among the slots a run may take: one it holds, then an empty one, then a donor's;
+  then one nobody trains on, then its own train slot, then another run's train slot (generation
+  there is preempted at that run's next train grant).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def targets(
     demand: Mapping[str, int],
     runs: Mapping[str, RunSlots],
 ) -> dict[int, str | None]:
-    """The run each free slot should hold (None: no worker), under `policy`."""
+    """The run each free slot should hold (None: no worker), under `policy`; `demand`: the groups
+    each run could generate now."""
     if policy == "static":
         return {s: _static_owner(s, resident.get(s), runs) for s in free}
     if policy == "gap_ratio":
@@ -91,7 +95,7 @@ def _gap_ratio(
 ) -> dict[int, str | None]:
     target_n = shares(len(free), demand, runs)
     plan: dict[int, str | None] = {}
-    held = dict.fromkeys(target_n, 0)
+    held = dict.fromkeys(runs, 0)
     for s in free:  # kept where they are while within target
         r = resident.get(s)
         if r in target_n and held[r] < target_n[r]:
@@ -100,7 +104,7 @@ def _gap_ratio(
     open_slots = [s for s in free if s not in plan]
     _hand_out(open_slots, plan, held, target_n, runs, resident, gap=True)
     # work-conserving: what is left goes to runs demanding more groups than they hold workers
-    cap = {n: max(0, demand[n]) for n in target_n}
+    cap = {n: max(0, demand.get(n, 0)) for n in runs}
     _hand_out(open_slots, plan, held, cap, runs, resident, gap=False)
     for s in open_slots:
         plan[s] = resident.get(s)  # nobody needs it: the resident stays (idle), no switch
@@ -124,7 +128,7 @@ def _hand_out(
         if not needy:
             return
         n = max(needy, key=lambda n: ((want[n] - held[n]) / (want[n] if gap else 1), want[n], _neg(n)))
-        slot = min((s for s in open_slots if s in runs[n].gen_slots), key=lambda s: _slot_cost(s, n, resident))
+        slot = min((s for s in open_slots if s in runs[n].gen_slots), key=lambda s: _slot_cost(s, n, resident, runs))
         plan[slot] = n
         held[n] += 1
         open_slots.remove(slot)
@@ -134,10 +138,12 @@ def _neg(name: str) -> tuple[int, ...]:
     return tuple(-ord(c) for c in name)  # ties go to the name first in order
 
 
-def _slot_cost(slot: int, run: str, resident: Mapping[int, str | None]) -> tuple[int, int]:
-    """Prefer a slot the run holds already (no switch), then an empty one, then a donor's."""
+def _slot_cost(slot: int, run: str, resident: Mapping[int, str | None], runs: Mapping[str, RunSlots]) -> tuple:
+    """Prefer a slot the run holds already (no switch), then an empty one, then a donor's; among
+    those, one nobody trains on, then the run's own train slot, then another run's."""
     r = resident.get(slot)
-    return (0 if r == run else 1 if r is None else 2, slot)
+    others_train = any(slot in o.train_slots for o in runs.values() if o.name != run)
+    return (0 if r == run else 1 if r is None else 2, 2 if others_train else int(slot in runs[run].train_slots), slot)
 
 
 def moves(resident: Mapping[int, str | None], plan: Mapping[int, str | None]) -> Moves:

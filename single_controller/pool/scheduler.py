@@ -43,7 +43,8 @@ IDLE, GEN, TRAIN, SWITCHING = "idle", "gen", "train", "switching"
 class RunHandle(Protocol):
     """The scheduler's way into one run."""
 
-    async def shrink_slot(self, slot: int) -> None: ...
+    async def shrink_slot(self, slot: int, preempt: bool) -> None:
+        """Out of the slot; `preempt` (a train grant): its groups in flight aborted, not drained."""
 
     async def expand_slot(self, slot: int) -> None: ...
 
@@ -113,6 +114,8 @@ class PoolScheduler:
         self._train_steps: dict[str, set[int]] = {}
         self._pending: list[_TrainRequest] = []
         self._dirty = asyncio.Event()
+        self._expanding: dict[int, asyncio.Task[None]] = {}
+        self._expands: asyncio.TaskGroup  # set by `serve`
         self._closed = False
         self.counters = _Counters()
         self.t0 = clock()
@@ -153,6 +156,7 @@ class PoolScheduler:
         self._changed()
 
     def report_demand(self, name: str, groups: int) -> None:
+        """The groups the run could generate now (in flight, and admissible under its staleness bound)."""
         self._known(name)
         if self.demand[name] != groups:
             self.demand[name] = groups
@@ -188,15 +192,18 @@ class PoolScheduler:
 
     # -- the scheduling loop -----------------------------------------------------------------
     async def serve(self) -> None:
-        """Run the scheduling cycles until `close()`: one after every change."""
-        while True:
-            # Exits: closed.
-            await self._dirty.wait()
-            if self._closed:
-                return
-            self._dirty.clear()
-            await self._cycle()
-            self.counters.cycles += 1
+        """Run the scheduling cycles until `close()`: one after every change. Expands run beside the
+        cycles (a train grant never waits behind a wake); a shrink of a slot being expanded waits
+        for that expand to end first."""
+        async with asyncio.TaskGroup() as self._expands:
+            while True:
+                # Exits: closed.
+                await self._dirty.wait()
+                if self._closed:
+                    return
+                self._dirty.clear()
+                await self._cycle()
+                self.counters.cycles += 1
 
     async def _cycle(self) -> None:
         for req in list(self._pending):
@@ -207,7 +214,7 @@ class PoolScheduler:
                 continue  # another run trains there: granted when it releases
             for s in slots:
                 self.training[s] = req.run
-            await self._shrink_all([Move(s, r) for s in slots if (r := self.resident[s]) is not None])
+            await self._shrink_all([Move(s, r) for s in slots if (r := self.resident[s]) is not None], preempt=True)
             if req.run not in self.runs:
                 continue  # it left meanwhile
             for s in slots:
@@ -217,8 +224,11 @@ class PoolScheduler:
         free = [s for s in range(self.slots) if self.training[s] is None]
         plan = targets(self.policy, free, self.resident, self.demand, self.runs)
         mv = moves({s: self.resident[s] for s in free}, plan)
-        await self._shrink_all(list(mv.shrinks))
-        await asyncio.gather(*(self._expand(m) for m in mv.expands if self.resident[m.slot] is None))
+        await self._shrink_all(list(mv.shrinks), preempt=False)
+        for m in mv.expands:
+            if self.resident[m.slot] is None and m.run in self.runs:
+                self.resident[m.slot] = m.run  # reserved: nothing else lands here meanwhile
+                self._expanding[m.slot] = self._expands.create_task(self._expand(m))
 
     def _granted(self, req: _TrainRequest) -> None:
         wait = self.clock() - req.t
@@ -229,15 +239,22 @@ class PoolScheduler:
         if not req.granted.done():
             req.granted.set_result(None)
 
-    async def _shrink_all(self, shrinks: list[Move]) -> None:
-        await asyncio.gather(*(self._shrink(m) for m in shrinks))
+    async def _shrink_all(self, shrinks: list[Move], *, preempt: bool) -> None:
+        await asyncio.gather(*(self._shrink(m, preempt) for m in shrinks))
 
-    async def _shrink(self, m: Move) -> None:
+    async def _shrink(self, m: Move, preempt: bool) -> None:
+        expanding = self._expanding.get(m.slot)
+        if expanding is not None:
+            await asyncio.shield(expanding)  # (it handles its own errors)
+            if self.resident[m.slot] != m.run:
+                return  # the expand failed: nothing to shrink
         t0 = self.clock()
         self._mark(m.slot, SWITCHING, m.run)
         try:
             await within(
-                self.handles[m.run].shrink_slot(m.slot), self.resize_timeout_s, f"run {m.run}: shrink of slot {m.slot}"
+                self.handles[m.run].shrink_slot(m.slot, preempt),
+                self.resize_timeout_s,
+                f"run {m.run}: shrink of slot {m.slot}",
             )
         except Exception as e:  # its driver is gone or broken: the others get its slots
             log.error("run %s dropped from the pool: its shrink of slot %d failed: %s", m.run, m.slot, e)
@@ -250,14 +267,21 @@ class PoolScheduler:
         self._mark(m.slot, TRAIN if self.training[m.slot] else IDLE, self.training[m.slot])
 
     async def _expand(self, m: Move) -> None:
+        try:
+            await self._expand_once(m)
+        finally:
+            del self._expanding[m.slot]
+
+    async def _expand_once(self, m: Move) -> None:
         if m.run not in self.runs:
-            return
+            return  # it left the pool before this began (`unregister` freed the slot)
         t0 = self.clock()
-        self.resident[m.slot] = m.run  # reserved: nothing else lands here meanwhile
         self._mark(m.slot, SWITCHING, m.run)
         try:
             await within(
-                self.handles[m.run].expand_slot(m.slot), self.resize_timeout_s, f"run {m.run}: expand onto slot {m.slot}"
+                self.handles[m.run].expand_slot(m.slot),
+                self.resize_timeout_s,
+                f"run {m.run}: expand onto slot {m.slot}",
             )
         except Exception as e:
             log.warning("run %s: expand onto slot %d failed (the slot stays empty): %s", m.run, m.slot, e)
