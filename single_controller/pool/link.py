@@ -20,6 +20,7 @@ this process, or its Ray actor). `run()` runs the controller in the pool:
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Protocol
 
 from single_controller import elastic
@@ -56,6 +57,10 @@ def generation_demand(state: RunState) -> int:
         short = min(room, max(0, cfg.train.groups_per_step - led.live(s)))
         n, room, s = n + short, room - short, s + 1
     return n
+
+
+def _differs(state: RunState, last: int) -> bool:
+    return generation_demand(state) != last
 
 
 class PoolLink:
@@ -104,7 +109,7 @@ class PoolLink:
             if demand != last:
                 await self.pool.report_demand(self.spec.name, demand)
                 last = demand
-            await st.changed.wait_until(lambda: generation_demand(st) != last)
+            await st.changed.wait_until(functools.partial(_differs, st, last))
 
     async def _before_train(self, step: int) -> None:
         await self.pool.acquire_train(self.spec.name, step)
