@@ -28,7 +28,7 @@ import asyncio
 import collections
 import gc
 import statistics as pystats
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pumps.advantage import advantage_pump
@@ -184,6 +184,10 @@ class Controller:
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
+        # Tasks that run beside the pumps, in their TaskGroup (a failure ends the run as a pump's
+        # does, with the final checkpoint): name -> coroutine function of the run state (a pool
+        # member's demand pushes: `single_controller/pool/link.py`). Each returns once training is done.
+        self.companions: dict[str, Callable[[RunState], Awaitable[None]]] = {}
         self.eval_prompts = tuple(eval_prompts)
         self.on_eval = on_eval
         self.eval_history: list[dict] = []
@@ -216,6 +220,8 @@ class Controller:
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
                 tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
+                for name, companion in self.companions.items():
+                    tasks[name] = pumps.create_task(companion(st))
                 if self.eval_tracker is not None:
                     tasks["eval"] = pumps.create_task(
                         eval_pump(

@@ -35,6 +35,9 @@ Rule = Callable[[Config], Problem | None]
 # Generation backends that play multi-turn episodes (`env`).
 EPISODE_ENGINES: tuple[str, ...] = ("torch", "vllm")
 
+# Generation backends whose workers sleep and wake (`single_controller/elastic.py`): a pool's.
+ELASTIC_ENGINES: tuple[str, ...] = ("torch", "vllm", "sim")
+
 # Built-in tasks whose prompt is the digits plus two marker tokens (so its length is num_digits + 2).
 DIGIT_TASKS: tuple[str, ...] = ("reverse_digits", "copy_digits")
 
@@ -496,6 +499,45 @@ def checkpoint_exists(cfg: Config) -> Problem | None:
     )
 
 
+def pool_slots_are_consistent(cfg: Config) -> Problem | None:
+    p, b = cfg.pool, cfg.backend
+    if not p.enabled:
+        return None
+    paths = ("pool.gen_slots", "pool.train_slots", "pool.overlap", "backend.num_generation_workers")
+    why = _pool_slot_problem(p.gen_slots, p.train_slots, p.overlap, b.num_generation_workers)
+    return Problem(paths, why) if why else None
+
+
+def _pool_slot_problem(gen: tuple[int, ...], train: tuple[int, ...], overlap: str, workers: int) -> str | None:
+    if not gen or not train:
+        return "a run in a pool needs pool.gen_slots and pool.train_slots (the slots it generates and trains on)"
+    if any(s < 0 for s in (*gen, *train)) or len(set(gen)) < len(gen) or len(set(train)) < len(train):
+        return f"pool slots are distinct non-negative numbers: gen_slots {list(gen)}, train_slots {list(train)}"
+    if len(gen) != workers:
+        return (
+            f"pool.gen_slots has {len(gen)} slot(s), one per generation worker, but "
+            f"backend.num_generation_workers={workers}"
+        )
+    if overlap == "partial" and not set(train) <= set(gen):
+        return (
+            f"pool.overlap=partial: the train slots {sorted(set(train) - set(gen))} are not among the run's "
+            f"generation slots {list(gen)} (partial overlap trains on slots whose workers sleep meanwhile)"
+        )
+    if overlap == "none" and set(train) & set(gen):
+        return f"pool.overlap=none: the train slots {sorted(set(train) & set(gen))} are generation slots too"
+    return None
+
+
+def pool_needs_elastic_workers(cfg: Config) -> Problem | None:
+    if not cfg.pool.enabled or cfg.backend.generation in ELASTIC_ENGINES:
+        return None
+    return Problem(
+        ("pool.enabled", "backend.generation"),
+        f"backend.generation={cfg.backend.generation} cannot shrink and expand its workers; a pool needs one "
+        f"of: {', '.join(ELASTIC_ENGINES)}",
+    )
+
+
 RULES: tuple[Rule, ...] = (
     reward_fn_is_module_function,
     run_name_is_a_file_name,
@@ -532,6 +574,8 @@ RULES: tuple[Rule, ...] = (
     env_needs_an_episode_engine,
     one_source_of_prompts,
     data_prompts_set_their_new_tokens,
+    pool_slots_are_consistent,
+    pool_needs_elastic_workers,
 )
 
 

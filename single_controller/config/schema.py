@@ -610,6 +610,35 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    enabled: bool = False
+    """Run in a pool of slots time-shared with other runs (RLix-style; `sc-grpo pool run POOL.yaml`
+    sets it, see docs/pool.md): the run's generation workers start asleep, the pool expands them onto
+    slots by demand and shrinks them (abort for a train grant, drain for a rebalance, then sleep at
+    `rollout.sleep_level`); the train pump asks for the train slots before each step and gives them
+    back once the step's weights are on the run's routable workers. The run's name (`run.name`) is
+    its name in the pool."""
+    attach: bool = False
+    """Attach to a pool served on the Ray cluster at `ray.address` (`sc-grpo pool serve`) instead of
+    the one `sc-grpo pool run` starts."""
+    name: str = "sc-grpo-pool"
+    """The pool actor's name (its Ray namespace: `sc-grpo-pool`)."""
+    gen_slots: tuple[int, ...] = ()
+    """The pool slots of the run's generation workers, one worker per slot (their number is
+    `backend.num_generation_workers`)."""
+    train_slots: tuple[int, ...] = ()
+    """The pool slots the run's trainer takes while it trains a step (granted before generation,
+    never preempted)."""
+    overlap: Literal["partial", "none"] = "partial"
+    """`partial`: the train slots are among the run's generation slots (their workers sleep while it
+    trains; RLix's partial overlap); `none`: they are none of them."""
+    grant_timeout_s: Positive = 600.0
+    """Deadline of one wait for the train slots (other runs may train on them meanwhile)."""
+    call_timeout_s: Positive = 60.0
+    """Deadline of every other call between the run and the pool."""
+
+
+@dataclass(frozen=True)
 class Config:
     seed: Count = 0
     """Seed of the model init, the prompt order and sampling."""
@@ -634,6 +663,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
 
 
 def env_enabled(env: EnvConfig) -> bool:

@@ -14,19 +14,24 @@ this process, or its Ray actor). `run()` runs the controller in the pool:
    the published weights when they are expanded again (`single_controller/elastic.py`);
 4. the pool calls back `shrink_slot` / `expand_slot`, which are the controller's own elastic
    shrink and expand of that slot's worker;
-5. when the run ends (or fails) it leaves the pool, freeing its slots for the others.
+5. the demand pushes run beside the pumps (`Controller.companions`): a pool that fails or cannot
+   be reached ends the run as a failing pump does, with its final checkpoint; when the run ends (or
+   fails) it leaves the pool, freeing its slots for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from typing import Protocol
 
 from single_controller import elastic
 from single_controller.controller import Controller, RunSummary
 from single_controller.pool.planner import RunSlots
 from single_controller.state import RunState
+
+log = logging.getLogger("sc_grpo.pool")
 
 
 class PoolApi(Protocol):
@@ -60,7 +65,7 @@ def generation_demand(state: RunState) -> int:
 
 
 def _differs(state: RunState, last: int) -> bool:
-    return generation_demand(state) != last
+    return state.stop.train_done or generation_demand(state) != last
 
 
 class PoolLink:
@@ -90,21 +95,24 @@ class PoolLink:
             await elastic.shrink(st, name, self.level)
         st.hooks.before_train = self._before_train
         st.hooks.after_sync = self._after_sync
+        self.ctl.companions["pool"] = self._member  # beside the pumps: its failure ends the run
         try:
-            async with asyncio.TaskGroup() as tg:
-                running = tg.create_task(self.ctl.run())
-                member = tg.create_task(self._member(st))
-                running.add_done_callback(lambda _: member.cancel())
+            return await self.ctl.run()
         finally:
-            await asyncio.shield(self.pool.unregister(self.spec.name))
-        return running.result()
+            try:
+                await asyncio.shield(self.pool.unregister(self.spec.name))
+            except Exception as e:  # the pool is gone: it has no slots of ours to free
+                log.warning("run %s: leaving the pool failed: %s", self.spec.name, e)
 
     async def _member(self, st: RunState) -> None:
-        await st.changed.wait_until(lambda: st.versions.published is not None)
+        """Register once there are weights to expand workers with, then push the demand on change."""
+        await st.changed.wait_until(lambda: st.versions.published is not None or st.stop.train_done)
+        if st.stop.train_done:
+            return
         await self.pool.register(self.spec, self)
         last = -1
-        while True:
-            # Exits: cancelled when the controller's run ends.
+        while not st.stop.train_done:
+            # Exits: training is done (nothing more to generate for).
             demand = generation_demand(st)
             if demand != last:
                 await self.pool.report_demand(self.spec.name, demand)

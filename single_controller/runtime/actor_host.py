@@ -120,6 +120,7 @@ class ControllerHost:
         resume: bool = False,
         run_id: str | None = None,
         wall_offset_s: float = 0.0,
+        pool: Any = None,
     ):
         from single_controller.backends.common.worker_logs import redirect_output
         from single_controller.config.schema import check_capacity
@@ -146,6 +147,10 @@ class ControllerHost:
         self._started_tq = False
         self.setup_times: dict[str, float] = {}
         self.data_prompts_too_long = 0  # dataset prompts over data.max_prompt_tokens, dropped at load
+        # cfg.pool.enabled: the pool (`PoolApi`; in-process for the sim backend, else the pool
+        # actor's client, made at `run`) and the run's link to it
+        self.pool = pool
+        self._link: Any = None
 
     async def setup(self) -> dict:
         cfg = self.cfg
@@ -277,7 +282,7 @@ class ControllerHost:
         t0 = time.perf_counter()
         failure: dict | None = None
         try:
-            summary = await controller.run()
+            summary = await (self._pool_link().run() if self.cfg.pool.enabled else controller.run())
             steps, reason, checkpoint = summary.steps, summary.stop_reason, summary.checkpoint
         except RunFailed as e:
             cause = e.__cause__ or e
@@ -322,6 +327,36 @@ class ControllerHost:
             "teardown_errors": list(controller.state.teardown_errors),
             "eval": controller.eval_history[-1] if controller.eval_history else None,
         }
+
+    # -- in a pool (`single_controller/pool/`) -------------------------------------------------
+    def _pool_link(self):
+        from single_controller.pool.link import PoolLink
+        from single_controller.pool.planner import RunSlots
+
+        cfg, controller = self.cfg, self.controller
+        assert controller is not None, "run() before setup()"
+        if self.pool is None:  # a Ray actor: the pool actor, by name
+            import ray
+
+            from single_controller.pool.actor import RayPoolClient
+
+            self.pool = RayPoolClient(cfg.pool, ray.get_runtime_context().current_actor)
+        spec = RunSlots(cfg.run.name, cfg.pool.gen_slots, cfg.pool.train_slots)
+        self._link = PoolLink(controller, self.pool, spec, cfg.rollout.sleep_level)
+        return self._link
+
+    async def pool_shrink_slot(self, slot: int, preempt: bool) -> None:
+        assert self._link is not None, "a pool call before the run joined its pool"
+        await self._link.shrink_slot(slot, preempt)
+
+    async def pool_expand_slot(self, slot: int) -> None:
+        assert self._link is not None, "a pool call before the run joined its pool"
+        await self._link.expand_slot(slot)
+
+    async def pool_wait_ended(self) -> None:
+        """Returns when the run has ended (the pool watches its runs with it: a call that fails
+        instead tells the pool that this controller died)."""
+        await self._finished.wait()
 
     def _placement(self) -> dict:
         """Where this run's processes ran: its Ray namespace, the controller's node and each trainer

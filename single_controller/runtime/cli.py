@@ -157,6 +157,11 @@ def _cmd_storage(args: argparse.Namespace) -> int:
     return int(fn(list(args.args)))
 
 
+def _cmd_pool(args: argparse.Namespace) -> int:
+    fn = _load_entry_point("single_controller.pool.run:main")
+    return int(fn(list(args.args)))
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     fn = _load_entry_point("single_controller.envs.http_server:main")
     return int(fn(list(args.args)))
@@ -184,6 +189,7 @@ commands:
   status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
   init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
   storage  a TransferQueue for runs:  sc-grpo storage serve --address HEAD_IP:6379
+  pool     runs sharing slots:        sc-grpo pool run configs/pool_embedded.yaml
   env      serve an environment:     sc-grpo env serve lookup --port 8765
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
@@ -200,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_run, _add_config, _add_bench, _add_status, _add_storage, _add_env, _add_init_model):
+    for add in (_add_run, _add_config, _add_bench, _add_status, _add_storage, _add_pool, _add_env, _add_init_model):
         add(sub)
     return parser
 
@@ -312,6 +318,22 @@ def _add_storage(sub: Any) -> None:
     )
     p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="serve|list and their options (--help)")
     p.set_defaults(func=_cmd_storage)
+
+
+def _add_pool(sub: Any) -> None:
+    p = _subparser(
+        sub,
+        "pool",
+        help="several runs time-sharing one pool of slots (RLix-style), or serve such a pool on a cluster",
+        description="run: start the runs POOL.yaml lists in one pool (one Ray, one TransferQueue, the pool "
+        "actor), each with its own run directory, and write the pool's summary with its slot timeline. "
+        "serve: the pool actor on the Ray cluster at --address until Ctrl-C; runs join it with "
+        "pool.enabled=true pool.attach=true. See docs/pool.md.",
+        epilog="examples:\n  sc-grpo pool run configs/pool_embedded.yaml\n"
+        "  sc-grpo pool serve --address 10.0.0.1:6379 --slots 8",
+    )
+    p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="run POOL.yaml | serve and its options")
+    p.set_defaults(func=_cmd_pool)
 
 
 def _add_env(sub: Any) -> None:

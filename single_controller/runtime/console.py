@@ -95,6 +95,7 @@ class ConsoleReporter:
         *,
         progress_bar: bool | None = None,
         stream: TextIO | None = None,
+        prefix: str = "",
     ):
         from tqdm import tqdm
 
@@ -105,6 +106,7 @@ class ConsoleReporter:
             max_steps = int(run)
             progress_bar = True if progress_bar is None else progress_bar
         self.max_steps = max_steps
+        self.prefix = prefix  # before every line (the runs of a pool share one console)
         self.stream = stream if stream is not None else sys.stdout
         is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.bar_enabled = progress_bar and is_tty
@@ -121,7 +123,7 @@ class ConsoleReporter:
     def step(self, record: Mapping[str, Any]) -> str:
         """Print the step's line (above the bar) and advance the bar; returns the line."""
         self._reported += 1
-        line = format_step_line(record, self.max_steps, step=self._reported)
+        line = self.prefix + format_step_line(record, self.max_steps, step=self._reported)
         if self.bar_enabled:
             self._bar.write(line, file=self.stream)
             self._bar.update(1)  # one record per step
@@ -131,7 +133,7 @@ class ConsoleReporter:
 
     def eval(self, record: Mapping[str, Any]) -> str:
         """Print an eval point's line (above the bar, which does not advance); returns the line."""
-        line = format_eval_line(record)
+        line = self.prefix + format_eval_line(record)
         if self.bar_enabled:
             self._bar.write(line, file=self.stream)
         else:

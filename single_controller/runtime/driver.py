@@ -238,10 +238,12 @@ async def _drive(
     t_start: float,
     call: Callable[..., Awaitable[Any]],
     on_interrupt: Callable[[Callable[[str], None]], None],
+    label: str | None = None,
 ) -> int:
-    """Setup, run while streaming records, write the records, close: the same for an actor or in-process."""
+    """Setup, run while streaming records, write the records, close: the same for an actor or
+    in-process. `label`: each console line of the run starts with it (runs of a pool share a console)."""
     # the loggers start before the controller's setup (W&B's takes a second or two)
-    drive = _Drive(cfg, run_dir, t_start, call, RecordLoggers.open(cfg, run_dir))
+    drive = _Drive(cfg, run_dir, t_start, call, RecordLoggers.open(cfg, run_dir), label)
     on_interrupt(drive.stop)
     try:
         await drive.run()
@@ -267,8 +269,10 @@ class _Drive:
         t_start: float,
         call: Callable[..., Awaitable[Any]],
         loggers: RecordLoggers,
+        label: str | None = None,
     ):
         self.cfg, self.run_dir, self.t_start, self.call, self.loggers = cfg, run_dir, t_start, call, loggers
+        self.prefix = f"[{label}] " if label else ""
         self.summary: dict[str, Any] = {"steps": 0, "stop_reason": "did not start", "failure": None, "checkpoint": None}
         self.t_ready: float | None = None
         self.interrupted: list[str] = []
@@ -277,7 +281,7 @@ class _Drive:
     def stop(self, name: str) -> None:
         """An interrupt (on the loop's thread): the run stops on its last finished step."""
         self.interrupted.append(name)
-        say(f"{name}: stopping on the last finished step and checkpointing it", err=True)
+        say(f"{self.prefix}{name}: stopping on the last finished step and checkpointing it", err=True)
         task = asyncio.ensure_future(self.call("request_stop", f"interrupted ({name})"))
         self._stop_requests.add(task)
         task.add_done_callback(self._stop_requests.discard)
@@ -291,7 +295,7 @@ class _Drive:
             assert self.t_ready is not None  # set by `_setup`
             startup_s = self.t_ready - self.t_start
             say(
-                f"{self.summary['steps']} steps in {self.summary['wall_s']:.1f}s of training "
+                f"{self.prefix}{self.summary['steps']} steps in {self.summary['wall_s']:.1f}s of training "
                 f"(+{startup_s:.1f}s startup): {self.summary['stop_reason']}"
             )
 
@@ -302,9 +306,9 @@ class _Drive:
         info = await within(self.call("setup"), self.cfg.timeouts.setup_s, what)
         self.t_ready = time.perf_counter()
         if info.get("metrics_url"):
-            say(f"metrics on {info['metrics_url']}")
+            say(f"{self.prefix}metrics on {info['metrics_url']}")
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))
-        say(f"started in {self.t_ready - self.t_start:.1f}s{f' ({parts})' if parts else ''}; training")
+        say(f"{self.prefix}started in {self.t_ready - self.t_start:.1f}s{f' ({parts})' if parts else ''}; training")
         if self.interrupted:  # a signal during start-up
             await self.call("request_stop", f"interrupted ({self.interrupted[0]})")
 
@@ -312,7 +316,7 @@ class _Drive:
         """The run, its records streamed to metrics.jsonl and the console as they come; its summary."""
         run = asyncio.ensure_future(self.call("run"))
         t_run = time.perf_counter() - self.t_start
-        reporter = ConsoleReporter(self.cfg)
+        reporter = ConsoleReporter(self.cfg, prefix=self.prefix)
         cursor = 0
         try:
             finished = False
@@ -357,7 +361,7 @@ class _Drive:
             await within(self.call("close"), 60, "controller close")
             log.info("controller closed in %.1fs", time.perf_counter() - t0)
         except Exception as e:
-            say(f"close failed: {e}", err=True)
+            say(f"{self.prefix}close failed: {e}", err=True)
         finally:
             self.loggers.close()
 
@@ -369,7 +373,7 @@ class _Drive:
             ck = self.summary.get("checkpoint")
             where = f"; checkpoint of step {ck['step']} in {ck['path']}" if ck else ""
             resume = f"sc-grpo run --resume {self.run_dir.path}"
-            say(f"interrupted by {self.interrupted[0]}{where}; resume with: {resume}", err=True)
+            say(f"{self.prefix}interrupted by {self.interrupted[0]}{where}; resume with: {resume}", err=True)
             return EXIT_INTERRUPTED
         return EXIT_OK
 

@@ -1,0 +1,133 @@
+"""The pool on Ray: the scheduler as a CPU-only async actor, and the clients on both sides.
+
+* `PoolActor`: a `PoolScheduler` (its cycles run on the actor's loop) plus, for every registered
+  run, a watch on the run's controller actor (`pool_wait_ended`, a call that returns when the run
+  ends): a run whose controller died is taken out of the pool at once and its slots go to the
+  others (Ray reports the death to the waiting call: no polling, no heartbeat).
+* `RayRunHandle` (held by the pool): a run's controller actor seen as a `RunHandle`.
+* `RayPoolClient` (held by a run): the pool actor seen as a `PoolApi`, every call under a deadline
+  that names the pool and the call (`pool.grant_timeout_s` for a train grant, else
+  `pool.call_timeout_s`).
+
+The pool actor is named `pool.name` in the Ray namespace `sc-grpo-pool` (`sc-grpo pool run` starts
+it; `sc-grpo pool serve` starts one that runs attach to with `pool.attach=true`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from single_controller.config.schema import PoolConfig
+from single_controller.deadlines import within
+from single_controller.pool.planner import RunSlots
+from single_controller.pool.scheduler import PoolScheduler
+
+log = logging.getLogger("sc_grpo.pool")
+
+NAMESPACE = "sc-grpo-pool"
+
+
+class RayRunHandle:
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    async def shrink_slot(self, slot: int, preempt: bool) -> None:
+        await self.actor.pool_shrink_slot.remote(slot, preempt)
+
+    async def expand_slot(self, slot: int) -> None:
+        await self.actor.pool_expand_slot.remote(slot)
+
+
+class PoolActor:
+    """Run as `ray.remote(num_cpus=0)(PoolActor)`, named, with `max_concurrency` >= 2 x runs + 4."""
+
+    def __init__(self, slots: int, policy: str, resize_timeout_s: float = 120.0):
+        self.scheduler = PoolScheduler(slots, policy, resize_timeout_s=resize_timeout_s)
+        self._serving: asyncio.Task[None] | None = None
+        self._watches: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> dict:
+        if self._serving is None:
+            self._serving = asyncio.get_running_loop().create_task(self.scheduler.serve(), name="pool.serve")
+        return {"slots": self.scheduler.slots, "policy": self.scheduler.policy}
+
+    async def register(self, spec: RunSlots, run_actor: Any) -> None:
+        self.scheduler.register(spec, RayRunHandle(run_actor))
+        self._watches[spec.name] = asyncio.get_running_loop().create_task(
+            self._watch(spec.name, run_actor), name=f"pool.watch {spec.name}"
+        )
+
+    async def _watch(self, name: str, run_actor: Any) -> None:
+        try:
+            await run_actor.pool_wait_ended.remote()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # its controller died: its workers (owned by it) died with it
+            log.error("run %s left the pool: its controller is gone (%s)", name, type(e).__name__)
+            self.scheduler.counters.dropped_runs.append(name)
+        self.scheduler.unregister(name)
+
+    async def unregister(self, name: str) -> None:
+        self.scheduler.unregister(name)
+        watch = self._watches.pop(name, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
+
+    async def report_demand(self, name: str, groups: int) -> None:
+        self.scheduler.report_demand(name, groups)
+
+    async def acquire_train(self, name: str, step: int) -> None:
+        await self.scheduler.acquire_train(name, step)
+
+    async def release_train(self, name: str, step: int) -> None:
+        self.scheduler.release_train(name, step)
+
+    async def summary(self) -> dict:
+        from dataclasses import asdict
+
+        s = self.scheduler
+        return {
+            "slots": s.slots,
+            "policy": s.policy,
+            "statistics": asdict(s.statistics()),
+            "dropped_runs": list(s.counters.dropped_runs),
+            "timeline": [list(e) for e in s.timeline],
+        }
+
+    async def close(self) -> None:
+        self.scheduler.close()
+        if self._serving is not None:
+            await self._serving
+        for watch in self._watches.values():
+            watch.cancel()
+
+
+class RayPoolClient:
+    """A run's `PoolApi` on the pool actor."""
+
+    def __init__(self, cfg: PoolConfig, run_actor: Any):
+        import ray
+
+        self.cfg, self.run_actor = cfg, run_actor
+        self.actor = ray.get_actor(cfg.name, namespace=NAMESPACE)
+
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        what = f"pool {self.cfg.name}: {method}({', '.join(map(str, args))})"
+        return await within(getattr(self.actor, method).remote(*args), timeout_s or self.cfg.call_timeout_s, what)
+
+    async def register(self, spec: RunSlots, handle: object) -> None:
+        await self._call("register", spec, self.run_actor)
+
+    async def unregister(self, name: str) -> None:
+        await self._call("unregister", name)
+
+    async def report_demand(self, name: str, groups: int) -> None:
+        await self._call("report_demand", name, groups)
+
+    async def acquire_train(self, name: str, step: int) -> None:
+        await self._call("acquire_train", name, step, timeout_s=self.cfg.grant_timeout_s)
+
+    async def release_train(self, name: str, step: int) -> None:
+        await self._call("release_train", name, step)
