@@ -352,7 +352,10 @@ def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) ->
 async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:
     """Wait for at least min(min_groups_per_chunk, need) selectable groups, or for none to be able to
     arrive (then return what there is, possibly nothing). Evicts what can never train first."""
-    want = min(state.cfg.train.min_groups_per_chunk, need)
+    # In a pool a step is selected whole: its train slots are asked for only once it can train to
+    # the end, never held while its groups are still generated (on the slots the pool has left).
+    pooled = state.hooks.before_train is not None
+    want = need if pooled else min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
         if state.stop.abandon_open_step:
