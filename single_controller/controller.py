@@ -99,7 +99,7 @@ class ControllerStatistics:
     generation_workers: int = 0
     generation_workers_down: int = 0  # dead or restarting: out of routing
     generation_workers_active: int = 0  # routable: neither down nor shrunk
-    elastic: ElasticStatistics = field(default_factory=lambda: ElasticStatistics(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0))
+    elastic: ElasticStatistics = field(default_factory=lambda: ElasticStatistics(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0))
     worker_deaths: int = 0
     worker_restarts: int = 0
     reward_failed: int = 0  # groups dropped because their reward function failed

@@ -208,6 +208,7 @@ class ElasticStatistics:
     last_expand_s: float
     preempted_groups: int
     failed_expands: int
+    train_slots_held: int
 
 
 @dataclass
@@ -228,6 +229,7 @@ class Elastic:
     last_expand_s: float = 0.0
     preempted_groups: int = 0  # groups in flight a shrink aborted (their prompts re-dispatched uncharged)
     resizing: dict[str, asyncio.Lock] = field(default_factory=dict)  # one shrink or expand of a worker at a time
+    train_slots_held: int = 0  # in a pool: the slots the run's trainer holds now (`pool/link.py`)
 
     def statistics(self) -> ElasticStatistics:
         return ElasticStatistics(
@@ -240,6 +242,7 @@ class Elastic:
             self.last_expand_s,
             self.preempted_groups,
             self.failed_expands,
+            self.train_slots_held,
         )
 
 

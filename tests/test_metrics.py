@@ -166,7 +166,7 @@ def handmade_statistics() -> ControllerStatistics:
         last_success_rate=0.125,
         generation_workers=3,
         generation_workers_active=1,
-        elastic=ElasticStatistics(2, 5, 3, 1.5, 0.75, 0.25, 0.125, 7, 1),
+        elastic=ElasticStatistics(2, 5, 3, 1.5, 0.75, 0.25, 0.125, 7, 1, 1),
     )
 
 
@@ -245,6 +245,7 @@ def test_families_of_a_handmade_record():
     assert value(m, "sc_grpo_generation_shrink_seconds_total") == 1.5
     assert value(m, "sc_grpo_generation_expand_seconds_total") == 0.75
     assert value(m, "sc_grpo_generation_preempted_groups_total") == 7
+    assert value(m, "sc_grpo_pool_train_slots") == 1
 
 
 def test_nothing_in_flight_is_a_zero_at_the_served_version_not_an_empty_panel():

@@ -122,11 +122,14 @@ class PoolLink:
     async def _before_train(self, step: int) -> None:
         await self.pool.acquire_train(self.spec.name, step)
         self.train_held.add(step)
+        self.ctl.state.elastic.train_slots_held = len(self.spec.train_slots)
 
     async def _after_sync(self, version: int) -> None:
         for step in sorted(s for s in self.train_held if s < version):
             self.train_held.discard(step)
             await self.pool.release_train(self.spec.name, step)
+        if not self.train_held:
+            self.ctl.state.elastic.train_slots_held = 0
 
 
 class InProcessPool:

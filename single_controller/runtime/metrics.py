@@ -393,6 +393,11 @@ def _elastic_families(f: _Families, s: ControllerStatistics) -> None:
     f.counter("generation_expand_failures", "Expands that failed (the worker stayed out of routing).", e.failed_expands)
     f.counter("generation_shrink", "Time spent in shrinks.", e.shrink_s, unit="seconds")
     f.counter("generation_expand", "Time spent in expands (wake + weights + check).", e.expand_s, unit="seconds")
+    f.gauge(
+        "pool_train_slots",
+        "Pool slots the run's trainer holds now (0 outside a pool, or between its steps).",
+        e.train_slots_held,
+    )
     f.counter(
         "generation_preempted_groups",
         "Groups in flight a shrink aborted (re-dispatched uncharged).",
