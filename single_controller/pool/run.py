@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from single_controller.config.problems import ConfigError
+from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config
 from single_controller.pool.planner import POLICIES
 from single_controller.runtime.console import say
@@ -67,7 +67,8 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
     problems: list[str] = []
     raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a pool file is a mapping with the keys {', '.join(POOL_KEYS)}")
+        keys = ", ".join(POOL_KEYS)
+        raise ConfigError([Problem(("pool",), f"a pool file is a mapping with the keys {keys}")], f"pool {path}")
     problems += [f"unknown key {k!r} (known: {', '.join(POOL_KEYS)})" for k in raw if k not in POOL_KEYS]
     slots, policy = raw.get("slots", 2), raw.get("policy", "gap_ratio")
     name, output_dir = str(raw.get("name", "sc-grpo-pool")), str(raw.get("output_dir", "runs"))
@@ -90,9 +91,7 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
         problems.append("runs: at least one run")
     problems += _pool_problems(slots, runs)
     if problems:
-        raise ConfigError(
-            f"invalid pool {path}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+        raise ConfigError([Problem(("pool",), p) for p in problems], origin=f"pool {path}")
     return PoolSpec(slots, policy, name, output_dir, tuple(runs))
 
 

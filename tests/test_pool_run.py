@@ -1,0 +1,270 @@
+"""`sc-grpo pool run POOL.yaml` (single_controller/pool/run.py): what it refuses before anything
+starts, two sim runs in one pool end to end (each with its own records, exactly once, the slot
+timeline never holding two runs on a slot), and, on the embedded backend under Ray, kill -9 of the
+pool actor (every run stops with a named error and a resumable checkpoint) and of one run's
+controller (the other run goes on and takes its slots)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from single_controller.config.problems import ConfigError
+from single_controller.pool.run import load_pool, main_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pool_file(tmp_path: Path, runs: list[dict], **top) -> Path:
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "pools"), **top, "runs": runs}), encoding="utf-8")
+    return path
+
+
+def _sim_run(name: str, gen: str, train: str, *more: str) -> dict:
+    workers = len(yaml.safe_load(gen))
+    return {
+        "config": str(ROOT / "configs/sim.yaml"),
+        "overrides": [
+            f"run.name={name}",
+            f"backend.num_generation_workers={workers}",
+            f"pool.gen_slots={gen}",
+            f"pool.train_slots={train}",
+            *more,
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("top", "runs", "problem"),
+    [
+        (  # the slots a CPU machine has are its cores
+            {"slots": 4096},
+            [
+                {
+                    "config": str(ROOT / "configs/embedded.yaml"),
+                    "overrides": ["pool.gen_slots=[0]", "pool.train_slots=[0]"],
+                }
+            ],
+            r"4096 slots do not fit this machine: it has \d+ CPU core\(s\)",
+        ),
+        (  # partial overlap trains on slots whose workers sleep meanwhile: a subset
+            {"slots": 4},
+            [_sim_run("a", "[0,1]", "[2]")],
+            r"pool.overlap=partial: the train slots \[2\] are not among the run's generation slots \[0, 1\]",
+        ),
+        (
+            {"slots": 4},
+            [_sim_run("a", "[0,1]", "[0]"), _sim_run("a", "[2,3]", "[2]")],
+            r"two runs are named 'a'",
+        ),
+        (
+            {"slots": 2},
+            [_sim_run("a", "[0,1,2]", "[0]")],
+            r"run a: slots \[2\] are outside the pool's 0..1",
+        ),
+        (  # vLLM's sleep mode is CUDA/ROCm only
+            {"slots": 1},
+            [
+                {
+                    "config": str(ROOT / "configs/vllm_cpu.yaml"),
+                    "overrides": ["pool.gen_slots=[0]", "pool.train_slots=[0]", "rollout.sleep_level=2"],
+                }
+            ],
+            r"rollout.sleep_level=2 with vLLM on the CPU",
+        ),
+    ],
+)
+def test_a_pool_that_cannot_run_is_refused_before_anything_starts(tmp_path, top, runs, problem):
+    path = _pool_file(tmp_path, runs, **top)
+    with pytest.raises(ConfigError, match=problem):
+        load_pool(path)
+    assert main_run([str(path)]) == 2
+    assert not (tmp_path / "pools").exists(), "a refused pool created its directory"
+
+
+def _resident_runs(timeline: list[list]) -> dict[int, list[tuple[float, str, str | None]]]:
+    by_slot: dict[int, list[tuple[float, str, str | None]]] = {}
+    for t, slot, state, run in timeline:
+        by_slot.setdefault(int(slot), []).append((t, state, run))
+    return by_slot
+
+
+def _check_one_run_per_slot(timeline: list[list]) -> None:
+    """A slot goes from one run to another only through a state that holds nobody (idle) or the
+    train state: never from run A's worker straight to run B's."""
+    for slot, events in _resident_runs(timeline).items():
+        holder = None
+        for t, state, run in events:
+            if state in ("gen", "switching"):
+                assert holder in (None, run), f"slot {slot} at {t:.3f}s: {run} moved in while {holder} was there"
+                holder = run
+            else:  # idle or train: the generation worker that was there has left
+                holder = None
+
+
+def _check_exactly_once(run_dir: Path, steps: int, per_step: int) -> None:
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    assert len({p["prompt_id"] for p in ledger}) == len(ledger), "a prompt appears twice in the ledger"
+    assert all(p["fate"] in ("trained", "dropped", "evicted") for p in ledger), "a prompt has no fate (lost)"
+    trained = Counter(p["step"] for p in ledger if p["fate"] == "trained")
+    assert trained == {s: per_step for s in range(steps)}, trained
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps)), "metrics steps are not 0..N-1 once each"
+
+
+def test_two_sim_runs_share_a_pool_each_with_its_own_records_exactly_once(tmp_path):
+    out = tmp_path / "runs"
+    more = (f"run.output_dir={out}", "run.max_steps=8", "rollout.sleep_level=1", "rollout.max_in_flight_per_worker=2")
+    path = _pool_file(
+        tmp_path,
+        [_sim_run("gen-heavy", "[0,1,2,3]", "[0]", *more), _sim_run("train-heavy", "[0,1,2,3]", "[2,3]", *more)],
+        slots=4,
+    )
+    assert main_run([str(path)]) == 0
+    (summary_path,) = (tmp_path / "pools").glob("pool-*/pool_summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert {r["exit_code"] for r in summary["runs"].values()} == {0}
+    _check_one_run_per_slot(summary["timeline"])
+    stats = summary["statistics"]
+    assert stats["expands"] >= 4 and stats["shrinks"] >= 2 and stats["train_grants"] >= 2, stats
+    for name, run in summary["runs"].items():
+        run_dir = Path(run["run_dir"])
+        assert run_dir.parent == out and run_dir.name.startswith(name)
+        _check_exactly_once(run_dir, 8, 16)
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["elastic/expands"] >= 1, last  # the pool brought its workers in
+    trained_on = {run for _, _, state, run in summary["timeline"] if state == "train"}
+    assert trained_on == {"gen-heavy", "train-heavy"}
+
+
+# -- under Ray, on the embedded backend ------------------------------------------------------------
+EMBEDDED = [
+    "run.progress_bar=false",
+    "metrics.port=0",
+    "run.stop_at_success_rate=null",
+    "run.plot=false",
+    "run.max_steps=100000",
+    "checkpoint.every_steps=3",
+    "backend.num_generation_workers=2",
+    "rollout.max_in_flight_per_worker=8",
+    "rollout.sleep_level=1",
+    "pool.gen_slots=[0,1]",
+]
+
+
+def _embedded_pool(tmp_path: Path) -> Path:
+    runs = [
+        {
+            "config": str(ROOT / "configs/embedded.yaml"),
+            "overrides": [
+                *EMBEDDED,
+                f"run.output_dir={tmp_path / 'runs'}",
+                f"run.name={name}",
+                f"pool.train_slots=[{i}]",
+            ],
+        }
+        for i, name in enumerate(("left", "right"))
+    ]
+    return _pool_file(tmp_path, runs, slots=2)
+
+
+def _start_pool(path: Path, cwd: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "single_controller", "pool", "run", str(path)]
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _wait_for_steps(proc: subprocess.Popen, steps: dict[str, int]) -> list[str]:
+    seen: list[str] = []
+    reached: dict[str, int] = {}
+    for line in proc.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        m = re.match(r"\[(\w+)\] step\s+(\d+)/", line)
+        if m:
+            reached[m.group(1)] = int(m.group(2))
+        if all(reached.get(n, -1) >= s for n, s in steps.items()):
+            return seen
+    raise AssertionError(f"the pool ended before the steps {steps}:\n{''.join(seen[-40:])}")
+
+
+def _actor_pid(session: int, cls: str, name: str | None = None) -> int:
+    import psutil
+
+    from tests.test_durable_e2e import _actor_pids
+
+    pids = _actor_pids(session, cls)
+    if name is not None:  # a controller: the one whose run directory it logs to
+        pids = [p for p in pids if any(name in f.path for f in psutil.Process(p).open_files())]
+    assert len(pids) == 1, f"{cls} {name or ''}: processes {pids}"
+    return pids[0]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_9_of_the_pool_actor_stops_every_run_with_a_named_error_and_a_resumable_checkpoint(tmp_path):
+    proc = _start_pool(_embedded_pool(tmp_path), tmp_path)
+    try:
+        _wait_for_steps(proc, {"left": 4, "right": 4})
+        os.kill(_actor_pid(proc.pid, "PoolActor"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-3000:]
+    for name in ("left", "right"):
+        (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["failure"] is not None and "pool sc-grpo-pool" in summary["failure"]["error"], summary
+        assert summary["checkpoint"]["step"] >= 3, summary
+        assert re.search(r"run failed in the \w+ pump after \d+ steps: .*pool sc-grpo-pool", out), out[-3000:]
+        k = summary["checkpoint"]["step"]  # it resumes alone, out of any pool
+        resume = [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir)]
+        done = subprocess.run(
+            [*resume, "pool.enabled=false", f"run.max_steps={k + 2}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        _check_exactly_once(run_dir, k + 2, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_9_of_one_runs_controller_leaves_the_other_run_going_on_both_slots(tmp_path):
+    pool = _embedded_pool(tmp_path)
+    cfg = yaml.safe_load(pool.read_text())
+    cfg["runs"][1]["overrides"][cfg["runs"][1]["overrides"].index("run.max_steps=100000")] = "run.max_steps=30"
+    pool.write_text(yaml.safe_dump(cfg))
+    proc = _start_pool(pool, tmp_path)
+    try:
+        _wait_for_steps(proc, {"left": 3, "right": 3})
+        os.kill(_actor_pid(proc.pid, "ControllerHost", "left-"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-3000:]  # one run failed
+    (summary_path,) = (tmp_path / "pools").glob("pool-*/pool_summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["runs"]["left"]["exit_code"] == 1 and summary["runs"]["right"]["exit_code"] == 0, summary["runs"]
+    assert summary["dropped_runs"] == ["left"], summary["dropped_runs"]
+    _check_one_run_per_slot(summary["timeline"])
+    # after left is gone, right generates on both slots (left's train slot 0 included)
+    gone = max(t for t, _, state, run in summary["timeline"] if run == "left")
+    later = {int(slot) for t, slot, state, run in summary["timeline"] if t > gone and state == "gen" and run == "right"}
+    assert later == {0, 1}, later
+    (right_dir,) = (tmp_path / "runs").glob("right-*")
+    _check_exactly_once(right_dir, 30, 16)
