@@ -20,7 +20,7 @@ from single_controller.bench.pool import layouts, run_layout
 from single_controller.pool.link import InProcessPool, PoolLink
 from single_controller.pool.planner import RunSlots
 from single_controller.pool.scheduler import GEN, IDLE, SWITCHING, TRAIN, PoolError, PoolScheduler
-from tests.test_controller_sim import assert_clean_end
+from tests.test_controller_sim import assert_clean_end, trained_prompts
 
 EVERY = (0, 1, 2, 3)
 
@@ -164,7 +164,7 @@ class Harness:
             finally:
                 self.in_cycle = False
 
-        self.pool._cycle = traced_cycle  # type: ignore[method-assign]
+        self.pool._cycle = traced_cycle
 
     async def settled(self) -> None:
         """Returns once the tasks started have run, and no cycle is due or under way, and no expand."""
@@ -222,8 +222,12 @@ async def test_a_train_grant_shrinks_what_is_on_its_train_slots_first_and_nothin
 async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_idempotent():
     async with serving() as h:
         pool = h.pool
-        await h.api.register(RunSlots("A", EVERY, (0, 1)), FakeRun())
-        await h.api.acquire_train("A", 0)
+        a = FakeRun()
+        await h.api.register(RunSlots("A", EVERY, (0, 1)), a)
+        await h.api.report_demand("A", 4)
+        await h.settled()
+        await h.api.acquire_train("A", 0)  # its own workers on slots 0-1 are shrunk too
+        assert h.on() == [None, None, "A", "A"] and sorted(a.calls)[-2:] == [("shrink", 0, True), ("shrink", 1, True)]
         grants, marks = pool.statistics().train_grants, len(pool.timeline)
         again = pool.acquire_train("A", 1)
         with pytest.raises(StopIteration):  # it returned without once yielding to the loop
@@ -410,6 +414,7 @@ async def test_two_sim_runs_share_a_pool_train_exactly_once_and_never_serve_stal
         assert trainer.optimizer_steps == 3 and ctl.state.versions.policy == 3
         assert [r["sync/policy_version"] for r in ctl.history] == [0, 1, 2]
         assert [g.calls_while_asleep for g in ctl.state.workers.generators] == [0] * 4
+        assert [len(trained_prompts(trainer)[step]) for step in range(3)] == [4] * 3  # groups_per_step each
         await assert_clean_end(ctl, trainer, ctl.state.storage)
     # every resize the runs made was the pool's (less each worker's first shrink, out of the run at start)
     s = pool.statistics()
@@ -417,6 +422,7 @@ async def test_two_sim_runs_share_a_pool_train_exactly_once_and_never_serve_stal
     assert s.shrinks == sum(el.shrinks for el in els) - 8 and s.expands == sum(el.expands for el in els)
     assert s.shrinks > 0 and s.expands >= 4 and s.failed_expands == 0 and s.train_grants >= 2
     assert figures["resizes"] == s.shrinks + s.expands
+    assert s.runs == 0 and set(s.resident.values()) == set(s.training.values()) == {None}  # both left
     assert sum(1 for e in pool.timeline if e[2] == SWITCHING) == s.shrinks + s.expands
     assert sum(1 for e in board.log if e[0] == "granted") >= s.train_grants
 
