@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from replay.storage import InMemoryRowStorage
@@ -128,8 +129,18 @@ def _slow_wake(worker, switch_s: float) -> None:
     worker.wake = slow_wake
 
 
-async def run_layout(layout: Layout, *, steps: int, groups: int, lookahead: int, unit_s: float, switch_s: float):
-    """Both runs of `layout` to the end in one pool; returns their figures."""
+async def run_layout(
+    layout: Layout,
+    *,
+    steps: int,
+    groups: int,
+    lookahead: int,
+    unit_s: float,
+    switch_s: float,
+    watch: Callable[[PoolScheduler, list[PoolLink]], None] | None = None,
+):
+    """Both runs of `layout` to the end in one pool; returns their figures. `watch(pool, links)`, if
+    given, sees the pool and the runs before they start (the tests check their calls)."""
     pool = PoolScheduler(4, layout.policy)
     links, gens = [], []
     for r in layout.runs:
@@ -147,6 +158,8 @@ async def run_layout(layout: Layout, *, steps: int, groups: int, lookahead: int,
         ctl = Controller(_config(steps, groups, lookahead), sim_prompts(), storage, Workers(g, trainer))
         links.append(PoolLink(ctl, InProcessPool(pool), r.slots, SLEEP_LEVEL))
         gens.append(g)
+    if watch is not None:
+        watch(pool, links)
     ends: dict[str, float] = {}
     t0 = time.perf_counter()
 

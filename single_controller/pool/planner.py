@@ -12,14 +12,18 @@ Policies:
 * `static`: a slot of a run's `static_slots` holds that run's worker whenever it is free, whatever
   the demand (the baselines: a split by run, or by role when train and generation slots are apart).
 * `gap_ratio` (RLix's planner): each run with demand gets a target share of the free slots
-  proportional to its demand, at least one slot and at most one per group it demands; slots are
+  proportional to its demand, at least one slot and at most one per group it demands. First every
+  run with demand gets one slot, each its own, wherever some assignment can give them that (rounded-up
+  targets may add up to more than the free slots; a run may generate on few slots); then slots are
   kept where they are when their run is within its target (no needless switch), then handed to the
   run furthest below its target, normalized ((target - held) / target), donors being the runs above
   theirs; what is left goes to runs whose demand is still not covered by one worker per group, the
   largest shortfall first; a slot nobody needs keeps its resident (idle: switching would cost and
-  buy nothing). Among the slots a run may take: one it holds, then an empty one, then a donor's;
-  then one nobody trains on, then its own train slot, then another run's train slot (generation
-  there is preempted at that run's next train grant).
+  buy nothing). A run that can use no open slot takes one planned for a run that moves to another
+  open slot of its own (an augmenting path: nobody loses a slot), so no greedy choice starves a run
+  or leaves a plan that planning again would change. Among the slots a run may take: one it holds,
+  then an empty one, then a donor's; then one nobody trains on, then its own train slot, then
+  another run's train slot (generation there is preempted at that run's next train grant).
 """
 
 from __future__ import annotations
@@ -94,44 +98,71 @@ def _gap_ratio(
     free: Sequence[int], resident: Mapping[int, str | None], demand: Mapping[str, int], runs: Mapping[str, RunSlots]
 ) -> dict[int, str | None]:
     target_n = shares(len(free), demand, runs)
-    plan: dict[int, str | None] = {}
+    plan: dict[int, str] = {}
+    for s in free:  # every run with demand starts on the first slot it holds
+        r = resident.get(s)
+        if r in target_n and r not in plan.values():
+            plan[s] = r
+    _hand_out(free, plan, dict.fromkeys(target_n, 1), runs, resident, gap=False)  # one each first
     held = dict.fromkeys(runs, 0)
+    for r in plan.values():
+        held[r] += 1
     for s in free:  # kept where they are while within target
         r = resident.get(s)
-        if r in target_n and held[r] < target_n[r]:
+        if s not in plan and r in target_n and held[r] < target_n[r]:
             plan[s] = r
             held[r] += 1
-    open_slots = [s for s in free if s not in plan]
-    _hand_out(open_slots, plan, held, target_n, runs, resident, gap=True)
+    _hand_out(free, plan, target_n, runs, resident, gap=True)
     # work-conserving: what is left goes to runs demanding more groups than they hold workers
-    cap = {n: max(0, demand.get(n, 0)) for n in runs}
-    _hand_out(open_slots, plan, held, cap, runs, resident, gap=False)
-    for s in open_slots:
-        plan[s] = resident.get(s)  # nobody needs it: the resident stays (idle), no switch
-    return plan
+    _hand_out(free, plan, {n: max(0, demand.get(n, 0)) for n in runs}, runs, resident, gap=False)
+    # a slot nobody needs keeps its resident (idle), no switch
+    return {s: plan[s] if s in plan else resident.get(s) for s in free}
 
 
 def _hand_out(
-    open_slots: list[int],
-    plan: dict[int, str | None],
-    held: dict[str, int],
+    free: Sequence[int],
+    plan: dict[int, str],
     want: Mapping[str, int],
     runs: Mapping[str, RunSlots],
     resident: Mapping[int, str | None],
     *,
     gap: bool,
 ) -> None:
-    """Give `open_slots` one at a time to the run furthest below `want` (normalized gap, or the
-    absolute shortfall when not `gap`) that can use one; removes them from `open_slots`."""
+    """Give slots one at a time to the run furthest below `want` (normalized gap, or the absolute
+    shortfall when not `gap`) that can get one (`_place`), until none can."""
+    held = {n: sum(1 for r in plan.values() if r == n) for n in want}
+    stuck: set[str] = set()  # no slot can be found for it (and none will: slots are only filled)
     while True:
-        needy = [n for n in want if held[n] < want[n] and any(s in runs[n].gen_slots for s in open_slots)]
+        needy = [n for n in want if held[n] < want[n] and n not in stuck]
         if not needy:
             return
         n = max(needy, key=lambda n: ((want[n] - held[n]) / (want[n] if gap else 1), want[n], _neg(n)))
-        slot = min((s for s in open_slots if s in runs[n].gen_slots), key=lambda s: _slot_cost(s, n, resident, runs))
-        plan[slot] = n
-        held[n] += 1
-        open_slots.remove(slot)
+        if _place(n, free, plan, resident, runs, set()):
+            held[n] += 1
+        else:
+            stuck.add(n)
+
+
+def _place(
+    run: str,
+    free: Sequence[int],
+    plan: dict[int, str],
+    resident: Mapping[int, str | None],
+    runs: Mapping[str, RunSlots],
+    seen: set[int],
+) -> bool:
+    """One more free slot of its gen_slots for `run`: an open one (the cheapest by `_slot_cost`), or
+    else one planned for another run that moves to another slot of its own, and so on (an augmenting
+    path): no run loses a slot, and a run whose only slots others could do without gets one."""
+    usable = [s for s in free if s in runs[run].gen_slots and plan.get(s) != run]
+    for s in sorted(usable, key=lambda s: (s in plan, _slot_cost(s, run, resident, runs))):
+        if s in seen:
+            continue
+        seen.add(s)
+        if s not in plan or _place(plan[s], free, plan, resident, runs, seen):
+            plan[s] = run
+            return True
+    return False
 
 
 def _neg(name: str) -> tuple[int, ...]:
