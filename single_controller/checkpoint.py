@@ -65,6 +65,12 @@ RESUMABLE_CHANGES = (
     "sync.drain_timeout_s",
     "rollout.max_in_flight_groups",
     "rollout.max_batch_groups",
+    "rollout.max_in_flight_per_worker",
+    # where and with whom it runs: a pooled run resumes alone, or in another pool (the same data and math)
+    "rollout.sleep_level",
+    "rollout.shrink",
+    "rollout.shrink_drain_timeout_s",
+    "pool.",
     "train.pipeline_steps",
     "train.micro_batch_tokens",  # how a microbatch is cut into passes: the same sums
     "train.gradient_checkpointing",  # recomputes activations: the same gradients

@@ -20,13 +20,17 @@ import logging
 from typing import Any
 
 from single_controller.config.schema import PoolConfig
-from single_controller.deadlines import within
+from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.pool.planner import RunSlots
 from single_controller.pool.scheduler import PoolScheduler
 
 log = logging.getLogger("sc_grpo.pool")
 
 NAMESPACE = "sc-grpo-pool"
+
+
+class PoolCallFailed(RuntimeError):
+    """A run's call to its pool failed: the pool actor is gone, or it refused the call."""
 
 
 class RayRunHandle:
@@ -115,7 +119,13 @@ class RayPoolClient:
 
     async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         what = f"pool {self.cfg.name}: {method}({', '.join(map(str, args))})"
-        return await within(getattr(self.actor, method).remote(*args), timeout_s or self.cfg.call_timeout_s, what)
+        try:
+            return await within(getattr(self.actor, method).remote(*args), timeout_s or self.cfg.call_timeout_s, what)
+        except DeadlineExceeded:
+            raise  # its message names the pool and the call
+        except Exception as e:  # the pool actor died, or refused the call
+            first = str(e).split(". ", 1)[0].split("\n", 1)[0]
+            raise PoolCallFailed(f"{what} failed: {type(e).__name__}: {first}") from e
 
     async def register(self, spec: RunSlots, handle: object) -> None:
         await self._call("register", spec, self.run_actor)
