@@ -7,7 +7,8 @@ Contract:
   side). Its workers start out of the pool (asleep); the scheduler expands them onto slots.
 * Training is granted before generation and is never preempted: `acquire_train(run, step)` waits
   until no other run trains on any of the run's `train_slots`, shrinks whatever generation worker
-  (of any run) is resident there, then returns. `release_train(run, step)` frees them; a run calls it
+  is resident there (another run's preempted: its groups aborted and re-dispatched; the run's own
+  drained first: they are its next step's), then returns. `release_train(run, step)` frees them; a run calls it
   only once its surviving generation workers hold the step's new weights (the weight sync of that
   version ended), so a slot never serves stale weights on the run's behalf. Requests are granted
   first come, first served; acquire/release are idempotent per (run, step).
@@ -214,7 +215,11 @@ class PoolScheduler:
                 continue  # another run trains there: granted when it releases
             for s in slots:
                 self.training[s] = req.run
-            await self._shrink_all([Move(s, r) for s in slots if (r := self.resident[s]) is not None], preempt=True)
+            # another run's groups there are aborted (re-dispatched uncharged); the run's own drain
+            # first (its next step's groups: bounded by rollout.max_in_flight_per_worker and
+            # rollout.shrink_drain_timeout_s), instead of being generated again
+            held = [Move(s, r) for s in slots if (r := self.resident[s]) is not None]
+            await asyncio.gather(*(self._shrink(m, preempt=m.run != req.run) for m in held))
             if req.run not in self.runs:
                 continue  # it left meanwhile
             for s in slots:
