@@ -184,9 +184,8 @@ class Controller:
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
-        # Tasks that run beside the pumps, in their TaskGroup (a failure ends the run as a pump's
-        # does, with the final checkpoint): name -> coroutine function of the run state (a pool
-        # member's demand pushes: `single_controller/pool/link.py`). Each returns once training is done.
+        # Beside the pumps, in their TaskGroup (a failure ends the run as a pump's does): name -> a coroutine
+        # function of the run state, returning once training is done (a pool member's: `pool/link.py`).
         self.companions: dict[str, Callable[[RunState], Awaitable[None]]] = {}
         self.eval_prompts = tuple(eval_prompts)
         self.on_eval = on_eval

@@ -268,3 +268,10 @@ def test_kill_9_of_one_runs_controller_leaves_the_other_run_going_on_both_slots(
     assert later == {0, 1}, later
     (right_dir,) = (tmp_path / "runs").glob("right-*")
     _check_exactly_once(right_dir, 30, 16)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/pools").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_pool_file_loads(path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # its runs' config paths are relative to the repository
+    spec = load_pool(path)
+    assert spec.runs and all(c.pool.enabled for c in spec.runs)

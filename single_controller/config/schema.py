@@ -623,10 +623,10 @@ class PoolConfig:
     the one `sc-grpo pool run` starts."""
     name: str = "sc-grpo-pool"
     """The pool actor's name (its Ray namespace: `sc-grpo-pool`)."""
-    gen_slots: tuple[int, ...] = ()
+    gen_slots: tuple[Count, ...] = ()
     """The pool slots of the run's generation workers, one worker per slot (their number is
     `backend.num_generation_workers`)."""
-    train_slots: tuple[int, ...] = ()
+    train_slots: tuple[Count, ...] = ()
     """The pool slots the run's trainer takes while it trains a step (granted before generation,
     never preempted)."""
     overlap: Literal["partial", "none"] = "partial"

@@ -189,7 +189,7 @@ commands:
   status   ask a running controller: sc-grpo status --url http://127.0.0.1:9464
   init-model  write a tiny HF model: sc-grpo init-model models/tiny --hidden-size 64
   storage  a TransferQueue for runs:  sc-grpo storage serve --address HEAD_IP:6379
-  pool     runs sharing slots:        sc-grpo pool run configs/pool_embedded.yaml
+  pool     runs sharing slots:        sc-grpo pool run configs/pools/embedded.yaml
   env      serve an environment:     sc-grpo env serve lookup --port 8765
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
@@ -329,7 +329,7 @@ def _add_pool(sub: Any) -> None:
         "actor), each with its own run directory, and write the pool's summary with its slot timeline. "
         "serve: the pool actor on the Ray cluster at --address until Ctrl-C; runs join it with "
         "pool.enabled=true pool.attach=true. See docs/pool.md.",
-        epilog="examples:\n  sc-grpo pool run configs/pool_embedded.yaml\n"
+        epilog="examples:\n  sc-grpo pool run configs/pools/embedded.yaml\n"
         "  sc-grpo pool serve --address 10.0.0.1:6379 --slots 8",
     )
     p.add_argument("args", metavar="ACTION", nargs=argparse.REMAINDER, help="run POOL.yaml | serve and its options")
