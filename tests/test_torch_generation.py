@@ -342,3 +342,36 @@ async def test_a_sleeping_actor_frees_its_weights_and_after_wake_and_update_give
     for field in ("response_ids", "gen_logprobs"):
         assert all(torch.equal(a, b) for a, b in zip(rows[0][field], rows[1][field]))
     await actor.close()
+
+
+def test_a_groups_tokens_depend_on_its_prompt_and_attempt_not_on_its_worker_or_batch():
+    # Two workers of one run (different worker seeds): a group sampled alone on one and inside a batch
+    # of other groups on the other draws the same tokens (the pool moves a run's groups between
+    # workers; `sampling.row_uniforms`); another attempt of the same prompt draws other ones.
+    model = trained_like_model()
+    alone = GenerationCore(model, InMemoryRowStorage(), REWARD, seed=1000, version=0, sampling_seed=7)
+    batched = GenerationCore(model, InMemoryRowStorage(), REWARD, seed=1001, version=0, sampling_seed=7)
+    target = request(5, n=8, temperature=1.0, max_new_tokens=6)
+    (one,) = alone.generate([target])
+    many = batched.generate([request(1, n=4), target, request(2, n=3, top_p=0.9)])
+    assert many[1].response_lengths == one.response_lengths
+    stored = [core.storage.get_rows_sync(target.row_keys, GENERATION_FIELDS) for core in (alone, batched)]
+    a, b = ([r.tolist() for r in s["response_ids"]] for s in stored)
+    assert a == b
+    retry = dataclasses.replace(target, group_id="grp5-a1", row_keys=row_keys("grp5-a1", 8))
+    alone.generate([retry])
+    c = [r.tolist() for r in alone.storage.get_rows_sync(retry.row_keys, GENERATION_FIELDS)["response_ids"]]
+    assert c != a  # 8 rows x 6 tokens over 19 symbols: the same draws again would be a bug
+
+
+def test_seeded_draws_follow_the_policy_distribution_and_respect_top_p():
+    from single_controller.backends.torch.sampling import _draw, row_uniforms
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logp = probs.log().expand(10000, 4)
+    u = row_uniforms(0, [("g", j) for j in range(10000)], 1)[:, 0]
+    freq = torch.bincount(_draw(logp, 1.0, None, u), minlength=4).double() / 10000
+    # binomial std at p=0.5, n=10000 is 0.005: 4 sigma
+    assert torch.allclose(freq, probs.double(), atol=0.02), freq
+    kept = torch.bincount(_draw(logp, 0.8, None, u), minlength=4)  # the nucleus of mass 0.8: tokens 0 and 1
+    assert kept[2:].sum() == 0 and kept[0] > kept[1] > 0

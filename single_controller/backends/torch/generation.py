@@ -54,7 +54,7 @@ from single_controller.backends.common.weight_broadcast import GroupAddress, Wei
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
-from single_controller.backends.torch.sampling import sample
+from single_controller.backends.torch.sampling import row_uniforms, sample
 from single_controller.backends.torch.turns import TurnBatcher, sample_continuations
 from single_controller.config.schema import EnvConfig, ModelConfig, RewardConfig, env_enabled
 from single_controller.data.tasks import TOKENIZER
@@ -96,6 +96,11 @@ def _result(r: GenerationRequest, rows: list[_Row], scored: Scored, version: int
     )
 
 
+def _rows(requests: Sequence[GenerationRequest], idx: list[int]) -> list[tuple[str, int]]:
+    """(group id, index in the group) of every row of a pass, in the pass's order."""
+    return [(requests[i].group_id, j) for i in idx for j in range(requests[i].sampling.n)]
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -108,6 +113,7 @@ class GenerationCore:
         seed: int = 0,
         version: int | None = None,
         name: str = "torch generation",
+        sampling_seed: int = 0,
     ):
         self.name = name  # for the errors it reports
         self.policy = policy
@@ -115,7 +121,8 @@ class GenerationCore:
         self.tokenizer = tokenizer
         # `reward.functions`, or `reward_fn` (task.reward_fn) alone when there are none
         self.scorer = RewardScorer.from_config(reward, reward_fn, worker=name, decode=tokenizer.decode)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # multi-turn passes
+        self.sampling_seed = sampling_seed  # single-turn rows: seeded per group and row (`row_uniforms`)
         self.version = version  # policy version of `policy`'s weights (None: none loaded yet)
         self._counts = dict(batches=0, groups=0, rows=0, tokens=0, weight_updates=0, eval_requests=0, reward_failures=0)
         self._last_batch_s = 0.0
@@ -197,8 +204,8 @@ class GenerationCore:
                 top_p=top_p,
                 stop_token_ids=stop,
                 pad_id=self.tokenizer.pad_id,
-                generator=self.generator,
                 greedy=greedy,
+                uniforms=None if greedy else row_uniforms(self.sampling_seed, _rows(requests, idx), max_new),
             )
             token_lists, lengths = out.tokens.tolist(), out.lengths.tolist()
             generated = torch.arange(out.tokens.shape[1])[None, :] < out.lengths[:, None]  # [B, N]
@@ -353,6 +360,7 @@ class GenerationActor:
         *,
         reward: RewardConfig | None = None,
         seed: int = 0,
+        sampling_seed: int = 0,
         torch_threads: int = 1,
         max_batch_groups: int = 16,
         policy: nn.Module | None = None,
@@ -382,6 +390,7 @@ class GenerationActor:
             tokenizer=load_tokenizer(model_cfg.path),
             seed=seed,
             name=name,
+            sampling_seed=sampling_seed,
         )
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = (

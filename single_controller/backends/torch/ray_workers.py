@@ -324,6 +324,7 @@ async def start_torch_generation(
                 cfg.task.reward_fn,
                 reward=run_reward(cfg),
                 seed=cfg.seed * 1000 + i,
+                sampling_seed=cfg.seed,  # a row's draws depend on its prompt and attempt, not on its worker
                 torch_threads=threads_per_process(cfg.backend),
                 max_batch_groups=cfg.rollout.max_batch_groups,
                 env=cfg.env,

@@ -14,6 +14,8 @@ of row i (up to and including the stop token). Sampling ends early once every ro
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,22 @@ class SampleOutput:
         return self.tokens[i, :n].clone(), self.logprobs[i, :n].clone()
 
 
-def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+def row_uniforms(seed: int, rows: Sequence[tuple[str, int]], n: int) -> torch.Tensor:
+    """[B, n] float64 in [0, 1): the draws of each row, from (the run's seed, its group id, i.e. its
+    prompt and attempt, and its index in the group) alone. A row samples the same tokens from the
+    same logits whatever worker or batch it lands in: a run's rollouts do not depend on how many
+    workers it has or on which of them a pool gives it."""
+    out = torch.empty(len(rows), n, dtype=torch.float64)
+    for b, (group_id, j) in enumerate(rows):
+        key = hashlib.blake2b(f"{seed}/{group_id}/{j}".encode(), digest_size=8).digest()
+        draws = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+        out[b] = torch.rand(n, dtype=torch.float64, generator=draws)
+    return out
+
+
+def _draw(
+    logp: torch.Tensor, top_p: float, generator: torch.Generator | None, u: torch.Tensor | None = None
+) -> torch.Tensor:
     probs = logp.exp()  # [B, V]
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
@@ -42,7 +59,12 @@ def _draw(logp: torch.Tensor, top_p: float, generator: torch.Generator | None) -
         keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs.masked_fill(~keep, 0.0)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
+    if u is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
+    # inverse CDF at the row's own draw: the first token whose cumulative mass exceeds u * total
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)  # [B]
+    return tok.clamp_(max=probs.shape[-1] - 1)
 
 
 @torch.inference_mode()
@@ -58,13 +80,15 @@ def sample(
     generator: torch.Generator | None = None,
     greedy: bool = False,
     share_prompts: bool = True,
+    uniforms: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample continuations of `prompt_ids` [B, Tp] (rows share their prompt length).
 
     `greedy` takes the argmax instead of drawing (for evaluation); logprobs are reported as above.
     `share_prompts` (and a policy with `expand_cache`): each distinct prompt is prefilled once and
     its cache copied to the rows that repeat it (a GRPO group's G rows): the same logits, 1/G of
-    the prefill's compute.
+    the prefill's compute. `uniforms` [B, max_new_tokens] (`row_uniforms`): each row's own draws,
+    instead of `generator`'s shared stream.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {temperature}")
@@ -90,7 +114,8 @@ def sample(
     for t in range(max_new_tokens):
         # Exits: max_new_tokens drawn, or every row has stopped.
         logp = log_softmax_tempered(logits, temperature)  # [B, V]
-        tok = logp.argmax(-1) if greedy else _draw(logp, top_p, generator)  # [B]
+        u = None if uniforms is None else uniforms[:, t]
+        tok = logp.argmax(-1) if greedy else _draw(logp, top_p, generator, u)  # [B]
         tokens[:, t] = tok.masked_fill(~alive, pad_id)
         logprobs[:, t] = logp.gather(1, tok[:, None]).squeeze(1).masked_fill(~alive, 0.0).float()
         mask[:, t] = alive
