@@ -263,7 +263,11 @@ class _Flights:
 
     def submit(self, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
         state = self.state
-        request = GenerationRequest(rec.group_id, rec.prompt, sampling, rec.keys, min_version=rec.version_reserved)
+        pid = rec.prompt.prompt_id
+        sample_id = f"{pid}/{state.prompts.charged_attempts(pid)}"  # the same draws after an uncharged re-dispatch
+        request = GenerationRequest(
+            rec.group_id, rec.prompt, sampling, rec.keys, sample_id=sample_id, min_version=rec.version_reserved
+        )
         incarnation = state.health.restarts_of[worker.name]
         flight = _Flight(worker, rec, request, worker.submit(request), state.clock(), incarnation)
         flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, state, flight)

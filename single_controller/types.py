@@ -49,6 +49,10 @@ class GenerationRequest:
     sampling: SamplingParams
     row_keys: tuple[str, ...] = ()
     eval: bool = False
+    sample_id: str | None = None
+    """What a worker that seeds its draws per group seeds this group's with (None: `group_id`): the
+    prompt and its charged attempts, so that an uncharged re-dispatch (a preempted or aborted group)
+    draws what the attempt it replaces would have, and a retry after a failure draws anew."""
     min_version: int | None = None
     """Serve only with weights of this policy version or newer (None: any). A worker that honours it
     (`protocols.VersionGated`) holds the request until such weights are applied, whatever order the

@@ -275,3 +275,57 @@ def test_every_shipped_pool_file_loads(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # its runs' config paths are relative to the repository
     spec = load_pool(path)
     assert spec.runs and all(c.pool.enabled for c in spec.runs)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_with_lookahead_0_a_run_samples_and_scores_the_same_alone_and_in_a_pool(tmp_path):
+    # Sampling is seeded per prompt and charged attempt, not per worker (`torch/sampling.row_uniforms`),
+    # and a step is the same prompts alone or shared: the per-step rewards match (to the float
+    # rounding of their mean, whose summation order follows the commits).
+    same = [
+        *EMBEDDED[:4],
+        "run.max_steps=4",
+        "sampler.max_lookahead_versions=0",
+        "sampler.max_staleness_versions=0",
+        "train.min_groups_per_chunk=16",  # a pooled run trains a step whole: the same sums alone
+        f"run.output_dir={tmp_path / 'runs'}",
+    ]
+    alone = [
+        sys.executable,
+        "-m",
+        "single_controller",
+        "run",
+        str(ROOT / "configs/embedded.yaml"),
+        *same,
+        "run.name=alone",
+    ]
+    done = subprocess.run(alone, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    pooled = [*same, *EMBEDDED[5:], "run.name=pooled"]
+    other = [*EMBEDDED, f"run.output_dir={tmp_path / 'runs'}", "run.max_steps=6", "run.name=other"]
+    runs = [
+        {"config": str(ROOT / "configs/embedded.yaml"), "overrides": [*pooled, "pool.train_slots=[0]"]},
+        {
+            "config": str(ROOT / "configs/embedded.yaml"),
+            "overrides": [*other, "task.name=copy_digits", "pool.train_slots=[1]"],
+        },
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "single_controller", "pool", "run", str(_pool_file(tmp_path, runs, slots=2))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+    def rewards(name: str) -> list[float]:
+        (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
+        return [
+            json.loads(line)["rollout/reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    a, p = rewards("alone"), rewards("pooled")
+    assert len(a) == len(p) == 4
+    assert a == pytest.approx(p, rel=0, abs=1e-9), (a, p)

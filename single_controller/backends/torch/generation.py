@@ -97,8 +97,8 @@ def _result(r: GenerationRequest, rows: list[_Row], scored: Scored, version: int
 
 
 def _rows(requests: Sequence[GenerationRequest], idx: list[int]) -> list[tuple[str, int]]:
-    """(group id, index in the group) of every row of a pass, in the pass's order."""
-    return [(requests[i].group_id, j) for i in idx for j in range(requests[i].sampling.n)]
+    """(sample id, index in the group) of every row of a pass, in the pass's order."""
+    return [(requests[i].sample_id or requests[i].group_id, j) for i in idx for j in range(requests[i].sampling.n)]
 
 
 class GenerationCore:
