@@ -433,3 +433,55 @@ def test_sigterm_then_resume_on_attached_storage_leaves_no_key_and_loses_no_prom
     listing = _storage_list(cluster.address, env)
     assert summary["storage_partition"] not in listing, listing  # dropped when it ended empty
     assert listing.get("rollout") == ["sentinel"] and listing.get("other") == ["sentinel"], listing
+
+
+def test_two_runs_join_a_pool_served_on_the_cluster(cluster, tq_server, tmp_path):
+    """`sc-grpo pool serve` + `pool.attach=true`: two `sc-grpo run`s on the cluster share its 2 slots
+    (each with a generation worker on both, training on its own), both finish exactly once, and the
+    pool outlives them."""
+    env = cluster.env
+    pool = Lines(
+        [sys.executable, "-m", "single_controller", "pool", "serve", f"--address={cluster.address}", "--slots=2"],
+        cwd=tmp_path,
+        env=env,
+    )
+    steps = 6
+    common = (
+        f"run.max_steps={steps}",
+        "pool.enabled=true",
+        "pool.attach=true",
+        "backend.num_generation_workers=2",
+        "rollout.max_in_flight_per_worker=8",
+        "pool.gen_slots=[0,1]",
+        "metrics.port=0",
+    )
+    try:
+        pool.wait_for("sc-grpo pool: ready", START_S)
+        runs = [
+            Lines(_run_cmd(tmp_path, n, cluster.address, *common, f"pool.train_slots=[{i}]"), cwd=tmp_path, env=env)
+            for i, n in enumerate(("pa", "pb"))
+        ]
+        try:
+            codes = [r.proc.wait(timeout=400) for r in runs]
+        finally:
+            for r in runs:
+                if r.proc.poll() is None:
+                    r.kill_group(signal.SIGKILL)
+        for r, code in zip(runs, codes):
+            assert code == 0, r.tail()
+        for n in ("pa", "pb"):
+            run_dir = next(tmp_path.glob(f"{n}-*"))
+            summary = json.loads((run_dir / "summary.json").read_text())
+            assert summary["steps"] == steps and summary["storage_keys_left"] == 0, summary
+            ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+            per_step = collections.Counter(p["step"] for p in ledger if p["fate"] == "trained")
+            assert per_step == {k: 16 for k in range(steps)}, per_step
+            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            assert last["elastic/expands"] >= 1, last  # the pool brought its workers in
+        assert pool.proc.poll() is None, pool.tail()  # the pool outlived both runs
+    finally:
+        pool.kill_group(signal.SIGTERM)
+        try:
+            pool.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pool.kill_group(signal.SIGKILL)

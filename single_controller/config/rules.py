@@ -528,6 +528,17 @@ def _pool_slot_problem(gen: tuple[int, ...], train: tuple[int, ...], overlap: st
     return None
 
 
+def pool_attach_needs_a_cluster(cfg: Config) -> Problem | None:
+    p = cfg.pool
+    if not (p.enabled and p.attach) or (cfg.backend.generation != "sim" and cfg.ray.address is not None):
+        return None
+    return Problem(
+        ("pool.attach", "ray.address", "backend.generation"),
+        "pool.attach=true joins the pool `sc-grpo pool serve` serves on a Ray cluster: it needs ray.address "
+        "(that cluster) and a Ray backend (not sim)",
+    )
+
+
 def pool_needs_elastic_workers(cfg: Config) -> Problem | None:
     if not cfg.pool.enabled or cfg.backend.generation in ELASTIC_ENGINES:
         return None
@@ -576,6 +587,7 @@ RULES: tuple[Rule, ...] = (
     data_prompts_set_their_new_tokens,
     pool_slots_are_consistent,
     pool_needs_elastic_workers,
+    pool_attach_needs_a_cluster,
 )
 
 

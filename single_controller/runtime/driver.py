@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config, prompts_from_data
 from single_controller.errors import error_text
 from single_controller.runtime.console import ConsoleReporter, say
@@ -66,6 +67,16 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     from single_controller.config.loader import check_environment
 
     check_environment(cfg)
+    if cfg.pool.enabled and not cfg.pool.attach:
+        raise ConfigError(
+            [
+                Problem(
+                    ("pool.enabled", "pool.attach"),
+                    "pool.enabled=true: a run joins a pool that `sc-grpo pool run POOL.yaml` starts with it, or one "
+                    "`sc-grpo pool serve` serves on the cluster (then pool.attach=true and ray.address)",
+                )
+            ]
+        )
     # Libraries' progress bars (Hugging Face's "Writing model shards", "Loading weights") are not
     # sc-grpo's lines: off here and in the Ray processes started from here (read at their import).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
