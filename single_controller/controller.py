@@ -28,8 +28,9 @@ import asyncio
 import collections
 import gc
 import statistics as pystats
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pumps.advantage import advantage_pump
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
@@ -186,7 +187,7 @@ class Controller:
             self._restore(resume)
         # Beside the pumps, in their TaskGroup (a failure ends the run as a pump's does): name -> a coroutine
         # function of the run state, returning once training is done (a pool member's: `pool/link.py`).
-        self.companions: dict[str, Callable[[RunState], Awaitable[None]]] = {}
+        self.companions: dict[str, Callable[[RunState], Coroutine[Any, Any, None]]] = {}
         self.eval_prompts = tuple(eval_prompts)
         self.on_eval = on_eval
         self.eval_history: list[dict] = []

@@ -260,7 +260,7 @@ async def _pool_ray_main(spec: PoolSpec, session: Any) -> tuple[dict, dict]:
         one_process=first.storage.tq_one_process,
     )
     actor_cls = ray.remote(num_cpus=0, num_gpus=0)(PoolActor)
-    pool = actor_cls.options(name=spec.name, namespace=NAMESPACE, max_concurrency=8 * len(spec.runs) + 16).remote(
+    pool: Any = actor_cls.options(name=spec.name, namespace=NAMESPACE, max_concurrency=8 * len(spec.runs) + 16).remote(
         spec.slots, spec.policy
     )
     actors: list[Any] = []
@@ -341,7 +341,7 @@ def main_serve(argv: Sequence[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
-    pool = (
+    pool: Any = (
         ray.remote(num_cpus=0)(PoolActor)
         .options(name=args.name, namespace=NAMESPACE, max_concurrency=256)
         .remote(args.slots, args.policy)
