@@ -226,8 +226,9 @@ async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_ide
         await h.api.register(RunSlots("A", EVERY, (0, 1)), a)
         await h.api.report_demand("A", 4)
         await h.settled()
-        await h.api.acquire_train("A", 0)  # its own workers on slots 0-1 are shrunk too
-        assert h.on() == [None, None, "A", "A"] and sorted(a.calls)[-2:] == [("shrink", 0, True), ("shrink", 1, True)]
+        # its own workers on slots 0-1 are shrunk too, drained (preempt False): their groups are its next step's
+        await h.api.acquire_train("A", 0)
+        assert h.on() == [None, None, "A", "A"] and sorted(a.calls)[-2:] == [("shrink", 0, False), ("shrink", 1, False)]
         grants, marks = pool.statistics().train_grants, len(pool.timeline)
         again = pool.acquire_train("A", 1)
         with pytest.raises(StopIteration):  # it returned without once yielding to the loop
