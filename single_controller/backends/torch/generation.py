@@ -393,8 +393,7 @@ class GenerationActor:
             sampling_seed=sampling_seed,
         )
         self._pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
-        # the priority lane
-        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()
+        self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # first
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
         # Created by _start() on first use: the event loop is running by then.
