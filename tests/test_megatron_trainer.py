@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -257,6 +258,25 @@ def test_conversion_tp2_round_trip_and_logits(pair, hf_dirs, arch):
     for got in ray.get([r.logits.remote(ids) for r in pair]):
         assert got.shape == want.shape  # the vocabulary padding (19 -> 20) is cut off
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def test_a_rebuild_destroys_the_process_groups_of_the_layout_it_replaces(single, hf_dir):
+    """megatron-core's destroy_model_parallel forgets most of its groups without destroying them: each
+    leaked build left its gloo threads polling, and the bfloat16 tests at the end of this module ran
+    10x slower on the busy cores."""
+    import torch.distributed as dist
+
+    def groups_and_threads() -> tuple[int, int]:
+        return len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+    single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    first = groups_and_threads()
+    for _ in range(3):
+        single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    groups, threads = groups_and_threads()
+    assert groups == first[0], f"process groups: {first[0]} after one build, {groups} after four"
+    print(f"process groups {first[0]} -> {groups}, threads {first[1]} -> {threads}")
+    assert threads <= first[1] + 10, f"threads: {first[1]} after one build, {threads} after four"
 
 
 def _transpose_c_proj(hf_dir, out):

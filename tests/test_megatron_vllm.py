@@ -1,7 +1,9 @@
 """Weight sync from the Megatron trainer into the vLLM generation worker (issue 11, acceptance 4):
 after Megatron training steps, vLLM (its CPU build) samples with logprobs equal to the Megatron
 trainer's recomputation within 1e-4, on a tiny GPT-2, Qwen2 and Qwen3 (head_dim 32, which vLLM's CPU
-attention runs; the Qwens' q/k/v biases and per-head q/k norms travel by their HF names too).
+attention runs; the Qwens' q/k/v biases and per-head q/k norms travel by their HF names too); then the
+trained policy saved as a model directory of the same architecture (test_hf_model's whole runs rely on
+this for the archs they do not run).
 
 Both run in this process, without Ray: the Megatron rank as a 1-rank gloo world under the CPU
 emulation (TP = DP = 1: the multi-rank gather is covered by test_megatron_trainer's weight sync), the
@@ -50,7 +52,7 @@ LOGPROB_TOL = 1e-4
 ROUNDS = 3
 
 
-@pytest.mark.parametrize("arch, tied", [("gpt2", True), ("qwen2", False), ("qwen3", True)])
+@pytest.mark.parametrize("arch, tied", [("gpt2", True), ("qwen2", False), ("qwen2", True), ("qwen3", True)])
 def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path, arch, tied):
     """Tied archs: Megatron's shared embedding/output weight goes out as the embedding alone, and the
     engine's tied head (its own processed copy on the CPU backend) follows it."""
@@ -123,8 +125,25 @@ def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path,
             snap = pack_weights(rank.core.hf_state_dict(), v + 1, bucket_bytes=16 << 10)
             assert len(snap.buckets) > 1  # streamed into the engine bucket by bucket
             assert run(actor.update_weights(WeightsHandle(v + 1, snap))) == v + 1
+        _check_saved_checkpoint(rank, tmp_path / "checkpoint", arch)
     finally:
         if actor is not None:
             run(actor.close())
         loop.close()
         rank.close()
+
+
+def _check_saved_checkpoint(rank, directory: Path, arch: str) -> None:
+    """The trained policy saved as a model directory (what a run leaves in run_dir/checkpoint): the
+    same architecture, the source's tokenizer with its chat template, and the trained weights."""
+    import transformers
+
+    from single_controller.data.tokenizer import load_tokenizer
+
+    out = Path(rank.save_checkpoint(str(directory)))
+    assert hf_model.read_config(out)["model_type"] == arch
+    assert load_tokenizer(str(out)).has_chat_template and (out / "tokenizer.json").is_file()
+    trained = rank.core.hf_state_dict()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    for name, tensor in trained.items():
+        assert torch.equal(saved[name], tensor), name
