@@ -69,8 +69,8 @@ class PoolActor:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # its controller died: its workers (owned by it) died with it
-            log.error("run %s left the pool: its controller is gone (%s)", name, type(e).__name__)
-            self.scheduler.counters.dropped_runs.append(name)
+            self.scheduler.drop(name, f"its controller is gone ({type(e).__name__})")
+            return
         self.scheduler.unregister(name)
 
     async def unregister(self, name: str) -> None:

@@ -156,6 +156,15 @@ class PoolScheduler:
                 req.granted.set_exception(PoolError(f"run {name} left the pool"))
         self._changed()
 
+    def drop(self, name: str, why: str) -> None:
+        """Take a run that is gone (its controller died, or a call into it failed) out of the pool:
+        recorded once in `dropped_runs`, its slots freed for the others."""
+        if name not in self.runs:
+            return  # gone already (left, or dropped by another path)
+        log.error("run %s dropped from the pool: %s", name, why)
+        self.counters.dropped_runs.append(name)
+        self.unregister(name)
+
     def report_demand(self, name: str, groups: int) -> None:
         """The groups the run could generate now (in flight, and admissible under its staleness bound)."""
         self._known(name)
@@ -262,9 +271,7 @@ class PoolScheduler:
                 f"run {m.run}: shrink of slot {m.slot}",
             )
         except Exception as e:  # its driver is gone or broken: the others get its slots
-            log.error("run %s dropped from the pool: its shrink of slot %d failed: %s", m.run, m.slot, e)
-            self.counters.dropped_runs.append(m.run)
-            self.unregister(m.run)
+            self.drop(m.run, f"its shrink of slot {m.slot} failed: {e}")
             return
         self.resident[m.slot] = None
         self.counters.shrinks += 1
