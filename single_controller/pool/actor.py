@@ -89,16 +89,7 @@ class PoolActor:
         self.scheduler.release_train(name, step)
 
     async def summary(self) -> dict:
-        from dataclasses import asdict
-
-        s = self.scheduler
-        return {
-            "slots": s.slots,
-            "policy": s.policy,
-            "statistics": asdict(s.statistics()),
-            "dropped_runs": list(s.counters.dropped_runs),
-            "timeline": [list(e) for e in s.timeline],
-        }
+        return self.scheduler.summary()
 
     async def close(self) -> None:
         self.scheduler.close()

@@ -205,17 +205,7 @@ async def _pool_local(spec: PoolSpec) -> tuple[dict, dict]:
         finally:
             scheduler.close()
     await serving
-    return codes, _summary(spec, codes, dirs, _scheduler_summary(scheduler))
-
-
-def _scheduler_summary(scheduler) -> dict:
-    from dataclasses import asdict
-
-    return {
-        "statistics": asdict(scheduler.statistics()),
-        "dropped_runs": list(scheduler.counters.dropped_runs),
-        "timeline": [list(e) for e in scheduler.timeline],
-    }
+    return codes, _summary(spec, codes, dirs, scheduler.summary())
 
 
 def _summary(spec: PoolSpec, codes: dict, dirs: dict, pool: dict) -> dict:
@@ -288,7 +278,6 @@ async def _pool_ray_main(spec: PoolSpec, session: Any) -> tuple[dict, dict]:
             await asyncio.wait_for(pool.close.remote(), 10)
         ray.kill(pool)
         await asyncio.to_thread(stop_tq)
-    pool_summary = {k: v for k, v in pool_summary.items() if k not in ("slots", "policy")}
     return codes, _summary(spec, codes, dirs, pool_summary)
 
 

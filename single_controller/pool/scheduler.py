@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from single_controller.deadlines import within
@@ -317,6 +317,14 @@ class PoolScheduler:
 
     def _mark(self, slot: int, state: str, run: str | None) -> None:
         self.timeline.append((self.clock() - self.t0, slot, state, run))
+
+    def summary(self) -> dict:
+        """What `pool_summary.json` holds of the pool: its statistics, the runs dropped, the slot timeline."""
+        return {
+            "statistics": asdict(self.statistics()),
+            "dropped_runs": list(self.counters.dropped_runs),
+            "timeline": [list(e) for e in self.timeline],
+        }
 
     def statistics(self) -> PoolStatistics:
         c = self.counters
