@@ -553,10 +553,21 @@ class PromptLedger:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], history: str | os.PathLike | None = None) -> PromptLedger:
+    def from_dict(
+        cls,
+        data: dict[str, Any],
+        history: str | os.PathLike | None = None,
+        *,
+        prompts: Mapping[str, Prompt] | None = None,
+    ) -> PromptLedger:
         """From `to_dict` or `checkpoint_dict`. A checkpoint with a history file (`history_bytes`)
         needs that file: it is cut back to the checkpoint's length (what was settled after the
-        checkpoint is forgotten, as the checkpoint's cut requires)."""
+        checkpoint is forgotten, as the checkpoint's cut requires).
+
+        A record keeps a prompt's id, token ids and answer, not its raw prompt and dataset columns:
+        `prompts` gives the whole prompt of each unsettled record (`unsettled_prompt_ids`), resolved
+        from the prompt source by id, so that a resumed prompt is the same prompt (a column-reading
+        reward, an environment's item). Without it the records hold bare prompts (tests, reports)."""
         settled_ids: list[str] = []  # of the records in the history file, settled before the checkpoint
         if "history_bytes" in data:
             if history is None:
@@ -574,7 +585,8 @@ class PromptLedger:
         led = cls(history, append=True)
         led._ids.update(settled_ids)
         for d in sorted(data["prompts"], key=lambda d: d["order"]):
-            rec = PromptRecord(Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
+            whole = prompts.get(d["prompt_id"]) if prompts is not None and d["fate"] is None else None
+            rec = PromptRecord(whole or Prompt(d["prompt_id"], tuple(d["token_ids"]), d["answer"]), d["order"])
             rec.attempts = list(d["attempts"])
             rec.uncharged = d.get("uncharged", 0)
             led._prompts[rec.prompt.prompt_id] = led._unsettled[rec.prompt.prompt_id] = rec
@@ -602,6 +614,12 @@ class PromptLedger:
         return PromptLedgerStatistics(
             taken, taken - len(self._unsettled), self._trained, dict(self._dropped), dict(self._evicted), self._retries
         )
+
+
+def unsettled_prompt_ids(data: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The prompts a saved ledger (`checkpoint_dict`) holds without a fate, by id: their token ids and
+    answer, to resolve each from the prompt source before a resume (`PromptLedger.from_dict`)."""
+    return {d["prompt_id"]: (tuple(d["token_ids"]), d["answer"]) for d in data["prompts"] if d["fate"] is None}
 
 
 def _t_ready(rec: GroupRecord) -> float:

@@ -28,7 +28,7 @@ import asyncio
 import collections
 import gc
 import statistics as pystats
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +148,7 @@ class Controller:
         eval_prompts: Sequence[Prompt] = (),
         on_eval: Callable[[dict], None] | None = None,
         prompt_history: str | None = None,
+        resumed_prompts: Mapping[str, Prompt] | None = None,  # the unsettled prompts whole (`PromptStream.resolve`)
         wall_offset_s: float = 0.0,  # the run's `time/wall_s` as it starts (a resume goes on from it)
     ):
         check_capacity(cfg)
@@ -157,7 +158,11 @@ class Controller:
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
         # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
-        prompts = PromptLedger.from_dict(resume["prompts"], prompt_history) if resume else PromptLedger(prompt_history)
+        prompts = (
+            PromptLedger.from_dict(resume["prompts"], prompt_history, prompts=resumed_prompts)
+            if resume
+            else PromptLedger(prompt_history)
+        )
         self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_ids = stop_token_ids
         self.on_step = on_step

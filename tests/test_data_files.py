@@ -192,3 +192,37 @@ def test_bad_reasoning_gym_settings_are_one_clear_error_before_anything_starts(o
     base = ["data.reasoning_gym.task=spell_backward", "rollout.max_new_tokens=5", "data.reasoning_gym.size=4"]
     msg = problem(*base, override)
     assert message in msg, msg
+
+
+def test_a_resumed_prompt_comes_back_whole_from_the_source_and_a_changed_source_refuses_the_resume(tmp_path):
+    """A checkpoint keeps a prompt's id, token ids and answer; its raw prompt and columns come back
+    from the prompt source by id (`PromptStream.resolve`), so a column-reading reward sees the same
+    prompt after a resume. A source that lost or changed one of them refuses the resume, naming it."""
+    from replay.ledger import PromptLedger, unsettled_prompt_ids
+    from single_controller.checkpoint import CheckpointError
+    from single_controller.runtime.actor_host import PromptStream
+
+    rows = [{"id": f"r{i}", "prompt": str(i), "answer": str(i)[::-1], "n": i} for i in range(7)]
+    over = ["data.id_key=id", "data.chat_template=false", "rollout.max_new_tokens=2"]
+    cfg = load_config(None, [f"data.train_files=[{write_jsonl(tmp_path / 'd.jsonl', rows)}]", *over])
+    stream = PromptStream(cfg)
+    ledger = PromptLedger(tmp_path / "history.jsonl")
+    taken = [ledger.take(next(stream)).prompt for _ in range(9)]  # into the second epoch
+    ledger.settle_trained([p.prompt_id for p in taken[:4]], 0)
+    saved = json.loads(json.dumps(ledger.checkpoint_dict()))  # as a checkpoint writes and reads it
+    unsettled = unsettled_prompt_ids(saved)
+    assert list(unsettled) == [p.prompt_id for p in taken[4:]]
+
+    resumed = PromptLedger.from_dict(saved, tmp_path / "history.jsonl", prompts=PromptStream(cfg).resolve(unsettled))
+    back = [rec.prompt for rec in resumed.records()]
+    assert back == taken[4:]  # Prompt equality leaves out the columns: compare them too
+    assert [(p.raw_prompt, p.columns) for p in back] == [(p.raw_prompt, p.columns) for p in taken[4:]]
+    assert all(p.columns == {"n": int(p.raw_prompt)} for p in back)
+
+    lost = [r for r in rows if r["id"] != taken[5].prompt_id.partition("-")[2]]
+    changed = [{**r, "answer": "x"} if r["id"] == taken[6].prompt_id.partition("-")[2] else r for r in lost]
+    cfg2 = load_config(None, [f"data.train_files=[{write_jsonl(tmp_path / 'd2.jsonl', changed)}]", *over])
+    with pytest.raises(CheckpointError) as e:
+        PromptStream(cfg2).resolve(unsettled)
+    assert f"not in the prompt source (1: {taken[5].prompt_id})" in str(e.value)
+    assert f"changed in it (1: {taken[6].prompt_id})" in str(e.value)

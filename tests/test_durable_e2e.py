@@ -113,13 +113,13 @@ def _kill_whole_run(proc: subprocess.Popen) -> None:
     raise AssertionError(f"processes of the killed run survive: {[p.pid for p in _session_procs(sid)]}")
 
 
-def _check_exactly_once(run_dir: Path, steps: int) -> dict[str, dict]:
+def _check_exactly_once(run_dir: Path, steps: int, per_step: int = P) -> dict[str, dict]:
     ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
     by_id = {p["prompt_id"]: p for p in ledger}
     assert len(by_id) == len(ledger), "a prompt appears twice in the ledger"
     assert all(p["fate"] in ("trained", "dropped", "evicted") for p in ledger), "a prompt has no fate (lost)"
-    per_step = Counter(p["step"] for p in ledger if p["fate"] == "trained")
-    assert per_step == {s: P for s in range(steps)}, per_step  # every step trained exactly P prompts once
+    trained = Counter(p["step"] for p in ledger if p["fate"] == "trained")
+    assert trained == {s: per_step for s in range(steps)}, trained  # every step trained exactly per_step prompts once
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps)), "metrics steps are not 0..N-1 once each"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -362,14 +362,14 @@ def test_kill_9_of_a_trainer_rank_with_auto_resume_heals_the_run_in_place(tmp_pa
     print(f"kill -9 of the trainer rank to training again: {t_again - t_kill:.1f} s")
 
 
-def _interrupted_cleanly(run_dir: Path) -> dict:
-    """After an interrupt: each step done trained P prompts once, no prompt is in the ledger twice,
-    none was settled `run_ended` (what was not trained is left for the resume), no key is left."""
+def _interrupted_cleanly(run_dir: Path, per_step: int = P) -> dict:
+    """After an interrupt: each step done trained `per_step` prompts once, no prompt is in the ledger
+    twice, none was settled `run_ended` (what was not trained is left for the resume), no key is left."""
     summary = json.loads((run_dir / "summary.json").read_text())
     ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
     assert len({p["prompt_id"] for p in ledger}) == len(ledger), "a prompt appears twice in the ledger"
-    per_step = Counter(p["step"] for p in ledger if p["fate"] == "trained")
-    assert per_step == {s: P for s in range(summary["steps"])}, per_step
+    trained = Counter(p["step"] for p in ledger if p["fate"] == "trained")
+    assert trained == {s: per_step for s in range(summary["steps"])}, trained
     assert not [p for p in ledger if p["reason"] == "run_ended"], "an interrupt settled prompts run_ended"
     assert summary["storage_keys_left"] == 0, summary.get("storage_keys_left_sample")
     return summary
@@ -403,6 +403,49 @@ def test_sigterm_at_random_moments_then_resume_loses_and_repeats_nothing(tmp_pat
     assert summary["stop_reason"].startswith("success rate"), summary["stop_reason"]
     _check_exactly_once(run_dir, summary["steps"])
     print(json.dumps({"interrupts": report, "steps": summary["steps"]}))
+
+
+def test_a_column_reading_reward_sees_the_same_prompts_across_sigterms_and_resumes(tmp_path):
+    """A resumed prompt is the same prompt: reasoning-gym's built-in reward reads each prompt's `entry`
+    column. SIGTERM at 3 random moments, `--resume` each time, then to the end: the prompts unsettled
+    at each cut come back whole (not as bare token ids), so no group is dropped `reward_failed`, and
+    the ledger is exactly-once."""
+    pytest.importorskip("reasoning_gym", reason="the verifiers extra")
+    rng = random.Random(int(os.environ.get("SC_GRPO_CRASH_SEED", "0")))
+    per_step, last = 8, 24  # the example's groups per step; steps of the whole run
+    first = [
+        sys.executable,
+        *("-m", "single_controller", "run", str(ROOT / "examples/reasoning_gym/config.yaml")),
+        *(f"model.path={tmp_path / 'model'}", f"run.output_dir={tmp_path}", "run.progress_bar=false"),
+        *("metrics.port=0", "run.plot=false", "checkpoint.every_steps=1000", f"run.max_steps={last}"),
+    ]
+    run_dir, steps, resumed = None, 0, []
+    for _ in range(3):
+        cmd = first if run_dir is None else [*first[:4], "--resume", str(run_dir), f"run.max_steps={last}"]
+        proc = _start(cmd, ROOT)  # the example's shaping reward imports from the repository root
+        try:
+            _wait_for_step(proc, min(steps + rng.randint(1, 3), last - 8))
+            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 130, out[-3000:]
+        if run_dir is None:
+            (run_dir,) = list(tmp_path.glob("reasoning_gym-*"))
+        summary = _interrupted_cleanly(run_dir, per_step)
+        steps = summary["checkpoint"]["step"]
+        saved = json.loads((run_dir / "checkpoints" / f"step_{steps:06d}" / "controller.json").read_text())
+        resumed.append(sum(p["fate"] is None for p in saved["prompts"]["prompts"]))  # what the resume re-dispatches
+    _run_to_end([*first[:4], "--resume", str(run_dir), f"run.max_steps={last}"], ROOT)
+    ledger = _check_exactly_once(run_dir, last, per_step)
+    failed = [p for p in ledger.values() if p["reason"] == "reward_failed"]
+    assert failed == [], failed[:3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["rollout/reward_failed"] == 0
+    assert sum(resumed) > 0, "no prompt was unsettled at any cut: the test proved nothing"
+    print(json.dumps({"last_checkpoint_step": steps, "unsettled_at_each_cut": resumed}))
 
 
 def test_a_reward_that_raises_or_gives_nan_for_some_prompts_costs_only_their_groups(tmp_path):

@@ -21,7 +21,7 @@ import random
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +86,38 @@ class PromptStream:
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def resolve(self, saved: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, Prompt]:
+        """The whole prompts of a checkpoint's unsettled records (`replay.ledger.unsettled_prompt_ids`:
+        id -> token ids, answer), found in the pool by id: the raw prompt and dataset columns a
+        checkpoint does not keep come back as they were. A prompt the pool lacks, or holds with other
+        token ids or answer (the dataset, its rendering or the tokenizer changed since), refuses the
+        resume, naming the prompts (`CheckpointError`)."""
+        from single_controller.checkpoint import CheckpointError
+
+        by_id = {p.prompt_id: p for p in self.pool}
+        found: dict[str, Prompt] = {}
+        missing, changed = [], []
+        for pid, (token_ids, answer) in saved.items():
+            p = by_id.get(pid.partition("-")[2])  # `e{epoch}-{id in the pool}`, as `__next__` names it
+            if p is None:
+                missing.append(pid)
+            elif p.token_ids != token_ids or p.answer != answer:
+                changed.append(pid)
+            else:
+                found[pid] = Prompt(pid, p.token_ids, p.answer, p.raw_prompt, p.columns)
+        if missing or changed:
+            parts = [
+                f"{what} ({len(ids)}: {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''})"
+                for what, ids in (("not in the prompt source", missing), ("changed in it", changed))
+                if ids
+            ]
+            raise CheckpointError(
+                f"cannot resume: the checkpoint's unsettled prompts must come back whole (raw prompt and "
+                f"columns) from the prompt source, but some are {' and some '.join(parts)}; resume with the "
+                "dataset (and tokenizer, chat template) the run started with"
+            )
+        return found
 
     def seek(self, taken: int) -> None:
         """Position after `taken` prompts from the start (replays the epoch shuffles, nothing else)."""
@@ -158,6 +190,8 @@ class ControllerHost:
         self.data_prompts_too_long = prompts.too_long
         if prompts.too_long:
             log.warning("dropped %d dataset prompt(s) longer than data.max_prompt_tokens", prompts.too_long)
+        # a checkpoint this run cannot resume from is refused before any worker starts
+        checkpoint = self._read_checkpoint(prompts) if self.resume else None
         if cfg.backend.generation == "sim":  # config validation: then the trainer is sim too
             storage, gens, trainer = self._sim_workers()
         else:
@@ -170,7 +204,7 @@ class ControllerHost:
         from single_controller.state import Workers
 
         stop = load_tokenizer(cfg.model.path).eos_ids if cfg.rollout.stop_at_eos else ()
-        saved = await self._load_checkpoint(trainer, prompts) if self.resume else None
+        saved = await self._load_checkpoint(trainer, prompts, *checkpoint[:2]) if checkpoint else None
         self.controller = Controller(
             cfg,
             prompts,
@@ -180,6 +214,7 @@ class ControllerHost:
             on_step=self._on_step,
             run_dir=self.run_dir,
             resume=saved,
+            resumed_prompts=checkpoint[2] if checkpoint else None,
             dataloader_state=prompts.state,
             eval_prompts=eval_prompts(cfg) if cfg.eval.enabled else (),
             on_eval=self._on_step,
@@ -203,17 +238,23 @@ class ControllerHost:
         log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
-    async def _load_checkpoint(self, trainer, prompts: PromptStream) -> dict:
-        """The newest checkpoint of the run directory into the trainer and the dataloader position;
-        returns the controller state (the resumed `Controller` clears the rows a storage that
-        outlived the crash still holds)."""
+    def _read_checkpoint(self, prompts: PromptStream) -> tuple[Path, dict, dict[str, Prompt]]:
+        """The newest checkpoint of the run directory: its path, its controller state (checked
+        against the config) and its unsettled prompts whole, from the prompt source (`resolve`)."""
+        from replay.ledger import unsettled_prompt_ids
         from single_controller.checkpoint import check_compatible, latest_checkpoint, read_controller_state
 
-        t0 = time.perf_counter()
         assert self.run_dir is not None  # a resume continues a run directory (the driver opened it)
         path = latest_checkpoint(self.run_dir)
         saved = read_controller_state(path)
         check_compatible(saved, self.cfg, path)
+        return path, saved, prompts.resolve(unsettled_prompt_ids(saved["prompts"]))
+
+    async def _load_checkpoint(self, trainer, prompts: PromptStream, path: Path, saved: dict) -> dict:
+        """The checkpoint (`_read_checkpoint`) into the trainer and the dataloader position; returns
+        the controller state (the resumed `Controller` clears the rows a storage that outlived the
+        crash still holds)."""
+        t0 = time.perf_counter()
         step = await within(
             trainer.load_state(str(path / "trainer")), _load_deadline(self.cfg, path), f"trainer.load_state({path})"
         )
