@@ -6,7 +6,17 @@ done callback commits the group on the spot; an attempt that produced no group (
 deadline, an abort) is settled by a child task of the pump's TaskGroup, which awaits the worker's
 `withdraw` before it clears the group's keys (so a bug there stops the run). A thousand groups in
 flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
-scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md). An
+scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md).
+
+The deadline measures a request's own work, not the queue in front of it (the worker's backlog, a
+hold for newer weights). When a request's timer fires, the pump asks its worker (one liveness call
+per worker at a time, `timeouts.liveness_s`): a worker that reports what it is working on
+(`protocols.ReportsRunning`) says how long that request's work has run; one that does not counts
+from dispatch. A request whose own work passed `generate_s` fails alone (`generation_timeout`,
+charged to the prompt's retries); one still queued or held gets its timer again. A worker is
+declared hung only on evidence: its liveness call fails or goes unanswered. Then it is taken out of
+routing and restarted, and every request it had goes again uncharged (`worker_hung`). A busy worker
+that answers is never killed. An
 abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
 run's end) marks the group and cancels its future; it is discarded, not as an error, and its prompt
 re-dispatched without charging its retry budget (also with `rollout.on_failure=drop`), but at the
@@ -43,11 +53,13 @@ from dataclasses import dataclass, field
 from replay.ledger import GroupRecord, GroupState
 from single_controller.config.schema import rollout_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.errors import error_text
 from single_controller.protocols import (
     EnvironmentFailed,
     GenerationFailed,
     GenerationWorker,
     GenerationWorkerDied,
+    ReportsRunning,
     Restartable,
     RewardFailed,
 )
@@ -247,7 +259,8 @@ class _Flight:
     sent_at: float
     incarnation: int  # the worker's restarts when it was sent: a later process is not to blame for it
     timer: asyncio.TimerHandle | None = None
-    expired: bool = False  # its deadline cancelled it
+    due: bool = False  # its timer fired: the next liveness call of its worker decides
+    expired: str | None = None  # why its deadline cancelled it: "timeout" (its own work) or "hung" (its worker)
 
 
 @dataclass(eq=False)
@@ -260,6 +273,7 @@ class _Flights:
     bug: BaseException | None = None  # raised in a done callback: the pump raises it
     closed: bool = False
     restarts: set[asyncio.Task] = field(default_factory=set)  # worker restarts under way
+    probes: dict[str, asyncio.Task] = field(default_factory=dict)  # liveness calls under way, by worker
 
     def submit(self, worker: GenerationWorker, rec: GroupRecord, sampling: SamplingParams) -> None:
         state = self.state
@@ -270,7 +284,7 @@ class _Flights:
         )
         incarnation = state.health.restarts_of[worker.name]
         flight = _Flight(worker, rec, request, worker.submit(request), state.clock(), incarnation)
-        flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, _expire, state, flight)
+        flight.timer = asyncio.get_running_loop().call_later(state.cfg.timeouts.generate_s, self._due, flight)
         state.worker_load[worker.name] += 1
         state.dispatched_to[rec.group_id] = worker.name  # what a shrink aborts
         self.pending[rec.group_id] = flight
@@ -300,11 +314,64 @@ class _Flights:
             self.bug = self.bug or e
         state.notify()
 
+    def _due(self, flight: _Flight) -> None:
+        """A request's timer fired: its worker's next liveness call decides (`_probe`)."""
+        flight.timer, flight.due = None, True
+        name = flight.worker.name
+        if name not in self.probes and not self.closed:
+            task = self.children.create_task(self._probe(flight.worker), name=f"liveness of {name}")
+            self.probes[name] = task
+            task.add_done_callback(lambda _t: self.probes.pop(name, None))
+
+    async def _probe(self, worker: GenerationWorker) -> None:
+        """Ask `worker` what it is working on; then expire each due request whose own work passed the
+        deadline and give the others their timer again. No answer: the worker is hung."""
+        state, limit = self.state, self.state.cfg.timeouts.generate_s
+        incarnation = state.health.restarts_of[worker.name]
+        due = [f for f in self.pending.values() if f.worker is worker and f.due]
+        what = (
+            f"generation worker {worker.name}: liveness call ({len(due)} request(s) past their "
+            f"{limit:g}s deadline{f', e.g. {due[0].rec.group_id}' if due else ''})"
+        )
+        reports = isinstance(worker, ReportsRunning)
+        try:
+            call = worker.running() if reports else worker.in_flight()
+            answer = await within(call, state.cfg.timeouts.liveness_s, what)
+        except Exception as e:  # noqa: BLE001 -- any failure of the call is the evidence: the worker is hung
+            if state.health.restarts_of[worker.name] == incarnation and not self.closed:
+                self._hung(worker, incarnation, f"hung: {error_text(e)}")
+            return
+        now = state.clock()
+        running = answer if reports else {}
+        for f in [f for f in self.pending.values() if f.worker is worker and f.due]:
+            f.due = False
+            worked = running.get(f.rec.group_id) if reports else now - f.sent_at  # None: queued or held
+            if worked is not None and worked >= limit:
+                self._expire(f, "timeout")
+            else:
+                f.timer = asyncio.get_running_loop().call_later(limit - (worked or 0.0), self._due, f)
+
+    def _hung(self, worker: GenerationWorker, incarnation: int, why: str) -> None:
+        """Out of routing (the pump restarts it); every request it had goes again, uncharged."""
+        state = self.state
+        state.worker_down(worker, why)
+        for f in [f for f in self.pending.values() if f.worker is worker and f.incarnation == incarnation]:
+            self._expire(f, "hung")
+
+    def _expire(self, flight: _Flight, why: str) -> None:
+        """Cancel a request on its deadline, once (an abort that comes while a task-run worker
+        unwinds must not cut its withdrawal short)."""
+        if flight.timer is not None:
+            flight.timer.cancel()
+        flight.expired = why
+        self.state.in_flight_requests.pop(flight.rec.group_id, None)
+        flight.future.cancel()
+
     async def close(self) -> None:
         """The pump is over: withdraw what is still in flight (a run that failed elsewhere leaves no
         request writing rows behind it); the run's teardown settles those groups."""
         self.closed = True
-        for task in self.restarts:  # a restart takes up to `timeouts.setup_s`: the run's end does not wait
+        for task in [*self.restarts, *self.probes.values()]:  # a restart takes up to `timeouts.setup_s`
             task.cancel()
         left, self.pending = list(self.pending.values()), {}
         self.state.worker_load.clear()
@@ -319,14 +386,6 @@ def _down(state: RunState, flight: _Flight, why: str) -> None:
     """Take the worker out of routing, unless the process that failed `flight` was replaced already."""
     if state.health.restarts_of[flight.worker.name] == flight.incarnation:
         state.worker_down(flight.worker, why)
-
-
-def _expire(state: RunState, flight: _Flight) -> None:
-    """The deadline: cancel the request, once (an abort that comes while a task-run worker unwinds
-    must not cut its withdrawal short)."""
-    flight.expired = True
-    state.in_flight_requests.pop(flight.rec.group_id, None)
-    flight.future.cancel()
 
 
 def _commit(state: RunState, flight: _Flight, result: GenerationResult) -> None:
@@ -345,10 +404,6 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     failed reward drops the group for good, a failed one is charged to the prompt's retries,
     anything else is a bug and stops the run."""
     worker, rec, future = flight.worker, flight.rec, flight.future
-    if future.cancelled() and flight.expired:
-        # A worker that misses a deadline is treated as down (hung, not only slow): out of routing
-        # now, replaced (killed and restarted) by the pump; this prompt goes again uncharged.
-        _down(state, flight, f"missed the {state.cfg.timeouts.generate_s:g}s deadline of generate({rec.group_id})")
     if future.cancelled():
         await _withdraw(state, flight)
     if rec.abort_reason:
@@ -364,7 +419,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
                 "(its future fails with GenerationFailed; only the controller cancels a request)"
             )
         state.pumps[PUMP].errors += 1
-        await _discard(state, rec, "worker_hung", charge=False)
+        if flight.expired == "hung":  # its worker's doing: out of routing and restarted (`_Flights._hung`)
+            await _discard(state, rec, "worker_hung", charge=False)
+        else:  # its own work passed the deadline on a worker that answers: the prompt's retries pay
+            await _discard(state, rec, "generation_timeout")
         return
     error = future.exception()
     if not isinstance(error, GenerationFailed):

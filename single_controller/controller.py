@@ -129,6 +129,13 @@ class RunSummary:
 HISTORY_KEPT = 1000
 
 
+def _prompt_ledger(resume: dict | None, history: str | None, whole: Mapping[str, Prompt] | None) -> PromptLedger:
+    """A new prompt ledger, or a resume's: the saved one (its history file cut back to the checkpoint)."""
+    if resume is None:
+        return PromptLedger(history)
+    return PromptLedger.from_dict(resume["prompts"], history, prompts=whole)
+
+
 class Controller:
     _rolled_back: tuple[str, ...] = ()  # a resumed run: the attempts live at its checkpoint's cut
 
@@ -157,12 +164,7 @@ class Controller:
         kwargs = {"clock": clock} if clock is not None else {}
         first_step = resume["step"] if resume is not None else 0
         self.cfg = cfg
-        # A resume continues the saved ledger (and its history file, cut back to the checkpoint).
-        prompts = (
-            PromptLedger.from_dict(resume["prompts"], prompt_history, prompts=resumed_prompts)
-            if resume
-            else PromptLedger(prompt_history)
-        )
+        prompts = _prompt_ledger(resume, prompt_history, resumed_prompts)
         self.state = RunState(cfg, dataloader, storage, workers, first_step=first_step, prompts=prompts, **kwargs)
         self.stop_token_ids = stop_token_ids
         self.on_step = on_step

@@ -11,6 +11,7 @@ returns).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 from single_controller.types import (
@@ -112,6 +113,18 @@ class GenerationWorker(Protocol):
 
     async def in_flight(self) -> int:
         """Requests accepted and not yet returned."""
+        ...
+
+
+@runtime_checkable
+class ReportsRunning(Protocol):
+    """Optional capability of a GenerationWorker: which requests it is working on now. The rollout
+    pump's deadline (`timeouts.generate_s`) then measures a request's own work, not the time it
+    queued in the worker or was held for newer weights; without it, the time since dispatch."""
+
+    async def running(self) -> Mapping[str, float]:
+        """Group id -> seconds its work has been under way, for each request being worked on (in a
+        batch being sampled, in the engine, its episodes being played); queued and held ones are absent."""
         ...
 
 

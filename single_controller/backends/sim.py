@@ -249,6 +249,7 @@ class SimGenerationWorker:
         # version the request is served at.
         self._lanes: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
         self._computing = False  # a request's compute is under way (its timer is set)
+        self._started: dict[str, float] = {}  # group id -> when its work started (loop time), while under way
         self._free_at = 0.0  # when the work scheduled so far ends
         self._pending_update: tuple[int, asyncio.Future] | None = None
         self._epoch += 1  # the timer of a request computed before a restart is ignored
@@ -340,6 +341,9 @@ class SimGenerationWorker:
         self._in_flight += 1
         try:
             await self._unless_hung()
+            if self.faults.gate is not None or fault_key in self.faults.gen_stall or fault_key in self.faults.gen_delay:
+                # a scripted wait is the engine at work on the request (a wedged or slow engine)
+                self._started.setdefault(request.group_id, asyncio.get_running_loop().time())
             if self.faults.gate is not None:
                 await self.faults.gate.wait()
             if fault_key in self.faults.gen_stall:
@@ -377,6 +381,7 @@ class SimGenerationWorker:
             return result
         finally:
             self._in_flight -= 1
+            self._started.pop(request.group_id, None)
 
     def _enqueue(self, request: GenerationRequest, served: asyncio.Future, *, plain: bool) -> None:
         """Queue `request` in its lane (`served`: resolved with the version it is served at, or with
@@ -418,6 +423,7 @@ class SimGenerationWorker:
             return
         for lane in self._lanes:
             batch: list[tuple[asyncio.Future, GenerationRequest | None]] = []  # (future, the request if plain)
+            started: list[GenerationRequest] = []
             cost, first_arrived = 0.0, None
             while lane and len(batch) < self.max_batch:
                 request, served, arrived, plain = lane.popleft()
@@ -428,11 +434,15 @@ class SimGenerationWorker:
                 cost += self.group_s * (request.sampling.n / self._rollout_n if request.eval else 1.0)
                 first_arrived = arrived if first_arrived is None else first_arrived
                 batch.append((served, request if plain else None))
+                started.append(request)
             if batch:
                 assert first_arrived is not None  # set with the first request batched
                 # timed against the worker's own schedule: a timer that fires late (they are
                 # millisecond-grained) delays one batch, not every one after it
-                self._free_at = max(self._free_at, first_arrived) + cost
+                start = max(self._free_at, first_arrived)
+                for request in started:
+                    self._started.setdefault(request.group_id, start)
+                self._free_at = start + cost
                 self._computing = True
                 loop.call_at(self._free_at, self._served, loop, batch, version, self._epoch)
                 return
@@ -452,6 +462,7 @@ class SimGenerationWorker:
         for served, plain in batch:
             if plain is not None:  # a plain submission: its future takes the result itself
                 self._in_flight -= 1
+                self._started.pop(plain.group_id, None)
                 if not served.done():
                     try:
                         result = self._result(plain, int(plain.group_id.rsplit("-a", 1)[1]), version)
@@ -530,6 +541,15 @@ class SimGenerationWorker:
 
     async def in_flight(self) -> int:
         return self._in_flight
+
+    async def running(self) -> dict[str, float]:
+        """`protocols.ReportsRunning`: the requests of the batch being computed (one with a scripted
+        gate, stall or delay: from the start of that wait), with how long each has run. A hung worker
+        answers nothing; a dead one fails."""
+        self._check_alive()
+        await self._unless_hung()
+        now = asyncio.get_running_loop().time()
+        return {gid: max(0.0, now - t) for gid, t in self._started.items()}
 
     async def sleep(self, level: int) -> None:
         """Shrunk (`protocols.Sleepable`): level >= 1 drops the weights (the version is kept only to

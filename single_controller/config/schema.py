@@ -256,10 +256,11 @@ class RolloutConfig:
     """Groups dropped as `reward_failed` in a row, none scored between, before the run stops with
     `RewardFunctionFailing` (a reward function that fails on everything would drop every prompt)."""
     max_worker_restarts: Count = 3
-    """Restart attempts for one generation worker that died, or hung (it missed the deadline of a
-    request or a weight update): its prompts are re-dispatched uncharged, it is killed and restarted
-    with the newest weights, a failed attempt is tried again while attempts remain; then it stays
-    out of routing, and with no worker left the run stops with `NoGenerationWorkers`."""
+    """Restart attempts for one generation worker that died, or hung (it did not answer a liveness
+    call, `timeouts.liveness_s`, or missed the deadline of a weight update): its prompts are
+    re-dispatched uncharged, it is killed and restarted with the newest weights, a failed attempt is
+    tried again while attempts remain; then it stays out of routing, and with no worker left the run
+    stops with `NoGenerationWorkers`."""
     shrink: Literal["abort", "drain"] = "abort"
     """What a shrink (`Controller.shrink_generation`: a generation worker taken out of the run for
     a while) does with the groups in flight on the worker, once it is out of routing: `abort` cancels
@@ -388,7 +389,14 @@ class SyncConfig:
 @dataclass(frozen=True)
 class TimeoutConfig:
     generate_s: Positive = 120.0
-    """Deadline of one generation request."""
+    """Deadline of one generation request's own work (sampling, scoring, storing its rows): the time it
+    queues in its worker, or is held there for newer weights, does not count. A request past it fails
+    alone (`generation_timeout`, retried per `rollout.max_retries`); its worker is taken for hung only
+    if it does not answer a liveness call (`liveness_s`)."""
+    liveness_s: Positive = 30.0
+    """Deadline of a liveness call to a generation worker, made when one of its requests reaches its
+    deadline: a worker that does not answer it is hung (killed and restarted, its requests re-dispatched
+    uncharged)."""
     train_call_s: Positive = 120.0
     """Deadline of each split-API call (begin / microbatch / finish / abort)."""
     weight_sync_s: Positive = 120.0

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import ray
@@ -234,6 +234,10 @@ class ActorGenerationClient:
 
     async def in_flight(self) -> int:
         return await self.actor.in_flight.remote()
+
+    async def running(self) -> Mapping[str, float]:
+        """`protocols.ReportsRunning`: the liveness call the rollout pump makes at a request's deadline."""
+        return await self.actor.running.remote()
 
     async def sleep(self, level: int) -> None:
         """Elastic shrink (`protocols.Sleepable`): level 0 is routing only, nothing to send."""

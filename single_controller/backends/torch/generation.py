@@ -396,14 +396,14 @@ class GenerationActor:
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # first
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
+        self._started: dict[str, float] = {}  # group id -> when its work started (`running`), while under way
+        self._running, self._closed = 0, False
         # Created by _start() on first use: the event loop is running by then.
         self._has_pending: asyncio.Event
         self._weights_lock: asyncio.Lock
         self._serving: asyncio.Event  # cleared by pause(): no new batch starts
         self._idle: asyncio.Event  # set while no batch is being sampled
         self._loop_task: asyncio.Task | None = None
-        self._running = 0
-        self._closed = False
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._episodes: EpisodeRunner | None = None  # multi-turn (`env` set)
         self._groups: dict[str, asyncio.Task] = {}  # episode groups under way
@@ -525,6 +525,7 @@ class GenerationActor:
         ):
             await self._weights_changed.wait()  # version-gated, as the batching loop holds requests
         self._core.running_ids.add(gid)
+        self._started[gid] = time.monotonic()
         try:
             episodes = await self._episodes.run_group(request, self._batcher)
             store = asyncio.ensure_future(asyncio.to_thread(self._core.store_episodes, request, episodes))
@@ -538,6 +539,7 @@ class GenerationActor:
             raise
         finally:
             self._core.forget(gid)
+            self._started.pop(gid, None)
         if result is None:
             raise GenerationFailed(f"{self.name}: group {gid} was cancelled")
         return result
@@ -648,6 +650,13 @@ class GenerationActor:
         queued = itertools.chain(self._eval_pending, self._pending)
         return sum(1 for _, f in queued if not f.done()) + self._running + len(self._groups)
 
+    async def running(self) -> dict[str, float]:
+        """`protocols.ReportsRunning` (the rollout pump's liveness call): the groups being sampled or
+        played, with how long each has run; queued and version-held ones are absent. Answered on the
+        actor's loop while a batch samples in its thread."""
+        now = time.monotonic()
+        return {gid: now - t for gid, t in self._started.items()}
+
     async def version(self) -> int | None:
         return self._core.version
 
@@ -724,6 +733,8 @@ class GenerationActor:
         self._running = len(batch)
         self._idle.clear()
         self._core.running_ids = {r.group_id for r, _ in batch}  # on the loop: before any cancel can look
+        t0 = time.monotonic()
+        self._started.update((r.group_id, t0) for r, _ in batch)
         try:
             async with self._weights_lock:
                 results = await asyncio.to_thread(self._generate_in_turn, [r for r, _ in batch])
@@ -744,6 +755,8 @@ class GenerationActor:
                         fut.set_result(res)
         finally:
             self._core.end_batch()
+            for req, _ in batch:
+                self._started.pop(req.group_id, None)
             self._running = 0
             self._idle.set()
             for req, fut in batch:  # only when cancelled by close(): nothing else would answer them

@@ -119,6 +119,7 @@ class _Group:
     written: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None  # episodes (`env`): the task playing them
     turns: set[str] = field(default_factory=set)  # episodes: the engine requests of their turns under way
+    started: float | None = None  # when it entered the engine, or its episodes began (`time.monotonic`)
 
 
 @dataclass
@@ -398,7 +399,7 @@ class VllmGenerationActor:
         """Under the engine lock."""
         from vllm.inputs import TokensPrompt
 
-        g.state = "running"
+        g.state, g.started = "running", time.monotonic()
         prompt = TokensPrompt(prompt_token_ids=list(g.request.prompt.token_ids))
         self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
 
@@ -625,7 +626,7 @@ class VllmGenerationActor:
         try:
             while self._needs_newer(req):  # `protocols.VersionGated`
                 await self._weights_loaded.wait()
-            g.state = "running"
+            g.state, g.started = "running", time.monotonic()
             episodes = await self._episodes.run_group(req, _GroupEngine(self, g, self.max_model_len))
             result = episode_result(req, episodes, self.tokenizer)
             if g.cancelled:
@@ -788,6 +789,17 @@ class VllmGenerationActor:
 
     async def in_flight(self) -> int:
         return sum(1 for g in self._groups.values() if not g.future.done())
+
+    async def running(self) -> dict[str, float]:
+        """`protocols.ReportsRunning` (the rollout pump's liveness call): the groups in the engine (or
+        playing their episodes, or writing their rows), with how long each has been there; held ones are
+        absent. The engine's own waiting queue (past `max_num_seqs`) counts as work."""
+        now = time.monotonic()
+        return {
+            gid: now - g.started
+            for gid, g in self._groups.items()
+            if g.started is not None and g.state != "held" and not g.future.done()
+        }
 
     async def pid(self) -> int:
         """The process the engine runs in (in-process engine: the actor's own)."""
