@@ -503,6 +503,10 @@ class Controller:
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/success_rate": success,
             "rollout/groups": len(report.groups),
+            # dispatch to commit of the step's slowest group: its queue in the worker and its own work
+            "rollout/group_latency_max_s": max(
+                ((g.t_committed or g.t_reserved) - g.t_reserved for g in report.groups), default=0.0
+            ),
             "train/staleness_mean": sum(stale) / max(1, len(stale)),
             "train/staleness_max": max(stale, default=0),
             "train/chunks": report.chunks,

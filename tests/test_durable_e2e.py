@@ -283,12 +283,30 @@ def test_sigstop_of_a_generation_worker_mid_run_replaces_it_and_costs_no_prompt(
     """A hung worker (SIGSTOP: alive, answering nothing) misses its deadlines: it is taken out of
     routing, killed and restarted, its prompts go again uncharged, and the run finishes."""
     t0 = time.monotonic()
-    deadlines = ("timeouts.generate_s=5", "timeouts.weight_sync_s=5")
+    deadlines = ("timeouts.generate_s=5", "timeouts.weight_sync_s=5", "timeouts.liveness_s=5")
     records = _signal_a_generation_worker_mid_run(tmp_path, signal.SIGSTOP, 200, *deadlines)
     assert records[-1]["rollout/worker_deaths"] == 1 and records[-1]["rollout/worker_restarts"] == 1
     assert min(r["rollout/workers_routable"] for r in records) == 1
     assert records[-1]["rollout/workers_routable"] == 2  # replaced: both serve again at the end
     print(f"the whole run, SIGSTOP at step 5: {time.monotonic() - t0:.1f} s")
+
+
+def test_a_generation_queue_three_times_the_deadline_kills_no_worker_and_the_run_finishes(tmp_path):
+    """The deadline measures a request's own work: one torch worker sampling one group per batch with
+    64 groups in flight (32 per step, lookahead 1) queues a group for seconds against
+    generate_s=0.25. No worker is taken for hung or killed, no request times out, the run finishes."""
+    limit = 0.25
+    busy = ("rollout.max_in_flight_groups=64", "rollout.max_batch_groups=1", "train.groups_per_step=32")
+    _run_to_end(_cmd(tmp_path, "run.max_steps=6", *busy, f"timeouts.generate_s={limit}"), tmp_path)
+    (run_dir,) = list(tmp_path.glob("embedded-*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))
+    queued = max(r["rollout/group_latency_max_s"] for r in records)
+    assert queued > 3 * limit, queued  # a group did wait in the worker past 3x its deadline
+    assert records[-1]["rollout/worker_deaths"] == 0 and records[-1]["rollout/worker_restarts"] == 0
+    ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
+    assert [p for p in ledger if p["reason"] not in (None, "run_ended")] == []  # nothing timed out or hung
+    print(f"slowest group from dispatch to commit: {queued:.2f} s against generate_s={limit}")
 
 
 def _actor_pids(session: int, cls: str) -> list[int]:
