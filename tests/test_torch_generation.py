@@ -282,6 +282,7 @@ async def test_actor_holds_a_request_until_it_has_the_weights_of_its_min_version
     for _ in range(20):
         await asyncio.sleep(0)
     assert not early.done() and await actor.in_flight() == 1  # held, not refused for lack of weights
+    assert await actor.running() == {}  # held is not work: the rollout pump's deadline does not run for it
     assert await actor.update_weights(handle(0, seed=0)) == 0
     r0 = await asyncio.wait_for(early, 10)
     assert (r0.version_start, r0.version_end) == (0, 0)
@@ -294,6 +295,7 @@ async def test_actor_holds_a_request_until_it_has_the_weights_of_its_min_version
     for _ in range(20):
         await asyncio.sleep(0)
     assert not held.done() and not behind.done() and storage.statistics().puts == 2
+    assert await actor.running() == {}
     dropped.cancel()
     assert await actor.update_weights(handle(1, seed=1)) == 1
     r1, r2 = await asyncio.wait_for(asyncio.gather(held, behind), 10)
@@ -375,3 +377,25 @@ def test_seeded_draws_follow_the_policy_distribution_and_respect_top_p():
     assert torch.allclose(freq, probs.double(), atol=0.02), freq
     kept = torch.bincount(_draw(logp, 0.8, None, u), minlength=4)  # the nucleus of mass 0.8: tokens 0 and 1
     assert kept[2:].sum() == 0 and kept[0] > kept[1] > 0
+
+
+async def test_actor_reports_the_groups_of_the_batch_being_sampled_with_how_long_they_have_run():
+    """`protocols.ReportsRunning`: answered on the actor's loop while a batch samples in its thread;
+    what is queued behind the batch is absent (the rollout pump's deadline measures only the work)."""
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage, max_batch_groups=1)
+    assert await actor.update_weights(handle(0, seed=0)) == 0
+    gate = threading.Event()
+    sample = actor._generate_in_turn
+    actor._generate_in_turn = lambda reqs: (gate.wait(10), sample(reqs))[1]  # the batch's thread waits
+    first = asyncio.create_task(actor.generate(request(0)))
+    queued = asyncio.create_task(actor.generate(request(1)))
+    while not await actor.running():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    running = await actor.running()
+    assert list(running) == [request(0).group_id] and 0.05 <= running[request(0).group_id] < 10
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, queued), 10)
+    assert await actor.running() == {}
+    await actor.close()
