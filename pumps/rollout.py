@@ -22,7 +22,9 @@ function failed (`RewardFailed`: the worker answers it alone, its batch-mates as
 with reason `reward_failed` and counted (`RunState.reward_failed`), its prompt settled, not retried:
 a deterministic reward error would fail again. A group whose environment failed (`EnvironmentFailed`:
 the worker already retried its episodes `env.max_attempts` times) is dropped alike, with reason
-`env_failed` (`RunState.env_failed`): never stored as a zero reward. Any other error is a bug and ends the run with its
+`env_failed` (`RunState.env_failed`): never stored as a zero reward. A multi-turn group whose prompt
+and first observation left an episode no room for one policy token (`ContextFull`) is dropped alike,
+with reason `context_full` (`RunState.context_full`). Any other error is a bug and ends the run with its
 cause. The deficit accounting of the ledger refills the step the
 dropped group was meant for.
 
@@ -44,6 +46,7 @@ from replay.ledger import GroupRecord, GroupState
 from single_controller.config.schema import rollout_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import (
+    ContextFull,
     EnvironmentFailed,
     GenerationFailed,
     GenerationWorker,
@@ -376,6 +379,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     if isinstance(error, EnvironmentFailed):  # retried in the worker already (`env.max_attempts`)
         await _discard(state, rec, "env_failed", retry=False)
         state.env_failed(rec.group_id, str(error))
+        return
+    if isinstance(error, ContextFull):  # the same prompt would fill the context again: not retried
+        await _discard(state, rec, "context_full", retry=False)
+        state.context_full(rec.group_id, str(error))
         return
     state.pumps[PUMP].errors += 1
     died = isinstance(error, GenerationWorkerDied)

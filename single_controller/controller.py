@@ -105,6 +105,7 @@ class ControllerStatistics:
     worker_restarts: int = 0
     reward_failed: int = 0  # groups dropped because their reward function failed
     env_failed: int = 0  # groups dropped because their environment failed (multi-turn)
+    context_full: int = 0  # groups dropped because an episode had no room for a policy token (multi-turn)
     env_totals: dict[str, float] = field(default_factory=dict)  # sums of the trained episodes' `episode_stats`
     late_finishes: int = 0
     storage_retries: int = 0
@@ -291,6 +292,7 @@ class Controller:
                 "step_retries": st.counters.step_retries,
                 "reward_failed": st.counters.reward_failed,
                 "env_failed": st.counters.env_failed,
+                "context_full": st.counters.context_full,
                 "env_totals": dict(self._env_totals),
             },
             "config": config_fingerprint(self.cfg),
@@ -310,6 +312,7 @@ class Controller:
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         st.counters.reward_failed = c.get("reward_failed", 0)  # absent from checkpoints older than it
         st.counters.env_failed = c.get("env_failed", 0)
+        st.counters.context_full = c.get("context_full", 0)
         self._env_totals = dict(c.get("env_totals", {}))
         self._tokens_trained = c["tokens_trained"]
 
@@ -553,7 +556,8 @@ class Controller:
 
     def _episode_records(self, report: StepReport) -> dict[str, float]:
         """Multi-turn (`env`): the step's episodes, per episode (turns, tool calls, tokens), per
-        environment step (latency), and the run's `env_failed` groups; nothing for single-turn runs."""
+        environment step (latency), and the run's `env_failed` and `context_full` groups; nothing for
+        single-turn runs."""
         sums: dict[str, float] = {}
         for g in report.groups:
             for k, v in g.episode_stats.items():
@@ -572,6 +576,7 @@ class Controller:
             "env/truncated_rate": sums.get("truncated", 0.0) / n,
             "env/retries": sums.get("retries", 0.0),
             "env/failed_groups": float(self.state.counters.env_failed),
+            "env/context_full_groups": float(self.state.counters.context_full),
         }
 
     def _record_eval(self, point: EvalPoint) -> None:
@@ -655,6 +660,7 @@ class Controller:
             worker_restarts=st.counters.worker_restarts,
             reward_failed=st.counters.reward_failed,
             env_failed=st.counters.env_failed,
+            context_full=st.counters.context_full,
             env_totals=dict(self._env_totals),
             late_finishes=st.counters.late_finishes,
             storage_retries=st.counters.storage_retries,

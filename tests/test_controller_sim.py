@@ -451,6 +451,45 @@ async def test_an_environment_failure_drops_its_group_as_env_failed_and_a_dead_o
     await assert_clean_end(ctl, trainer, storage)
 
 
+async def test_a_group_whose_context_is_full_is_dropped_as_context_full_counted_and_not_retried():
+    """`ContextFull` (multi-turn: no room for one policy token) costs its group alone: dropped with
+    its own reason, counted in the run's state, statistics and metrics, its prompt not retried, no
+    batch-mate touched; as many in a row as `env.max_failures_in_a_row` stop the run."""
+    from single_controller.protocols import ContextFull
+    from single_controller.runtime.metrics import families
+
+    def full(prompt_id, attempt, G):
+        if prompt_id in ("p000002", "p000005"):
+            raise ContextFull(f"group of {prompt_id}: no room for one policy token")
+        return sim_rewards(prompt_id, attempt, G)
+
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, P=4, L=1), Faults(rewards=full))
+    assert err is None and summary.steps == 4
+    for pid in ("p000002", "p000005"):
+        rec = ctl.state.prompts[pid]
+        assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "context_full", [f"{pid}-a0"])
+    assert ctl.state.ledger.statistics().dropped_by_reason.get("generation_failed", 0) == 0
+    assert ctl.state.prompts.statistics().retries == 0 and ctl.state.pumps["rollout"].errors == 0
+    assert all(len(v) == 4 for v in trained_prompts(trainer).values())
+    st = ctl.statistics()
+    assert ctl.state.counters.context_full == 2 == st.context_full
+    assert st.env_failed == 0 and st.reward_failed == 0
+    exported = {m.name: m for m in families(st)}
+    assert exported["sc_grpo_context_full_groups"].samples[0].value == 2
+    dropped = exported["sc_grpo_groups_dropped"].samples
+    assert {x.labels["reason"]: x.value for x in dropped}["context_full"] == 2
+    await assert_clean_end(ctl, trainer, storage)
+
+    def always_full(prompt_id, attempt, G):
+        raise ContextFull("no room for one policy token")
+
+    cfg = make_cfg(steps=4, P=4, L=1, env={"max_failures_in_a_row": 5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=always_full), timeout=10)
+    assert err is not None and "EnvironmentFailing" in str(err)
+    assert "first observation filled the context on 5 groups in a row" in str(err)
+    await assert_clean_end(ctl, trainer, storage)
+
+
 async def test_drain_policy_syncs_with_nothing_in_flight():
     cfg = make_cfg(steps=5, L=1, sync={"drain_policy": "drain"})
     storage = InMemoryRowStorage()
