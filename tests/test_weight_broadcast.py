@@ -2,6 +2,7 @@
 is what the trainer staged, bit for bit; a sender packs a new version into the buckets of the one it
 drops, never into one a send is reading."""
 
+import asyncio
 import threading
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from single_controller.backends.common.weight_broadcast import (
     STAGED_VERSIONS,
     GroupAddress,
+    StagedWeights,
+    SyncLink,
     WeightReceiver,
     WeightSender,
 )
@@ -150,3 +153,90 @@ def test_an_export_while_the_object_store_copy_runs_never_packs_into_the_buckets
     copied = sender.put_weights(0)
     assert exported and _same(copied.buckets, snaps[0])
     assert sorted(sender._staged) == [1, 2, 9] and sender._sending == {}
+
+
+# -- the controller's side: whose failure a failed broadcast is ----------------------------------
+
+
+class _Method:
+    """A Ray actor method: `.remote(...)` gives an awaitable answer; `.options(...)` changes nothing."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        self.calls += 1
+        return self.answer(*args)
+
+
+def _answer(value=None, error=None):
+    async def answer(*_):
+        if error is not None:
+            raise error
+        return value
+
+    return answer
+
+
+def _remote_error(error: BaseException):
+    import ray
+
+    return ray.exceptions.RayTaskError("receive_weights", f"Traceback\n{error!r}", error).as_instanceof_cause()
+
+
+class _Actor:
+    def __init__(self, **methods):
+        for name, answer in methods.items():
+            setattr(self, name, _Method(answer))
+
+
+def _client_and_weights(sender_alive: bool):
+    import ray
+
+    from single_controller.backends.common.actor_client import ActorGenerationClient
+    from single_controller.backends.common.weight_broadcast import SyncGroupError
+    from single_controller.types import WeightsHandle
+
+    dead = ray.exceptions.ActorDiedError()
+    worker = _Actor(
+        sync_ranks=_answer(1),
+        join_sync_group=_answer(),
+        receive_weights=_answer(error=_remote_error(SyncGroupError("connection closed by peer"))),
+    )
+    formed = []
+
+    async def sync_address():  # answers while the group forms; afterwards only if the rank still lives
+        if formed and not sender_alive:
+            raise dead
+        formed.append(True)
+        return "127.0.0.1", 1234
+
+    async def send_weights(key, version):
+        await asyncio.Event().wait()  # Ray has not reported the sender's death yet: this call hangs
+
+    sender = _Actor(sync_address=sync_address, open_sync_group=_answer(), send_weights=send_weights)
+    client = ActorGenerationClient("gen0", worker, sync=SyncLink("gloo", 5.0))
+    snap = pack_weights(_model(0), 3, bucket_bytes=4096)
+    return client, WeightsHandle(3, StagedWeights(snap.manifest, sender), snap.manifest.num_bytes)
+
+
+@pytest.mark.timeout(30)
+async def test_a_trainer_rank_dying_mid_broadcast_is_the_trainers_failure_not_the_workers():
+    """#48 S3: the sending rank dies mid-transfer; the worker's receive fails first (its connection
+    broke) while the send hangs (Ray has not reported the death). The sync fails with
+    `TrainerRankDied` (resumable), not the `GenerationFailed` that took every worker out of routing
+    and restarted it (each restart then failed on the dead sender: `NoGenerationWorkers`). With the
+    sender alive, the same failure is still the worker's."""
+    from single_controller.protocols import GenerationFailed, TrainerRankDied
+
+    client, weights = _client_and_weights(sender_alive=False)
+    with pytest.raises(TrainerRankDied, match=r"sending weights died during .*v3.* to generation worker gen0"):
+        await client.update_weights(weights)
+    assert client._group is None  # the group is gone with it
+
+    client, weights = _client_and_weights(sender_alive=True)
+    with pytest.raises(GenerationFailed, match=r"gen0: weights v3 over weight-sync group .* the sender is alive"):
+        await client.update_weights(weights)
