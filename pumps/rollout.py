@@ -183,14 +183,18 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
         state.health.restarts_of[worker.name] += 1
         applied = state.versions.latest_weights
         await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
-        while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
-            applied = state.versions.latest_weights
-            assert applied is not None  # set by a weight sync, never unset
-            await within(
-                worker.update_weights(applied),
-                cfg.timeouts.weight_sync_s,
-                f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
-            )
+        # A weight sync that landed meanwhile is caught up with while no other can land: it is routed
+        # (below, no await between) before the next sync picks its workers. (Chasing syncs instead
+        # never ended while the trainer published faster than this worker applies one.)
+        async with state.weights_fanout:
+            latest = state.versions.latest_weights
+            if latest is not applied:
+                assert latest is not None  # set by a weight sync, never unset
+                await within(
+                    worker.update_weights(latest),
+                    cfg.timeouts.weight_sync_s,
+                    f"generation worker {worker.name}: update_weights(v{latest.version}) after restart",
+                )
     except Exception as e:
         state.pumps[PUMP].errors += 1
         if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:

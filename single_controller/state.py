@@ -316,6 +316,10 @@ class RunState:
         self.elastic = Elastic()
         self.counters = Counters()
         self.sync = SyncRecord()
+        # Held by the weight-sync pump while it applies a snapshot and sets `versions.latest_weights`;
+        # a restarted generation worker takes it for its last catch-up, so no newer snapshot lands
+        # between that update and its return to routing (`pumps/rollout._restart`).
+        self.weights_fanout = asyncio.Lock()
         self.finishing: Finishing | None = None  # the train pump's
         # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
         self.in_flight_requests: dict[str, asyncio.Future] = {}

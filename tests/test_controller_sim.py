@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter
 from dataclasses import replace
 
@@ -1133,6 +1134,55 @@ async def test_a_failed_restart_is_tried_again_while_restarts_remain():
     assert gens[0].restarts == 1 and ctl.state.health.given_up == set()
     assert ctl.state.health.restarts_of["g0"] == 2  # the failed attempt and the one that worked
     await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_restarted_worker_catches_up_with_a_trainer_that_publishes_faster_than_it_applies():
+    """#48 S6: weight syncs run back to back (the trainer publishes faster than one update) and the
+    restarted worker applies a snapshot slower than a sync takes. Its catch-up ends (it used to
+    chase each newer snapshot that landed during its last update, forever) with the newest weights,
+    and it is routed in time for the next sync to update it with the others (not while a sync that
+    left it out is under way: it then missed that sync's weights)."""
+    from pumps.rollout import _restart
+    from pumps.weight_sync import _sync
+    from single_controller.types import WeightsHandle
+
+    class SlowUpdates(SimGenerationWorker):
+        update_s = 0.0
+
+        async def update_weights(self, weights):
+            await asyncio.sleep(self.update_s)
+            await super().update_weights(weights)
+
+        async def restart(self, weights):
+            await asyncio.sleep(self.update_s)  # a new process, given `weights`
+            await super().restart(weights)
+
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage)
+    gens = [SlowUpdates(f"g{i}", storage) for i in range(2)]
+    gens[0].update_s, gens[1].update_s = 0.01, 0.05  # a sync takes ~10 ms; g1 restarts or applies one in 50 ms
+    ctl = Controller(make_cfg(steps=10_000), sim_prompts(), storage, Workers(gens, trainer))
+    st = ctl.state
+    st.versions.latest_weights = WeightsHandle(0, None, 0)
+
+    async def trainer_faster_than_one_update():
+        for v in itertools.count(1):
+            await _sync(st, WeightsHandle(v, None, 0))
+
+    st.worker_down(gens[1], "died")
+    st.health.restarting.add("g1")
+    syncs = asyncio.create_task(trainer_faster_than_one_update())
+    try:
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(_restart(st, gens[1]), 2.0)
+        assert "g1" not in st.health.down and gens[1] in st.routable()
+        assert gens[1].version == st.versions.latest_weights.version  # the newest, when it was routed
+        routed_at = gens[1].version
+        await st.changed.wait_until(lambda: st.versions.latest_weights.version >= routed_at + 2)
+        assert gens[1].version >= routed_at + 1  # the syncs since include it
+    finally:
+        syncs.cancel()
+        await asyncio.wait([syncs])
 
 
 async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
