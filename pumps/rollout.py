@@ -53,6 +53,7 @@ from single_controller.protocols import (
     GenerationWorkerDied,
     Restartable,
     RewardFailed,
+    TrainerRankDied,
 )
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, SamplingParams
@@ -196,6 +197,8 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
                     f"generation worker {worker.name}: update_weights(v{latest.version}) after restart",
                 )
     except Exception as e:
+        if isinstance(e, TrainerRankDied):  # the weights' sender is gone: the trainer's failure, not this worker's
+            raise
         state.pumps[PUMP].errors += 1
         if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:
             # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)

@@ -1185,6 +1185,22 @@ async def test_a_restarted_worker_catches_up_with_a_trainer_that_publishes_faste
         await asyncio.wait([syncs])
 
 
+async def test_a_restart_that_finds_the_trainer_rank_sending_weights_dead_stops_the_run_with_that():
+    """#48 S3: a dead weight sender (`TrainerRankDied` from the restart's weights) is the trainer's
+    failure: the run stops with it (resumable), not with the worker given up or `NoGenerationWorkers`."""
+    from single_controller.protocols import TrainerRankDied
+
+    class SenderDead(SimGenerationWorker):
+        async def restart(self, weights):
+            raise TrainerRankDied(f"the trainer rank sending weights died during sync_address to {self.name}")
+
+    ctl, gens, trainer, storage = _two_workers_g0_dies(SenderDead, after=2)
+    with pytest.raises(RunFailed) as info:
+        await asyncio.wait_for(ctl.run(), 20)
+    assert info.value.pump == "rollout" and type(info.value.__cause__) is TrainerRankDied
+    assert ctl.state.health.given_up == set() and ctl.state.health.restarts_of["g0"] == 1
+
+
 async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():
     faults = Faults(die_after={"sim-gen-0": 3, "sim-gen-1": 3}, restart_fails={"sim-gen-0", "sim-gen-1"})
     cfg = make_cfg(steps=50, P=4, G=2, L=1)
