@@ -42,7 +42,14 @@ from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller import elastic
 from single_controller.channels import Channel
-from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
+from single_controller.checkpoint import (
+    CheckpointInfo,
+    commit_checkpoint,
+    config_fingerprint,
+    latest_checkpoint,
+    stage_checkpoint,
+    tree_bytes,
+)
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
 from single_controller.errors import error_text
@@ -128,6 +135,10 @@ class RunSummary:
 
 
 HISTORY_KEPT = 1000
+# Before a run has written or loaded a checkpoint, its size is guessed from the published weights':
+# parameters, a master copy and two optimizer moments, each up to twice as wide as the snapshot's
+# dtype. A generous guess: the deadline only has to catch a write that hangs, never a big model's.
+CHECKPOINT_BYTES_PER_WEIGHT_BYTE = 8
 
 
 class Controller:
@@ -177,6 +188,7 @@ class Controller:
         self.run_dir = run_dir
         self._dataloader_state = dataloader_state
         self.last_checkpoint: CheckpointInfo | None = None  # the newest durable one
+        self._loaded_bytes: int | None = None  # the size of the checkpoint a resume loaded
         self._committing: asyncio.Task[CheckpointInfo] | None = None  # a periodic one, being committed
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
@@ -201,6 +213,9 @@ class Controller:
         weights: Channel[WeightsHandle] = Channel(capacity=1)
         tasks: dict[str, asyncio.Task] = {}
         if self._resumed:
+            run_dir = self.run_dir
+            assert run_dir is not None  # a resume continues a run directory
+            self._loaded_bytes = await asyncio.to_thread(lambda: tree_bytes(latest_checkpoint(run_dir)))
             await self._clear_rows_left()
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
@@ -393,10 +408,18 @@ class Controller:
         return await self._checkpoint_committed() if durable else None
 
     def _checkpoint_deadline(self) -> float:
-        """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the newest checkpoint."""
+        """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the newest checkpoint
+        written, else of the one a resume loaded, else of the guess from the published weights
+        (`CHECKPOINT_BYTES_PER_WEIGHT_BYTE`): the first checkpoint of a big model is no quicker."""
         t = self.cfg.timeouts
-        gib = self.last_checkpoint.num_bytes / 2**30 if self.last_checkpoint is not None else 0.0
-        return t.checkpoint_s + t.checkpoint_s_per_gib * gib
+        weights = self.state.versions.latest_weights
+        if self.last_checkpoint is not None:
+            size = self.last_checkpoint.num_bytes
+        elif self._loaded_bytes is not None:
+            size = self._loaded_bytes
+        else:
+            size = CHECKPOINT_BYTES_PER_WEIGHT_BYTE * weights.num_bytes if weights is not None else 0
+        return t.checkpoint_s + t.checkpoint_s_per_gib * size / 2**30
 
     async def _checkpoint_committed(self) -> CheckpointInfo | None:
         """Wait for the checkpoint being committed in the background, if any (None: there is none)."""

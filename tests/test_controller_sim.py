@@ -991,6 +991,73 @@ async def test_a_checkpoint_slower_than_a_train_call_has_its_own_deadline(tmp_pa
     assert latest_checkpoint(tmp_path).name == "step_000004"
 
 
+def _slow_saves(trainer, seconds: float) -> None:
+    real_save = trainer.save_state
+
+    async def slow_save(directory):
+        await asyncio.sleep(seconds)
+        await real_save(directory)
+
+    trainer.save_state = slow_save
+
+
+async def test_the_first_checkpoint_of_a_run_has_the_deadline_of_its_weights_size(tmp_path):
+    """#48 S5: before a run has written a checkpoint, its deadline counts the size guessed from the
+    published weights (8 x 1 GiB here: 0.2 + 8 x 0.5 s), not `checkpoint_s` alone (0.2 s, shorter
+    than this write, as a real model's first checkpoint would have been)."""
+    from single_controller.types import WeightsHandle
+
+    cfg = make_cfg(
+        steps=2,
+        P=2,
+        G=2,
+        L=1,
+        checkpoint={"every_steps": 2},
+        timeouts={"checkpoint_s": 0.2, "checkpoint_s_per_gib": 0.5},
+    )
+    ctl, trainer = _sim_controller(cfg, tmp_path)
+    real_export = trainer.export_weights
+
+    async def export_1_gib(version):
+        handle = await real_export(version)
+        return WeightsHandle(handle.version, handle.payload, 2**30)
+
+    trainer.export_weights = export_1_gib
+    _slow_saves(trainer, 0.5)
+    assert ctl._checkpoint_deadline() == 0.2  # no weights published yet
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 2 and summary.checkpoint is not None and summary.checkpoint.step == 2
+    assert ctl.state.counters.checkpoints_written == 1  # (a second would be held to its real size)
+
+
+async def test_the_first_checkpoint_after_a_resume_has_the_deadline_of_the_one_it_loaded(tmp_path):
+    """#48 S5: a resumed run's first checkpoint is held to `checkpoint_s` plus the size of the
+    checkpoint it loaded (here about 1 KB at 2^20 s per GiB: ~1 s; before, 0.2 s, as for none)."""
+    first = make_cfg(steps=2, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    await _run_with_dir(first, tmp_path)
+    path = latest_checkpoint(tmp_path)
+    loaded = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    saved = read_controller_state(path)
+    cfg = make_cfg(
+        steps=4,
+        P=2,
+        G=2,
+        L=1,
+        checkpoint={"every_steps": 2, "at_exit": False},
+        timeouts={"checkpoint_s": 0.2, "checkpoint_s_per_gib": 2.0**20},
+    )
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    await trainer.load_state(str(path / "trainer"))
+    prompts = itertools.islice(sim_prompts(), saved["dataloader"]["taken"], None)
+    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(tmp_path), resume=saved)
+    assert 0.5 < 0.2 + loaded / 2**10 < 60  # the deadline this test relies on: longer than the write below
+    _slow_saves(trainer, 0.5)
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 4 and summary.checkpoint is not None and summary.checkpoint.step == 4
+    assert ctl._checkpoint_deadline() == 0.2 + ctl.last_checkpoint.num_bytes / 2**10  # then the one written
+
+
 async def test_a_periodic_checkpoint_commits_in_the_background_while_training_goes_on(tmp_path, monkeypatch):
     """The fsyncs, rename and `latest` of a periodic checkpoint do not hold up training: steps go on
     while step 2's checkpoint is still being committed, and `latest` names it only once it is."""
