@@ -143,6 +143,7 @@ CHECKPOINT_BYTES_PER_WEIGHT_BYTE = 8
 
 class Controller:
     _rolled_back: tuple[str, ...] = ()  # a resumed run: the attempts live at its checkpoint's cut
+    _loaded_bytes: int | None = None  # a resumed run: the size of the checkpoint it loaded (`run`)
 
     def __init__(
         self,
@@ -188,7 +189,6 @@ class Controller:
         self.run_dir = run_dir
         self._dataloader_state = dataloader_state
         self.last_checkpoint: CheckpointInfo | None = None  # the newest durable one
-        self._loaded_bytes: int | None = None  # the size of the checkpoint a resume loaded
         self._committing: asyncio.Task[CheckpointInfo] | None = None  # a periodic one, being committed
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
