@@ -73,6 +73,7 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
             continue
         state.counters.reward_failed_in_a_row = 0  # a group scored
         state.counters.env_failed_in_a_row = 0
+        state.counters.context_full_in_a_row = 0
         if is_zero_variance(rec.rewards):
             state.counters.zero_variance_groups += 1
             if cfg.drop_zero_variance and not state.stop.requested:

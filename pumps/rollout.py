@@ -32,7 +32,9 @@ function failed (`RewardFailed`: the worker answers it alone, its batch-mates as
 with reason `reward_failed` and counted (`RunState.reward_failed`), its prompt settled, not retried:
 a deterministic reward error would fail again. A group whose environment failed (`EnvironmentFailed`:
 the worker already retried its episodes `env.max_attempts` times) is dropped alike, with reason
-`env_failed` (`RunState.env_failed`): never stored as a zero reward. Any other error is a bug and ends the run with its
+`env_failed` (`RunState.env_failed`): never stored as a zero reward. A multi-turn group whose prompt
+and first observation left an episode no room for one policy token (`ContextFull`) is dropped alike,
+with reason `context_full` (`RunState.context_full`). Any other error is a bug and ends the run with its
 cause. The deficit accounting of the ledger refills the step the
 dropped group was meant for.
 
@@ -55,6 +57,7 @@ from single_controller.config.schema import rollout_max_new_tokens
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.errors import error_text
 from single_controller.protocols import (
+    ContextFull,
     EnvironmentFailed,
     GenerationFailed,
     GenerationWorker,
@@ -62,6 +65,7 @@ from single_controller.protocols import (
     ReportsRunning,
     Restartable,
     RewardFailed,
+    TrainerRankDied,
 )
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, SamplingParams
@@ -192,15 +196,21 @@ async def _restart(state: RunState, worker: GenerationWorker) -> None:
         state.health.restarts_of[worker.name] += 1
         applied = state.versions.latest_weights
         await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
-        while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
-            applied = state.versions.latest_weights
-            assert applied is not None  # set by a weight sync, never unset
-            await within(
-                worker.update_weights(applied),
-                cfg.timeouts.weight_sync_s,
-                f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
-            )
+        # A weight sync that landed meanwhile is caught up with while no other can land: it is routed
+        # (below, no await between) before the next sync picks its workers. (Chasing syncs instead
+        # never ended while the trainer published faster than this worker applies one.)
+        async with state.weights_fanout:
+            latest = state.versions.latest_weights
+            if latest is not applied:
+                assert latest is not None  # set by a weight sync, never unset
+                await within(
+                    worker.update_weights(latest),
+                    cfg.timeouts.weight_sync_s,
+                    f"generation worker {worker.name}: update_weights(v{latest.version}) after restart",
+                )
     except Exception as e:
+        if isinstance(e, TrainerRankDied):  # the weights' sender is gone: the trainer's failure, not this worker's
+            raise
         state.pumps[PUMP].errors += 1
         if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:
             # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
@@ -434,6 +444,10 @@ async def _settle(state: RunState, flight: _Flight) -> None:
     if isinstance(error, EnvironmentFailed):  # retried in the worker already (`env.max_attempts`)
         await _discard(state, rec, "env_failed", retry=False)
         state.env_failed(rec.group_id, str(error))
+        return
+    if isinstance(error, ContextFull):  # the same prompt would fill the context again: not retried
+        await _discard(state, rec, "context_full", retry=False)
+        state.context_full(rec.group_id, str(error))
         return
     state.pumps[PUMP].errors += 1
     died = isinstance(error, GenerationWorkerDied)

@@ -68,17 +68,19 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
             _abort_in_flight(state, "sync_abort", lambda rec: True)
         t_drained = state.clock()
         _abort_stale_in_flight(state, handle.version)
-        async with asyncio.TaskGroup() as fanout:
-            routable = state.routable()
-            for w in routable:  # a dead or restarting worker gets the newest weights at restart
-                fanout.create_task(_update(state, w, handle))
-            if routable and all(version_gated(w) for w in routable):
-                state.versions.latest_weights = handle  # a worker restarted from now on applies these first
-                state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
-                state.set_admission(True)
-                state.sync.early_admissions += 1
-                t_open = state.clock()
-        state.versions.latest_weights = handle  # what a restarted generation worker must apply first
+        # Not while a restarted worker catches up (`rollout._restart`): it is in `routable` once done.
+        async with state.weights_fanout:
+            async with asyncio.TaskGroup() as fanout:
+                routable = state.routable()
+                for w in routable:  # a dead or restarting worker gets the newest weights at restart
+                    fanout.create_task(_update(state, w, handle))
+                if routable and all(version_gated(w) for w in routable):
+                    state.versions.latest_weights = handle  # a worker restarted from now on applies these first
+                    state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
+                    state.set_admission(True)
+                    state.sync.early_admissions += 1
+                    t_open = state.clock()
+            state.versions.latest_weights = handle  # what a restarted generation worker must apply first
         state.bump_policy_version(handle.version)
     finally:
         state.set_admission(True)

@@ -42,7 +42,14 @@ from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller import elastic
 from single_controller.channels import Channel
-from single_controller.checkpoint import CheckpointInfo, commit_checkpoint, config_fingerprint, stage_checkpoint
+from single_controller.checkpoint import (
+    CheckpointInfo,
+    commit_checkpoint,
+    config_fingerprint,
+    latest_checkpoint,
+    stage_checkpoint,
+    tree_bytes,
+)
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
 from single_controller.errors import error_text
@@ -105,6 +112,7 @@ class ControllerStatistics:
     worker_restarts: int = 0
     reward_failed: int = 0  # groups dropped because their reward function failed
     env_failed: int = 0  # groups dropped because their environment failed (multi-turn)
+    context_full: int = 0  # groups dropped because an episode had no room for a policy token (multi-turn)
     env_totals: dict[str, float] = field(default_factory=dict)  # sums of the trained episodes' `episode_stats`
     late_finishes: int = 0
     storage_retries: int = 0
@@ -127,6 +135,10 @@ class RunSummary:
 
 
 HISTORY_KEPT = 1000
+# Before a run has written or loaded a checkpoint, its size is guessed from the published weights':
+# parameters, a master copy and two optimizer moments, each up to twice as wide as the snapshot's
+# dtype. A generous guess: the deadline only has to catch a write that hangs, never a big model's.
+CHECKPOINT_BYTES_PER_WEIGHT_BYTE = 8
 
 
 def _prompt_ledger(resume: dict | None, history: str | None, whole: Mapping[str, Prompt] | None) -> PromptLedger:
@@ -138,6 +150,7 @@ def _prompt_ledger(resume: dict | None, history: str | None, whole: Mapping[str,
 
 class Controller:
     _rolled_back: tuple[str, ...] = ()  # a resumed run: the attempts live at its checkpoint's cut
+    _loaded_bytes: int | None = None  # a resumed run: the size of the checkpoint it loaded (`run`)
 
     def __init__(
         self,
@@ -207,6 +220,9 @@ class Controller:
         weights: Channel[WeightsHandle] = Channel(capacity=1)
         tasks: dict[str, asyncio.Task] = {}
         if self._resumed:
+            run_dir = self.run_dir
+            assert run_dir is not None  # a resume continues a run directory
+            self._loaded_bytes = await asyncio.to_thread(lambda: tree_bytes(latest_checkpoint(run_dir)))
             await self._clear_rows_left()
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
@@ -298,6 +314,7 @@ class Controller:
                 "step_retries": st.counters.step_retries,
                 "reward_failed": st.counters.reward_failed,
                 "env_failed": st.counters.env_failed,
+                "context_full": st.counters.context_full,
                 "env_totals": dict(self._env_totals),
             },
             "config": config_fingerprint(self.cfg),
@@ -317,6 +334,7 @@ class Controller:
         st.counters.aborted_steps, st.counters.step_retries = c["aborted_steps"], c["step_retries"]
         st.counters.reward_failed = c.get("reward_failed", 0)  # absent from checkpoints older than it
         st.counters.env_failed = c.get("env_failed", 0)
+        st.counters.context_full = c.get("context_full", 0)
         self._env_totals = dict(c.get("env_totals", {}))
         self._tokens_trained = c["tokens_trained"]
 
@@ -397,10 +415,18 @@ class Controller:
         return await self._checkpoint_committed() if durable else None
 
     def _checkpoint_deadline(self) -> float:
-        """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the newest checkpoint."""
+        """`timeouts.checkpoint_s`, plus `checkpoint_s_per_gib` per GiB of the newest checkpoint
+        written, else of the one a resume loaded, else of the guess from the published weights
+        (`CHECKPOINT_BYTES_PER_WEIGHT_BYTE`): the first checkpoint of a big model is no quicker."""
         t = self.cfg.timeouts
-        gib = self.last_checkpoint.num_bytes / 2**30 if self.last_checkpoint is not None else 0.0
-        return t.checkpoint_s + t.checkpoint_s_per_gib * gib
+        weights = self.state.versions.latest_weights
+        if self.last_checkpoint is not None:
+            size = self.last_checkpoint.num_bytes
+        elif self._loaded_bytes is not None:
+            size = self._loaded_bytes
+        else:
+            size = CHECKPOINT_BYTES_PER_WEIGHT_BYTE * weights.num_bytes if weights is not None else 0
+        return t.checkpoint_s + t.checkpoint_s_per_gib * size / 2**30
 
     async def _checkpoint_committed(self) -> CheckpointInfo | None:
         """Wait for the checkpoint being committed in the background, if any (None: there is none)."""
@@ -564,7 +590,8 @@ class Controller:
 
     def _episode_records(self, report: StepReport) -> dict[str, float]:
         """Multi-turn (`env`): the step's episodes, per episode (turns, tool calls, tokens), per
-        environment step (latency), and the run's `env_failed` groups; nothing for single-turn runs."""
+        environment step (latency), and the run's `env_failed` and `context_full` groups; nothing for
+        single-turn runs."""
         sums: dict[str, float] = {}
         for g in report.groups:
             for k, v in g.episode_stats.items():
@@ -583,6 +610,7 @@ class Controller:
             "env/truncated_rate": sums.get("truncated", 0.0) / n,
             "env/retries": sums.get("retries", 0.0),
             "env/failed_groups": float(self.state.counters.env_failed),
+            "env/context_full_groups": float(self.state.counters.context_full),
         }
 
     def _record_eval(self, point: EvalPoint) -> None:
@@ -666,6 +694,7 @@ class Controller:
             worker_restarts=st.counters.worker_restarts,
             reward_failed=st.counters.reward_failed,
             env_failed=st.counters.env_failed,
+            context_full=st.counters.context_full,
             env_totals=dict(self._env_totals),
             late_finishes=st.counters.late_finishes,
             storage_retries=st.counters.storage_retries,

@@ -51,6 +51,13 @@ class EnvironmentFailed(GenerationFailed):
     stored; the rollout pump drops it with reason `env_failed` and counts it (never a zero reward)."""
 
 
+class ContextFull(GenerationFailed):
+    """A multi-turn group's episode had no room for one policy token: the prompt and the
+    environment's first observation fill the model's positions. It costs that group alone: no row
+    of it is stored; the rollout pump drops it with reason `context_full`, counts it and does not
+    retry its prompt (the same prompt would fill the context again)."""
+
+
 class TrainStepStateError(RuntimeError):
     """The split API was called out of order (begin twice, microbatch or finish with no step open)."""
 

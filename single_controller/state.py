@@ -51,8 +51,9 @@ class RewardFunctionFailing(RuntimeError):
 
 
 class EnvironmentFailing(RuntimeError):
-    """The environment failed `env.max_failures_in_a_row` groups in a row: it is down or broken, and
-    every prompt would be dropped."""
+    """The environment failed `env.max_failures_in_a_row` groups in a row (or its first observation
+    left no room for a policy token in as many): it is down or broken, and every prompt would be
+    dropped."""
 
 
 def retryable_storage_error(e: BaseException) -> bool:
@@ -263,6 +264,8 @@ class Counters:
     reward_failed_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
     env_failed: int = 0  # rollout (RunState.env_failed): groups dropped as `env_failed`
     env_failed_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
+    context_full: int = 0  # rollout (RunState.context_full): groups dropped as `context_full`
+    context_full_in_a_row: int = 0  # the same since a group was last scored (advantage resets it)
     aborted_steps: int = 0  # train: abort_train_step calls after trainer errors
     step_retries: int = 0  # train
     # train: finishes that landed after their deadline (recorded result taken); the controller: one
@@ -313,6 +316,10 @@ class RunState:
         self.elastic = Elastic()
         self.counters = Counters()
         self.sync = SyncRecord()
+        # Held by the weight-sync pump while it applies a snapshot and sets `versions.latest_weights`;
+        # a restarted generation worker takes it for its last catch-up, so no newer snapshot lands
+        # between that update and its return to routing (`pumps/rollout._restart`).
+        self.weights_fanout = asyncio.Lock()
         self.finishing: Finishing | None = None  # the train pump's
         # group_id -> the worker's future for it, while its request is in flight (the rollout pump's)
         self.in_flight_requests: dict[str, asyncio.Future] = {}
@@ -417,6 +424,12 @@ class RunState:
         than `env.max_attempts` allows); `env.max_failures_in_a_row` of them raise `EnvironmentFailing`."""
         self._failed_in_a_row("env_failed", group_id, why)
 
+    def context_full(self, group_id: str, why: str) -> None:
+        """Count a group just dropped as `context_full` (multi-turn: an episode's prompt and first
+        observation left no room for one policy token); `env.max_failures_in_a_row` of them raise
+        `EnvironmentFailing`."""
+        self._failed_in_a_row("context_full", group_id, why)
+
     def _failed_in_a_row(self, kind: str, group_id: str, why: str) -> None:
         """Count a failed group of `kind`; the advantage pump resets the runs of failures at every
         group it scores, and a run as long as the kind's bound stops the run."""
@@ -428,20 +441,26 @@ class RunState:
         error, what, setting, bound = {
             "reward_failed": (
                 RewardFunctionFailing,
-                "reward function",
+                "the reward function failed",
                 "rollout.max_reward_failures_in_a_row",
                 self.cfg.rollout.max_reward_failures_in_a_row,
             ),
             "env_failed": (
                 EnvironmentFailing,
-                "environment",
+                "the environment failed",
+                "env.max_failures_in_a_row",
+                self.cfg.env.max_failures_in_a_row,
+            ),
+            "context_full": (
+                EnvironmentFailing,
+                "the prompt and the environment's first observation filled the context",
                 "env.max_failures_in_a_row",
                 self.cfg.env.max_failures_in_a_row,
             ),
         }[kind]
         if in_a_row >= bound:
             raise error(
-                f"the {what} failed on {in_a_row} groups in a row, none scored between "
+                f"{what} on {in_a_row} groups in a row, none scored between "
                 f"({setting} = {bound}); the last, {group_id}: {why}"
             )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter
 from dataclasses import replace
 
@@ -448,6 +449,45 @@ async def test_an_environment_failure_drops_its_group_as_env_failed_and_a_dead_o
     cfg = make_cfg(steps=4, P=4, L=1, env={"max_failures_in_a_row": 5})
     ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=dead), timeout=10)
     assert err is not None and "EnvironmentFailing" in str(err) and "failed on 5 groups in a row" in str(err)
+    await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_group_whose_context_is_full_is_dropped_as_context_full_counted_and_not_retried():
+    """`ContextFull` (multi-turn: no room for one policy token) costs its group alone: dropped with
+    its own reason, counted in the run's state, statistics and metrics, its prompt not retried, no
+    batch-mate touched; as many in a row as `env.max_failures_in_a_row` stop the run."""
+    from single_controller.protocols import ContextFull
+    from single_controller.runtime.metrics import families
+
+    def full(prompt_id, attempt, G):
+        if prompt_id in ("p000002", "p000005"):
+            raise ContextFull(f"group of {prompt_id}: no room for one policy token")
+        return sim_rewards(prompt_id, attempt, G)
+
+    ctl, trainer, storage, summary, err = await run_sim(make_cfg(steps=4, P=4, L=1), Faults(rewards=full))
+    assert err is None and summary.steps == 4
+    for pid in ("p000002", "p000005"):
+        rec = ctl.state.prompts[pid]
+        assert (rec.fate, rec.reason, rec.attempts) == ("dropped", "context_full", [f"{pid}-a0"])
+    assert ctl.state.ledger.statistics().dropped_by_reason.get("generation_failed", 0) == 0
+    assert ctl.state.prompts.statistics().retries == 0 and ctl.state.pumps["rollout"].errors == 0
+    assert all(len(v) == 4 for v in trained_prompts(trainer).values())
+    st = ctl.statistics()
+    assert ctl.state.counters.context_full == 2 == st.context_full
+    assert st.env_failed == 0 and st.reward_failed == 0
+    exported = {m.name: m for m in families(st)}
+    assert exported["sc_grpo_context_full_groups"].samples[0].value == 2
+    dropped = exported["sc_grpo_groups_dropped"].samples
+    assert {x.labels["reason"]: x.value for x in dropped}["context_full"] == 2
+    await assert_clean_end(ctl, trainer, storage)
+
+    def always_full(prompt_id, attempt, G):
+        raise ContextFull("no room for one policy token")
+
+    cfg = make_cfg(steps=4, P=4, L=1, env={"max_failures_in_a_row": 5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(rewards=always_full), timeout=10)
+    assert err is not None and "EnvironmentFailing" in str(err)
+    assert "first observation filled the context on 5 groups in a row" in str(err)
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -951,6 +991,73 @@ async def test_a_checkpoint_slower_than_a_train_call_has_its_own_deadline(tmp_pa
     assert latest_checkpoint(tmp_path).name == "step_000004"
 
 
+def _slow_saves(trainer, seconds: float) -> None:
+    real_save = trainer.save_state
+
+    async def slow_save(directory):
+        await asyncio.sleep(seconds)
+        await real_save(directory)
+
+    trainer.save_state = slow_save
+
+
+async def test_the_first_checkpoint_of_a_run_has_the_deadline_of_its_weights_size(tmp_path):
+    """#48 S5: before a run has written a checkpoint, its deadline counts the size guessed from the
+    published weights (8 x 1 GiB here: 0.2 + 8 x 0.5 s), not `checkpoint_s` alone (0.2 s, shorter
+    than this write, as a real model's first checkpoint would have been)."""
+    from single_controller.types import WeightsHandle
+
+    cfg = make_cfg(
+        steps=2,
+        P=2,
+        G=2,
+        L=1,
+        checkpoint={"every_steps": 2},
+        timeouts={"checkpoint_s": 0.2, "checkpoint_s_per_gib": 0.5},
+    )
+    ctl, trainer = _sim_controller(cfg, tmp_path)
+    real_export = trainer.export_weights
+
+    async def export_1_gib(version):
+        handle = await real_export(version)
+        return WeightsHandle(handle.version, handle.payload, 2**30)
+
+    trainer.export_weights = export_1_gib
+    _slow_saves(trainer, 0.5)
+    assert ctl._checkpoint_deadline() == 0.2  # no weights published yet
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 2 and summary.checkpoint is not None and summary.checkpoint.step == 2
+    assert ctl.state.counters.checkpoints_written == 1  # (a second would be held to its real size)
+
+
+async def test_the_first_checkpoint_after_a_resume_has_the_deadline_of_the_one_it_loaded(tmp_path):
+    """#48 S5: a resumed run's first checkpoint is held to `checkpoint_s` plus the size of the
+    checkpoint it loaded (here about 1 KB at 2^20 s per GiB: ~1 s; before, 0.2 s, as for none)."""
+    first = make_cfg(steps=2, P=2, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    await _run_with_dir(first, tmp_path)
+    path = latest_checkpoint(tmp_path)
+    loaded = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    saved = read_controller_state(path)
+    cfg = make_cfg(
+        steps=4,
+        P=2,
+        G=2,
+        L=1,
+        checkpoint={"every_steps": 2, "at_exit": False},
+        timeouts={"checkpoint_s": 0.2, "checkpoint_s_per_gib": 2.0**20},
+    )
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    await trainer.load_state(str(path / "trainer"))
+    prompts = itertools.islice(sim_prompts(), saved["dataloader"]["taken"], None)
+    ctl = Controller(cfg, prompts, storage, Workers(gens, trainer), run_dir=str(tmp_path), resume=saved)
+    assert 0.5 < 0.2 + loaded / 2**10 < 60  # the deadline this test relies on: longer than the write below
+    _slow_saves(trainer, 0.5)
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    assert summary.steps == 4 and summary.checkpoint is not None and summary.checkpoint.step == 4
+    assert ctl._checkpoint_deadline() == 0.2 + ctl.last_checkpoint.num_bytes / 2**10  # then the one written
+
+
 async def test_a_periodic_checkpoint_commits_in_the_background_while_training_goes_on(tmp_path, monkeypatch):
     """The fsyncs, rename and `latest` of a periodic checkpoint do not hold up training: steps go on
     while step 2's checkpoint is still being committed, and `latest` names it only once it is."""
@@ -1109,6 +1216,71 @@ async def test_a_failed_restart_is_tried_again_while_restarts_remain():
     assert gens[0].restarts == 1 and ctl.state.health.given_up == set()
     assert ctl.state.health.restarts_of["g0"] == 2  # the failed attempt and the one that worked
     await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_a_restarted_worker_catches_up_with_a_trainer_that_publishes_faster_than_it_applies():
+    """#48 S6: weight syncs run back to back (the trainer publishes faster than one update) and the
+    restarted worker applies a snapshot slower than a sync takes. Its catch-up ends (it used to
+    chase each newer snapshot that landed during its last update, forever) with the newest weights,
+    and it is routed in time for the next sync to update it with the others (not while a sync that
+    left it out is under way: it then missed that sync's weights)."""
+    from pumps.rollout import _restart
+    from pumps.weight_sync import _sync
+    from single_controller.types import WeightsHandle
+
+    class SlowUpdates(SimGenerationWorker):
+        update_s = 0.0
+
+        async def update_weights(self, weights):
+            await asyncio.sleep(self.update_s)
+            await super().update_weights(weights)
+
+        async def restart(self, weights):
+            await asyncio.sleep(self.update_s)  # a new process, given `weights`
+            await super().restart(weights)
+
+    storage = InMemoryRowStorage()
+    _, trainer = sim_workers(storage)
+    gens = [SlowUpdates(f"g{i}", storage) for i in range(2)]
+    gens[0].update_s, gens[1].update_s = 0.01, 0.05  # a sync takes ~10 ms; g1 restarts or applies one in 50 ms
+    ctl = Controller(make_cfg(steps=10_000), sim_prompts(), storage, Workers(gens, trainer))
+    st = ctl.state
+    st.versions.latest_weights = WeightsHandle(0, None, 0)
+
+    async def trainer_faster_than_one_update():
+        for v in itertools.count(1):
+            await _sync(st, WeightsHandle(v, None, 0))
+
+    st.worker_down(gens[1], "died")
+    st.health.restarting.add("g1")
+    syncs = asyncio.create_task(trainer_faster_than_one_update())
+    try:
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(_restart(st, gens[1]), 2.0)
+        assert "g1" not in st.health.down and gens[1] in st.routable()
+        assert gens[1].version == st.versions.latest_weights.version  # the newest, when it was routed
+        routed_at = gens[1].version
+        await st.changed.wait_until(lambda: st.versions.latest_weights.version >= routed_at + 2)
+        assert gens[1].version >= routed_at + 1  # the syncs since include it
+    finally:
+        syncs.cancel()
+        await asyncio.wait([syncs])
+
+
+async def test_a_restart_that_finds_the_trainer_rank_sending_weights_dead_stops_the_run_with_that():
+    """#48 S3: a dead weight sender (`TrainerRankDied` from the restart's weights) is the trainer's
+    failure: the run stops with it (resumable), not with the worker given up or `NoGenerationWorkers`."""
+    from single_controller.protocols import TrainerRankDied
+
+    class SenderDead(SimGenerationWorker):
+        async def restart(self, weights):
+            raise TrainerRankDied(f"the trainer rank sending weights died during sync_address to {self.name}")
+
+    ctl, gens, trainer, storage = _two_workers_g0_dies(SenderDead, after=2)
+    with pytest.raises(RunFailed) as info:
+        await asyncio.wait_for(ctl.run(), 20)
+    assert info.value.pump == "rollout" and type(info.value.__cause__) is TrainerRankDied
+    assert ctl.state.health.given_up == set() and ctl.state.health.restarts_of["g0"] == 1
 
 
 async def test_no_generation_worker_left_stops_the_run_with_a_typed_error_quickly():

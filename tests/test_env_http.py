@@ -220,6 +220,74 @@ async def test_a_reset_of_a_live_episode_id_is_a_conflict():
             await first._call("reset", payload)
 
 
+class _SlowReset:
+    """Its reset waits for `release`; every environment made and closed is counted."""
+
+    made: list
+    closed: list
+    reset_started: asyncio.Event
+    release: asyncio.Event
+    all_closed: asyncio.Event
+
+    @classmethod
+    def begin(cls) -> None:
+        cls.made, cls.closed = [], []
+        cls.reset_started, cls.release, cls.all_closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def __init__(self):
+        _SlowReset.made.append(self)
+
+    async def reset(self, item):
+        _SlowReset.reset_started.set()
+        await _SlowReset.release.wait()
+        return ""
+
+    async def step(self, action):
+        return StepOutcome(reward=1.0, done=True)
+
+    async def close(self):
+        _SlowReset.closed.append(self)
+        if len(_SlowReset.closed) == len(_SlowReset.made):
+            _SlowReset.all_closed.set()
+
+
+async def test_a_close_while_its_reset_runs_closes_the_environment_as_the_reset_ends():
+    """#48 S7: a client's reset misses its deadline and its runner closes the episode while the
+    server still resets it: the environment is closed as that reset ends (it stayed open until the
+    idle expiry, 600 s by default), and its id is not left open."""
+    _SlowReset.begin()
+    async with EnvServer(_SlowReset) as server:
+        client = HttpEnvironment(server.url, timeout_s=0.3)
+        with pytest.raises(EnvFailed, match="no answer within env.timeout_s=0.3"):
+            await client.reset(ITEM)
+        await asyncio.wait_for(client.close(), GUARD_S)
+        _SlowReset.release.set()
+        await asyncio.wait_for(_SlowReset.all_closed.wait(), 5.0)
+        assert len(_SlowReset.made) == 1 and server.statistics().episodes == 0
+        with pytest.raises(EnvFailed, match="HTTP 404.*unknown episode"):
+            await client.step(Action("1"))
+
+
+async def test_a_second_reset_while_the_first_runs_is_a_conflict_and_replaces_nothing():
+    """#48 S7: two resets of one episode id at once: the second is refused (409) at once instead of
+    making a second environment that replaced the first (never closed, the first's idle timer later
+    expiring the second's episode)."""
+    _SlowReset.begin()
+    async with EnvServer(_SlowReset) as server:
+        first = HttpEnvironment(server.url, timeout_s=GUARD_S)
+        resetting = asyncio.create_task(first.reset(ITEM))
+        await asyncio.wait_for(_SlowReset.reset_started.wait(), GUARD_S)
+        again = HttpEnvironment(server.url, timeout_s=1.0)
+        payload = {"episode": first.episode, "item": {"prompt_id": "p1", "prompt": "^3>", "answer": "482"}, "args": {}}
+        with pytest.raises(EnvFailed, match="HTTP 409.*open already"):
+            await again._call("reset", payload)
+        _SlowReset.release.set()
+        assert await asyncio.wait_for(resetting, GUARD_S) == ""
+        assert len(_SlowReset.made) == 1 and server.statistics().episodes == 1
+        await first.close()
+        assert _SlowReset.all_closed.is_set() and server.statistics().episodes == 0
+
+
 # -- idle episodes ---------------------------------------------------------------------------------
 async def test_an_idle_episode_expires_and_its_environment_is_closed():
     _Closing.closed = asyncio.Event()

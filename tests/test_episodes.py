@@ -17,7 +17,7 @@ from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import EnvConfig, ModelConfig
 from single_controller.data.tasks import TOKENIZER
 from single_controller.envs.contract import Action, StepOutcome, ToolCall
-from single_controller.protocols import EnvironmentFailed, GenerationFailed
+from single_controller.protocols import ContextFull, EnvironmentFailed, GenerationFailed
 from single_controller.types import GenerationRequest, Prompt, SamplingParams, WeightsHandle
 
 torch.set_num_threads(1)
@@ -138,6 +138,44 @@ async def test_a_hanging_environment_costs_its_deadline_and_names_the_call():
     ):
         await runner(calls, hang=True).run_group(req(), ScriptedEngine(["?4$"]))
     assert asyncio.get_running_loop().time() - t0 < 2.0  # two attempts of 0.3 s, no hang
+
+
+class LongFirstObservation(Scripted):
+    """Opens every episode of prompt `p-full` with an observation of `tokens` tokens."""
+
+    tokens = 40
+
+    async def reset(self, item):
+        self.calls.resets += 1
+        return "=" + "1" * (self.tokens - 2) + ">" if item.prompt_id == "p-full" else ""
+
+
+async def test_a_first_observation_that_fills_the_context_fails_the_group_with_context_full():
+    """No room for even one policy token (3 prompt + 62 observation tokens of the engine's 64): not a
+    ValueError that fails the worker's call, not an environment failure (nothing to retry), but
+    `ContextFull` naming the group and the sizes; the environments opened are closed."""
+    calls = Calls()
+    LongFirstObservation.tokens = 62
+    r = EpisodeRunner(
+        EnvConfig(fn="x", max_turns=3, timeout_s=1.0),
+        lambda: LongFirstObservation(calls),
+        TOKENIZER,
+        QParser(),
+        default_max_new=4,
+    )
+    engine = ScriptedEngine(["123$"])
+    with pytest.raises(
+        ContextFull,
+        match=r"group full: episode p-full#\d: the prompt \(3 tokens\) and the "
+        r"environment's first observation \(62 tokens\) fill the model's 64 positions",
+    ) as info:
+        await r.run_group(req("full", n=2), engine)
+    assert not isinstance(info.value, EnvironmentFailed)
+    assert engine.seen == [] and calls.closed == calls.resets >= 1
+    # one token of room (3 + 60 of 64) is an episode, not a failure: its one token is its action
+    LongFirstObservation.tokens = 60
+    [ep] = await r.run_group(req("full"), engine)
+    assert ep.policy_tokens == 1 and ep.turns == 1 and ep.last_action == "1" and ep.reward == 0.0
 
 
 async def test_an_engine_error_is_not_an_environment_failure():
@@ -265,6 +303,25 @@ async def test_an_environment_failure_answers_the_group_alone_and_stores_nothing
     assert isinstance(out, EnvironmentFailed) and "bad env" in str(out)
     assert storage.statistics().puts == 0
     assert (await actor.statistics()).env_failures == 1
+    await actor.close()
+
+
+async def test_a_group_whose_context_is_full_is_answered_alone_and_its_batch_mates_are_stored():
+    """The torch worker: a group whose first observation leaves no room for a policy token is answered
+    with `ContextFull` alone; the healthy group of the same call is answered and stored as ever."""
+    storage, calls = InMemoryRowStorage(), Calls()
+
+    class FillsTheContext(SlowScripted):
+        async def reset(self, item):
+            return "=" + "1" * 40 + ">" if item.prompt_id == "p-full" else ""
+
+    actor = env_actor(storage, calls, env_cls=FillsTheContext)  # TinyGPT: 32 positions
+    await actor.update_weights(handle(0, seed=0))
+    full, healthy = req("full", n=2), req("ok", n=2)
+    out_full, out_ok = await actor.generate_many([full, healthy])
+    assert isinstance(out_full, ContextFull) and "no room for one policy token" in str(out_full)
+    assert out_ok.group_id == "ok" and out_ok.episode_stats["episodes"] == 2
+    assert await storage.resident_keys() == set(healthy.row_keys)
     await actor.close()
 
 

@@ -27,7 +27,13 @@ from single_controller.backends.torch.model import TinyGPT, load_tinygpt  # noqa
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import BackendConfig, Config, SyncConfig  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, reverse_digits  # noqa: E402
-from single_controller.protocols import GenerationWorker, TrainerFailed, TrainerGroup, TrainStepStateError  # noqa: E402
+from single_controller.protocols import (  # noqa: E402
+    GenerationWorker,
+    TrainerFailed,
+    TrainerGroup,
+    TrainerStateLost,
+    TrainStepStateError,
+)
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, TrainChunk  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.tq]
@@ -413,9 +419,69 @@ async def test_rank_call_retries_only_what_a_retry_can_fix():
         await rank_call(
             "finish_train_step(0)", [answered(1), answered(error=TrainerFailed("reading its rows: timeout"))]
         )
-    with pytest.raises(TrainStepStateError):
-        await rank_call("begin_train_step(1)", [answered(error=TrainStepStateError("step 0 is still open"))])
+    # the protocol's errors a rank raises on purpose cross as themselves (#48 R8: the name a failed
+    # run records is what `run.auto_resume` heals), naming the rank, Ray's error (its traceback) chained
+    for error in (TrainStepStateError("step 0 is still open"), TrainerStateLost("the optimizer step failed partway")):
+        with pytest.raises(type(error)) as info:
+            await rank_call("begin_train_step(1)", [answered(1), answered(error=error)])
+        assert type(info.value) is type(error) and str(info.value) == f"trainer rank 1: {error}"
+        assert isinstance(info.value.__cause__, ray.exceptions.RayTaskError)
     assert await rank_call("train_status", [answered(1), answered(2)]) == [1, 2]
+
+
+def test_an_optimizer_step_failing_partway_on_a_ray_rank_reaches_the_driver_as_trainer_state_lost(
+    workers, loop, tmp_path
+):
+    """#48 R8 on real ranks: rank 0's optimizer step fails after moving its weights; the finish fails
+    with `TrainerStateLost` itself (not Ray's `RayTaskError(TrainerStateLost)`), whose name is one
+    `run.auto_resume` heals; a checkpoint load brings the ranks back to the step."""
+    from single_controller.runtime.driver import HEALABLE
+
+    storage, gens, group = workers
+    before = run(loop, group.train_status())
+    step = before.next_step
+    run(loop, group.save_state(str(tmp_path / "trainer")))
+    req = GenerationRequest(
+        "lost0", reverse_digits(1, 3, seed=11)[0], SamplingParams(n=4, max_new_tokens=3), row_keys("lost0", 4)
+    )
+    run(loop, gens[0].generate(req))
+    keys = list(req.row_keys)
+    rows = run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS)))
+    lengths = tuple(len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"]))
+
+    def fail_after_the_update(rank):  # in rank 0's process: the update lands, then the step fails
+        opt = rank.core.optimizer
+        real = type(opt).step
+
+        def step_then_fail(*a, **k):
+            real(opt, *a, **k)
+            raise RuntimeError("simulated failure after the update")
+
+        opt.step = step_then_fail
+
+    def undo(rank):
+        del rank.core.optimizer.step
+
+    run(loop, group.ranks[0].__ray_call__.remote(fail_after_the_update))
+    try:
+        run(loop, group.begin_train_step(step, LossConfig()))
+        run(
+            loop,
+            group.train_microbatch(TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5))),
+        )
+        with pytest.raises(TrainerStateLost) as info:
+            run(loop, group.finish_train_step(step))
+    finally:
+        run(loop, group.ranks[0].__ray_call__.remote(undo))
+    assert type(info.value) is TrainerStateLost and type(info.value).__name__ in HEALABLE
+    assert str(info.value).startswith(f"trainer rank 0: the optimizer step of step {step} failed partway")
+    assert "simulated failure after the update" in str(info.value.__cause__)  # the rank's traceback, chained
+    with pytest.raises(TrainerStateLost, match=f"trainer rank 0: abort_train_step\\({step}\\)"):  # until a load
+        run(loop, group.abort_train_step(step))
+    assert run(loop, group.load_state(str(tmp_path / "trainer"))) == step
+    run(loop, group.abort_train_step(step))  # the group's own record of the failed step (a no-op on the ranks)
+    assert run(loop, group.train_status()) == before
+    run(loop, storage.clear_rows(keys))
 
 
 def test_shutdown_stops_the_actors(workers, loop):

@@ -2,13 +2,17 @@
 is what the trainer staged, bit for bit; a sender packs a new version into the buckets of the one it
 drops, never into one a send is reading."""
 
+import asyncio
 import threading
 
+import pytest
 import torch
 
 from single_controller.backends.common.weight_broadcast import (
     STAGED_VERSIONS,
     GroupAddress,
+    StagedWeights,
+    SyncLink,
     WeightReceiver,
     WeightSender,
 )
@@ -56,3 +60,183 @@ def test_make_room_recycles_the_dropped_versions_buckets_unless_a_send_reads_the
     sender.stage_weights(packed, sender=None)
     sender._sending[1] = 1  # a send of v1 is under way
     assert sender.make_room() is None and 1 not in sender._staged  # dropped, but not recycled
+
+
+class _Group:
+    """A weight-sync group that keeps a copy of what it broadcasts."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, tensors, opts):
+        self.sent.append(tensors[0].clone())
+        return self
+
+    def wait(self):
+        return None
+
+
+def _staged_sender() -> tuple[WeightSender, list[list[torch.Tensor]]]:
+    """A sender with versions 0.. staged, and a copy of each one's buckets (staged buckets are the
+    snapshot's own memory)."""
+    sender, copies = WeightSender(), []
+    for v in range(STAGED_VERSIONS):
+        snap = pack_weights(_model(v), v, bucket_bytes=4096, dtype=torch.bfloat16)
+        copies.append([bucket_tensor(b, "int16").clone() for b in snap.buckets])
+        sender.stage_weights(snap, sender=None)
+    return sender, copies
+
+
+def _export(sender: WeightSender) -> None:
+    """What the rank's export does on its main thread: make room, pack the next version into the
+    spare buckets, stage it."""
+    spare = sender.make_room()
+    snap = pack_weights(_model(9), 9, bucket_bytes=4096, dtype=torch.bfloat16, into=spare)
+    sender.stage_weights(snap, sender=None)
+
+
+def _same(got, want: list[torch.Tensor]) -> bool:
+    """`got` (bfloat16 tensors, or numpy int16 bits) holds the very bits of `want` (int16 bits)."""
+    bits = [bucket_tensor(g, "int16") for g in got]
+    return len(got) == len(want) and all(torch.equal(g.view(torch.int16), w) for g, w in zip(bits, want))
+
+
+@pytest.mark.timeout(30)
+def test_an_export_right_after_a_send_found_its_buckets_never_packs_into_them():
+    """#48 S1: the export that drops v0 (on the rank's main thread) lands right after a send of v0 has
+    found v0's buckets, before it takes the sender's lock again; the send goes on reading those
+    buckets, so they are not recycled: v0 goes out bit for bit (before, they were the spare the export
+    packed v9 into, sent as v0)."""
+    sender, snaps = _staged_sender()
+    group = _Group()
+    sender._sync_groups["t"] = (GroupAddress("t", "127.0.0.1", 0, 2, "gloo", 30.0), group)
+
+    class ExportAfterLookup:
+        """The sender's lock; before it is taken the second time (the send has found its buckets),
+        the export runs, outside it."""
+
+        def __init__(self, lock):
+            self.lock, self.taken = lock, 0
+
+        def __enter__(self):
+            self.taken += 1
+            if self.taken == 2:
+                _export(sender)
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    sender._sync_lock = ExportAfterLookup(sender._sync_lock)
+    sender.send_weights("t", 0)
+    assert sender._sync_lock.taken > 2  # the export ran (and took the lock itself)
+    assert _same(group.sent, snaps[0])
+    assert sorted(sender._staged) == [1, 2, 9] and sender._sending == {}
+
+
+@pytest.mark.timeout(30)
+def test_an_export_while_the_object_store_copy_runs_never_packs_into_the_buckets_it_copies(monkeypatch):
+    """#48 S1, the fallback: `put_weights` copies staged v0 into the object store while the export that
+    drops v0 lands; the copies are v0's bytes (before, v0's buckets were recycled under the copy)."""
+    import numpy as np
+    import ray
+
+    sender, snaps = _staged_sender()
+    exported = []
+
+    def put(array):
+        if not exported:
+            exported.append(_export(sender))
+        return np.array(array, copy=True)
+
+    monkeypatch.setattr(ray, "put", put)
+    copied = sender.put_weights(0)
+    assert exported and _same(copied.buckets, snaps[0])
+    assert sorted(sender._staged) == [1, 2, 9] and sender._sending == {}
+
+
+# -- the controller's side: whose failure a failed broadcast is ----------------------------------
+
+
+class _Method:
+    """A Ray actor method: `.remote(...)` gives an awaitable answer; `.options(...)` changes nothing."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        self.calls += 1
+        return self.answer(*args)
+
+
+def _answer(value=None, error=None):
+    async def answer(*_):
+        if error is not None:
+            raise error
+        return value
+
+    return answer
+
+
+def _remote_error(error: BaseException):
+    import ray
+
+    return ray.exceptions.RayTaskError("receive_weights", f"Traceback\n{error!r}", error).as_instanceof_cause()
+
+
+class _Actor:
+    def __init__(self, **methods):
+        for name, answer in methods.items():
+            setattr(self, name, _Method(answer))
+
+
+def _client_and_weights(sender_alive: bool):
+    import ray
+
+    from single_controller.backends.common.actor_client import ActorGenerationClient
+    from single_controller.backends.common.weight_broadcast import SyncGroupError
+    from single_controller.types import WeightsHandle
+
+    dead = ray.exceptions.ActorDiedError()
+    worker = _Actor(
+        sync_ranks=_answer(1),
+        join_sync_group=_answer(),
+        receive_weights=_answer(error=_remote_error(SyncGroupError("connection closed by peer"))),
+    )
+    formed = []
+
+    async def sync_address():  # answers while the group forms; afterwards only if the rank still lives
+        if formed and not sender_alive:
+            raise dead
+        formed.append(True)
+        return "127.0.0.1", 1234
+
+    async def send_weights(key, version):
+        await asyncio.Event().wait()  # Ray has not reported the sender's death yet: this call hangs
+
+    sender = _Actor(sync_address=sync_address, open_sync_group=_answer(), send_weights=send_weights)
+    client = ActorGenerationClient("gen0", worker, sync=SyncLink("gloo", 5.0))
+    snap = pack_weights(_model(0), 3, bucket_bytes=4096)
+    return client, WeightsHandle(3, StagedWeights(snap.manifest, sender), snap.manifest.num_bytes)
+
+
+@pytest.mark.timeout(30)
+async def test_a_trainer_rank_dying_mid_broadcast_is_the_trainers_failure_not_the_workers():
+    """#48 S3: the sending rank dies mid-transfer; the worker's receive fails first (its connection
+    broke) while the send hangs (Ray has not reported the death). The sync fails with
+    `TrainerRankDied` (resumable), not the `GenerationFailed` that took every worker out of routing
+    and restarted it (each restart then failed on the dead sender: `NoGenerationWorkers`). With the
+    sender alive, the same failure is still the worker's."""
+    from single_controller.protocols import GenerationFailed, TrainerRankDied
+
+    client, weights = _client_and_weights(sender_alive=False)
+    with pytest.raises(TrainerRankDied, match=r"sending weights died during .*v3.* to generation worker gen0"):
+        await client.update_weights(weights)
+    assert client._group is None  # the group is gone with it
+
+    client, weights = _client_and_weights(sender_alive=True)
+    with pytest.raises(GenerationFailed, match=r"gen0: weights v3 over weight-sync group .* the sender is alive"):
+        await client.update_weights(weights)

@@ -35,6 +35,7 @@ from replay.fetch import with_advantages
 from replay.storage import RowStorage, column_nbytes
 from single_controller.backends.common.behind_finish import BehindFinish
 from single_controller.protocols import (
+    ContextFull,
     EnvironmentFailed,
     GenerationFailed,
     GenerationWorkerDied,
@@ -61,7 +62,8 @@ class Faults:
     gate: asyncio.Event | None = None  # when set to an unset Event, generation blocks until it is set
     gen_delay: dict[tuple[str, int], float] = field(default_factory=dict)  # extra latency per attempt
     # replaces sim_rewards (e.g. all equal); one that raises fails its group alone (RewardFailed, or the
-    # EnvironmentFailed it raises, as a worker playing episodes answers a group whose environment failed)
+    # EnvironmentFailed or ContextFull it raises, as a worker playing episodes answers a group whose
+    # environment failed or whose first observation filled the context)
     rewards: Callable[[str, int, int], tuple[float, ...]] | None = None
     # (prompt_id, attempt, G) -> each reward function's G values, as a worker with `reward.functions`
     # reports them beside the rewards (`GenerationResult.reward_parts`); None: none (the default reward)
@@ -400,7 +402,7 @@ class SimGenerationWorker:
         G, T = request.sampling.n, request.sampling.max_new_tokens
         try:
             rewards = (self.faults.rewards or sim_rewards)(request.prompt.prompt_id, attempt, G)
-        except EnvironmentFailed:  # a scripted environment failure (past its attempts): this group's alone
+        except (EnvironmentFailed, ContextFull):  # a scripted episode failure: this group's alone
             raise
         except Exception as e:  # a scripted reward failure: this group's alone
             raise RewardFailed(f"{self.name}: reward function failed on group {request.group_id}: {e!r}") from e

@@ -410,7 +410,8 @@ class TimeoutConfig:
     plus `checkpoint_s_per_gib` for each GiB the newest checkpoint took (a real model's state takes
     minutes to write: not the split-API calls' deadline)."""
     checkpoint_s_per_gib: NonNegative = 60.0
-    """Seconds added to `checkpoint_s` per GiB of the newest checkpoint written (or loaded)."""
+    """Seconds added to `checkpoint_s` per GiB of the newest checkpoint written (or loaded); before a
+    run has written or loaded one, per GiB of 8 times its published weights (a guess of its state's size)."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ Contract:
   the listener, cancels the requests in progress and closes every open episode; `async with` does both.
 * An episode with no request for `idle_timeout_s` is expired (its environment closed, its id
   forgotten: a later `/step` gets 404), so a client that crashed mid-episode leaks nothing forever.
+* An episode id is taken from the moment its `/reset` arrives: a second `/reset` of it meanwhile is
+  a 409 (it never replaces the first's environment), and a `/close` of it meanwhile (a client whose
+  reset missed its deadline) closes the environment as soon as its reset ends, never leaving it open
+  until it expires.
 * Answers: 200 with the protocol's JSON; 400 a request that is not the protocol (or args the
   environment's constructor rejects); 404 an unknown path or episode; 409 a reset of a live episode;
   500 an environment that raised or answered outside the contract, `{"error": "..."}` saying which.
@@ -74,6 +78,7 @@ class EnvServer:
         self.factory, self.host, self.port, self.idle_timeout_s = factory, host, port, idle_timeout_s
         self._server: asyncio.Server | None = None
         self._episodes: dict[str, _Episode] = {}
+        self._resetting: dict[str, bool] = {}  # episodes whose reset is under way -> closed meanwhile
         self._handlers: set[asyncio.Task] = set()
         self._closing: set[asyncio.Task] = set()  # closes of expired episodes
         self._requests = self._errors = self._expired = 0
@@ -171,7 +176,7 @@ class EnvServer:
 
     # -- the protocol's calls
     async def _reset(self, episode: str, request: dict[str, Any]) -> Any:
-        if episode in self._episodes:
+        if episode in self._episodes or episode in self._resetting:
             raise _HttpError(409, f"episode {episode} is open already (one reset per episode id)")
         item, args = item_from_json(request.get("item")), request.get("args") or {}
         if not isinstance(args, dict):
@@ -180,11 +185,19 @@ class EnvServer:
             env = self.factory(**args)
         except TypeError as e:
             raise _HttpError(400, f"the environment rejects args {args!r:.200}: {e}") from None
+        self._resetting[episode] = False  # the id is taken from here on
         try:
             observation = await env.reset(item)
-        except Exception as e:
+        except BaseException as e:  # its error, or the server stops (cancelled): nobody else closes it
             await self._close_quietly(env)
-            raise _env_error("reset", episode, e) from None
+            if isinstance(e, Exception):
+                raise _env_error("reset", episode, e) from None
+            raise
+        finally:
+            closed = self._resetting.pop(episode)
+        if closed:
+            await self._close_quietly(env)
+            raise _HttpError(404, f"episode {episode} was closed while it was being reset")
         if not isinstance(observation, str):
             await self._close_quietly(env)
             raise _HttpError(500, f"reset of episode {episode} returned a {type(observation).__name__}, not a str")
@@ -214,6 +227,9 @@ class EnvServer:
         return answer
 
     async def _close(self, episode: str, request: dict[str, Any]) -> Any:
+        if episode in self._resetting:  # its reset closes the environment when it ends
+            self._resetting[episode] = True
+            return {"closed": True}
         ep = self._episodes.pop(episode, None)
         if ep is None:
             return {"closed": False}  # closed, expired or never reset: nothing left to close

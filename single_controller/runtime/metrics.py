@@ -71,6 +71,7 @@ KNOWN_DROP_REASONS = (
     "generation_failed",
     "reward_failed",
     "env_failed",
+    "context_full",
     "zero_variance",
     "stale_in_flight",
     "run_ended",
@@ -349,6 +350,11 @@ def _step_families(f: _Families, s: ControllerStatistics) -> None:
         "env_failed_groups",
         "Groups dropped because their environment failed (errors or deadlines past env.max_attempts).",
         s.env_failed,
+    )
+    f.counter(
+        "context_full_groups",
+        "Groups dropped because an episode's prompt and first observation left no room for a policy token.",
+        s.context_full,
     )
     _episode_counters(f, s.env_totals)
     f.counter(

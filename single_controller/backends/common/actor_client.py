@@ -25,8 +25,8 @@ import ray
 from single_controller.backends.common.actors import first_line, kill_all
 from single_controller.backends.common.rank_calls import SYNC_GROUP
 from single_controller.backends.common.weight_broadcast import GroupAddress, StagedWeights, SyncLink
-from single_controller.deadlines import within
-from single_controller.protocols import GenerationFailed, GenerationWorkerDied, generate
+from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.protocols import GenerationFailed, GenerationWorkerDied, TrainerRankDied, generate
 from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
 
 log = logging.getLogger(__name__)
@@ -154,15 +154,22 @@ class ActorGenerationClient:
     async def _broadcast_weights(self, weights: WeightsHandle) -> None:
         """The sender's broadcast beside this worker's receive, over this worker's group; through the
         object store when no group can be formed. A failed broadcast may leave the worker's engine
-        half-written: it fails as `GenerationFailed` (the caller takes the worker out and restarts it)."""
+        half-written: it fails as `GenerationFailed` (the caller takes the worker out and restarts it),
+        unless the sender (a trainer rank) died: that is the trainer's failure, `TrainerRankDied`
+        (the run stops, resumable), not this worker's, nor every other worker's it was sending to."""
         staged: StagedWeights = weights.payload
+        v = weights.version
         key = await self._sync_group(staged.sender)
         if key is None:
-            snapshot = await staged.sender.put_weights.options(concurrency_group=SYNC_GROUP).remote(weights.version)
-            await self.actor.update_weights.remote(WeightsHandle(weights.version, snapshot, weights.num_bytes))
+            snapshot = await self._from_sender(
+                staged.sender.put_weights.options(concurrency_group=SYNC_GROUP).remote(v), f"put_weights(v{v})"
+            )
+            await self.actor.update_weights.remote(WeightsHandle(v, snapshot, weights.num_bytes))
             return
         send = asyncio.ensure_future(
-            staged.sender.send_weights.options(concurrency_group=SYNC_GROUP).remote(key, weights.version)
+            self._from_sender(
+                staged.sender.send_weights.options(concurrency_group=SYNC_GROUP).remote(key, v), f"send_weights(v{v})"
+            )
         )
         try:
             await self.actor.receive_weights.remote(weights, key)
@@ -170,13 +177,42 @@ class ActorGenerationClient:
         except BaseException as e:
             # The send's own error (if any) is this one's cause or consequence: retrieved, not raised.
             send.add_done_callback(lambda f: f.cancelled() or f.exception())
+            if isinstance(e, TrainerRankDied):
+                self._leave_group()
+                raise
             if not isinstance(e, ray.exceptions.RayTaskError):
                 raise  # a dead worker (restarted with a group of its own), or our caller's cancellation
             self._leave_group()  # the other end fails at its own timeout and drops the group too
+            # The receive fails as soon as the connection breaks, maybe before Ray reports the
+            # sender's death: ask the sender whether it is there (raises TrainerRankDied if not).
+            alive = await self._sender_answers(staged.sender, v)
             raise GenerationFailed(
-                f"{self.name}: weights v{weights.version} over weight-sync group {key} failed "
-                f"(the engine may hold part of them): {first_line(e)}"
+                f"{self.name}: weights v{v} over weight-sync group {key} failed "
+                f"(the engine may hold part of them; {alive}): {first_line(e)}"
             ) from e
+
+    async def _from_sender(self, ref: Any, what: str) -> Any:
+        """A call on the weights' sender, a trainer rank: its death is the trainer's, not this worker's."""
+        try:
+            return await ref
+        except ray.exceptions.ActorDiedError as e:
+            raise TrainerRankDied(
+                f"the trainer rank sending weights died during {what} to generation worker {self.name}: {first_line(e)}"
+            ) from e
+
+    async def _sender_answers(self, sender: Any, version: int) -> str:
+        """After a failed weight sync: raises `TrainerRankDied` when the sender is gone; else says
+        whether it answered."""
+        what = f"the weight sender's sync_address (is it alive after v{version} failed on {self.name}?)"
+        try:
+            await within(
+                self._from_sender(sender.sync_address.options(concurrency_group=SYNC_GROUP).remote(), what),
+                self._sync.timeout_s,
+                what,
+            )
+        except DeadlineExceeded as e:
+            return f"the sender did not answer either: {e}"
+        return "the sender is alive"
 
     async def _sync_group(self, sender: Any) -> str | None:
         """The key of this worker's group with `sender`, formed on first use; None: the object store
@@ -188,19 +224,23 @@ class ActorGenerationClient:
         self._leave_group()
         try:
             ranks = await self.actor.sync_ranks.remote()
-            host, port = await sender.sync_address.options(concurrency_group=SYNC_GROUP).remote()
+            host, port = await self._from_sender(
+                sender.sync_address.options(concurrency_group=SYNC_GROUP).remote(), "sync_address"
+            )
             addr = GroupAddress(
                 f"{self.name}-{uuid.uuid4().hex[:8]}", host, port, 1 + ranks, self._sync.backend, self._sync.timeout_s
             )
             await within(
                 asyncio.gather(
-                    sender.open_sync_group.options(concurrency_group=SYNC_GROUP).remote(addr),
+                    self._from_sender(
+                        sender.open_sync_group.options(concurrency_group=SYNC_GROUP).remote(addr), "open_sync_group"
+                    ),
                     self.actor.join_sync_group.remote(addr),
                 ),
                 self._sync.timeout_s + 5.0,
                 f"generation worker {self.name}: forming its weight-sync group at {host}:{port}",
             )
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, TrainerRankDied):  # a dead worker, or a dead sender
             raise
         except Exception as e:  # noqa: BLE001 - any failure to form the group means: use the object store
             self.sync_fallback = first_line(e)

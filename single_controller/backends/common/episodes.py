@@ -17,11 +17,13 @@ least one token, so the policy turns (the mask's runs of True) are the turn boun
 
 An episode ends when the environment says `done` (its reward), or after `env.max_turns` policy turns,
 or when the next turn or observation would not fit the model's positions (`truncated_reward`: an
-outcome of the policy, not an error). Every environment call has the deadline `env.timeout_s`. An
-environment that fails (raises, misses a deadline, breaks the contract) fails that episode's attempt;
-the episode starts over with a fresh environment after a pause (`env.retry_backoff_s`, doubled each
-time), up to `env.max_attempts` attempts; then the whole
-group fails with `EnvironmentFailed` and none of its rows is stored: a failed environment is never
+outcome of the policy, not an error). An episode whose prompt and first observation leave no room for
+even its first policy token has nothing to train: its group fails with `ContextFull` (dropped as
+`context_full`, its batch-mates untouched), never a zero reward. Every environment call has the
+deadline `env.timeout_s`. An environment that fails (raises, misses a deadline, breaks the contract)
+fails that episode's attempt; the episode starts over with a fresh environment after a pause
+(`env.retry_backoff_s`, doubled each time), up to `env.max_attempts` attempts; then the whole group
+fails with `EnvironmentFailed` and none of its rows is stored: a failed environment is never
 a zero reward in the GRPO baseline. Engine errors are not environment failures: they propagate.
 """
 
@@ -40,7 +42,7 @@ from single_controller.config.schema import EnvConfig
 from single_controller.data.tokenizer import RunTokenizer
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.envs.contract import Action, EnvFailed, Environment, EpisodeItem, StepOutcome
-from single_controller.protocols import EnvironmentFailed
+from single_controller.protocols import ContextFull, EnvironmentFailed
 from single_controller.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
@@ -157,8 +159,9 @@ class EpisodeRunner:
         self.name = name
 
     async def run_group(self, request: GenerationRequest, engine: TurnEngine) -> list[Episode]:
-        """The group's G episodes, or `EnvironmentFailed` when one of them ran out of attempts (the
-        others are cancelled: a group trains whole or not at all)."""
+        """The group's G episodes, or `EnvironmentFailed` when one of them ran out of attempts, or
+        `ContextFull` when one had no room for a policy token (the others are cancelled: a group
+        trains whole or not at all)."""
         tasks = [
             asyncio.create_task(self._episode(request, i, engine), name=f"{request.group_id}#{i}")
             for i in range(request.sampling.n)
@@ -177,7 +180,7 @@ class EpisodeRunner:
                     f"time(s), the last: {error.error}"
                 ) from error.error
             if error is not None:
-                raise error  # the engine's (GenerationFailed) or a bug: not the environment's
+                raise error  # ContextFull, the engine's (GenerationFailed) or a bug: not the environment's
         return [t.result() for t in tasks]
 
     async def _episode(self, request: GenerationRequest, index: int, engine: TurnEngine) -> Episode:
@@ -221,6 +224,13 @@ class EpisodeRunner:
         while ep.turns < self.cfg.max_turns:
             budget = min(self.max_per_turn, engine.max_seq_len - len(seq))
             if budget < 1:
+                if not ep.turns:  # not one policy token: nothing to train, and not the policy's doing
+                    raise ContextFull(
+                        f"{self.name}: group {request.group_id}: episode {_episode_name(item)}: the prompt "
+                        f"({len(request.prompt.token_ids)} tokens) and the environment's first observation "
+                        f"({len(prompt) - len(request.prompt.token_ids)} tokens) fill the model's "
+                        f"{engine.max_seq_len} positions: no room for one policy token"
+                    )
                 break
             out = await engine.continue_sequence(seq, budget, request, self.stop_ids)
             ep.add(out.ids, out.logprobs, out.versions, policy=True)
@@ -344,8 +354,8 @@ def episode_result(
     """A group's result: its rewards and episode statistics; its version span over the policy tokens
     only (an observation carries the version of the turn before it and is never trained)."""
     versions = [v for e in episodes for v, m in zip(e.versions, e.mask) if m]
-    if not versions:
-        raise ValueError(f"group {request.group_id}: no episode sampled a token (the prompt fills the context)")
+    if not versions:  # (`EpisodeRunner` fails such a group before it ends)
+        raise ContextFull(f"group {request.group_id}: no episode sampled a token (the prompt fills the context)")
     rewards = tuple(e.reward for e in episodes)
     return GenerationResult(
         group_id=request.group_id,

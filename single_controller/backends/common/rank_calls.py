@@ -6,8 +6,13 @@ every rank in rank order. What a failure becomes decides whether the step is ret
   checkpoint);
 * a failure a retry can fix (`RETRYABLE`): `TrainerFailed` naming the call and the rank (the train
   pump asks where the trainer stands, then aborts and retries the step);
-* `TrainStepStateError` (split API out of order) and everything else, e.g. a `TypeError` in the
-  loss: raised as it is (Ray's error carries the rank's traceback), so a bug fails the run at once.
+* the protocol errors a rank raises on purpose (`ON_PURPOSE`: `TrainStepStateError`, the split API
+  out of order; `TrainerStateLost`, an optimizer step failed partway): raised as themselves, of
+  their own class and naming the rank, chained to Ray's error (which carries the rank's traceback).
+  Not as Ray's wrapper, a class of its own (`RayTaskError(TrainerStateLost)`) whose name is what a
+  failed run records, and `run.auto_resume` heals a failure by that name;
+* everything else, e.g. a `TypeError` in the loss: raised as it is (Ray's error, an instance of the
+  rank's class too, carries its traceback), so a bug fails the run at once.
 Ranks say themselves which of their failures a retry can fix, by raising `TrainerFailed`
 (`RankStepCalls._read_rows`, `split_step.collective`).
 
@@ -38,7 +43,7 @@ import ray
 
 from single_controller.backends.common.actors import first_line, kill_all
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainStepStateError
+from single_controller.protocols import TrainerFailed, TrainerRankDied, TrainerStateLost, TrainStepStateError
 from single_controller.types import TrainStatus
 
 if TYPE_CHECKING:
@@ -81,6 +86,9 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     ray.exceptions.ObjectStoreFullError,
 )
 
+# The trainer protocol's errors a rank raises on purpose (`protocols`): they cross as themselves.
+ON_PURPOSE: tuple[type[Exception], ...] = (TrainerStateLost, TrainStepStateError)
+
 
 async def rank_call(what: str, refs: list) -> list:
     results = []
@@ -91,6 +99,11 @@ async def rank_call(what: str, refs: list) -> list:
             raise TrainerRankDied(f"trainer rank {rank} died during {what}: {first_line(e)}") from e
         except RETRYABLE as e:
             raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}") from e
+        except ray.exceptions.RayTaskError as e:
+            cause = _cause(e)
+            if isinstance(cause, ON_PURPOSE):
+                raise type(cause)(f"trainer rank {rank}: {cause}") from e
+            raise
     return results
 
 

@@ -17,8 +17,10 @@ object-store snapshot (torch: `load_snapshot`; vLLM: the worker extension's `sc_
   a port the OS picks), each under a key of its own (`PrefixStore`). Every wait has the group's
   timeout (`timeouts.weight_sync_s`).
 * Memory: nothing is allocated per sync in steady state. A sender keeps `STAGED_VERSIONS` packed
-  snapshots and packs each new one into the buckets of the one it drops (`make_room`); a receiver
-  receives into the buckets of its last snapshot (`WeightReceiver`).
+  snapshots and packs each new one into the buckets of the one it drops (`make_room`), unless a send
+  or an object-store copy reads them: a reader marks its version in the same locked step that finds
+  its buckets (`_reading`), so no export in between can pack into them. A receiver receives into
+  the buckets of its last snapshot (`WeightReceiver`).
 * `StagedWeights` is a `WeightsHandle` payload of this transport: the manifest and the sending actor.
   The controller-side client (`actor_client.ActorGenerationClient`) forms the group on first use,
   then runs the sender's `send_weights` beside the worker's `receive_weights`. When the group cannot
@@ -28,9 +30,10 @@ object-store snapshot (torch: `load_snapshot`; vLLM: the worker extension's `sc_
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,13 +157,13 @@ class WeightSender:
     _staged: dict[int, tuple[WeightManifest, list[torch.Tensor]]]
     _sync_groups: dict[str, tuple[GroupAddress, Any]]
     _sync_store: Any
-    _sending: dict[int, int]
+    _sending: dict[int, int]  # version -> readers of its buckets now (sends, object-store copies)
 
     def _sender_state(self) -> None:
         if not hasattr(self, "_sync_lock"):
             self._sync_lock = threading.Lock()
             self._staged, self._sync_groups, self._sync_store = {}, {}, None
-            self._sending = {}  # version -> sends reading its buckets now
+            self._sending = {}  # version -> readers of its buckets now (`_reading`)
 
     def make_room(self) -> list[torch.Tensor] | None:
         """Before packing a new version: drop all but the newest `STAGED_VERSIONS - 1`; returns the
@@ -187,7 +190,11 @@ class WeightSender:
                 del self._staged[old]
         return StagedWeights(m, sender)
 
-    def _staged_version(self, version: int) -> tuple[WeightManifest, list[torch.Tensor]]:
+    @contextlib.contextmanager
+    def _reading(self, version: int) -> Iterator[tuple[WeightManifest, list[torch.Tensor]]]:
+        """Staged `version`, its buckets marked as read until the block ends: found and marked under
+        one hold of the lock, so `make_room` (an export, on the actor's main thread) never packs a
+        new version into them meanwhile."""
         self._sender_state()
         with self._sync_lock:
             staged = self._staged.get(version)
@@ -196,7 +203,14 @@ class WeightSender:
                     f"weights v{version} are not staged here any more (staged: {sorted(self._staged)}; "
                     f"a sender keeps the newest {STAGED_VERSIONS})"
                 )
-            return staged
+            self._sending[version] = self._sending.get(version, 0) + 1
+        try:
+            yield staged
+        finally:
+            with self._sync_lock:
+                self._sending[version] -= 1
+                if not self._sending[version]:
+                    del self._sending[version]
 
     def sync_address(self) -> tuple[str, int]:
         """(the IP this node registered with the cluster, the port of the TCPStore every group of this
@@ -219,31 +233,24 @@ class WeightSender:
     def send_weights(self, key: str, version: int) -> int:
         """Broadcast staged `version` to group `key`; returns the bytes sent. A failed send drops the
         group (the client forms a new one)."""
-        _, buckets = self._staged_version(version)
-        with self._sync_lock:
-            entry = self._sync_groups.get(key)
-        if entry is None:
-            raise SyncGroupError(f"no weight-sync group {key} on this sender (closed, or never formed)")
-        addr, group = entry
-        with self._sync_lock:
-            self._sending[version] = self._sending.get(version, 0) + 1
-        try:
-            return broadcast_buckets(group, buckets, addr.backend)
-        except Exception as e:
-            self.close_sync_group(key)
-            raise SyncGroupError(f"weight-sync group {key}: broadcasting v{version} failed: {e}") from e
-        finally:
+        with self._reading(version) as (_, buckets):
             with self._sync_lock:
-                self._sending[version] -= 1
-                if not self._sending[version]:
-                    del self._sending[version]
+                entry = self._sync_groups.get(key)
+            if entry is None:
+                raise SyncGroupError(f"no weight-sync group {key} on this sender (closed, or never formed)")
+            addr, group = entry
+            try:
+                return broadcast_buckets(group, buckets, addr.backend)
+            except Exception as e:
+                self.close_sync_group(key)
+                raise SyncGroupError(f"weight-sync group {key}: broadcasting v{version} failed: {e}") from e
 
     def put_weights(self, version: int) -> WeightSnapshot:
         """The object-store fallback: staged `version` as `ray.put` buckets."""
         import ray
 
-        m, buckets = self._staged_version(version)
-        return WeightSnapshot(m, [ray.put(to_bucket(b)) for b in buckets])
+        with self._reading(version) as (m, buckets):  # `ray.put` copies from the staged buckets
+            return WeightSnapshot(m, [ray.put(to_bucket(b)) for b in buckets])
 
     def close_sync_group(self, key: str) -> bool:
         """Forget group `key` (a restarted or removed worker's); True if it existed."""
