@@ -50,6 +50,7 @@ from single_controller.protocols import (
     GenerationWorkerDied,
     Restartable,
     RewardFailed,
+    Sleepable,
 )
 from single_controller.state import RunState
 from single_controller.types import GenerationRequest, GenerationResult, SamplingParams
@@ -167,49 +168,69 @@ def _needs_restart(state: RunState) -> list[GenerationWorker]:
 
 
 async def _restart(state: RunState, worker: GenerationWorker) -> None:
-    """Bring a dead worker back: a new process, the current weights, then routing. A worker that
-    cannot restart stays out; with none left to route to, the run stops."""
+    """Bring a dead worker back: a new process, the current weights, then routing (a shrunk one:
+    asleep at its level, for its expand). A worker that cannot restart stays out; with none left to
+    route to, the run stops. Serialized with the worker's resizes and weight updates
+    (`Elastic.engine_lock`): no shrink or update lands inside a restart."""
     cfg = state.cfg
-    try:
-        if not isinstance(worker, Restartable):
-            raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
-        if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
-            raise GenerationFailed(
-                f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts"
-            )
-        state.health.restarts_of[worker.name] += 1
-        applied = state.versions.latest_weights
-        await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
-        while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
+    async with state.elastic.engine_lock(worker.name):
+        try:
+            if not isinstance(worker, Restartable):
+                raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
+            if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
+                raise GenerationFailed(
+                    f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts"
+                )
+            state.health.restarts_of[worker.name] += 1
             applied = state.versions.latest_weights
-            assert applied is not None  # set by a weight sync, never unset
-            await within(
-                worker.update_weights(applied),
-                cfg.timeouts.weight_sync_s,
-                f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
-            )
-    except Exception as e:
-        state.pumps[PUMP].errors += 1
-        if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:
-            # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
-            state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
-            state.notify()
-            return
-        others = [w for w in state.routable() if w is not worker] or state.health.restarting - {worker.name}
-        # a shrunk worker can still be expanded: the pump waits for it (`elastic`), not an error
-        if not others and not set(state.elastic.out) - {worker.name}:
-            raise NoGenerationWorkers(
-                f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
-                f"restarting {worker.name} failed: {type(e).__name__}: {e}"
-            ) from e
-        state.health.given_up.add(worker.name)
-        state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
-        return  # it stays out of routing; the others carry on
-    finally:
-        state.health.restarting.discard(worker.name)
-    del state.health.down[worker.name]
-    state.counters.worker_restarts += 1
-    state.notify()
+            await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
+            while state.versions.latest_weights is not applied:  # a weight sync landed meanwhile: catch up
+                applied = state.versions.latest_weights
+                assert applied is not None  # set by a weight sync, never unset
+                await within(
+                    worker.update_weights(applied),
+                    cfg.timeouts.weight_sync_s,
+                    f"generation worker {worker.name}: update_weights(v{applied.version}) after restart",
+                )
+            await _asleep_if_shrunk(state, worker)
+        except Exception as e:
+            state.pumps[PUMP].errors += 1
+            if (
+                isinstance(worker, Restartable)
+                and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts
+            ):
+                # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
+                state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
+                state.notify()
+                return
+            others = [w for w in state.routable() if w is not worker] or state.health.restarting - {worker.name}
+            # a shrunk worker can still be expanded: the pump waits for it (`elastic`), not an error
+            if not others and not set(state.elastic.out) - {worker.name}:
+                raise NoGenerationWorkers(
+                    f"no generation worker is left: "
+                    f"{', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
+                    f"restarting {worker.name} failed: {type(e).__name__}: {e}"
+                ) from e
+            state.health.given_up.add(worker.name)
+            state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
+            state.notify()  # (an expand waiting for this restart gives up)
+            return  # it stays out of routing; the others carry on
+        finally:
+            state.health.restarting.discard(worker.name)
+        # back in the run (or, shrunk, ready for its expand) in the same step as its restart's end
+        del state.health.down[worker.name]
+        state.counters.worker_restarts += 1
+        state.notify()
+
+
+async def _asleep_if_shrunk(state: RunState, worker: GenerationWorker) -> None:
+    """A restarted worker that is shrunk out of the run goes back to sleep at its level: its slot is
+    not its own (an expand under way wakes it anyway: left awake)."""
+    el, name = state.elastic, worker.name
+    level = el.level.get(name, 0)
+    if el.out.get(name) in ("shrinking", "asleep") and level > 0 and isinstance(worker, Sleepable):
+        what = f"generation worker {name}: sleep({level}) after its restart (it is shrunk)"
+        await within(worker.sleep(level), state.cfg.timeouts.weight_sync_s, what)
 
 
 def _admissible(state: RunState) -> bool:

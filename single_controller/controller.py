@@ -36,7 +36,7 @@ from pumps.advantage import advantage_pump
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
-from pumps.weight_sync import weight_sync_pump
+from pumps.weight_sync import update_worker, weight_sync_pump
 from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
@@ -330,23 +330,19 @@ class Controller:
             )
 
     async def _sync_resumed_weights(self) -> None:
-        """A resumed run starts from the checkpoint's policy: every generation worker gets the
-        trainer's weights (version = the cut) before the first rollout."""
+        """A resumed run starts from the checkpoint's policy: every routable generation worker gets the
+        trainer's weights (version = the cut) before the first rollout, as in a weight sync (one that
+        fails it is down, and restarted with them). A shrunk one (asleep, in a pool) gets them at its
+        expand: they are the published weights from now on."""
         st, cfg = self.state, self.cfg
         v = st.versions.trainer
         handle = await within(
             st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)"
         )
+        st.versions.latest_weights = handle  # what a worker restarted from now on applies
         async with asyncio.TaskGroup() as fanout:
-            for w in st.workers.generators:
-                fanout.create_task(
-                    within(
-                        w.update_weights(handle),
-                        cfg.timeouts.weight_sync_s,
-                        f"generation worker {w.name}: update_weights(v{v}) (resume)",
-                    )
-                )
-        st.versions.latest_weights = handle
+            for w in st.routable():
+                fanout.create_task(update_worker(st, w, handle, " (resume)"))
 
     def _checkpoint_due(self, version: int) -> bool:
         c, st = self.cfg.checkpoint, self.state

@@ -19,7 +19,7 @@ import pytest
 from single_controller.bench.pool import layouts, run_layout
 from single_controller.pool.link import InProcessPool, PoolLink
 from single_controller.pool.planner import RunSlots
-from single_controller.pool.scheduler import GEN, IDLE, SWITCHING, TRAIN, PoolError, PoolScheduler
+from single_controller.pool.scheduler import GEN, IDLE, SWITCHING, TRAIN, PoolError, PoolScheduler, RunGone
 from tests.test_controller_sim import assert_clean_end, trained_prompts
 
 EVERY = (0, 1, 2, 3)
@@ -65,7 +65,7 @@ class FakeRun:
         self.calls.append(("shrink", slot, preempt))
         await asyncio.sleep(self.delay())
         if self.shrink_fails:
-            raise ConnectionError("the run's driver is gone")
+            raise RunGone("the run's controller is gone")
 
     async def expand_slot(self, slot: int) -> None:
         self.calls.append(("expand", slot))
@@ -105,9 +105,8 @@ class Checked:
         b.note("expand", me, slot)
         try:
             await self.inner.expand_slot(slot)
-        except Exception:
-            b.on[slot] = None if b.on[slot] == me else b.on[slot]
-            b.note("failed", me, slot)
+        except BaseException:
+            b.note("failed", me, slot)  # (woken maybe: on the slot until a shrink says it is not)
             raise
         if b.on[slot] != me:
             b.violations.append(f"{me}'s worker woke on slot {slot} after it was shrunk (now: {b.on[slot]})")
@@ -148,31 +147,19 @@ class CheckedPool(InProcessPool):
 
 
 class Harness:
-    """A pool being served, its board and its checked API; `settled()` waits out the cycles due."""
+    """A pool being served, its board and its checked API; `settled()` waits out the work due."""
 
-    def __init__(self, slots: int, policy: str):
-        self.pool = PoolScheduler(slots, policy, resize_timeout_s=2.0)
+    def __init__(self, slots: int, policy: str, resize_timeout_s: float = 2.0):
+        self.pool = PoolScheduler(slots, policy, resize_timeout_s=resize_timeout_s)
         self.board = Board(slots)
         self.api = CheckedPool(self.pool, self.board)
-        self.in_cycle = False
-        cycle = self.pool._cycle
-
-        async def traced_cycle() -> None:
-            self.in_cycle = True
-            try:
-                await cycle()
-            finally:
-                self.in_cycle = False
-
-        self.pool._cycle = traced_cycle
 
     async def settled(self) -> None:
-        """Returns once the tasks started have run, and no cycle is due or under way, and no expand."""
-        p = self.pool
+        """Returns once the tasks started have run, and nothing is due or under way (`quiet`)."""
         async with asyncio.timeout(2.0):
             while True:
                 await asyncio.sleep(0.001)
-                if not (p._dirty.is_set() or self.in_cycle or p._expanding):
+                if self.pool.quiet():
                     return
 
     def on(self) -> list[str | None]:
@@ -180,8 +167,8 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(slots: int = 4, policy: str = "gap_ratio"):
-    h = Harness(slots, policy)
+async def serving(slots: int = 4, policy: str = "gap_ratio", resize_timeout_s: float = 2.0):
+    h = Harness(slots, policy, resize_timeout_s)
     serve = asyncio.create_task(h.pool.serve())
     try:
         yield h
@@ -219,7 +206,7 @@ async def test_a_train_grant_shrinks_what_is_on_its_train_slots_first_and_nothin
         assert [st for _, s, st, _ in h.pool.timeline if s == 0][-4:] == [TRAIN, IDLE, SWITCHING, GEN]
 
 
-async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_idempotent():
+async def test_acquire_is_idempotent_per_step_the_next_step_waits_for_the_release_and_a_run_alone_hands_its_slots_back():
     async with serving() as h:
         pool = h.pool
         a = FakeRun()
@@ -230,20 +217,53 @@ async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_ide
         await h.api.acquire_train("A", 0)
         assert h.on() == [None, None, "A", "A"] and sorted(a.calls)[-2:] == [("shrink", 0, False), ("shrink", 1, False)]
         grants, marks = pool.statistics().train_grants, len(pool.timeline)
-        again = pool.acquire_train("A", 1)
-        with pytest.raises(StopIteration):  # it returned without once yielding to the loop
+        again = pool.acquire_train("A", 0)
+        with pytest.raises(StopIteration):  # the step it holds: it returned without once yielding to the loop
             again.send(None)
         assert pool.statistics().train_grants == grants == 1 and len(pool.timeline) == marks
-        pool.release_train("A", 0)
-        assert pool.training == {0: "A", 1: "A", 2: None, 3: None}  # step 1 still holds them
-        pool.release_train("A", 0)
+        nxt = asyncio.create_task(h.api.acquire_train("A", 1))
+        await h.settled()
+        assert not nxt.done()  # its next step waits for the release of this one (R3)
         pool.release_train("A", 7)  # never acquired
-        assert pool.training[0] == "A" and len(pool.timeline) == marks
-        pool.release_train("A", 1)
-        assert pool.training == dict.fromkeys(range(4)) and len(pool.timeline) == marks + 2  # slots 0, 1 idle
+        assert pool.training == {0: "A", 1: "A", 2: None, 3: None} and len(pool.timeline) == marks
+        await h.api.release_train("A", 0)
+        await asyncio.wait_for(nxt, 1.0)
+        # granted straight from the release: no expand onto slots 0-1 between the two steps
+        assert pool.training == {0: "A", 1: "A", 2: None, 3: None} and h.on() == [None, None, "A", "A"]
+        assert pool.statistics().train_grants == 2
+        pool.release_train("A", 0)  # released already
+        assert pool.training[0] == "A"
+        await h.api.release_train("A", 1)
+        await h.settled()
+        assert pool.training == dict.fromkeys(range(4))
+        assert h.on() == ["A"] * 4  # alone, with no step waiting: its train slots generate again
         pool.release_train("A", 1)
         pool.release_train("Z", 1)  # a run that left (or never came)
-        assert len(pool.timeline) == marks + 2
+        assert pool.training == dict.fromkeys(range(4))
+
+
+async def test_a_run_holding_its_train_slot_queues_its_next_step_behind_a_run_that_waits_for_it_and_nobody_overtakes():
+    async with serving() as h:
+        for name, train in (("A", (0,)), ("B", (0, 1)), ("C", (1,))):
+            await h.api.register(RunSlots(name, EVERY, train), FakeRun())
+        await h.api.acquire_train("A", 0)
+        b = asyncio.create_task(h.api.acquire_train("B", 0))
+        await h.settled()
+        a1 = asyncio.create_task(h.api.acquire_train("A", 1))
+        await h.settled()
+        c = asyncio.create_task(h.api.acquire_train("C", 0))
+        await h.settled()
+        # A's next step is behind B (asked first), and C behind B too: slot 1 is free, but B waits for it
+        assert not b.done() and not a1.done() and not c.done()
+        await h.api.release_train("A", 0)
+        await asyncio.wait_for(b, 1.0)
+        await h.settled()
+        assert not a1.done() and not c.done()
+        await h.api.release_train("B", 0)
+        await asyncio.wait_for(asyncio.gather(a1, c), 1.0)
+    granted = [e[1:] for e in h.board.log if e[0] == "granted"]
+    assert granted[:2] == [("A", 0), ("B", 0)] and sorted(granted[2:]) == [("A", 1), ("C", 0)]
+    assert h.pool.statistics().train_grants == 4
 
 
 async def test_train_requests_on_the_same_slots_are_granted_first_come_first_served_each_after_a_release():
