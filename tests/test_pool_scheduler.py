@@ -60,15 +60,24 @@ class FakeRun:
         self.calls: list[tuple] = []
         self.shrink_fails = False
         self.expand_fails: set[int] = set()
+        self.drain_s = 0.0  # more for a draining shrink (preempt False)
+        self.wake_s = 0.0  # a wake that goes on when its caller stops waiting (a Ray call)
+        self._waking: dict[int, asyncio.Future] = {}
 
     async def shrink_slot(self, slot: int, preempt: bool) -> None:
         self.calls.append(("shrink", slot, preempt))
-        await asyncio.sleep(self.delay())
+        if slot in self._waking:  # one resize of a worker at a time, as `elastic` does
+            await asyncio.shield(self._waking[slot])
+        await asyncio.sleep(self.delay() + (0.0 if preempt else self.drain_s))
         if self.shrink_fails:
             raise RunGone("the run's controller is gone")
 
     async def expand_slot(self, slot: int) -> None:
         self.calls.append(("expand", slot))
+        if self.wake_s:
+            self._waking[slot] = asyncio.ensure_future(asyncio.sleep(self.wake_s))
+            await asyncio.shield(self._waking[slot])
+            del self._waking[slot]
         await asyncio.sleep(self.delay())
         if slot in self.expand_fails:
             self.expand_fails.discard(slot)
@@ -290,6 +299,43 @@ async def test_train_requests_on_the_same_slots_are_granted_first_come_first_ser
     assert h.pool.statistics().train_grants == 4
 
 
+async def test_a_train_grant_that_drains_holds_up_no_other_grant():
+    a = FakeRun()
+    async with serving() as h:
+        await h.api.register(RunSlots("A", EVERY, (0,)), a)
+        await h.api.register(RunSlots("B", EVERY, (3,)), FakeRun())
+        await h.api.report_demand("A", 4)
+        await h.settled()
+        assert h.on() == ["A"] * 4
+        a.drain_s = 0.5  # A's own worker on slot 0 drains for its grant; B's grant preempts A's on slot 3
+        granting_a = asyncio.create_task(h.api.acquire_train("A", 0))
+        await h.board.wait_until(lambda: ("shrink", "A", 0) in h.board.log, "A's drain on slot 0 to begin")
+        await asyncio.wait_for(h.api.acquire_train("B", 0), 0.25)  # (S8: it waited out A's drain)
+        assert not granting_a.done()
+        await asyncio.wait_for(granting_a, 1.0)
+    assert h.board.log.index(("granted", "B", 0)) < h.board.log.index(("shrunk", "A", 0))
+
+
+async def test_an_expand_past_its_deadline_frees_its_slot_only_once_a_shrink_confirms_the_worker_out():
+    # Under Ray a late wake goes on after the pool stopped waiting: the slot must not go to another run meanwhile.
+    a, b = FakeRun(), FakeRun()
+    a.wake_s = 0.3
+    async with serving(slots=1, resize_timeout_s=0.05) as h:
+        await h.api.register(RunSlots("A", (0,), (0,)), a)
+        await h.api.register(RunSlots("B", (0,), (0,)), b)
+        await h.api.report_demand("A", 4)
+        await h.board.wait_until(lambda: ("failed", "A", 0) in h.board.log, "A's expand to outlive its deadline")
+        await h.api.report_demand("A", 0)
+        await h.api.report_demand("B", 4)
+        await h.board.wait_until(lambda: ("expanded", "B", 0) in h.board.log, "B's expand", timeout=3.0)
+        s = h.pool.statistics()
+        # the expand's deadline, and the shrink's after it (asked again until the wake has ended)
+        assert s.failed_expands == 1 and s.late_resizes >= 2 and s.resident == {0: "B"}
+    log = h.board.log
+    assert ("shrink", 0, True) in a.calls  # the shrink that confirms A's worker out
+    assert log.index(("shrunk", "A", 0)) < log.index(("expand", "B", 0))
+
+
 async def test_a_train_grant_on_a_slot_being_expanded_waits_for_the_expand_then_shrinks_it():
     async with serving() as h:
         await h.api.register(RunSlots("A", EVERY, (0,)), FakeRun())
@@ -389,6 +435,7 @@ async def test_a_failed_expand_leaves_the_slot_empty_counted_until_the_next_chan
         s = h.pool.statistics()
         assert (s.expands, s.failed_expands) == (3, 1)
         assert [(st, r) for _, slot, st, r in h.pool.timeline if slot == 1][-1] == (IDLE, None)
+        assert a.calls[-1] == ("shrink", 1, True)  # the failed expand was shrunk back before the slot was free
         await h.api.report_demand("A", 5)  # a change: planned again, the expand goes again (and works)
         await h.settled()
         assert h.on() == ["A"] * 4 and a.calls.count(("expand", 1)) == 2
