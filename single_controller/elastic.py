@@ -123,7 +123,8 @@ async def _empty(state: RunState, name: str, mode: str) -> None:
     """Returns once no group is in flight on worker `name`: aborted at once, or drained up to the
     deadline and the rest aborted (`mode`)."""
     r = state.cfg.rollout
-    idle = lambda: state.worker_load[name] == 0 or state.stop.rollout_done  # noqa: E731
+    # (eval requests on it are withdrawn by the eval pump the moment it is out of routing, and go again elsewhere)
+    idle = lambda: (state.worker_load[name] == 0 and state.eval_load[name] == 0) or state.stop.rollout_done  # noqa: E731
     if mode == "drain":
         try:
             await within(

@@ -327,6 +327,7 @@ class RunState:
         # the rollout pump's too: group_id -> the worker its request went to, and requests in flight by worker
         self.dispatched_to: dict[str, str] = {}
         self.worker_load: collections.Counter[str] = collections.Counter()
+        self.eval_load: collections.Counter[str] = collections.Counter()  # the eval pump's requests in flight by worker
         self.teardown_errors: list[str] = []
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}

@@ -1,7 +1,8 @@
 """Layer (b): generation worker faults around elastic resizes (`single_controller/elastic.py`), on sim
 controllers: a death while shrunk or just before a shrink is handled as outside a pool (down, restarted
 asleep, expanded again), a shrink never lands inside the same worker's weight update, and a pooled run
-resumed at sleep level 1 updates its routable workers only."""
+resumed at sleep level 1 updates its routable workers only, and a shrink withdraws the eval requests
+on its worker before it sleeps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from single_controller.pool.scheduler import PoolScheduler
 from single_controller.protocols import GenerationFailed
 from single_controller.state import Workers
 from tests.test_controller_sim import assert_clean_end, make_cfg
+from tests.test_eval import EVAL_PROMPTS
 
 
 def cfg_of(steps: int = 6, **more):
@@ -143,3 +145,41 @@ async def test_a_pooled_run_resumed_at_sleep_level_1_updates_its_routable_worker
     # the resume found both workers asleep (out of the pool): they got the weights at their expands
     assert [g.sleeps[0] for g in gens2] == [1, 1] and ctl.state.counters.worker_deaths == 0
     assert ctl.state.elastic.expands >= 1 and pool.statistics().train_grants == 2
+
+
+async def test_a_shrink_withdraws_the_eval_requests_on_its_worker_before_it_sleeps_and_they_go_again_uncharged():
+    cfg = cfg_of(steps=4, eval={"enabled": True, "every_steps": 2, "num_prompts": len(EVAL_PROMPTS)})
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=EVAL_PROMPTS)
+    g, held, evals_on, at_sleep = gens[1], asyncio.Event(), set(), []
+    generate, sleep = g.generate, g.sleep
+
+    async def generating(req):
+        if not req.eval:
+            return await generate(req)
+        evals_on.add(req.group_id)
+        try:
+            if not held.is_set():  # the first eval request it gets stays in flight until the shrink
+                held.set()
+                await ctl.state.changed.wait_until(lambda: g.name in ctl.state.elastic.out and bool(g.sleeps))
+            return await generate(req)
+        finally:
+            evals_on.discard(req.group_id)
+
+    async def sleeping(level):
+        at_sleep.append(set(evals_on))
+        await sleep(level)
+
+    g.generate, g.sleep = generating, sleeping
+
+    async def script():
+        await held.wait()
+        await ctl.shrink_generation(g.name, 1)
+        await ctl.expand_generation(g.name)
+
+    summary = await run_with(ctl, script)
+    assert at_sleep == [set()]  # (S4: the held eval request was still in flight on it)
+    tracker = ctl.eval_tracker
+    assert summary.steps == 4 and tracker.failed == 0 and tracker.request_failures == 0
+    assert len(tracker.points) == 3 and tracker.points[-1].version == 4  # (a round may move on to a newer version)
