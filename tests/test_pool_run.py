@@ -147,6 +147,20 @@ def test_two_sim_runs_share_a_pool_each_with_its_own_records_exactly_once(tmp_pa
     assert trained_on == {"gen-heavy", "train-heavy"}
 
 
+def test_a_pooled_run_resumes_into_a_pool_at_sleep_level_1_from_its_run_directory(tmp_path):
+    # (R2: the resume pushed its weights to workers asleep out of the pool, and the run died before a rollout)
+    out = tmp_path / "runs"
+    more = (f"run.output_dir={out}", "run.max_steps=4", "rollout.sleep_level=1", "checkpoint.every_steps=2")
+    first = _pool_file(tmp_path, [_sim_run("a", "[0,1]", "[0]", *more), _sim_run("b", "[0,1]", "[1]", *more)], slots=2)
+    assert main_run([str(first)]) == 0
+    (run_dir,) = out.glob("a-*")
+    resumed = _pool_file(tmp_path, [{"resume": str(run_dir), "overrides": ["run.max_steps=6"]}], slots=2)
+    assert main_run([str(resumed)]) == 0
+    _check_exactly_once(run_dir, 6, 16)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 6, summary
+
+
 # -- under Ray, on the embedded backend ------------------------------------------------------------
 EMBEDDED = [
     "run.progress_bar=false",
