@@ -101,6 +101,7 @@ async def _sleep(state: RunState, worker: ElasticWorker, name: str, level: int) 
                 )
                 return
             except GenerationWorkerDied as e:
+                log.warning("generation worker %s died before its shrink: out, and restarted asleep", name)
                 state.worker_down(worker, f"died in sleep({level}): {e}")
                 return
             except (GenerationFailed, DeadlineExceeded) as e:
@@ -187,6 +188,7 @@ async def _wake(state: RunState, worker: ElasticWorker, name: str) -> None:
                 await _wake_with_published_weights(state, worker, name)
                 return
             except GenerationWorkerDied as e:
+                log.warning("generation worker %s died while shrunk (found at its expand): restarted, then woken", name)
                 state.worker_down(worker, f"died during its expand: {e}")
             except BaseException:
                 await _back_to_sleep(state, worker, name)
