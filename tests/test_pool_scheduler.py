@@ -424,6 +424,29 @@ async def test_a_run_whose_shrink_fails_is_dropped_and_its_slots_go_to_the_other
         assert h.pool.statistics().runs == 1 and "B" not in h.pool.statistics().demand
 
 
+async def test_a_shrink_the_runs_side_fails_drops_nothing_and_the_slot_stays_its_until_it_leaves():
+    a = FakeRun()
+    async with serving() as h:
+        await h.api.register(RunSlots("A", EVERY, (0,)), a)
+        await h.api.register(RunSlots("B", EVERY, (0,)), FakeRun())
+        await h.api.report_demand("A", 4)
+        await h.settled()
+        shrink = a.shrink_slot
+
+        async def failing(slot: int, preempt: bool) -> None:
+            await shrink(slot, preempt)
+            raise RuntimeError("a bug in the run's shrink")
+
+        a.shrink_slot = failing
+        granting = asyncio.create_task(h.api.acquire_train("B", 0))
+        await h.board.wait_until(lambda: ("died", "A", 0) in h.board.log, "A's shrink to fail")
+        await asyncio.sleep(0.05)
+        assert not granting.done() and list(h.pool.runs) == ["A", "B"] and h.pool.counters.dropped_runs == []
+        assert h.pool.resident[0] == "A" and h.pool.statistics().failed_shrinks == 1
+        await h.api.unregister("A")  # the run failed for it, and left: now its slot is free
+        await asyncio.wait_for(granting, 1.0)
+
+
 async def test_a_failed_expand_leaves_the_slot_empty_counted_until_the_next_change():
     a = FakeRun()
     a.expand_fails = {1}
