@@ -30,7 +30,7 @@ from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Sleepable
 from single_controller.state import RunState
 
-log = logging.getLogger("sc_grpo.elastic")
+log = logging.getLogger(__name__)
 
 PREEMPTED = "preempted"  # the abort reason of a shrunk worker's groups
 

@@ -24,7 +24,7 @@ from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.pool.planner import RunSlots
 from single_controller.pool.scheduler import PoolScheduler, RunGone
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
 
 NAMESPACE = "sc-grpo-pool"
 

@@ -31,7 +31,7 @@ from single_controller.controller import Controller, RunSummary
 from single_controller.pool.planner import RunSlots
 from single_controller.state import RunState
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
 
 
 class PoolResizeFailed(RuntimeError):

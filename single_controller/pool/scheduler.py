@@ -43,7 +43,7 @@ from typing import Protocol
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.pool.planner import POLICIES, Move, RunSlots, moves, targets
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
 
 IDLE, GEN, TRAIN, SWITCHING = "idle", "gen", "train", "switching"
 
