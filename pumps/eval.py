@@ -17,8 +17,9 @@ Training is finite, so a round always ends.
 Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next routable
 worker) up to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`,
 reason kept) and training goes on. A dead worker (`GenerationWorkerDied`) is taken out of routing
-(the rollout pump restarts it) and its requests are re-issued without charging that budget; while
-no worker is routable, requests wait for one. Any other error is a bug and ends the run.
+(the rollout pump restarts it) and its requests are re-issued without charging that budget, as are
+those on a worker shrunk out of the run (withdrawn before it sleeps: `WorkerShrunk`); while no worker
+is routable, requests wait for one. Any other error is a bug and ends the run.
 
 Eval touches neither storage, the group ledger, the prompt ledger nor the replay buffer: it holds
 only the small result columns, in this pump.

@@ -31,7 +31,9 @@ in-flight prompts are re-dispatched to the others without charging their retry b
 restarted (`Restartable`) and given the current weights before it takes work again. With no
 worker left to route to and none coming back, the run stops with `NoGenerationWorkers`. A worker
 shrunk out of the run (`single_controller/elastic.py`) is out of routing but not dead: with every
-worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded.
+worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded. One
+that dies while shrunk is restarted all the same, and put back to sleep at its level (its slot is not
+its own); a restart holds the worker's `Elastic.engine_lock`, so no resize or weight update lands in it.
 """
 
 from __future__ import annotations

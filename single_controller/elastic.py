@@ -6,18 +6,24 @@ Contract (`Controller.shrink_generation` / `expand_generation` call these on the
   rollout pump reads `routable()` once per dispatch slice, which has no await, so nothing is
   dispatched to the worker from this moment); then its groups in flight are aborted (reason
   `preempted`: discarded, prompts re-dispatched uncharged) or, with `rollout.shrink=drain`, left to
-  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted; once none is in flight on it,
-  the worker sleeps at `level` (0: routing only, no call; 1: weights freed; 2: weights and caches).
+  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted (its eval requests are withdrawn
+  at once, by the eval pump); once none is in flight on it, the worker sleeps at `level` (0: routing only, no call; 1: weights freed; 2: weights and caches).
 * expand(name): wake, apply the published weights (`versions.published`, the snapshot the
   weight-sync pump applies or applied last) until the published snapshot did not change meanwhile,
   check that the worker's version equals it, and only then rejoin routing, in the same synchronous
   step as that last check. A weight sync that starts after that step finds the worker routable and
-  updates it with the others. Any failure leaves the worker out of routing (`asleep`) and raises
-  `ExpandFailed`; the run's versions are never touched.
+  updates it with the others. Any failure puts the worker back to sleep (or down), leaves it out of
+  routing (`asleep`) and raises `ExpandFailed`; the run's versions are never touched.
 
 Both are idempotent (a shrunk worker shrinks again only to a deeper level; a routable one expands to
-nothing) and serialized per worker. With every worker shrunk the rollout pump waits for an expand:
-admission needs a routable worker (an event, not a poll, and not `NoGenerationWorkers`).
+nothing) and serialized per worker. Every call that changes a worker's engine (its sleep, its wake
+and weights, a weight sync's update, its restart) holds `Elastic.engine_lock`: a shrink never lands
+inside a weight update, nor either inside a restart. A death is handled as outside a pool: a worker
+found dead by a shrink is down (the rollout pump restarts it, asleep since it is shrunk) and the
+shrink ends (nothing of it is left on its slot); one that fails its sleep otherwise, or hangs, counts
+as out once its restart replaced it; one found dead by an expand is restarted, then woken. With every
+worker shrunk the rollout pump waits for an expand: admission needs a routable worker (an event, not
+a poll, and not `NoGenerationWorkers`).
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ def _kill_9_once(run_dir: Path, worker: str, last_resize: str, timeout_s: float 
 def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into_a_pool_at_sleep_level_1(tmp_path):
     """Both runs finish exactly once, none dropped (R6); the one resumed into a pool at sleep level 1
     trains (R2)."""
-    steps = 24
+    steps = 40  # (~10 s of training in the pool: room for both kills and the restarts)
     pool = _embedded_pool(tmp_path)
     cfg = yaml.safe_load(pool.read_text())
     for run in cfg["runs"]:
