@@ -6,8 +6,9 @@ Contract (`Controller.shrink_generation` / `expand_generation` call these on the
   rollout pump reads `routable()` once per dispatch slice, which has no await, so nothing is
   dispatched to the worker from this moment); then its groups in flight are aborted (reason
   `preempted`: discarded, prompts re-dispatched uncharged) or, with `rollout.shrink=drain`, left to
-  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted (its eval requests are withdrawn
-  at once, by the eval pump); once none is in flight on it, the worker sleeps at `level` (0: routing only, no call; 1: weights freed; 2: weights and caches).
+  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted (its eval requests are
+  withdrawn at once, by the eval pump); once none is in flight on it, the worker sleeps at `level`
+  (0: routing only, no call; 1: weights freed; 2: weights and caches).
 * expand(name): wake, apply the published weights (`versions.published`, the snapshot the
   weight-sync pump applies or applied last) until the published snapshot did not change meanwhile,
   check that the worker's version equals it, and only then rejoin routing, in the same synchronous

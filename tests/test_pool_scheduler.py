@@ -215,7 +215,7 @@ async def test_a_train_grant_shrinks_what_is_on_its_train_slots_first_and_nothin
         assert [st for _, s, st, _ in h.pool.timeline if s == 0][-4:] == [TRAIN, IDLE, SWITCHING, GEN]
 
 
-async def test_acquire_is_idempotent_per_step_the_next_step_waits_for_the_release_and_a_run_alone_hands_its_slots_back():
+async def test_acquire_is_idempotent_per_step_the_next_step_waits_for_the_release_a_run_alone_hands_its_slots_back():
     async with serving() as h:
         pool = h.pool
         a = FakeRun()

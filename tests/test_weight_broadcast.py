@@ -6,7 +6,6 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from single_controller.backends.common.weight_broadcast import (
