@@ -17,8 +17,9 @@ Training is finite, so a round always ends.
 Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next routable
 worker) up to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`,
 reason kept) and training goes on. A dead worker (`GenerationWorkerDied`) is taken out of routing
-(the rollout pump restarts it) and its requests are re-issued without charging that budget; while
-no worker is routable, requests wait for one. Any other error is a bug and ends the run.
+(the rollout pump restarts it) and its requests are re-issued without charging that budget, as are
+those on a worker shrunk out of the run (withdrawn before it sleeps: `WorkerShrunk`); while no worker
+is routable, requests wait for one. Any other error is a bug and ends the run.
 
 Eval touches neither storage, the group ledger, the prompt ledger nor the replay buffer: it holds
 only the small result columns, in this pump.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from single_controller.config.schema import eval_max_new_tokens
@@ -256,7 +257,7 @@ class _Round:
     def take(self, i: int, outcome: GenerationResult | Exception) -> str | None:
         """Account prompt `i`'s outcome (accept it, or issue the request again); returns why the
         round is abandoned, if this outcome abandons it."""
-        if isinstance(outcome, GenerationWorkerDied):
+        if isinstance(outcome, (GenerationWorkerDied, WorkerShrunk)):
             self.issue(i)  # not the request's fault: the worker is out of routing now
             return None
         if isinstance(outcome, Exception):
@@ -289,6 +290,29 @@ class _Round:
         return EvalPoint(self.target, metrics, now - t0, self.reissued, sum(self.failures), now)
 
 
+class WorkerShrunk(GenerationFailed):
+    """The worker serving an eval request was shrunk out of the run (`elastic.shrink`): the request
+    was withdrawn from it, and goes again elsewhere without charging its retries."""
+
+
+async def _unless_shrunk(state: RunState, worker, call: Awaitable[GenerationResult]) -> GenerationResult:
+    """`call`'s result, unless `worker` is shrunk first: then the call is cancelled (which withdraws
+    the request from the worker) and `WorkerShrunk` raised. A shrink waits for this before the
+    worker sleeps (`RunState.eval_load`): an eval request never holds a slot the pool took back."""
+    serving = asyncio.ensure_future(call)
+    shrunk = asyncio.ensure_future(state.changed.wait_until(lambda: worker.name in state.elastic.out))
+    try:
+        await asyncio.wait([serving, shrunk], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        shrunk.cancel()
+        if not serving.done():
+            serving.cancel()
+            await asyncio.wait([serving])  # withdrawn (`protocols.generate`) before the shrink goes on
+    if serving.cancelled():
+        raise WorkerShrunk(f"generation worker {worker.name} was shrunk while it served this eval request")
+    return serving.result()
+
+
 async def _request(state: RunState, req: GenerationRequest, route: int) -> GenerationResult | Exception:
     """One eval request to routable worker `route` (mod their number); a generation failure or a
     missed deadline is returned, not raised (a dead worker is also taken out of routing)."""
@@ -299,11 +323,16 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
         return GenerationFailed(f"no generation worker can serve eval request {req.group_id}: {state.health.down}")
     worker = routable[route % len(routable)]
     t0 = state.clock()
+    state.eval_load[worker.name] += 1
     try:
-        result = await within(
-            generate(worker, req),
-            state.cfg.timeouts.generate_s,
-            f"generation worker {worker.name}: eval generate({req.group_id})",
+        result = await _unless_shrunk(
+            state,
+            worker,
+            within(
+                generate(worker, req),
+                state.cfg.timeouts.generate_s,
+                f"generation worker {worker.name}: eval generate({req.group_id})",
+            ),
         )
     except GenerationWorkerDied as e:
         state.worker_down(worker, str(e))
@@ -311,6 +340,8 @@ async def _request(state: RunState, req: GenerationRequest, route: int) -> Gener
     except (GenerationFailed, DeadlineExceeded) as e:
         return e
     finally:
+        state.eval_load[worker.name] -= 1
+        state.notify()  # (a shrink waits for the worker's eval requests to be gone)
         state.pumps[PUMP].busy_s += state.clock() - t0  # worker-seconds, summed over concurrent requests (as rollout's)
     if result.group_id != req.group_id:
         raise RuntimeError(

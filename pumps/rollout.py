@@ -43,13 +43,16 @@ in-flight prompts are re-dispatched to the others without charging their retry b
 restarted (`Restartable`) and given the current weights before it takes work again. With no
 worker left to route to and none coming back, the run stops with `NoGenerationWorkers`. A worker
 shrunk out of the run (`single_controller/elastic.py`) is out of routing but not dead: with every
-worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded.
+worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded. One
+that dies while shrunk is restarted all the same, and put back to sleep at its level (its slot is not
+its own); a restart holds the worker's `Elastic.engine_lock`, so no resize or weight update lands in it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState
@@ -65,6 +68,7 @@ from single_controller.protocols import (
     ReportsRunning,
     Restartable,
     RewardFailed,
+    Sleepable,
     TrainerRankDied,
 )
 from single_controller.state import RunState
@@ -183,55 +187,75 @@ def _needs_restart(state: RunState) -> list[GenerationWorker]:
 
 
 async def _restart(state: RunState, worker: GenerationWorker) -> None:
-    """Bring a dead worker back: a new process, the current weights, then routing. A worker that
-    cannot restart stays out; with none left to route to, the run stops."""
+    """Bring a dead worker back: a new process, the current weights, then routing (a shrunk one:
+    asleep at its level, for its expand). A worker that cannot restart stays out; with none left to
+    route to, the run stops. Serialized with the worker's resizes and weight updates
+    (`Elastic.engine_lock`): no shrink or update lands inside a restart."""
     cfg = state.cfg
-    try:
-        if not isinstance(worker, Restartable):
-            raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
-        if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
-            raise GenerationFailed(
-                f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts"
-            )
-        state.health.restarts_of[worker.name] += 1
-        applied = state.versions.latest_weights
-        await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
-        # A weight sync that landed meanwhile is caught up with while no other can land: it is routed
-        # (below, no await between) before the next sync picks its workers. (Chasing syncs instead
-        # never ended while the trainer published faster than this worker applies one.)
-        async with state.weights_fanout:
-            latest = state.versions.latest_weights
-            if latest is not applied:
-                assert latest is not None  # set by a weight sync, never unset
-                await within(
-                    worker.update_weights(latest),
-                    cfg.timeouts.weight_sync_s,
-                    f"generation worker {worker.name}: update_weights(v{latest.version}) after restart",
+    async with state.elastic.engine_lock(worker.name):
+        try:
+            if not isinstance(worker, Restartable):
+                raise GenerationFailed(f"generation worker {worker.name} cannot be restarted by its backend")
+            if state.health.restarts_of[worker.name] >= cfg.rollout.max_worker_restarts:
+                raise GenerationFailed(
+                    f"generation worker {worker.name} died after {cfg.rollout.max_worker_restarts} restarts"
                 )
-    except Exception as e:
-        if isinstance(e, TrainerRankDied):  # the weights' sender is gone: the trainer's failure, not this worker's
-            raise
-        state.pumps[PUMP].errors += 1
-        if isinstance(worker, Restartable) and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts:
-            # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
-            state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
-            state.notify()
-            return
-        others = [w for w in state.routable() if w is not worker] or state.health.restarting - {worker.name}
-        # a shrunk worker can still be expanded: the pump waits for it (`elastic`), not an error
-        if not others and not set(state.elastic.out) - {worker.name}:
-            raise NoGenerationWorkers(
-                f"no generation worker is left: {', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
-                f"restarting {worker.name} failed: {type(e).__name__}: {e}"
-            ) from e
-        state.health.given_up.add(worker.name)
-        state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
-        return  # it stays out of routing; the others carry on
-    finally:
-        state.health.restarting.discard(worker.name)
-    del state.health.down[worker.name]
-    state.counters.worker_restarts += 1
-    state.notify()
+            state.health.restarts_of[worker.name] += 1
+            applied = state.versions.latest_weights
+            await within(worker.restart(applied), cfg.timeouts.setup_s, f"restart of generation worker {worker.name}")
+            # A weight sync that landed meanwhile is caught up with while no other can land: it is routed
+            # (below, no await between) before the next sync picks its workers. (Chasing syncs instead
+            # never ended while the trainer published faster than this worker applies one.)
+            async with state.weights_fanout:
+                latest = state.versions.latest_weights
+                if latest is not applied:
+                    assert latest is not None  # set by a weight sync, never unset
+                    await within(
+                        worker.update_weights(latest),
+                        cfg.timeouts.weight_sync_s,
+                        f"generation worker {worker.name}: update_weights(v{latest.version}) after restart",
+                    )
+            await _asleep_if_shrunk(state, worker)  # (no await unless it is shrunk: then it is not routed)
+        except Exception as e:
+            if isinstance(e, TrainerRankDied):  # the weights' sender is gone: the trainer's failure, not this worker's
+                raise
+            state.pumps[PUMP].errors += 1
+            if (
+                isinstance(worker, Restartable)
+                and state.health.restarts_of[worker.name] < cfg.rollout.max_worker_restarts
+            ):
+                # restarts remain: it stays down, and the pump tries again (the `finally` below lets it)
+                state.health.down[worker.name] = f"restart failed ({type(e).__name__}: {e}); trying again"
+                state.notify()
+                return
+            others = [w for w in state.routable() if w is not worker] or state.health.restarting - {worker.name}
+            # a shrunk worker can still be expanded: the pump waits for it (`elastic`), not an error
+            if not others and not set(state.elastic.out) - {worker.name}:
+                raise NoGenerationWorkers(
+                    f"no generation worker is left: "
+                    f"{', '.join(f'{n} ({why})' for n, why in state.health.down.items())}; "
+                    f"restarting {worker.name} failed: {type(e).__name__}: {e}"
+                ) from e
+            state.health.given_up.add(worker.name)
+            state.teardown_errors.append(f"restart of {worker.name} failed: {e}")
+            state.notify()  # (an expand waiting for this restart gives up)
+            return  # it stays out of routing; the others carry on
+        finally:
+            state.health.restarting.discard(worker.name)
+        # back in the run (or, shrunk, ready for its expand) in the same step as its restart's end
+        del state.health.down[worker.name]
+        state.counters.worker_restarts += 1
+        state.notify()
+
+
+async def _asleep_if_shrunk(state: RunState, worker: GenerationWorker) -> None:
+    """A restarted worker that is shrunk out of the run goes back to sleep at its level: its slot is
+    not its own (an expand under way wakes it anyway: left awake)."""
+    el, name = state.elastic, worker.name
+    level = el.level.get(name, 0)
+    if el.out.get(name) in ("shrinking", "asleep") and level > 0 and isinstance(worker, Sleepable):
+        what = f"generation worker {name}: sleep({level}) after its restart (it is shrunk)"
+        await within(worker.sleep(level), state.cfg.timeouts.weight_sync_s, what)
 
 
 def _admissible(state: RunState) -> bool:
@@ -344,15 +368,15 @@ class _Flights:
             f"{limit:g}s deadline{f', e.g. {due[0].rec.group_id}' if due else ''})"
         )
         reports = isinstance(worker, ReportsRunning)
-        try:
-            call = worker.running() if reports else worker.in_flight()
+        try:  # (a worker that cannot tell what it is working on answers `in_flight`: alive, no more)
+            call = worker.running() if isinstance(worker, ReportsRunning) else worker.in_flight()
             answer = await within(call, state.cfg.timeouts.liveness_s, what)
         except Exception as e:  # noqa: BLE001 -- any failure of the call is the evidence: the worker is hung
             if state.health.restarts_of[worker.name] == incarnation and not self.closed:
                 self._hung(worker, incarnation, f"hung: {error_text(e)}")
             return
         now = state.clock()
-        running = answer if reports else {}
+        running: Mapping[str, float] = answer if isinstance(answer, Mapping) else {}
         for f in [f for f in self.pending.values() if f.worker is worker and f.due]:
             f.due = False
             worked = running.get(f.rec.group_id) if reports else now - f.sent_at  # None: queued or held

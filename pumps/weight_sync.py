@@ -73,7 +73,7 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
             async with asyncio.TaskGroup() as fanout:
                 routable = state.routable()
                 for w in routable:  # a dead or restarting worker gets the newest weights at restart
-                    fanout.create_task(_update(state, w, handle))
+                    fanout.create_task(update_worker(state, w, handle))
                 if routable and all(version_gated(w) for w in routable):
                     state.versions.latest_weights = handle  # a worker restarted from now on applies these first
                     state.dispatch(handle.version)  # rollouts for it are held by the workers until it lands
@@ -95,20 +95,24 @@ async def _sync(state: RunState, handle: WeightsHandle) -> None:
     state.pumps[PUMP].busy_s += rec.last_s
 
 
-async def _update(state: RunState, worker, handle: WeightsHandle) -> None:
-    incarnation = state.health.restarts_of[worker.name]
-    try:
-        await within(
-            worker.update_weights(handle),
-            state.cfg.timeouts.weight_sync_s,
-            f"generation worker {worker.name}: update_weights(v{handle.version})",
-        )
-    except (GenerationFailed, DeadlineExceeded) as e:
-        # Dead, failed or hung: out of routing, and restarted by the rollout pump with the newest
-        # weights (`versions.latest_weights`); the sync goes on for the others. (Unless the process
-        # it was sent to was replaced meanwhile: the new one applied the newest weights already.)
-        if state.health.restarts_of[worker.name] == incarnation:
-            state.worker_down(worker, f"update_weights(v{handle.version}) failed: {e}")
+async def update_worker(state: RunState, worker, handle: WeightsHandle, why: str = "") -> None:
+    """Apply `handle` on a routable generation worker, serialized with its resizes and restart
+    (`Elastic.engine_lock`): one that was shrunk meanwhile is left alone (its expand applies the
+    published weights), and so is one down (its restart applies the newest). A worker that fails
+    the update is dead, failed or hung: out of routing, and restarted by the rollout pump with the
+    newest weights (`versions.latest_weights`); the others go on."""
+    name = worker.name
+    async with state.elastic.engine_lock(name):
+        if name in state.elastic.out or name in state.health.down:
+            return
+        try:
+            await within(
+                worker.update_weights(handle),
+                state.cfg.timeouts.weight_sync_s,
+                f"generation worker {name}: update_weights(v{handle.version}){why}",
+            )
+        except (GenerationFailed, DeadlineExceeded) as e:
+            state.worker_down(worker, f"update_weights(v{handle.version}){why} failed: {e}")
 
 
 def _abort_stale_in_flight(state: RunState, new_version: int) -> None:

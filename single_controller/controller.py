@@ -36,8 +36,8 @@ from pumps.advantage import advantage_pump
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
-from pumps.weight_sync import weight_sync_pump
-from replay.ledger import TERMINAL, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
+from pumps.weight_sync import update_worker, weight_sync_pump
+from replay.ledger import TERMINAL, GroupRecord, GroupState, LedgerStatistics, PromptLedger, PromptLedgerStatistics
 from replay.storage import RowStorage, StorageStatistics, row_keys
 from samplers.staleness import SamplerStatistics
 from single_controller import elastic
@@ -139,6 +139,11 @@ HISTORY_KEPT = 1000
 # parameters, a master copy and two optimizer moments, each up to twice as wide as the snapshot's
 # dtype. A generous guess: the deadline only has to catch a write that hangs, never a big model's.
 CHECKPOINT_BYTES_PER_WEIGHT_BYTE = 8
+
+
+def _latency_max(groups: Sequence[GroupRecord]) -> float:
+    """Dispatch to commit of the slowest of `groups`: its queue in the worker and its own work."""
+    return max(((g.t_committed or g.t_reserved) - g.t_reserved for g in groups), default=0.0)
 
 
 def _prompt_ledger(resume: dict | None, history: str | None, whole: Mapping[str, Prompt] | None) -> PromptLedger:
@@ -355,23 +360,19 @@ class Controller:
             )
 
     async def _sync_resumed_weights(self) -> None:
-        """A resumed run starts from the checkpoint's policy: every generation worker gets the
-        trainer's weights (version = the cut) before the first rollout."""
+        """A resumed run starts from the checkpoint's policy: every routable generation worker gets the
+        trainer's weights (version = the cut) before the first rollout, as in a weight sync (one that
+        fails it is down, and restarted with them). A shrunk one (asleep, in a pool) gets them at its
+        expand: they are the published weights from now on."""
         st, cfg = self.state, self.cfg
         v = st.versions.trainer
         handle = await within(
             st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)"
         )
+        st.versions.latest_weights = handle  # what a worker restarted from now on applies
         async with asyncio.TaskGroup() as fanout:
-            for w in st.workers.generators:
-                fanout.create_task(
-                    within(
-                        w.update_weights(handle),
-                        cfg.timeouts.weight_sync_s,
-                        f"generation worker {w.name}: update_weights(v{v}) (resume)",
-                    )
-                )
-        st.versions.latest_weights = handle
+            for w in st.routable():
+                fanout.create_task(update_worker(st, w, handle, " (resume)"))
 
     def _checkpoint_due(self, version: int) -> bool:
         c, st = self.cfg.checkpoint, self.state
@@ -529,10 +530,7 @@ class Controller:
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/success_rate": success,
             "rollout/groups": len(report.groups),
-            # dispatch to commit of the step's slowest group: its queue in the worker and its own work
-            "rollout/group_latency_max_s": max(
-                ((g.t_committed or g.t_reserved) - g.t_reserved for g in report.groups), default=0.0
-            ),
+            "rollout/group_latency_max_s": _latency_max(report.groups),
             "train/staleness_mean": sum(stale) / max(1, len(stale)),
             "train/staleness_max": max(stale, default=0),
             "train/chunks": report.chunks,

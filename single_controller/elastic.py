@@ -6,18 +6,25 @@ Contract (`Controller.shrink_generation` / `expand_generation` call these on the
   rollout pump reads `routable()` once per dispatch slice, which has no await, so nothing is
   dispatched to the worker from this moment); then its groups in flight are aborted (reason
   `preempted`: discarded, prompts re-dispatched uncharged) or, with `rollout.shrink=drain`, left to
-  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted; once none is in flight on it,
-  the worker sleeps at `level` (0: routing only, no call; 1: weights freed; 2: weights and caches).
+  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted (its eval requests are
+  withdrawn at once, by the eval pump); once none is in flight on it, the worker sleeps at `level`
+  (0: routing only, no call; 1: weights freed; 2: weights and caches).
 * expand(name): wake, apply the published weights (`versions.published`, the snapshot the
   weight-sync pump applies or applied last) until the published snapshot did not change meanwhile,
   check that the worker's version equals it, and only then rejoin routing, in the same synchronous
   step as that last check. A weight sync that starts after that step finds the worker routable and
-  updates it with the others. Any failure leaves the worker out of routing (`asleep`) and raises
-  `ExpandFailed`; the run's versions are never touched.
+  updates it with the others. Any failure puts the worker back to sleep (or down), leaves it out of
+  routing (`asleep`) and raises `ExpandFailed`; the run's versions are never touched.
 
 Both are idempotent (a shrunk worker shrinks again only to a deeper level; a routable one expands to
-nothing) and serialized per worker. With every worker shrunk the rollout pump waits for an expand:
-admission needs a routable worker (an event, not a poll, and not `NoGenerationWorkers`).
+nothing) and serialized per worker. Every call that changes a worker's engine (its sleep, its wake
+and weights, a weight sync's update, its restart) holds `Elastic.engine_lock`: a shrink never lands
+inside a weight update, nor either inside a restart. A death is handled as outside a pool: a worker
+found dead by a shrink is down (the rollout pump restarts it, asleep since it is shrunk) and the
+shrink ends (nothing of it is left on its slot); one that fails its sleep otherwise, or hangs, counts
+as out once its restart replaced it; one found dead by an expand is restarted, then woken. With every
+worker shrunk the rollout pump waits for an expand: admission needs a routable worker (an event, not
+a poll, and not `NoGenerationWorkers`).
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ import logging
 from typing import Protocol
 
 from single_controller.deadlines import DeadlineExceeded, within
-from single_controller.protocols import GenerationWorker, Sleepable
+from single_controller.protocols import GenerationFailed, GenerationWorker, GenerationWorkerDied, Sleepable
 from single_controller.state import RunState
 
-log = logging.getLogger("sc_grpo.elastic")
+log = logging.getLogger(__name__)
 
 PREEMPTED = "preempted"  # the abort reason of a shrunk worker's groups
 
@@ -65,7 +72,7 @@ async def shrink(state: RunState, name: str, level: int, mode: str | None = None
     worker = _worker(state, name)
     el = state.elastic
     async with el.resizing.setdefault(name, asyncio.Lock()):
-        if name in el.out and el.out[name] == "asleep" and el.level[name] >= level:
+        if el.out.get(name) == "asleep" and el.level[name] >= level and name not in state.health.down:
             return  # asleep already, as deep or deeper
         t0 = state.clock()
         if name not in el.out:
@@ -74,11 +81,7 @@ async def shrink(state: RunState, name: str, level: int, mode: str | None = None
             state.notify()
             await _empty(state, name, mode or state.cfg.rollout.shrink)
         el.out[name] = "shrinking"
-        if level > el.level[name]:
-            await within(
-                worker.sleep(level), state.cfg.timeouts.weight_sync_s, f"generation worker {name}: sleep({level})"
-            )
-            el.level[name] = level
+        await _sleep(state, worker, name, max(level, el.level[name]))
         el.out[name] = "asleep"
         el.shrinks += 1
         el.last_shrink_s = state.clock() - t0
@@ -87,11 +90,49 @@ async def shrink(state: RunState, name: str, level: int, mode: str | None = None
     log.info("generation worker %s shrunk to sleep level %d in %.3fs", name, level, el.last_shrink_s)
 
 
+async def _sleep(state: RunState, worker: ElasticWorker, name: str, level: int) -> None:
+    """Returns once the worker holds nothing on its slot beyond sleep level `level`: asleep, or dead.
+    `level` is recorded first: a restart from then on puts the new process to sleep at it
+    (`pumps/rollout.py`). A worker that dies in its sleep is dead (nothing of it is left); one that
+    fails it otherwise, or hangs, or is down already, counts only once its restart has replaced it
+    (a restart kills the old process first)."""
+    el, health = state.elastic, state.health
+    el.level[name] = level
+    if level == 0:
+        return  # routing only: nothing to free
+    async with el.engine_lock(name):  # after a weight update or a restart under way, never inside one
+        if name not in health.down:
+            try:
+                await within(
+                    worker.sleep(level), state.cfg.timeouts.weight_sync_s, f"generation worker {name}: sleep({level})"
+                )
+                return
+            except GenerationWorkerDied as e:
+                log.warning("generation worker %s died before its shrink: out, and restarted asleep", name)
+                state.worker_down(worker, f"died in sleep({level}): {e}")
+                return
+            except (GenerationFailed, DeadlineExceeded) as e:
+                state.worker_down(worker, f"sleep({level}) failed: {e}")
+    await _restarted(state, name, f"sleep({level})")
+
+
+async def _restarted(state: RunState, name: str, why: str) -> None:
+    """Returns once worker `name` is not down (the rollout pump restarted it), or will not be
+    restarted any more (given up, or the rollout pump has ended)."""
+    cfg, health = state.cfg, state.health
+    await within(
+        state.changed.wait_until(lambda: name not in health.down or name in health.given_up or state.stop.rollout_done),
+        cfg.timeouts.setup_s * (cfg.rollout.max_worker_restarts + 1),
+        f"the restart of generation worker {name} ({why})",
+    )
+
+
 async def _empty(state: RunState, name: str, mode: str) -> None:
     """Returns once no group is in flight on worker `name`: aborted at once, or drained up to the
     deadline and the rest aborted (`mode`)."""
     r = state.cfg.rollout
-    idle = lambda: state.worker_load[name] == 0 or state.stop.rollout_done  # noqa: E731
+    # (eval requests on it are withdrawn by the eval pump the moment it is out of routing, and go again elsewhere)
+    idle = lambda: (state.worker_load[name] == 0 and state.eval_load[name] == 0) or state.stop.rollout_done  # noqa: E731
     if mode == "drain":
         try:
             await within(
@@ -119,11 +160,13 @@ async def expand(state: RunState, name: str) -> None:
         t0 = state.clock()
         el.out[name] = "waking"
         try:
-            await _wake_with_published_weights(state, worker, name)
-        except Exception as e:
-            el.out[name] = "asleep"  # woken maybe, but never routed without the published weights
+            await _wake(state, worker, name)
+        except BaseException as e:
+            el.out[name] = "asleep"  # (back to sleep, or down: `_wake`) never routed without the published weights
             el.failed_expands += 1
             state.notify()
+            if not isinstance(e, Exception):
+                raise
             raise ExpandFailed(f"expand of generation worker {name} failed: {type(e).__name__}: {e}") from e
         # the last check and this are one synchronous step: no sync can publish in between
         del el.out[name], el.level[name]
@@ -132,6 +175,45 @@ async def expand(state: RunState, name: str) -> None:
         el.expand_s += el.last_expand_s
         state.notify()
     log.info("generation worker %s expanded in %.3fs", name, el.last_expand_s)
+
+
+async def _wake(state: RunState, worker: ElasticWorker, name: str) -> None:
+    """Wake the worker with the published weights. A worker that is down is restarted first (by the
+    rollout pump: asleep); one that dies meanwhile is marked down, restarted, and woken again. Any
+    other failure puts it back to sleep (or, if that fails too, down: its restart kills it) before
+    it is raised: a worker whose expand failed holds its slot no more than before."""
+    el, health = state.elastic, state.health
+    while True:
+        # Exits: woken with the published weights; a failure that is not a death; given up.
+        await _restarted(state, name, "expand")
+        if name in health.down:
+            raise GenerationFailed(f"it is dead and not restarted again: {health.down[name]}")
+        async with el.engine_lock(name):
+            if name in health.down:
+                continue  # it died again meanwhile
+            try:
+                await _wake_with_published_weights(state, worker, name)
+                return
+            except GenerationWorkerDied as e:
+                log.warning("generation worker %s died while shrunk (found at its expand): restarted, then woken", name)
+                state.worker_down(worker, f"died during its expand: {e}")
+            except BaseException:
+                await _back_to_sleep(state, worker, name)
+                raise
+
+
+async def _back_to_sleep(state: RunState, worker: ElasticWorker, name: str) -> None:
+    level = state.elastic.level[name]
+    if level == 0:
+        return
+    try:
+        await within(
+            worker.sleep(level),
+            state.cfg.timeouts.weight_sync_s,
+            f"generation worker {name}: sleep({level}) (expand failed)",
+        )
+    except (GenerationFailed, DeadlineExceeded) as e:
+        state.worker_down(worker, f"sleep({level}) after a failed expand failed: {e}")
 
 
 async def _wake_with_published_weights(state: RunState, worker: ElasticWorker, name: str) -> None:

@@ -230,7 +230,15 @@ class Elastic:
     last_expand_s: float = 0.0
     preempted_groups: int = 0  # groups in flight a shrink aborted (their prompts re-dispatched uncharged)
     resizing: dict[str, asyncio.Lock] = field(default_factory=dict)  # one shrink or expand of a worker at a time
+    # one call that changes a worker's engine at a time: its sleep, its wake and weights (an expand),
+    # a weight sync's update, its restart (`engine_lock`)
+    engine: dict[str, asyncio.Lock] = field(default_factory=dict)
     train_slots_held: int = 0  # in a pool: the slots the run's trainer holds now (`pool/link.py`)
+
+    def engine_lock(self, name: str) -> asyncio.Lock:
+        """Held around every call that changes worker `name`'s engine (sleep, wake, weights, restart):
+        a shrink never lands inside a weight update, nor a restart inside either."""
+        return self.engine.setdefault(name, asyncio.Lock())
 
     def statistics(self) -> ElasticStatistics:
         return ElasticStatistics(
@@ -326,6 +334,7 @@ class RunState:
         # the rollout pump's too: group_id -> the worker its request went to, and requests in flight by worker
         self.dispatched_to: dict[str, str] = {}
         self.worker_load: collections.Counter[str] = collections.Counter()
+        self.eval_load: collections.Counter[str] = collections.Counter()  # the eval pump's requests in flight by worker
         self.teardown_errors: list[str] = []
         self.changed = Signal()
         self.pumps = {name: PumpClock(name) for name in PUMPS + (("eval",) if cfg.eval.enabled else ())}

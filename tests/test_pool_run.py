@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -147,6 +148,20 @@ def test_two_sim_runs_share_a_pool_each_with_its_own_records_exactly_once(tmp_pa
     assert trained_on == {"gen-heavy", "train-heavy"}
 
 
+def test_a_pooled_run_resumes_into_a_pool_at_sleep_level_1_from_its_run_directory(tmp_path):
+    # (R2: the resume pushed its weights to workers asleep out of the pool, and the run died before a rollout)
+    out = tmp_path / "runs"
+    more = (f"run.output_dir={out}", "run.max_steps=4", "rollout.sleep_level=1", "checkpoint.every_steps=2")
+    first = _pool_file(tmp_path, [_sim_run("a", "[0,1]", "[0]", *more), _sim_run("b", "[0,1]", "[1]", *more)], slots=2)
+    assert main_run([str(first)]) == 0
+    (run_dir,) = out.glob("a-*")
+    resumed = _pool_file(tmp_path, [{"resume": str(run_dir), "overrides": ["run.max_steps=6"]}], slots=2)
+    assert main_run([str(resumed)]) == 0
+    _check_exactly_once(run_dir, 6, 16)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 6, summary
+
+
 # -- under Ray, on the embedded backend ------------------------------------------------------------
 EMBEDDED = [
     "run.progress_bar=false",
@@ -262,12 +277,81 @@ def test_kill_9_of_one_runs_controller_leaves_the_other_run_going_on_both_slots(
     assert summary["runs"]["left"]["exit_code"] == 1 and summary["runs"]["right"]["exit_code"] == 0, summary["runs"]
     assert summary["dropped_runs"] == ["left"], summary["dropped_runs"]
     _check_one_run_per_slot(summary["timeline"])
-    # after left is gone, right generates on both slots (left's train slot 0 included)
-    gone = max(t for t, _, state, run in summary["timeline"] if run == "left")
-    later = {int(slot) for t, slot, state, run in summary["timeline"] if t > gone and state == "gen" and run == "right"}
+    # after left is gone, right generates on both slots (left's train slot 0 included; a slot goes
+    # back to generation between left's steps, so right may be there already as left goes)
+    timeline = summary["timeline"]
+    gone = max(t for t, _, state, run in timeline if run == "left")
+    at_gone = {int(slot): (state, run) for t, slot, state, run in timeline if t <= gone}  # each slot's last state
+    later = {s for s, (state, run) in at_gone.items() if (state, run) == ("gen", "right")}
+    later |= {int(slot) for t, slot, state, run in timeline if t > gone and state == "gen" and run == "right"}
     assert later == {0, 1}, later
     (right_dir,) = (tmp_path / "runs").glob("right-*")
     _check_exactly_once(right_dir, 30, 16)
+
+
+def _last_resize(run_dir: Path, worker: str) -> str | None:
+    """The last resize of `worker` in the run's controller log: `shrunk`, `expanded` or None."""
+    text = (run_dir / "logs" / "controller.log").read_text(errors="replace")
+    events = re.findall(rf"generation worker {worker} (shrunk|expanded)", text)
+    return events[-1] if events else None
+
+
+def _kill_9_once(run_dir: Path, worker: str, last_resize: str, timeout_s: float = 120.0) -> None:
+    """kill -9 of the run's `worker` process the moment its last resize is `last_resize`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # (a test polling a log file, not the product's code)
+        if _last_resize(run_dir, worker) == last_resize:
+            log = (run_dir / "logs" / f"{worker}.log").read_text(errors="replace")
+            os.kill(int(re.findall(rf"==== {worker} \(pid (\d+)\) started", log)[-1]), signal.SIGKILL)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{worker} of {run_dir.name} was never {last_resize} in {timeout_s:g}s")
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into_a_pool_at_sleep_level_1(tmp_path):
+    """Both runs finish exactly once, none dropped (R6); the one resumed into a pool at sleep level 1
+    trains (R2)."""
+    steps = 40  # (~10 s of training in the pool: room for both kills and the restarts)
+    pool = _embedded_pool(tmp_path)
+    cfg = yaml.safe_load(pool.read_text())
+    for run in cfg["runs"]:
+        run["overrides"][run["overrides"].index("run.max_steps=100000")] = f"run.max_steps={steps}"
+    pool.write_text(yaml.safe_dump(cfg))
+    proc = _start_pool(pool, tmp_path)
+    try:
+        _wait_for_steps(proc, {"left": 1, "right": 1})
+        left, right = (next((tmp_path / "runs").glob(f"{n}-*")) for n in ("left", "right"))
+        # right's worker on slot 0 (left's train slot): shrunk, it gets no call until its next expand
+        _kill_9_once(right, "gen0", "shrunk")
+        # left's worker on its own train slot: resident, shrunk (drained) at left's next train grant
+        _kill_9_once(left, "gen0", "expanded")
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    (summary_path,) = (tmp_path / "pools").glob("pool-*/pool_summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["dropped_runs"] == [], summary["dropped_runs"]
+    _check_one_run_per_slot(summary["timeline"])
+    assert "generation worker gen0 died while shrunk" in (right / "logs" / "controller.log").read_text()
+    for run_dir in (left, right):
+        _check_exactly_once(run_dir, steps, 16)
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["rollout/worker_restarts"] == 1, last
+    resume = _pool_file(tmp_path, [{"resume": str(left), "overrides": [f"run.max_steps={steps + 2}"]}], slots=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "single_controller", "pool", "run", str(resume)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _check_exactly_once(left, steps + 2, 16)
+    assert json.loads((left / "summary.json").read_text())["resumed_from"]["step"] == steps
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs/pools").glob("*.yaml")), ids=lambda p: p.name)

@@ -19,7 +19,7 @@ import pytest
 from single_controller.bench.pool import layouts, run_layout
 from single_controller.pool.link import InProcessPool, PoolLink
 from single_controller.pool.planner import RunSlots
-from single_controller.pool.scheduler import GEN, IDLE, SWITCHING, TRAIN, PoolError, PoolScheduler
+from single_controller.pool.scheduler import GEN, IDLE, SWITCHING, TRAIN, PoolError, PoolScheduler, RunGone
 from tests.test_controller_sim import assert_clean_end, trained_prompts
 
 EVERY = (0, 1, 2, 3)
@@ -60,15 +60,24 @@ class FakeRun:
         self.calls: list[tuple] = []
         self.shrink_fails = False
         self.expand_fails: set[int] = set()
+        self.drain_s = 0.0  # more for a draining shrink (preempt False)
+        self.wake_s = 0.0  # a wake that goes on when its caller stops waiting (a Ray call)
+        self._waking: dict[int, asyncio.Future] = {}
 
     async def shrink_slot(self, slot: int, preempt: bool) -> None:
         self.calls.append(("shrink", slot, preempt))
-        await asyncio.sleep(self.delay())
+        if slot in self._waking:  # one resize of a worker at a time, as `elastic` does
+            await asyncio.shield(self._waking[slot])
+        await asyncio.sleep(self.delay() + (0.0 if preempt else self.drain_s))
         if self.shrink_fails:
-            raise ConnectionError("the run's driver is gone")
+            raise RunGone("the run's controller is gone")
 
     async def expand_slot(self, slot: int) -> None:
         self.calls.append(("expand", slot))
+        if self.wake_s:
+            self._waking[slot] = asyncio.ensure_future(asyncio.sleep(self.wake_s))
+            await asyncio.shield(self._waking[slot])
+            del self._waking[slot]
         await asyncio.sleep(self.delay())
         if slot in self.expand_fails:
             self.expand_fails.discard(slot)
@@ -105,9 +114,8 @@ class Checked:
         b.note("expand", me, slot)
         try:
             await self.inner.expand_slot(slot)
-        except Exception:
-            b.on[slot] = None if b.on[slot] == me else b.on[slot]
-            b.note("failed", me, slot)
+        except BaseException:
+            b.note("failed", me, slot)  # (woken maybe: on the slot until a shrink says it is not)
             raise
         if b.on[slot] != me:
             b.violations.append(f"{me}'s worker woke on slot {slot} after it was shrunk (now: {b.on[slot]})")
@@ -148,31 +156,19 @@ class CheckedPool(InProcessPool):
 
 
 class Harness:
-    """A pool being served, its board and its checked API; `settled()` waits out the cycles due."""
+    """A pool being served, its board and its checked API; `settled()` waits out the work due."""
 
-    def __init__(self, slots: int, policy: str):
-        self.pool = PoolScheduler(slots, policy, resize_timeout_s=2.0)
+    def __init__(self, slots: int, policy: str, resize_timeout_s: float = 2.0):
+        self.pool = PoolScheduler(slots, policy, resize_timeout_s=resize_timeout_s)
         self.board = Board(slots)
         self.api = CheckedPool(self.pool, self.board)
-        self.in_cycle = False
-        cycle = self.pool._cycle
-
-        async def traced_cycle() -> None:
-            self.in_cycle = True
-            try:
-                await cycle()
-            finally:
-                self.in_cycle = False
-
-        self.pool._cycle = traced_cycle
 
     async def settled(self) -> None:
-        """Returns once the tasks started have run, and no cycle is due or under way, and no expand."""
-        p = self.pool
+        """Returns once the tasks started have run, and nothing is due or under way (`quiet`)."""
         async with asyncio.timeout(2.0):
             while True:
                 await asyncio.sleep(0.001)
-                if not (p._dirty.is_set() or self.in_cycle or p._expanding):
+                if self.pool.quiet():
                     return
 
     def on(self) -> list[str | None]:
@@ -180,8 +176,8 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(slots: int = 4, policy: str = "gap_ratio"):
-    h = Harness(slots, policy)
+async def serving(slots: int = 4, policy: str = "gap_ratio", resize_timeout_s: float = 2.0):
+    h = Harness(slots, policy, resize_timeout_s)
     serve = asyncio.create_task(h.pool.serve())
     try:
         yield h
@@ -219,7 +215,7 @@ async def test_a_train_grant_shrinks_what_is_on_its_train_slots_first_and_nothin
         assert [st for _, s, st, _ in h.pool.timeline if s == 0][-4:] == [TRAIN, IDLE, SWITCHING, GEN]
 
 
-async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_idempotent():
+async def test_acquire_is_idempotent_per_step_the_next_step_waits_for_the_release_a_run_alone_hands_its_slots_back():
     async with serving() as h:
         pool = h.pool
         a = FakeRun()
@@ -230,20 +226,53 @@ async def test_a_second_acquire_while_holding_returns_at_once_and_release_is_ide
         await h.api.acquire_train("A", 0)
         assert h.on() == [None, None, "A", "A"] and sorted(a.calls)[-2:] == [("shrink", 0, False), ("shrink", 1, False)]
         grants, marks = pool.statistics().train_grants, len(pool.timeline)
-        again = pool.acquire_train("A", 1)
-        with pytest.raises(StopIteration):  # it returned without once yielding to the loop
+        again = pool.acquire_train("A", 0)
+        with pytest.raises(StopIteration):  # the step it holds: it returned without once yielding to the loop
             again.send(None)
         assert pool.statistics().train_grants == grants == 1 and len(pool.timeline) == marks
-        pool.release_train("A", 0)
-        assert pool.training == {0: "A", 1: "A", 2: None, 3: None}  # step 1 still holds them
-        pool.release_train("A", 0)
+        nxt = asyncio.create_task(h.api.acquire_train("A", 1))
+        await h.settled()
+        assert not nxt.done()  # its next step waits for the release of this one (R3)
         pool.release_train("A", 7)  # never acquired
-        assert pool.training[0] == "A" and len(pool.timeline) == marks
-        pool.release_train("A", 1)
-        assert pool.training == dict.fromkeys(range(4)) and len(pool.timeline) == marks + 2  # slots 0, 1 idle
+        assert pool.training == {0: "A", 1: "A", 2: None, 3: None} and len(pool.timeline) == marks
+        await h.api.release_train("A", 0)
+        await asyncio.wait_for(nxt, 1.0)
+        # granted straight from the release: no expand onto slots 0-1 between the two steps
+        assert pool.training == {0: "A", 1: "A", 2: None, 3: None} and h.on() == [None, None, "A", "A"]
+        assert pool.statistics().train_grants == 2
+        pool.release_train("A", 0)  # released already
+        assert pool.training[0] == "A"
+        await h.api.release_train("A", 1)
+        await h.settled()
+        assert pool.training == dict.fromkeys(range(4))
+        assert h.on() == ["A"] * 4  # alone, with no step waiting: its train slots generate again
         pool.release_train("A", 1)
         pool.release_train("Z", 1)  # a run that left (or never came)
-        assert len(pool.timeline) == marks + 2
+        assert pool.training == dict.fromkeys(range(4))
+
+
+async def test_a_run_holding_its_train_slot_queues_its_next_step_behind_a_run_that_waits_for_it_and_nobody_overtakes():
+    async with serving() as h:
+        for name, train in (("A", (0,)), ("B", (0, 1)), ("C", (1,))):
+            await h.api.register(RunSlots(name, EVERY, train), FakeRun())
+        await h.api.acquire_train("A", 0)
+        b = asyncio.create_task(h.api.acquire_train("B", 0))
+        await h.settled()
+        a1 = asyncio.create_task(h.api.acquire_train("A", 1))
+        await h.settled()
+        c = asyncio.create_task(h.api.acquire_train("C", 0))
+        await h.settled()
+        # A's next step is behind B (asked first), and C behind B too: slot 1 is free, but B waits for it
+        assert not b.done() and not a1.done() and not c.done()
+        await h.api.release_train("A", 0)
+        await asyncio.wait_for(b, 1.0)
+        await h.settled()
+        assert not a1.done() and not c.done()
+        await h.api.release_train("B", 0)
+        await asyncio.wait_for(asyncio.gather(a1, c), 1.0)
+    granted = [e[1:] for e in h.board.log if e[0] == "granted"]
+    assert granted[:2] == [("A", 0), ("B", 0)] and sorted(granted[2:]) == [("A", 1), ("C", 0)]
+    assert h.pool.statistics().train_grants == 4
 
 
 async def test_train_requests_on_the_same_slots_are_granted_first_come_first_served_each_after_a_release():
@@ -268,6 +297,43 @@ async def test_train_requests_on_the_same_slots_are_granted_first_come_first_ser
     assert log.index(("released", "A", 0)) < log.index(("granted", "B", 0))
     assert log.index(("released", "B", 0)) < log.index(("granted", "C", 0))
     assert h.pool.statistics().train_grants == 4
+
+
+async def test_a_train_grant_that_drains_holds_up_no_other_grant():
+    a = FakeRun()
+    async with serving() as h:
+        await h.api.register(RunSlots("A", EVERY, (0,)), a)
+        await h.api.register(RunSlots("B", EVERY, (3,)), FakeRun())
+        await h.api.report_demand("A", 4)
+        await h.settled()
+        assert h.on() == ["A"] * 4
+        a.drain_s = 0.5  # A's own worker on slot 0 drains for its grant; B's grant preempts A's on slot 3
+        granting_a = asyncio.create_task(h.api.acquire_train("A", 0))
+        await h.board.wait_until(lambda: ("shrink", "A", 0) in h.board.log, "A's drain on slot 0 to begin")
+        await asyncio.wait_for(h.api.acquire_train("B", 0), 0.25)  # (S8: it waited out A's drain)
+        assert not granting_a.done()
+        await asyncio.wait_for(granting_a, 1.0)
+    assert h.board.log.index(("granted", "B", 0)) < h.board.log.index(("shrunk", "A", 0))
+
+
+async def test_an_expand_past_its_deadline_frees_its_slot_only_once_a_shrink_confirms_the_worker_out():
+    # Under Ray a late wake goes on after the pool stopped waiting: the slot must not go to another run meanwhile.
+    a, b = FakeRun(), FakeRun()
+    a.wake_s = 0.3
+    async with serving(slots=1, resize_timeout_s=0.05) as h:
+        await h.api.register(RunSlots("A", (0,), (0,)), a)
+        await h.api.register(RunSlots("B", (0,), (0,)), b)
+        await h.api.report_demand("A", 4)
+        await h.board.wait_until(lambda: ("failed", "A", 0) in h.board.log, "A's expand to outlive its deadline")
+        await h.api.report_demand("A", 0)
+        await h.api.report_demand("B", 4)
+        await h.board.wait_until(lambda: ("expanded", "B", 0) in h.board.log, "B's expand", timeout=3.0)
+        s = h.pool.statistics()
+        # the expand's deadline, and the shrink's after it (asked again until the wake has ended)
+        assert s.failed_expands == 1 and s.late_resizes >= 2 and s.resident == {0: "B"}
+    log = h.board.log
+    assert ("shrink", 0, True) in a.calls  # the shrink that confirms A's worker out
+    assert log.index(("shrunk", "A", 0)) < log.index(("expand", "B", 0))
 
 
 async def test_a_train_grant_on_a_slot_being_expanded_waits_for_the_expand_then_shrinks_it():
@@ -358,6 +424,29 @@ async def test_a_run_whose_shrink_fails_is_dropped_and_its_slots_go_to_the_other
         assert h.pool.statistics().runs == 1 and "B" not in h.pool.statistics().demand
 
 
+async def test_a_shrink_the_runs_side_fails_drops_nothing_and_the_slot_stays_its_until_it_leaves():
+    a = FakeRun()
+    async with serving() as h:
+        await h.api.register(RunSlots("A", EVERY, (0,)), a)
+        await h.api.register(RunSlots("B", EVERY, (0,)), FakeRun())
+        await h.api.report_demand("A", 4)
+        await h.settled()
+        shrink = a.shrink_slot
+
+        async def failing(slot: int, preempt: bool) -> None:
+            await shrink(slot, preempt)
+            raise RuntimeError("a bug in the run's shrink")
+
+        a.shrink_slot = failing
+        granting = asyncio.create_task(h.api.acquire_train("B", 0))
+        await h.board.wait_until(lambda: ("died", "A", 0) in h.board.log, "A's shrink to fail")
+        await asyncio.sleep(0.05)
+        assert not granting.done() and list(h.pool.runs) == ["A", "B"] and h.pool.counters.dropped_runs == []
+        assert h.pool.resident[0] == "A" and h.pool.statistics().failed_shrinks == 1
+        await h.api.unregister("A")  # the run failed for it, and left: now its slot is free
+        await asyncio.wait_for(granting, 1.0)
+
+
 async def test_a_failed_expand_leaves_the_slot_empty_counted_until_the_next_change():
     a = FakeRun()
     a.expand_fails = {1}
@@ -369,6 +458,7 @@ async def test_a_failed_expand_leaves_the_slot_empty_counted_until_the_next_chan
         s = h.pool.statistics()
         assert (s.expands, s.failed_expands) == (3, 1)
         assert [(st, r) for _, slot, st, r in h.pool.timeline if slot == 1][-1] == (IDLE, None)
+        assert a.calls[-1] == ("shrink", 1, True)  # the failed expand was shrunk back before the slot was free
         await h.api.report_demand("A", 5)  # a change: planned again, the expand goes again (and works)
         await h.settled()
         assert h.on() == ["A"] * 4 and a.calls.count(("expand", 1)) == 2

@@ -4,6 +4,7 @@ drops, never into one a send is reading."""
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,3 +241,70 @@ async def test_a_trainer_rank_dying_mid_broadcast_is_the_trainers_failure_not_th
     client, weights = _client_and_weights(sender_alive=True)
     with pytest.raises(GenerationFailed, match=r"gen0: weights v3 over weight-sync group .* the sender is alive"):
         await client.update_weights(weights)
+
+
+class _FnMethod:
+    """A fake actor method: `.remote(...)` (and `.options(...).remote(...)`) returns what `fn` does."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+    def options(self, **_):
+        return self
+
+
+async def test_a_transfer_cut_short_by_its_deadline_leaves_its_group_the_next_one_forms_another():
+    # (S2) an expand's update that timed out kept its group: the next transfer could run on it beside the first
+    import asyncio
+
+    from single_controller.backends.common.actor_client import ActorGenerationClient
+    from single_controller.backends.common.weight_broadcast import StagedWeights
+    from single_controller.deadlines import DeadlineExceeded, within
+    from single_controller.types import WeightsHandle
+
+    stuck = asyncio.Event()  # the first transfer never ends (the test's end cancels it)
+    keys_sent: list[str] = []
+    closed: list[str] = []
+
+    async def nothing(*_):
+        return None
+
+    async def sync_address():
+        return "127.0.0.1", 1
+
+    async def send(key, version):
+        keys_sent.append(key)
+        if len(keys_sent) == 1:
+            await stuck.wait()
+        return 0
+
+    async def receive(weights, key):
+        if weights.version == 1:
+            await stuck.wait()
+        return weights.version
+
+    async def one_rank():
+        return 1
+
+    sender = SimpleNamespace(
+        sync_address=_FnMethod(sync_address),
+        open_sync_group=_FnMethod(nothing),
+        send_weights=_FnMethod(send),
+        close_sync_group=_FnMethod(closed.append),
+    )
+    actor = SimpleNamespace(
+        sync_ranks=_FnMethod(one_rank), join_sync_group=_FnMethod(nothing), receive_weights=_FnMethod(receive)
+    )
+    client = ActorGenerationClient("gen-0", actor)
+    handle = WeightsHandle(1, StagedWeights(manifest=None, sender=sender), 0)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(DeadlineExceeded):
+            await within(client.update_weights(handle), 0.05, "update_weights(v1)")
+        assert client._group is None and closed == keys_sent[:1]
+        await within(client.update_weights(WeightsHandle(2, handle.payload, 0)), 1.0, "update_weights(v2)")
+        assert len(keys_sent) == 2 and keys_sent[1] != keys_sent[0]
+    finally:
+        stuck.set()

@@ -334,6 +334,7 @@ class SimGenerationWorker:
             raise GenerationFailed(f"{self.name}: restart failed")
         self.dead, self._death = False, None
         self.version = weights.version if weights is not None else 0
+        self.asleep, self.weights_dropped = None, False  # a new process: awake, with `weights`
         self._reset_engine()
         self.restarts += 1
 

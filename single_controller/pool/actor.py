@@ -22,9 +22,9 @@ from typing import Any
 from single_controller.config.schema import PoolConfig
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.pool.planner import RunSlots
-from single_controller.pool.scheduler import PoolScheduler
+from single_controller.pool.scheduler import PoolScheduler, RunGone
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
 
 NAMESPACE = "sc-grpo-pool"
 
@@ -34,14 +34,24 @@ class PoolCallFailed(RuntimeError):
 
 
 class RayRunHandle:
+    """A run's controller actor; a call that fails because the actor is gone raises `RunGone`."""
+
     def __init__(self, actor: Any):
         self.actor = actor
 
     async def shrink_slot(self, slot: int, preempt: bool) -> None:
-        await self.actor.pool_shrink_slot.remote(slot, preempt)
+        await self._call(self.actor.pool_shrink_slot.remote(slot, preempt))
 
     async def expand_slot(self, slot: int) -> None:
-        await self.actor.pool_expand_slot.remote(slot)
+        await self._call(self.actor.pool_expand_slot.remote(slot))
+
+    async def _call(self, ref: Any) -> None:
+        import ray
+
+        try:
+            await ref
+        except ray.exceptions.RayActorError as e:
+            raise RunGone(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 class PoolActor:

@@ -31,7 +31,12 @@ from single_controller.controller import Controller, RunSummary
 from single_controller.pool.planner import RunSlots
 from single_controller.state import RunState
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
+
+
+class PoolResizeFailed(RuntimeError):
+    """A shrink or expand the pool asked of this run failed on the run's side (not a worker's death,
+    which the run handles, nor an expand to try again): the run stops with it."""
 
 
 class PoolApi(Protocol):
@@ -78,15 +83,35 @@ class PoolLink:
         self.ctl, self.pool, self.spec, self.level = ctl, pool, spec, level
         self.worker_on = dict(zip(spec.gen_slots, gens, strict=True))
         self.train_held: set[int] = set()
+        self.failure: PoolResizeFailed | None = None  # a resize the pool asked for failed on this side
 
     # -- what the pool calls -------------------------------------------------------------------
     async def shrink_slot(self, slot: int, preempt: bool) -> None:
         """`preempt`: for a train grant, its groups in flight are aborted at once (re-dispatched
-        uncharged); otherwise (a rebalance) they drain first, up to `rollout.shrink_drain_timeout_s`."""
-        await self.ctl.shrink_generation(self.worker_on[slot], self.level, "abort" if preempt else "drain")
+        uncharged); otherwise (a rebalance) they drain first, up to `rollout.shrink_drain_timeout_s`.
+        A worker that dies meanwhile is out too (down, and restarted asleep: `elastic.shrink`); a
+        shrink that fails otherwise fails the run (the pool keeps the slot its until it leaves)."""
+        try:
+            await self.ctl.shrink_generation(self.worker_on[slot], self.level, "abort" if preempt else "drain")
+        except Exception as e:
+            self._fail(PoolResizeFailed(f"run {self.spec.name}: the pool's shrink of slot {slot} failed: {e}"), e)
+            raise
 
     async def expand_slot(self, slot: int) -> None:
-        await self.ctl.expand_generation(self.worker_on[slot])
+        """`elastic.ExpandFailed` leaves the worker asleep (the pool tries again later); any other
+        failure fails the run."""
+        try:
+            await self.ctl.expand_generation(self.worker_on[slot])
+        except elastic.ExpandFailed:
+            raise
+        except Exception as e:
+            self._fail(PoolResizeFailed(f"run {self.spec.name}: the pool's expand onto slot {slot} failed: {e}"), e)
+            raise
+
+    def _fail(self, error: PoolResizeFailed, cause: Exception) -> None:
+        error.__cause__ = cause
+        self.failure = self.failure or error
+        self.ctl.state.notify()  # the pool companion raises it: the run stops with it
 
     # -- the run -------------------------------------------------------------------------------
     async def run(self) -> RunSummary:
@@ -112,12 +137,17 @@ class PoolLink:
         await self.pool.register(self.spec, self)
         last = -1
         while not st.stop.train_done:
-            # Exits: training is done (nothing more to generate for).
+            # Exits: training is done (nothing more to generate for); a resize failed on this side.
+            if self.failure is not None:
+                raise self.failure
             demand = generation_demand(st)
             if demand != last:
                 await self.pool.report_demand(self.spec.name, demand)
                 last = demand
-            await st.changed.wait_until(functools.partial(_differs, st, last))
+            await st.changed.wait_until(functools.partial(self._news, last))
+
+    def _news(self, last: int) -> bool:
+        return self.failure is not None or _differs(self.ctl.state, last)
 
     async def _before_train(self, step: int) -> None:
         await self.pool.acquire_train(self.spec.name, step)

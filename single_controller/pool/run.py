@@ -9,6 +9,8 @@ POOL.yaml (every key but `runs` optional):
     runs:                    # each one a config and its overrides, as `sc-grpo run` takes them
       - config: configs/embedded.yaml
         overrides: [run.name=reverse, backend.num_generation_workers=2, pool.gen_slots=[0,1], pool.train_slots=[0]]
+      - resume: runs/copy-20261123-120000   # or a run directory resumed from its newest checkpoint,
+        overrides: [run.max_steps=300]      # as `sc-grpo run --resume` does (its own config plus these)
 
 `pool run` checks everything before anything starts (each run's config with `pool.enabled=true`, the
 runs' names distinct, their slots inside the pool, the pool inside the machine), then starts one
@@ -56,6 +58,10 @@ class PoolSpec:
     name: str
     output_dir: str
     runs: tuple[Config, ...]
+    resumes: tuple[str | None, ...] = ()  # per run: the run directory it resumes, if it does
+
+    def resume_of(self, cfg: Config) -> str | None:
+        return dict(zip((c.run.name for c in self.runs), self.resumes)).get(cfg.run.name)
 
 
 def load_pool(path: str | os.PathLike) -> PoolSpec:
@@ -78,21 +84,44 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
     if policy not in POLICIES:
         problems.append(f"policy: one of {', '.join(POLICIES)}, got {policy!r}")
     runs: list[Config] = []
+    resumes: list[str | None] = []
     for i, entry in enumerate(raw.get("runs") or ()):
-        if not isinstance(entry, dict) or "config" not in entry:
-            problems.append(f"runs[{i}]: a mapping with `config` (a path) and optional `overrides` (a list)")
+        if not isinstance(entry, dict) or ("config" in entry) == ("resume" in entry):
+            problems.append(
+                f"runs[{i}]: a mapping with `config` (a path) or `resume` (a run directory), and optional "
+                "`overrides` (a list)"
+            )
             continue
         forced = ["pool.enabled=true", f"pool.name={name}", "run.progress_bar=false"]
+        overrides = [*map(str, entry.get("overrides") or ()), *forced]
         try:
-            runs.append(load_config(entry["config"], [*map(str, entry.get("overrides") or ()), *forced]))
-        except ConfigError as e:
-            problems.append(f"runs[{i}] ({entry['config']}): {e}")
+            if "resume" in entry:
+                runs.append(_resumed(str(entry["resume"]), overrides))
+            else:
+                runs.append(load_config(entry["config"], overrides))
+            resumes.append(entry.get("resume"))
+        except (ConfigError, OSError) as e:
+            problems.append(f"runs[{i}] ({entry.get('config') or entry['resume']}): {e}")
     if not runs and not problems:
         problems.append("runs: at least one run")
     problems += _pool_problems(slots, runs)
     if problems:
         raise ConfigError([Problem(("pool",), p) for p in problems], origin=f"pool {path}")
-    return PoolSpec(slots, policy, name, output_dir, tuple(runs))
+    return PoolSpec(slots, policy, name, output_dir, tuple(runs), tuple(resumes))
+
+
+def _resumed(run_dir: str, overrides: list[str]) -> Config:
+    """The config a resume of `run_dir` runs with (`sc-grpo run --resume`), checked against its newest checkpoint."""
+    from single_controller.checkpoint import CheckpointError, check_compatible, latest_checkpoint, read_controller_state
+    from single_controller.runtime.run_dir import resume_config
+
+    cfg = resume_config(run_dir, overrides)
+    try:
+        path = latest_checkpoint(run_dir)
+        check_compatible(read_controller_state(path), cfg, path)
+    except CheckpointError as e:
+        raise ConfigError([Problem(("resume",), str(e))], f"resume {run_dir}") from e
+    return cfg
 
 
 def _pool_problems(slots: int, runs: Sequence[Config]) -> list[str]:
@@ -166,9 +195,17 @@ async def _drive_runs(spec: PoolSpec, host_of: Callable[[Config, Any], Any], on_
     dirs: dict[str, str] = {}
 
     async def one(cfg: Config) -> None:
-        run_dir = RunDirectory.create(cfg)
+        resume = spec.resume_of(cfg)
+        if resume is None:
+            run_dir = RunDirectory.create(cfg)
+            say(f"run {cfg.run.name}: run directory {run_dir.path}")
+        else:
+            from single_controller.checkpoint import latest_checkpoint, read_controller_state
+
+            saved = read_controller_state(latest_checkpoint(resume))
+            run_dir = RunDirectory.reopen(resume, cfg, from_step=saved["step"], recovered=saved.get("records", []))
+            say(f"run {cfg.run.name}: resuming {run_dir.path} from the checkpoint of step {saved['step']}")
         dirs[cfg.run.name] = str(run_dir.path)
-        say(f"run {cfg.run.name}: run directory {run_dir.path}")
         call = host_of(cfg, run_dir)
         try:
             codes[cfg.run.name] = await _drive(
@@ -191,7 +228,15 @@ async def _pool_local(spec: PoolSpec) -> tuple[dict, dict]:
     scheduler = PoolScheduler(spec.slots, spec.policy)
 
     def host_of(cfg: Config, run_dir) -> Any:
-        host = ControllerHost(cfg, str(run_dir.path.resolve()), False, run_dir.run_id, pool=InProcessPool(scheduler))
+        resume = spec.resume_of(cfg) is not None
+        host = ControllerHost(
+            cfg,
+            str(run_dir.path.resolve()),
+            resume,
+            run_dir.run_id,
+            run_dir.wall_offset_s,
+            pool=InProcessPool(scheduler),
+        )
 
         async def call(method: str, *args: Any) -> Any:
             return await getattr(host, method)(*args)
@@ -261,7 +306,8 @@ async def _pool_ray_main(spec: PoolSpec, session: Any) -> tuple[dict, dict]:
 
         def host_of(cfg: Config, run_dir) -> Any:
             # every run attaches to the pool's TransferQueue; its own config.yaml keeps its own setting
-            actor = _controller_actor(replace(cfg, storage=replace(cfg.storage, attach=True)), run_dir)
+            attached = replace(cfg, storage=replace(cfg.storage, attach=True))
+            actor = _controller_actor(attached, run_dir, spec.resume_of(cfg) is not None)
             actors.append(actor)
 
             async def call(method: str, *args: Any) -> Any:
@@ -281,7 +327,7 @@ async def _pool_ray_main(spec: PoolSpec, session: Any) -> tuple[dict, dict]:
     return codes, _summary(spec, codes, dirs, pool_summary)
 
 
-def _controller_actor(cfg: Config, run_dir) -> Any:
+def _controller_actor(cfg: Config, run_dir, resume: bool) -> Any:
     """One run's `ControllerHost` as a named Ray actor; its processes log to the run's own logs/."""
     import ray
 
@@ -295,7 +341,7 @@ def _controller_actor(cfg: Config, run_dir) -> Any:
         max_concurrency=64,
         runtime_env={"env_vars": {LOG_DIR_ENV: str(run_dir.logs_path.resolve())}},
         **_on_this_node(),
-    ).remote(cfg, str(run_dir.path.resolve()), False, run_dir.run_id, run_dir.wall_offset_s)
+    ).remote(cfg, str(run_dir.path.resolve()), resume, run_dir.run_id, run_dir.wall_offset_s)
 
 
 # -- pool serve ----------------------------------------------------------------------------------

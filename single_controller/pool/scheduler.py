@@ -6,19 +6,26 @@ Contract:
   expand the run's generation worker on a slot; `single_controller/pool/link.py` is the controller's
   side). Its workers start out of the pool (asleep); the scheduler expands them onto slots.
 * Training is granted before generation and is never preempted: `acquire_train(run, step)` waits
-  until no other run trains on any of the run's `train_slots`, shrinks whatever generation worker
-  is resident there (another run's preempted: its groups aborted and re-dispatched; the run's own
-  drained first: they are its next step's), then returns. `release_train(run, step)` frees them; a run calls it
-  only once its surviving generation workers hold the step's new weights (the weight sync of that
-  version ended), so a slot never serves stale weights on the run's behalf. Requests are granted
-  first come, first served; acquire/release are idempotent per (run, step).
+  until no run trains on any of the run's `train_slots` (nor, for the run's next step, the run
+  itself: a slot goes back to the pool between steps), shrinks whatever generation worker is
+  resident there (another run's preempted: its groups aborted and re-dispatched; the run's own
+  drained first: they are its next step's), then returns. `release_train(run, step)` frees them; a
+  run calls it only once its surviving generation workers hold the step's new weights (the weight
+  sync of that version ended), so a slot never serves stale weights on the run's behalf. Requests
+  are granted first come, first served: a request never takes a slot that an earlier one still
+  waits for, so no run waits longer than the steps queued ahead of it. Acquire/release are
+  idempotent per (run, step).
 * Generation: the planner (`planner.targets`) divides the free slots among runs by the demand they
-  push (`report_demand`, on change: no polling); every cycle runs its shrinks before its expands, so
+  push (`report_demand`, on change: no polling); every plan runs its shrinks before its expands, so
   at most one worker is resident on a slot at any moment.
-* One cycle at a time, run by `serve()` when something changed (an event, not a poll). Every call
-  into a run has a deadline that names it. A run whose shrink fails (its driver died) is taken out
-  of the pool and its slots are freed for the others; a failed expand leaves the slot empty until
-  the next change.
+* Train grants are taken on every change, each as a task of its own (its shrinks, a drain
+  included, never hold up the others or the plans); one plan at a time, after a change (an event,
+  not a poll); expands run beside them (a grant never waits behind a wake).
+* Every call into a run has a deadline that names it. A slot is free only once its worker is
+  confirmed out: a shrink that outlives its deadline is asked again (the run serializes them), and
+  an expand that fails or outlives its deadline is followed by a shrink before the slot is free.
+  The pool drops a run only when its controller is gone (`RunGone`); a shrink the run's side
+  failed otherwise fails that run (`pool/link.py`), and its slot is its until it leaves.
 
 The slot timeline (`timeline`: (t, slot, state, run)) is what `pool run` writes to the pool summary
 and `bench pool` measures.
@@ -33,10 +40,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from single_controller.deadlines import within
+from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.pool.planner import POLICIES, Move, RunSlots, moves, targets
 
-log = logging.getLogger("sc_grpo.pool")
+log = logging.getLogger(__name__)
 
 IDLE, GEN, TRAIN, SWITCHING = "idle", "gen", "train", "switching"
 
@@ -48,6 +55,10 @@ class RunHandle(Protocol):
         """Out of the slot; `preempt` (a train grant): its groups in flight aborted, not drained."""
 
     async def expand_slot(self, slot: int) -> None: ...
+
+
+class RunGone(RuntimeError):
+    """A call into a run failed because its controller is gone (a `RunHandle` raises it)."""
 
 
 class PoolError(RuntimeError):
@@ -72,6 +83,8 @@ class PoolStatistics:
     shrinks: int
     expands: int
     failed_expands: int
+    failed_shrinks: int  # shrinks the run's side failed (that run fails; its slot stays its until it leaves)
+    late_resizes: int  # resizes that outlived `resize_timeout_s` (a shrink asked again, or one after the expand)
     train_grants: int
     train_wait_s: float
     max_train_wait_s: float
@@ -84,6 +97,8 @@ class _Counters:
     shrinks: int = 0
     expands: int = 0
     failed_expands: int = 0
+    failed_shrinks: int = 0
+    late_resizes: int = 0
     train_grants: int = 0
     train_wait_s: float = 0.0
     max_train_wait_s: float = 0.0
@@ -114,9 +129,14 @@ class PoolScheduler:
         self.training: dict[int, str | None] = dict.fromkeys(range(slots))
         self._train_steps: dict[str, set[int]] = {}
         self._pending: list[_TrainRequest] = []
+        self._left: dict[str, asyncio.Event] = {}  # set when the run leaves the pool
         self._dirty = asyncio.Event()
+        self._planning: asyncio.Task[None] | None = None
+        self._replan = False  # a change came while a plan ran: plan again after it
+        self._granting: set[asyncio.Task[None]] = set()
         self._expanding: dict[int, asyncio.Task[None]] = {}
-        self._expands: asyncio.TaskGroup  # set by `serve`
+        self._shrinking: dict[int, asyncio.Future[None]] = {}
+        self._tasks: asyncio.TaskGroup  # set by `serve`: grants, plans, expands
         self._closed = False
         self.counters = _Counters()
         self.t0 = clock()
@@ -134,6 +154,7 @@ class PoolScheduler:
         self.runs[spec.name], self.handles[spec.name] = spec, handle
         self.demand[spec.name] = 0
         self._train_steps[spec.name] = set()
+        self._left[spec.name] = asyncio.Event()
         self._changed()
 
     def unregister(self, name: str) -> None:
@@ -143,6 +164,7 @@ class PoolScheduler:
         self.handles.pop(name)
         self.demand.pop(name)
         self._train_steps.pop(name)
+        self._left.pop(name).set()
         for s in range(self.slots):
             if self.resident[s] == name:
                 self.resident[s] = None
@@ -173,18 +195,16 @@ class PoolScheduler:
             self._changed()
 
     async def acquire_train(self, name: str, step: int) -> None:
-        """Returns once `name` holds its train slots for `step` (at once if it holds them already)."""
+        """Returns once `name` holds its train slots for `step` (at once if it holds them for it already)."""
         self._known(name)
-        if self._train_steps[name]:
-            self._train_steps[name].add(step)
+        if step in self._train_steps[name]:
             return
-        req = next((r for r in self._pending if r.run == name), None)
+        req = next((r for r in self._pending if r.run == name and r.step == step), None)
         if req is None:
             req = _TrainRequest(name, step, asyncio.get_running_loop().create_future(), self.clock())
             self._pending.append(req)
             self._changed()
         await asyncio.shield(req.granted)
-        self._train_steps[name].add(step)
 
     def release_train(self, name: str, step: int) -> None:
         if name not in self.runs or step not in self._train_steps[name]:
@@ -200,51 +220,65 @@ class PoolScheduler:
         self._closed = True
         self._dirty.set()
 
+    def quiet(self) -> bool:
+        """Nothing due or under way: no change unplanned, no plan, grant, shrink or expand running."""
+        return not (
+            self._dirty.is_set()
+            or (self._planning is not None and not self._planning.done())
+            or self._granting
+            or self._expanding
+            or self._shrinking
+        )
+
     # -- the scheduling loop -----------------------------------------------------------------
     async def serve(self) -> None:
-        """Run the scheduling cycles until `close()`: one after every change. Expands run beside the
-        cycles (a train grant never waits behind a wake); a shrink of a slot being expanded waits
-        for that expand to end first."""
-        async with asyncio.TaskGroup() as self._expands:
+        """Serve until `close()`: after every change, take the train requests that can be granted now
+        (each grant a task), and plan generation (one plan at a time: a change during a plan plans
+        again after it). Expands run beside them; a shrink of a slot being expanded waits for that
+        expand to end first."""
+        async with asyncio.TaskGroup() as self._tasks:
             while True:
                 # Exits: closed.
                 await self._dirty.wait()
                 if self._closed:
                     return
                 self._dirty.clear()
-                await self._cycle()
-                self.counters.cycles += 1
+                self._take_train_requests()
+                if self._planning is None or self._planning.done():
+                    self._planning = self._tasks.create_task(self._plan())
+                    self.counters.cycles += 1
+                else:
+                    self._replan = True
 
-    async def _cycle(self) -> None:
+    def _take_train_requests(self) -> None:
+        """Reserve the slots of every request that can be granted now, first come first served, and
+        start its grant. A request waits while any of its slots is trained on or wanted by an earlier
+        request that waits (so a later one never overtakes it)."""
+        wanted: set[int] = set()
         for req in list(self._pending):
-            if req not in self._pending:
-                continue  # its run left the pool during this cycle
             slots = self.runs[req.run].train_slots
-            if any(self.training[s] not in (None, req.run) for s in slots):
-                continue  # another run trains there: granted when it releases
-            for s in slots:
-                self.training[s] = req.run
-            # another run's groups there are aborted (re-dispatched uncharged); the run's own drain
-            # first (its next step's groups: bounded by rollout.max_in_flight_per_worker and
-            # rollout.shrink_drain_timeout_s), instead of being generated again
-            held = [Move(s, r) for s in slots if (r := self.resident[s]) is not None]
-            await asyncio.gather(*(self._shrink(m, preempt=m.run != req.run) for m in held))
-            if req.run not in self.runs:
-                continue  # it left meanwhile
-            for s in slots:
-                self._mark(s, TRAIN, req.run)
+            if any(s in wanted or self.training[s] is not None for s in slots):
+                wanted.update(slots)
+                continue
             self._pending.remove(req)
-            self._granted(req)
-        free = [s for s in range(self.slots) if self.training[s] is None]
-        plan = targets(self.policy, free, self.resident, self.demand, self.runs)
-        mv = moves({s: self.resident[s] for s in free}, plan)
-        await self._shrink_all(list(mv.shrinks), preempt=False)
-        for m in mv.expands:
-            if self.resident[m.slot] is None and m.run in self.runs:
-                self.resident[m.slot] = m.run  # reserved: nothing else lands here meanwhile
-                self._expanding[m.slot] = self._expands.create_task(self._expand(m))
+            for s in slots:
+                self.training[s] = req.run  # reserved: no expand lands here from now on
+            task = self._tasks.create_task(self._grant(req))
+            self._granting.add(task)
+            task.add_done_callback(self._granting.discard)
 
-    def _granted(self, req: _TrainRequest) -> None:
+    async def _grant(self, req: _TrainRequest) -> None:
+        # another run's groups there are aborted (re-dispatched uncharged); the run's own drain
+        # first (its next step's groups: bounded by rollout.max_in_flight_per_worker and
+        # rollout.shrink_drain_timeout_s), instead of being generated again
+        slots = self.runs[req.run].train_slots
+        held = [Move(s, r) for s in slots if (r := self.resident[s]) is not None]
+        await asyncio.gather(*(self._shrink(m, preempt=m.run != req.run) for m in held))
+        if req.run not in self.runs:
+            return  # it left meanwhile (`unregister` failed its request and freed its slots)
+        for s in slots:
+            self._mark(s, TRAIN, req.run)
+        self._train_steps[req.run].add(req.step)
         wait = self.clock() - req.t
         c = self.counters
         c.train_grants += 1
@@ -253,26 +287,70 @@ class PoolScheduler:
         if not req.granted.done():
             req.granted.set_result(None)
 
-    async def _shrink_all(self, shrinks: list[Move], *, preempt: bool) -> None:
-        await asyncio.gather(*(self._shrink(m, preempt) for m in shrinks))
+    async def _plan(self) -> None:
+        try:
+            free = [s for s in range(self.slots) if self.training[s] is None]
+            plan = targets(self.policy, free, self.resident, self.demand, self.runs)
+            mv = moves({s: self.resident[s] for s in free}, plan)
+            await asyncio.gather(*(self._shrink(m, preempt=False) for m in mv.shrinks))
+            for m in mv.expands:
+                # (a grant may have reserved the slot, or a run left, while the shrinks ran)
+                if self.resident[m.slot] is None and self.training[m.slot] is None and m.run in self.runs:
+                    self.resident[m.slot] = m.run  # reserved: nothing else lands here meanwhile
+                    self._expanding[m.slot] = self._tasks.create_task(self._expand(m))
+        finally:
+            if self._replan:
+                self._replan = False
+                self._changed()
 
     async def _shrink(self, m: Move, preempt: bool) -> None:
+        """Returns once run `m.run`'s worker is off slot `m.slot` (or the run left the pool)."""
         expanding = self._expanding.get(m.slot)
         if expanding is not None:
             await asyncio.shield(expanding)  # (it handles its own errors)
-            if self.resident[m.slot] != m.run:
-                return  # the expand failed: nothing to shrink
+        while (shrinking := self._shrinking.get(m.slot)) is not None:
+            await asyncio.shield(shrinking)  # a plan's shrink and a grant's of the same worker: one call
+        if self.resident[m.slot] != m.run:
+            return  # the expand failed and was undone, or another shrink took it off
+        done = asyncio.get_running_loop().create_future()
+        self._shrinking[m.slot] = done
+        try:
+            await self._shrink_once(m, preempt)
+        finally:
+            del self._shrinking[m.slot]
+            done.set_result(None)
+
+    async def _shrink_once(self, m: Move, preempt: bool) -> None:
         t0 = self.clock()
         self._mark(m.slot, SWITCHING, m.run)
-        try:
-            await within(
-                self.handles[m.run].shrink_slot(m.slot, preempt),
-                self.resize_timeout_s,
-                f"run {m.run}: shrink of slot {m.slot}",
-            )
-        except Exception as e:  # its driver is gone or broken: the others get its slots
-            self.drop(m.run, f"its shrink of slot {m.slot} failed: {e}")
-            return
+        while True:
+            # Exits: the worker is off the slot; the run is gone, or failed the shrink and left.
+            left = self._left.get(m.run)
+            if left is None:
+                return  # it left the pool (`unregister` freed the slot)
+            try:
+                await within(
+                    self.handles[m.run].shrink_slot(m.slot, preempt),
+                    self.resize_timeout_s,
+                    f"run {m.run}: shrink of slot {m.slot}",
+                )
+                break
+            except RunGone as e:  # its controller is gone, its workers with it: the others get its slots
+                self.drop(m.run, f"its controller is gone (shrink of slot {m.slot}: {e})")
+                return
+            except DeadlineExceeded as e:  # (under Ray the shrink goes on: the next call waits for it)
+                log.warning("%s; asking again: the slot is the run's until its worker is out", e)
+                self.counters.late_resizes += 1
+            except Exception as e:
+                log.error(
+                    "run %s: shrink of slot %d failed (the run fails; the slot is its until it leaves): %s",
+                    m.run,
+                    m.slot,
+                    e,
+                )
+                self.counters.failed_shrinks += 1
+                await left.wait()
+                return
         self.resident[m.slot] = None
         self.counters.shrinks += 1
         self.counters.switch_s += self.clock() - t0
@@ -295,12 +373,18 @@ class PoolScheduler:
                 self.resize_timeout_s,
                 f"run {m.run}: expand onto slot {m.slot}",
             )
+        except RunGone as e:
+            self.drop(m.run, f"its controller is gone (expand onto slot {m.slot}: {e})")
+            return
         except Exception as e:
-            log.warning("run %s: expand onto slot %d failed (the slot stays empty): %s", m.run, m.slot, e)
+            # Failed or late (under Ray a late wake goes on): the slot is free only once a shrink has
+            # confirmed the worker asleep; then it stays empty until the next change.
+            log.warning("run %s: expand onto slot %d failed (shrunk back, the slot stays empty): %s", m.run, m.slot, e)
             self.counters.failed_expands += 1
+            if isinstance(e, DeadlineExceeded):
+                self.counters.late_resizes += 1
             if self.resident[m.slot] == m.run:
-                self.resident[m.slot] = None
-                self._mark(m.slot, IDLE, None)
+                await self._shrink_once(m, preempt=True)
             return
         self.counters.expands += 1
         self.counters.switch_s += self.clock() - t0
@@ -337,6 +421,8 @@ class PoolScheduler:
             c.shrinks,
             c.expands,
             c.failed_expands,
+            c.failed_shrinks,
+            c.late_resizes,
             c.train_grants,
             c.train_wait_s,
             c.max_train_wait_s,

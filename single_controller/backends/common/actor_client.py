@@ -177,12 +177,12 @@ class ActorGenerationClient:
         except BaseException as e:
             # The send's own error (if any) is this one's cause or consequence: retrieved, not raised.
             send.add_done_callback(lambda f: f.cancelled() or f.exception())
-            if isinstance(e, TrainerRankDied):
-                self._leave_group()
-                raise
-            if not isinstance(e, ray.exceptions.RayTaskError):
-                raise  # a dead worker (restarted with a group of its own), or our caller's cancellation
-            self._leave_group()  # the other end fails at its own timeout and drops the group too
+            # Whatever ended the wait (an error, a dead worker or sender, our caller's deadline), the
+            # transfer may go on on both ends: the next one forms a new group, never a second transfer
+            # on this one (both ends drop this group when this transfer ends or fails at its own timeout).
+            self._leave_group()
+            if isinstance(e, TrainerRankDied) or not isinstance(e, ray.exceptions.RayTaskError):
+                raise  # the sender died; a dead worker (restarted with a group of its own); our caller's cancellation
             # The receive fails as soon as the connection breaks, maybe before Ray reports the
             # sender's death: ask the sender whether it is there (raises TrainerRankDied if not).
             alive = await self._sender_answers(staged.sender, v)
@@ -282,13 +282,20 @@ class ActorGenerationClient:
     async def sleep(self, level: int) -> None:
         """Elastic shrink (`protocols.Sleepable`): level 0 is routing only, nothing to send."""
         if level > 0:
-            await self.actor.sleep.remote(level)
+            await self._unless_dead(self.actor.sleep.remote(level), f"sleep({level})")
 
     async def wake(self) -> None:
-        await self.actor.wake.remote()
+        await self._unless_dead(self.actor.wake.remote(), "wake()")
 
     async def weights_version(self) -> int | None:
-        return await self.actor.weights_version.remote()
+        return await self._unless_dead(self.actor.weights_version.remote(), "weights_version()")
+
+    async def _unless_dead(self, ref: Any, call: str) -> Any:
+        """`ref`'s result; a dead actor as `GenerationWorkerDied` (the caller restarts the worker)."""
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as e:
+            raise GenerationWorkerDied(f"generation worker {self.name} died during {call}: {first_line(e)}") from e
 
     async def pause(self, *after_steps: int) -> int:
         """Idle the engine (vLLM: after `after_steps` more engine steps); returns the requests in flight."""
