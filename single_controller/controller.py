@@ -548,13 +548,7 @@ class Controller:
         rec.update(elastic.step_record(st))
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         self._add_rewards(rec, report)
-        # bytes the controller moved through storage this step vs bytes the trainers read
-        moved = st.storage.statistics()
-        moved_bytes = moved.bytes_put + moved.bytes_read
-        rec["replay/controller_bytes"] = moved_bytes - self._last_controller_bytes
-        self._last_controller_bytes = moved_bytes
-        if rec.get("train/bytes_read"):
-            rec["replay/controller_bytes_ratio"] = rec["replay/controller_bytes"] / rec["train/bytes_read"]
+        self._add_moved_bytes(rec)
         now = st.clock()
         for name, clk in st.pumps.items():
             total = clk.total_wait_s(now)
@@ -572,6 +566,16 @@ class Controller:
             and sum(self._success) / len(self._success) >= target
         ):
             st.request_stop(f"success rate >= {target} over {len(self._success)} steps")
+
+    def _add_moved_bytes(self, rec: dict) -> None:
+        """The bytes the controller moved through storage this step, and their share of what the
+        trainers read."""
+        moved = self.state.storage.statistics()
+        moved_bytes = moved.bytes_put + moved.bytes_read
+        rec["replay/controller_bytes"] = moved_bytes - self._last_controller_bytes
+        self._last_controller_bytes = moved_bytes
+        if rec.get("train/bytes_read"):
+            rec["replay/controller_bytes_ratio"] = rec["replay/controller_bytes"] / rec["train/bytes_read"]
 
     def _add_rewards(self, rec: dict, report: StepReport) -> None:
         """Each reward function's mean over the step's groups (`reward/<name>/mean`, with
