@@ -340,7 +340,8 @@ def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into
     for run_dir in (left, right):
         _check_exactly_once(run_dir, steps, 16)
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-        assert last["rollout/worker_restarts"] == 1, last
+        # the death is taken at once; its restart (a model load) may still be under way at the last step
+        assert last["rollout/worker_deaths"] == 1 and last["rollout/worker_restarts"] <= 1, last
     resume = _pool_file(tmp_path, [{"resume": str(left), "overrides": [f"run.max_steps={steps + 2}"]}], slots=2)
     done = subprocess.run(
         [sys.executable, "-m", "single_controller", "pool", "run", str(resume)],
