@@ -394,6 +394,19 @@ def _interrupted_cleanly(run_dir: Path, per_step: int = P) -> dict:
     return summary
 
 
+def _sigterm_in_step(proc: subprocess.Popen, step: int, rng: random.Random) -> None:
+    """SIGTERM at a random moment of step `step` (or of the one after it); the run exits 130."""
+    try:
+        _wait_for_step(proc, step)
+        time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+
+
 def test_sigterm_at_random_moments_then_resume_loses_and_repeats_nothing(tmp_path):
     """Interrupt equivalence: SIGTERM at random moments (inside a step or between), `--resume`
     each time, to success 0.9: no prompt lost or trained twice, no key left."""
@@ -403,16 +416,7 @@ def test_sigterm_at_random_moments_then_resume_loses_and_repeats_nothing(tmp_pat
     success = ("run.stop_at_success_rate=0.9", "checkpoint.every_steps=1000")
     for i in range(interrupts):
         cmd = _cmd(tmp_path, "run.max_steps=100000", *success, resume=run_dir)
-        proc = _start(cmd, tmp_path)
-        try:
-            _wait_for_step(proc, steps + rng.randint(1, 8))
-            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step
-            proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.returncode == 130, out[-3000:]
+        _sigterm_in_step(_start(cmd, tmp_path), steps + rng.randint(1, 8), rng)
         if run_dir is None:
             (run_dir,) = list(tmp_path.glob("embedded-*"))
         steps = _interrupted_cleanly(run_dir)["checkpoint"]["step"]
@@ -441,16 +445,8 @@ def test_a_column_reading_reward_sees_the_same_prompts_across_sigterms_and_resum
     run_dir, steps, resumed = None, 0, []
     for _ in range(3):
         cmd = first if run_dir is None else [*first[:4], "--resume", str(run_dir), f"run.max_steps={last}"]
-        proc = _start(cmd, ROOT)  # the example's shaping reward imports from the repository root
-        try:
-            _wait_for_step(proc, min(steps + rng.randint(1, 3), last - 8))
-            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step
-            proc.send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.returncode == 130, out[-3000:]
+        # (from the repository root: the example's shaping reward imports from there)
+        _sigterm_in_step(_start(cmd, ROOT), min(steps + rng.randint(1, 3), last - 8), rng)
         if run_dir is None:
             (run_dir,) = list(tmp_path.glob("reasoning_gym-*"))
         summary = _interrupted_cleanly(run_dir, per_step)
