@@ -14,9 +14,10 @@ this process, or its Ray actor). `run()` runs the controller in the pool:
    the published weights when they are expanded again (`single_controller/elastic.py`);
 4. the pool calls back `shrink_slot` / `expand_slot`, which are the controller's own elastic
    shrink and expand of that slot's worker;
-5. the demand pushes run beside the pumps (`Controller.companions`): a pool that fails or cannot
-   be reached ends the run as a failing pump does, with its final checkpoint; when the run ends (or
-   fails) it leaves the pool, freeing its slots for the others.
+5. the demand pushes run beside the pumps (`Controller.companions`), at least every `HEARTBEAT_S`
+   (the only call a run whose workers are all shrunk makes): a pool that fails or cannot be reached
+   ends the run as a failing pump does, with its final checkpoint; when the run ends (or fails) it
+   leaves the pool, freeing its slots for the others.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from single_controller.pool.planner import RunSlots
 from single_controller.state import RunState
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0  # a run reports its demand at least this often (the pool's liveness, seen from the run)
 
 
 class PoolResizeFailed(RuntimeError):
@@ -137,14 +140,22 @@ class PoolLink:
         await self.pool.register(self.spec, self)
         last = -1
         while not st.stop.train_done:
-            # Exits: training is done (nothing more to generate for); a resize failed on this side.
+            # Exits: training is done (nothing more to generate for); a resize failed on this side; the
+            # pool is gone (a report fails).
             if self.failure is not None:
                 raise self.failure
             demand = generation_demand(st)
             if demand != last:
                 await self.pool.report_demand(self.spec.name, demand)
                 last = demand
-            await st.changed.wait_until(functools.partial(self._news, last))
+            try:
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await st.changed.wait_until(functools.partial(self._news, last))
+            except TimeoutError:
+                # Nothing changed for a while: report again. A run whose workers are all shrunk calls
+                # the pool for nothing else, so without this a pool that died would leave it waiting
+                # for an expand forever; the report to a dead pool fails and ends the run.
+                last = -1
 
     def _news(self, last: int) -> bool:
         return self.failure is not None or _differs(self.ctl.state, last)
