@@ -364,7 +364,7 @@ def test_bench_sync_moves_a_model_by_each_transport_checks_it_and_prints_each_po
 
 def test_bench_trl_gives_both_sides_the_same_settings_and_a_valid_sc_grpo_config(tmp_path):
     from single_controller.bench import trl, trl_loop
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     model = tmp_path / "m"
     for steps in (None, 30):

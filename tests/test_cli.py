@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config.loader import load_config
 from single_controller.config.schema import Config
+from single_controller.preflight.loader import load_config
 from single_controller.runtime import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,8 +209,8 @@ def test_python_dash_m_single_controller():
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
-    from single_controller.backends.common.hf_model import main_init_model
     from single_controller.bench import reference
+    from single_controller.data.hf_model import main_init_model
 
     with pytest.raises(SystemExit) as info:
         reference.main(["--task", "sort_digits", "--seeds", "0"])

@@ -88,8 +88,8 @@ def test_threads_per_process_default_to_one_or_every_core_when_colocated():
 
 
 def test_colocation_on_a_gpu_is_refused_by_name():
-    from single_controller.config.loader import load_config
     from single_controller.config.problems import ConfigError
+    from single_controller.preflight.loader import load_config
 
     with pytest.raises(
         ConfigError, match=r"(?s)backend.colocate=true runs generation and training .* on GPUs it is\s+not built yet"

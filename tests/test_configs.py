@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from single_controller.config import environment, fields, reference
-from single_controller.config.loader import (
+from single_controller.config import fields, reference
+from single_controller.config.schema import Config, required_capacity, resolved_capacity
+from single_controller.preflight import environment
+from single_controller.preflight.loader import (
     BOUNDS,
     CHOICES,
     ConfigError,
@@ -20,7 +22,6 @@ from single_controller.config.loader import (
     load_config,
     readme_reference,
 )
-from single_controller.config.schema import Config, required_capacity, resolved_capacity
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from single_controller.config.loader import ConfigError, check_environment, load_config
 from single_controller.config.schema import DataConfig
 from single_controller.data.bpe import write_bpe_tokenizer
 from single_controller.data.files import DatasetError, file_prompts, read_records
 from single_controller.data.tasks import TOKENIZER
 from single_controller.data.tokenizer import load_tokenizer
+from single_controller.preflight.loader import ConfigError, check_environment, load_config
 
 ROWS = [
     {"id": "a", "prompt": [{"role": "user", "content": "123"}], "answer": "321", "level": 1},

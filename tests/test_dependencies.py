@@ -85,6 +85,6 @@ def test_every_module_imports_without_the_extras():
     assert {
         "single_controller.backends.vllm.worker",
         "single_controller.backends.megatron.trainer",
-        "single_controller.backends.common.hf_model",
+        "single_controller.data.hf_model",
         "single_controller.runtime.cli",
     } <= set(out["imported"])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config.environment import environment_problems
-from single_controller.config.loader import ConfigError, load_config
+from single_controller.preflight.environment import environment_problems
+from single_controller.preflight.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_CONFIG = str(ROOT / "configs/env_lookup.yaml")

@@ -341,7 +341,7 @@ def test_rows_of_matches_the_storage_schema():
 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory):
-    from single_controller.backends.common.hf_model import init_model
+    from single_controller.data.hf_model import init_model
 
     return init_model(tmp_path_factory.mktemp("bpe") / "m", tokenizer="bpe", max_positions=128, seed=0)
 

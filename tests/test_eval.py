@@ -17,8 +17,6 @@ from hypothesis import strategies as st
 from pumps.eval import eval_metrics
 from replay.storage import InMemoryRowStorage, row_keys
 from single_controller.backends.sim import Faults, SimGenerationWorker, sim_eval_rewards, sim_prompts, sim_workers
-from single_controller.config.loader import ConfigError, load_config
-from single_controller.config.rules import DIGIT_TASKS
 from single_controller.config.schema import Config, EvalConfig, RunConfig
 from single_controller.controller import Controller, RunFailed
 from single_controller.data.tasks import (
@@ -28,6 +26,8 @@ from single_controller.data.tasks import (
     is_held_out,
     load_eval_prompts,
 )
+from single_controller.preflight.loader import ConfigError, load_config
+from single_controller.preflight.rules import DIGIT_TASKS
 from single_controller.runtime.actor_host import make_dataloader
 from single_controller.state import Workers
 from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams, WeightsHandle

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from single_controller.config import fields
-from single_controller.config.loader import load_config
 from single_controller.config.schema import Config
 from single_controller.data.tasks import TOKENIZER
+from single_controller.preflight.loader import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

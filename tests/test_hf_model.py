@@ -21,15 +21,15 @@ import torch  # noqa: E402
 
 from replay.storage import InMemoryRowStorage, row_keys  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
-from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.torch.generation import GenerationCore  # noqa: E402
 from single_controller.backends.torch.model import build_policy, load_hf_policy, save_policy, state_module  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
-from single_controller.config.loader import ConfigError, check_environment, load_config  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.data import hf_model  # noqa: E402
 from single_controller.data.bpe import write_bpe_tokenizer  # noqa: E402
 from single_controller.data.tasks import TOKENIZER  # noqa: E402
 from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
+from single_controller.preflight.loader import ConfigError, check_environment, load_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_prompts import chat_prompts  # noqa: E402

@@ -1,5 +1,8 @@
 """The house rules of the package layout, checked on the source (docs/architecture.md).
 
+- Each folder one floor: a folder imports only folders on floors below its own (every import counts,
+  lazy ones too), so no arrow between folders runs back up; a new folder must be given its floor here.
+- No private name (`_x`) is imported from another folder.
 - No import cycle between modules (imports at module level; `if TYPE_CHECKING:` ones excluded).
 - No backend imports another: `backends/<engine>/` may import `backends/common/`, never a sibling.
 - The pure algorithm (`single_controller/algorithm/`) imports no asyncio, Ray or other layer.
@@ -19,6 +22,30 @@ ENGINES = ("torch", "vllm", "megatron", "sim")
 MAX_FUNCTION_LINES = 60
 # Functions allowed past the limit: declarative tables (a literal mapping, a list of checks).
 LONG_ALLOWED: set[str] = set()
+
+
+# The floors, ground first. A "folder" is a package under `single_controller/` (or one of its
+# top-level modules) or one of the other three top-level packages. A folder may import any folder on
+# a lower floor, none on its own floor or above.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    # words every layer shares: plain records, errors, deadlines, channels, the config schema
+    ("single_controller", "types", "errors", "deadlines", "channels", "config"),
+    # contracts and pure parts: worker protocols, the GRPO math, prompts and rewards, environments,
+    # the replay buffer's ledgers and storage, checkpoints
+    ("protocols", "algorithm", "data", "envs", "replay", "checkpoint"),
+    # the engines behind the protocols; the staleness sampler over the ledger
+    ("backends", "samplers"),
+    # the checks a config passes before start (they ask the engines); the controller's run state
+    ("preflight", "state"),
+    # the pumps over the run state; elastic workers
+    ("pumps", "elastic"),
+    ("controller",),
+    # runs sharing a pool of workers, a controller each
+    ("pool",),
+    # processes and commands: Ray, the driver, the CLI
+    ("runtime",),
+    ("bench", "__main__"),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -70,6 +97,50 @@ def _imports(path: Path, *, top_level_only: bool) -> set[str]:
 
     visit(tree.body)
     return {m for m in (_resolve(n) for n in found) if m is not None}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "single_controller":
+        return parts[0]
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _all_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every absolute import of a project module, lazy ones included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] in PACKAGES]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] in PACKAGES:
+                out.append((node.lineno, node.module, [a.name for a in node.names]))
+    return out
+
+
+def test_every_folder_has_a_floor_and_imports_only_folders_below_it():
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    unplaced = sorted({_folder(m) for m in MODULES} - floor.keys())
+    assert not unplaced, f"folders without a floor in FLOORS: {unplaced}"
+    upward = []
+    for m, path in MODULES.items():
+        for line, module, names in _all_imports(path):
+            targets = {_resolve(f"{module}.{n}") or _resolve(module) for n in names} or {_resolve(module)}
+            for target in targets - {None}:
+                mine, theirs = _folder(m), _folder(target)
+                if mine != theirs and floor[theirs] >= floor[mine]:
+                    upward.append(f"{path.relative_to(ROOT)}:{line}: {mine} (floor {floor[mine]}) imports {target}")
+    assert not upward, "imports that do not run down a floor:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_private_name_is_imported_from_another_folder():
+    bad = []
+    for m, path in MODULES.items():
+        for line, module, names in _all_imports(path):
+            for n in names:
+                if n.startswith("_") and _folder(module) != _folder(m):
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: {module}.{n}")
+    assert not bad, "private names imported across folders:\n" + "\n".join(bad)
 
 
 def test_no_import_cycle_between_modules():

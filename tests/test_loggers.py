@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from single_controller.config.loader import ConfigError, load_config
+from single_controller.preflight.loader import ConfigError, load_config
 from single_controller.runtime.loggers import RecordLoggers, sample_text
 from single_controller.runtime.records import is_eval_record, read_metrics
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from single_controller.config.loader import ConfigError, environment_problems, load_config
+from single_controller.preflight.loader import ConfigError, environment_problems, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_CFG = str(ROOT / "configs/megatron_cpu.yaml")

@@ -25,7 +25,7 @@ from process_tree import ProcessTree  # noqa: E402
 
 
 def test_megatron_cpu_run_trains_and_no_process_outlives_it(tmp_path):
-    from single_controller.backends.common import hf_model
+    from single_controller.data import hf_model
 
     model_dir = hf_model.init_model(tmp_path / "tiny-gpt2", arch="gpt2", seed=0)  # as the config's model.create
     proc = subprocess.Popen(

@@ -42,10 +42,10 @@ from chat_prompts import chat_prompts  # noqa: E402
 from megatron_fixtures import take  # noqa: E402
 
 from replay.storage import GENERATION_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
-from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.common.weights import pack_weights  # noqa: E402
-from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import TrainConfig  # noqa: E402
+from single_controller.data import hf_model  # noqa: E402
+from single_controller.preflight.loader import load_config  # noqa: E402
 from single_controller.types import GenerationRequest, LossConfig, SamplingParams, WeightsHandle  # noqa: E402
 
 LOGPROB_TOL = 1e-4

@@ -1,4 +1,4 @@
-"""`sc-grpo pool run POOL.yaml` (single_controller/pool/run.py): what it refuses before anything
+"""`sc-grpo pool run POOL.yaml` (single_controller/runtime/pool_run.py): what it refuses before anything
 starts, two sim runs in one pool end to end (each with its own records, exactly once, the slot
 timeline never holding two runs on a slot), and, on the embedded backend under Ray, kill -9 of the
 pool actor (every run stops with a named error and a resumable checkpoint) and of one run's
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from single_controller.config.problems import ConfigError
-from single_controller.pool.run import load_pool, main_run
+from single_controller.runtime.pool_run import load_pool, main_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,7 +44,7 @@ SLEEP_LINE = re.compile(r"sleep\((\d)\) freed (-?\d+) bytes of device memory \(e
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from single_controller.backends.common import hf_model
+    from single_controller.data import hf_model
 
     return hf_model.init_model(tmp_path_factory.mktemp("pool_vllm") / "tiny", arch="gpt2", seed=0)
 

@@ -27,12 +27,12 @@ from single_controller.backends.common.rewards import GroupToScore, RewardScorer
 from single_controller.backends.sim import Faults, sim_rewards
 from single_controller.backends.torch.generation import GenerationCore
 from single_controller.backends.torch.model import TinyGPT
-from single_controller.config.loader import ConfigError, load_config
 from single_controller.config.schema import Config, ModelConfig, RewardConfig, RewardFunctionConfig, RunConfig
 from single_controller.data import verifiers
 from single_controller.data.rewards import reward_form
 from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits
 from single_controller.data.verifiers import extract_answer, math_verify, reasoning_gym
+from single_controller.preflight.loader import ConfigError, load_config
 from single_controller.protocols import RewardFailed
 from single_controller.runtime.run_dir import RunDirectory
 from single_controller.types import GenerationRequest, GenerationResult, SamplingParams

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from single_controller.config.loader import load_config
+from single_controller.preflight.loader import load_config
 from single_controller.runtime.console import ConsoleReporter, format_step_line
 from single_controller.runtime.plots import plot_metrics, pump_wait_keys
 from single_controller.runtime.records import read_metrics

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from single_controller.algorithm.schedules import LrSchedule, lr_at
 from single_controller.checkpoint import config_fingerprint, incompatible_keys
-from single_controller.config.loader import ConfigError, load_config
+from single_controller.preflight.loader import ConfigError, load_config
 
 
 def test_a_constant_schedule_without_warmup_is_the_lr_at_every_step():

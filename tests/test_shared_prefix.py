@@ -36,7 +36,7 @@ def _rows(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _policies(tmp_path) -> dict[str, torch.nn.Module]:
     pytest.importorskip("transformers")
-    from single_controller.backends.common.hf_model import init_model
+    from single_controller.data.hf_model import init_model
 
     out: dict[str, torch.nn.Module] = {"tinygpt": TinyGPT(ModelConfig(), vocab_size=19, seed=0)}
     for arch in ("llama", "qwen2", "qwen3", "gpt2"):

@@ -75,7 +75,7 @@ def _repeating_dataset(n, d, seed):
 
 
 async def test_a_custom_dataset_that_repeats_prompt_ids_is_refused_as_it_loads_naming_them(monkeypatch):
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
     from single_controller.runtime.actor_host import ControllerHost, make_dataloader
 
     monkeypatch.setitem(sys.modules, "_sc_dup_data", types.SimpleNamespace(prompts=_repeating_dataset))

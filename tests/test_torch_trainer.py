@@ -443,8 +443,8 @@ def test_token_passes_pack_rows_longest_first_within_the_budget():
 def test_gradient_checkpointing_of_a_hugging_face_model_recomputes_its_layers_with_the_same_gradients(tmp_path):
     """HF models checkpoint a layer only in training mode: the trainer sets the layers' own flag (no
     dropout below them) and every decoder layer then runs twice per pass, with the same gradients."""
-    from single_controller.backends.common.hf_model import init_model
     from single_controller.backends.torch.model import load_hf_policy
+    from single_controller.data.hf_model import init_model
 
     model_dir = init_model(tmp_path / "llama", hidden_size=32, num_layers=2, head_dim=16)
     rows = make_rows(6, 3)

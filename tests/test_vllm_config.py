@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from single_controller.backends import registry
-from single_controller.config import environment
-from single_controller.config.loader import ConfigError, load_config
+from single_controller.preflight import environment
+from single_controller.preflight.loader import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def model_problems(*overrides: str) -> str:
 
 
 def test_model_dir_problems_for_vllm(tmp_path):
-    from single_controller.backends.common import hf_model
+    from single_controller.data import hf_model
 
     pytest.importorskip("transformers")
     small = hf_model.init_model(tmp_path / "hd16", hidden_size=64, head_dim=16)

@@ -58,7 +58,7 @@ def run(loop, coro, timeout=180):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from single_controller.backends.common import hf_model
+    from single_controller.data import hf_model
 
     return hf_model.init_model(
         tmp_path_factory.mktemp("vllm_ray") / "tiny", arch="gpt2", seed=0
@@ -96,9 +96,9 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
     from single_controller.backends.torch.model import build_policy
     from single_controller.backends.torch.trainer import TrainerCore
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
-    from single_controller.config.loader import load_config
     from single_controller.data.tasks import TOKENIZER, reverse_digits
     from single_controller.deadlines import DeadlineExceeded, within
+    from single_controller.preflight.loader import load_config
     from single_controller.types import GenerationRequest, SamplingParams, WeightsHandle
 
     cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}"])
@@ -272,10 +272,10 @@ def test_collective_sync_reaches_the_vllm_engine_and_again_after_a_restart(loop,
 
     import ray
 
-    from single_controller.backends.common import hf_model
     from single_controller.backends.torch.ray_workers import start_torch_trainer
     from single_controller.backends.vllm.ray_workers import start_vllm_generation
-    from single_controller.config.loader import load_config
+    from single_controller.data import hf_model
+    from single_controller.preflight.loader import load_config
 
     trained = hf_model.init_model(tmp_path / "seed0", arch="llama", seed=0, init_std=0.2)
     other = hf_model.init_model(tmp_path / "seed1", arch="llama", seed=1, init_std=0.2)

@@ -38,17 +38,17 @@ from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
-from single_controller.backends.common import hf_model  # noqa: E402
 from single_controller.backends.common.episodes import EpisodeRunner  # noqa: E402
 from single_controller.backends.common.rewards import RewardScorer  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
-from single_controller.config.loader import load_config  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
+from single_controller.data import hf_model  # noqa: E402
 from single_controller.data.rewards import RewardFn  # noqa: E402
 from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits  # noqa: E402
 from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
 from single_controller.envs.contract import StepOutcome, ToolCall  # noqa: E402
+from single_controller.preflight.loader import load_config  # noqa: E402
 from single_controller.protocols import EnvironmentFailed, GenerationFailed, RewardFailed  # noqa: E402
 from single_controller.types import (  # noqa: E402
     GenerationRequest,

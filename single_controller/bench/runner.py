@@ -187,7 +187,7 @@ async def _eval_bench_run(cfg: Config, runner) -> dict:
 
 
 def main_eval(argv: list[str] | None = None) -> int:
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     ap = argparse.ArgumentParser(prog="sc-grpo bench eval", description=EVAL_BENCH_DOC.splitlines()[0])
     ap.add_argument("--config", default="configs/embedded.yaml", help="the training configuration")
@@ -641,8 +641,8 @@ start-up <= 12 s, ratio <= 1.0, whole command <= 30 s. Measure on a quiet machin
 def _reference_for(config: str, overrides: list[str]) -> tuple[dict[str, Any], float]:
     """The reference loop's arguments that mirror the run's resolved config, and the run's target.
     Refuses, naming why, a config the reference loop cannot mirror or one that never stops on success."""
-    from single_controller.config.loader import load_config
     from single_controller.config.schema import ModelConfig
+    from single_controller.preflight.loader import load_config
 
     cfg = load_config(config, overrides)
     problems = []

@@ -101,7 +101,7 @@ def _timed(cmd: Sequence[str]) -> tuple[subprocess.CompletedProcess[str], float,
 def write_model(directory: Path, size: str, seed: int) -> Path:
     from transformers.utils import logging as hf_logging
 
-    from single_controller.backends.common.hf_model import init_model
+    from single_controller.data.hf_model import init_model
 
     hf_logging.disable_progress_bar()
     if not (directory / "config.json").exists():

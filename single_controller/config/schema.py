@@ -2,7 +2,7 @@
 
 Each field carries its own contract: its type, its choices (`Literal[...]`), its bounds (annotated-types
 constraints such as `Ge(1)`, mostly through the aliases below) and its docstring, so adding a field
-touches this file only. `single_controller.config.loader` reads YAML + `key=value` overrides into this
+touches this file only. `single_controller.preflight.loader` reads YAML + `key=value` overrides into this
 tree and validates it (unknown keys, types, choices, bounds; then the cross-field rules of
 `config.rules`), reporting every problem at once. Derived values (e.g. the buffer capacity when left
 unset) are computed in one place: `resolved_capacity`. Code reads fields directly; there are no hidden

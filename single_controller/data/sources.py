@@ -28,7 +28,7 @@ def data_limits(cfg):
     if cfg.model.path is None:
         positions = cfg.model.max_seq_len
     else:
-        from single_controller.backends.common.hf_model import positions_of, read_config
+        from single_controller.data.hf_model import positions_of, read_config
 
         positions = positions_of(read_config(cfg.model.path)) or cfg.model.max_seq_len
     room = positions - max(rollout_max_new_tokens(cfg), eval_max_new_tokens(cfg) if cfg.eval.enabled else 0)

@@ -82,7 +82,7 @@ def _load_entry_point(spec: str) -> Callable:
 
 
 def _load(args: argparse.Namespace):
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     return load_config(args.config, args.overrides)
 
@@ -113,14 +113,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from single_controller.config.loader import config_reference_markdown, config_to_yaml
+    from single_controller.preflight.loader import config_reference_markdown, config_to_yaml
 
     if args.reference:
         sys.stdout.write(config_reference_markdown())
         return EXIT_OK
     if args.config is None:
         raise _UsageError("sc-grpo config: give a CONFIG file (or --reference)")
-    from single_controller.config.loader import environment_problems
+    from single_controller.preflight.loader import environment_problems
 
     cfg = _load(args)
     sys.stdout.write(config_to_yaml(cfg))
@@ -148,17 +148,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    fn = _load_entry_point("single_controller.backends.common.hf_model:main_init_model")
+    fn = _load_entry_point("single_controller.data.hf_model:main_init_model")
     return int(fn([args.dir, *args.args]))
 
 
 def _cmd_storage(args: argparse.Namespace) -> int:
-    fn = _load_entry_point("replay.transferqueue.service:main")
+    fn = _load_entry_point("single_controller.runtime.storage_service:main")
     return int(fn(list(args.args)))
 
 
 def _cmd_pool(args: argparse.Namespace) -> int:
-    fn = _load_entry_point("single_controller.pool.run:main")
+    fn = _load_entry_point("single_controller.runtime.pool_run:main")
     return int(fn(list(args.args)))
 
 
@@ -375,7 +375,7 @@ def _add_init_model(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from single_controller.checkpoint import CheckpointError
-    from single_controller.config.loader import ConfigError
+    from single_controller.preflight.loader import ConfigError
     from single_controller.runtime.logs import console_logging
     from single_controller.runtime.ray_session import RayUnreachable
 

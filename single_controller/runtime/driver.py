@@ -64,7 +64,7 @@ RECORDS_LINGER_S = 0.25
 
 def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
-    from single_controller.config.loader import check_environment
+    from single_controller.preflight.loader import check_environment
 
     check_environment(cfg)
     if cfg.pool.enabled and not cfg.pool.attach:
@@ -85,7 +85,7 @@ def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
 
         check_ray_address(cfg.ray.address)  # before a run directory exists for a run that cannot start
     if cfg.model.path is not None and cfg.model.create:
-        from single_controller.backends.common.hf_model import prepare_model_dir
+        from single_controller.data.hf_model import prepare_model_dir
 
         if prepare_model_dir(cfg.model, cfg.seed, data_files=prompts_from_data(cfg)):
             say(f"wrote a random-init model to {cfg.model.path}")

@@ -49,7 +49,7 @@ def resume_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     (its latest resume's `config.resume.yaml`, else its `config.yaml`) plus `overrides`. Raises
     `FileNotFoundError` when `path` has no `config.yaml` (not a run directory), `ConfigError` as
     `load_config` does."""
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
@@ -64,7 +64,7 @@ class RunDirectory:
     _plotting: threading.Thread | None = None  # start_plot()'s render, joined by close()
 
     def __init__(self, cfg: Config, *, now: datetime | None = None):
-        from single_controller.config.loader import config_to_yaml
+        from single_controller.preflight.loader import config_to_yaml
 
         stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
         root = Path(cfg.run.output_dir)
@@ -101,7 +101,7 @@ class RunDirectory:
         file lacks (the driver was killed before writing them) are taken from `recovered` (the
         checkpoint's); the config actually used is written beside the original as `config.resume.yaml`
         (where the next resume starts from, `resume_config`)."""
-        from single_controller.config.loader import config_to_yaml
+        from single_controller.preflight.loader import config_to_yaml
 
         self = cls.__new__(cls)
         self._set_paths(Path(path))

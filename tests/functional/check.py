@@ -33,7 +33,7 @@ def records(run: Path) -> list[dict]:
 
 
 def config(run: Path):
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     return load_config(str(run / "config.yaml"), [])
 

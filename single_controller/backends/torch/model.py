@@ -347,7 +347,7 @@ def build_policy(cfg: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
 def save_policy(policy: nn.Module, directory: str | Path, cfg: ModelConfig) -> Path:
     """An HF policy as a model directory (tokenizer copied from `cfg.path`), a TinyGPT as its checkpoint."""
     if isinstance(policy, HFCausalLMPolicy):
-        from single_controller.backends.common.hf_model import save_hf_policy
+        from single_controller.data.hf_model import save_hf_policy
 
         assert cfg.path is not None  # an HF policy is the model directory `cfg.path` (`build_policy`)
         return save_hf_policy(policy, directory, cfg.path)

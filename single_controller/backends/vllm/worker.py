@@ -165,7 +165,7 @@ def engine_args(cfg: Config, seed: int) -> dict[str, Any]:
     """Keyword arguments of `vllm.EngineArgs` for this run's engine."""
     v, path = cfg.vllm, cfg.model.path
     assert path is not None  # config rule vllm_needs_a_model_directory
-    from single_controller.backends.common.hf_model import positions_of, read_config
+    from single_controller.data.hf_model import positions_of, read_config
 
     positions = positions_of(read_config(path))
     args: dict[str, Any] = dict(

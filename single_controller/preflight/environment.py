@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from single_controller.backends import registry
-from single_controller.backends.common import hf_model
 from single_controller.config.problems import ConfigError, Problem
-from single_controller.config.rules import DIGIT_TASKS
 from single_controller.config.schema import Config, env_enabled, prompts_from_data, rollout_max_new_tokens
+from single_controller.data import hf_model
+from single_controller.preflight.rules import DIGIT_TASKS
 
 __all__ = ["CHECKS", "MEGATRON_CHECKS", "check_environment", "environment_problems"]
 

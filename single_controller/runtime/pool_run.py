@@ -68,7 +68,7 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
     """POOL.yaml and its runs' configs, checked together; `ConfigError` lists every problem."""
     import yaml
 
-    from single_controller.config.loader import load_config
+    from single_controller.preflight.loader import load_config
 
     problems: list[str] = []
     raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
@@ -358,7 +358,7 @@ def main_serve(argv: Sequence[str]) -> int:
     if args.slots < 1:
         say("sc-grpo pool serve: --slots must be at least 1", err=True)
         return EXIT_USAGE
-    from replay.transferqueue.service import _connect
+    from single_controller.runtime.storage_service import _connect
 
     try:
         _connect(args.address, 30.0)

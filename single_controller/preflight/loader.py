@@ -39,7 +39,6 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import TypeAdapter, ValidationError
 
 from single_controller.config import fields
-from single_controller.config.environment import check_environment, environment_problems
 from single_controller.config.fields import BOUNDS, CHOICES
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.reference import (
@@ -48,8 +47,9 @@ from single_controller.config.reference import (
     replace_readme_reference,
     write_readme_reference,
 )
-from single_controller.config.rules import DIGIT_TASKS, rule_problems
 from single_controller.config.schema import Config
+from single_controller.preflight.environment import check_environment, environment_problems
+from single_controller.preflight.rules import DIGIT_TASKS, rule_problems
 
 __all__ = [
     "ConfigError",
