@@ -29,7 +29,7 @@ LONG_ALLOWED: set[str] = set()
 # a lower floor, none on its own floor or above.
 FLOORS: tuple[tuple[str, ...], ...] = (
     # words every layer shares: plain records, errors, deadlines, channels, the config schema
-    ("single_controller", "types", "errors", "deadlines", "channels", "config"),
+    ("single_controller", "types", "errors", "deadlines", "channels", "config", "startup_trace"),
     # contracts and pure parts: worker protocols, the GRPO math, prompts and rewards, environments,
     # the replay buffer's ledgers and storage, checkpoints
     ("protocols", "algorithm", "data", "envs", "replay", "checkpoint"),

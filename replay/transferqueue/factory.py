@@ -12,6 +12,7 @@ starts its workers before it imports TQ itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from replay.transferqueue.runtime import attach_tq, start_tq
@@ -28,13 +29,23 @@ def attach_tq_storage(partition: str, timeout_s: float, group_rows: bool = False
     return TQRowStorage.attach(partition, timeout_s=timeout_s, group_rows=group_rows)
 
 
-def open_tq_storage(cfg: StorageConfig, timeouts: TimeoutConfig, partition: str | None = None) -> TQRowStorage:
+def open_tq_storage(
+    cfg: StorageConfig,
+    timeouts: TimeoutConfig,
+    partition: str | None = None,
+    on_spawned: Callable[[], None] | None = None,
+) -> TQRowStorage:
     """Start or attach (per `cfg.attach`) and return the row storage of `partition` (default
-    `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`)."""
+    `cfg.partition`; a run passes its own, `<cfg.partition>-<run id>`). `on_spawned`: called once
+    TQ's processes were asked for (at once when attaching), before TransferQueue is imported here."""
     if cfg.attach:
+        if on_spawned is not None:
+            on_spawned()
         attach_tq(timeouts.setup_s)
     else:
-        start_tq(cfg.num_storage_units, timeout_s=timeouts.setup_s, one_process=cfg.tq_one_process)
+        start_tq(
+            cfg.num_storage_units, timeout_s=timeouts.setup_s, one_process=cfg.tq_one_process, on_spawned=on_spawned
+        )
     # imports TransferQueue: after TQ's processes were created
     from replay.transferqueue.storage import TQRowStorage
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from replay.transferqueue import shims
 from replay.transferqueue.common import STORAGE_UNIT_NAME, import_transfer_queue
+from single_controller import startup_trace
 
 # What the host calls on TransferQueue's server classes.
 _CONTROLLER_METHODS = ("get_zmq_server_info", "store_config", "get_config")
@@ -76,7 +77,9 @@ class TransferQueueHost:
     """One Ray actor process running TransferQueue's controller and its SimpleStorage unit(s)."""
 
     def __init__(self, overrides: dict) -> None:
+        startup_trace.mark("transferqueue", "init")
         import_transfer_queue()
+        startup_trace.mark("transferqueue", "transfer_queue imported")
         from transfer_queue.controller import TransferQueueController
         from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -102,6 +105,7 @@ class TransferQueueHost:
         final.controller.zmq_info = self._controller.get_zmq_server_info()
         final.backend.SimpleStorage.zmq_info = {name: u.get_zmq_server_info() for name, u in self._units.items()}
         self._controller.store_config(final)
+        startup_trace.mark("transferqueue", "serving")
 
     # What TransferQueue calls on its controller's handle (attaching processes: `get_config`).
     def get_zmq_server_info(self) -> Any:

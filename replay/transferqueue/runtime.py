@@ -20,6 +20,7 @@ Ray and TransferQueue are imported lazily, so importing this module does not fre
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -122,6 +123,7 @@ def start_tq(
     storage_capacity: int | None = None,
     timeout_s: float = 180.0,
     one_process: bool = True,
+    on_spawned: Callable[[], None] | None = None,
 ) -> TQRuntimeInfo:
     """Create TQ (controller + `num_storage_units` SimpleStorage units) on the connected Ray.
 
@@ -129,6 +131,9 @@ def start_tq(
     share one actor process (`replay.transferqueue.host`), created before this process imports
     TransferQueue, so both imports run at once; otherwise each is an actor of its own, as `tq.init`
     makes them.
+
+    `on_spawned` is called once TQ's processes were asked for (before this process imports
+    TransferQueue and torch), so a caller can start its other processes beside them.
 
     Idempotent within the creating process. Raises `TQRuntimeError` if Ray is not initialized, lacks
     CPUs, or another process already runs TQ on this cluster (use `attach_tq` there), and
@@ -145,6 +150,8 @@ def start_tq(
                     f"TransferQueue already started here with {_owned.num_storage_units} storage units, "
                     f"asked for {num_storage_units}"
                 )
+            if on_spawned is not None:
+                on_spawned()
             return _owned
         if _controller() is not None:
             raise TQRuntimeError(
@@ -154,11 +161,11 @@ def start_tq(
         one_process = one_process and num_storage_units == 1
         check_ray_cpus(num_storage_units, ray.available_resources().get("CPU", 0.0), one_process)
         conf = _tq_overrides(num_storage_units, storage_capacity)
-        init = _init_tq_one_process if one_process else _init_tq
         t0 = time.perf_counter()
+        init = functools.partial(_init_tq_one_process if one_process else _init_tq, conf, on_spawned or _nothing)
         try:
             with _gets_off_the_loop():
-                _call_with_deadline(lambda: init(conf), timeout_s, f"tq.init({num_storage_units} storage units)")
+                _call_with_deadline(init, timeout_s, f"tq.init({num_storage_units} storage units)")
         except BaseException:
             _kill_tq_actors(num_storage_units)
             shims.forget_tq_handles()
@@ -166,6 +173,10 @@ def start_tq(
         _owned = TQRuntimeInfo(True, num_storage_units, time.perf_counter() - t0)
         log.info("replay/tq started: %d storage unit(s) in %.1fs", num_storage_units, _owned.startup_s)
         return _owned
+
+
+def _nothing() -> None:
+    pass
 
 
 def _tq_overrides(num_storage_units: int, storage_capacity: int | None) -> dict:
@@ -181,12 +192,14 @@ def _tq_overrides(num_storage_units: int, storage_capacity: int | None) -> dict:
     }
 
 
-def _init_tq(conf: dict) -> None:
-    """TQ's own layout: `tq.init(conf)`, the controller and each storage unit a Ray actor of its own."""
+def _init_tq(conf: dict, spawned: Callable[[], None] = _nothing) -> None:
+    """TQ's own layout: `tq.init(conf)`, the controller and each storage unit a Ray actor of its own
+    (created inside `tq.init`, after TransferQueue's import: `spawned` is called first)."""
+    spawned()
     import_transfer_queue().init(conf)
 
 
-def _init_tq_one_process(conf: dict) -> None:
+def _init_tq_one_process(conf: dict, spawned: Callable[[], None] = _nothing) -> None:
     """TQ's controller and storage unit in one actor process (`replay.transferqueue.host`), registered
     under the controller's name, then made this process's TQ. The host is created before TransferQueue
     is imported here; an installed TransferQueue that is not laid out as the host needs falls back to
@@ -201,13 +214,14 @@ def _init_tq_one_process(conf: dict) -> None:
     # runs once the host's servers are up and its config is stored
     # (Ray types an actor's methods as remote ones only when declared with @ray.method)
     config = host.get_config.remote()  # type: ignore[attr-defined]
+    spawned()
     import_transfer_queue()
     if not tq_host.layout_supported():
         log.warning("replay/tq: this TransferQueue cannot share one process; starting its actors one by one")
         ray.kill(host)  # type: ignore[arg-type]  # Ray types ActorClass.remote() as handle | class
         while _controller() is not None:  # the name is free once the host is gone (milliseconds)
             time.sleep(0.05)
-        _init_tq(conf)
+        _init_tq(conf)  # `spawned` was called for the host
         return
     shims.adopt_controller(host, ray.get(config))
 

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from single_controller import startup_trace
 from single_controller.config.schema import Config
 
 
@@ -75,12 +76,16 @@ async def start_workers(
     """Start the trainer and the generation workers side by side, then sync version 0 (the
     trainer's initial weights) to every generation worker. On failure nothing is left running."""
     storage_ready = asyncio.ensure_future(storage_ready)
+    startup_trace.mark("controller", "import the worker starters")
     start_gen = _load(GENERATION_BACKENDS[cfg.backend.generation].starter)
     start_trainer = _load(TRAINER_BACKENDS[cfg.backend.trainer].starter)
     tasks = [
         asyncio.ensure_future(start_gen(cfg, storage_factory, storage_ready=storage_ready)),
         asyncio.ensure_future(start_trainer(cfg, storage_factory, storage_ready=storage_ready)),
     ]
+    startup_trace.mark("controller", "worker starters imported")
+    tasks[0].add_done_callback(lambda _: startup_trace.mark("controller", "generation workers ready"))
+    tasks[1].add_done_callback(lambda _: startup_trace.mark("controller", "trainer ready"))
     try:
         gens, trainer = await asyncio.gather(*tasks)
     except BaseException:

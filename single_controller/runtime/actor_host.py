@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from single_controller import startup_trace
 from single_controller.config.schema import Config
 from single_controller.deadlines import within
 from single_controller.types import Prompt
@@ -186,6 +187,7 @@ class ControllerHost:
 
     async def setup(self) -> dict:
         cfg = self.cfg
+        startup_trace.mark("controller", "setup")
         prompts = PromptStream(cfg)  # a dataset it refuses (e.g. a repeated prompt id) stops the run before any worker
         self.data_prompts_too_long = prompts.too_long
         if prompts.too_long:
@@ -236,6 +238,7 @@ class ControllerHost:
         times = ", ".join(f"{k} {v:.1f}s" for k, v in self.setup_times.items()) or "no timed parts"
         storage = f"{cfg.storage.kind} storage (partition {self.partition})"
         log.info("set up %s, %s, %s%s; %s", gens, ranks, storage, resumed, times)
+        startup_trace.mark("controller", "set up")
         return {"metrics_port": self.metrics_port, "metrics_url": self.metrics_url, **self.setup_times}
 
     def _read_checkpoint(self, prompts: PromptStream) -> tuple[Path, dict, dict[str, Prompt]]:
@@ -293,20 +296,33 @@ class ControllerHost:
         cfg = self.cfg
         t0 = time.perf_counter()
 
+        loop, spawned = asyncio.get_running_loop(), asyncio.Event()
+
+        def asked_for() -> None:  # on the storage thread
+            loop.call_soon_threadsafe(spawned.set)
+
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
-            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition)  # starts TQ, or attaches to one
+            # starts TQ, or attaches to one
+            storage = open_tq_storage(cfg.storage, cfg.timeouts, self.partition, on_spawned=asked_for)
             self._started_tq = not cfg.storage.attach
             self._storage = storage
             self.setup_times["transferqueue_s"] = time.perf_counter() - t0
+            startup_trace.mark("controller", "transferqueue up")
             return storage
 
         storage = asyncio.ensure_future(asyncio.to_thread(storage_up))
+        # TQ's processes are asked for before the worker starters are imported here (torch, seconds of
+        # CPU that would hold up the storage thread's Ray calls): all of them start side by side.
+        asked = asyncio.ensure_future(spawned.wait())
+        await asyncio.wait([storage, asked], return_when=asyncio.FIRST_COMPLETED)
+        asked.cancel()
         factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s, cfg.storage.pack_groups)
         b = cfg.backend
         what = f"starting TransferQueue, the {b.generation} generation workers and the {b.trainer} trainer"
         gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
         self.setup_times["workers_s"] = time.perf_counter() - t0
+        startup_trace.mark("controller", "workers up, weights v0 synced")
         return await storage, gens, trainer
 
     def _on_step(self, record: dict) -> None:

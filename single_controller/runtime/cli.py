@@ -42,6 +42,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "single_controller.bench.runner:main_embedded",
         "the embedded default for 3 seeds: start-up, training time vs the reference loop, whole command",
     ),
+    "startup": (
+        "single_controller.bench.startup:main",
+        "a run's start-up split by phase and process, beside the floor (bare ray.init + a torch import)",
+    ),
     "sync": (
         "single_controller.bench.sync:main",
         "one weight sync to 1-2 workers by each transport, beside a raw gloo broadcast and a memcpy",

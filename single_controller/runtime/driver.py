@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from single_controller import startup_trace
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config, prompts_from_data
 from single_controller.errors import error_text
@@ -126,6 +127,7 @@ def _run_once(cfg: Config, resume_dir: str | None) -> tuple[int, str]:
     """One drive of the run (a new run directory, or `resume_dir` resumed from its newest
     checkpoint): its exit code and its run directory."""
     t_start = time.perf_counter()
+    startup_trace.mark("driver", "config loaded")
     run_dir, opened = _open_run_dir(cfg, resume_dir)
     with run_log(run_dir.path / RUN_LOG):
         say(opened)
@@ -180,10 +182,13 @@ def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool
     namespace = f"sc-grpo-{run_dir.run_id}"
     # Every Ray process of the run writes its output to its own file under logs/, not to this console.
     env = {**worker_env(threads_per_process(cfg.backend)), LOG_DIR_ENV: str(run_dir.logs_path.resolve())}
+    if os.environ.get(startup_trace.TRACE_ENV):  # `sc-grpo bench startup`: every process marks its start-up
+        env[startup_trace.TRACE_ENV] = os.environ[startup_trace.TRACE_ENV]
     if cfg.backend.colocate:  # every worker process of the run takes its turns at one lock per node
         env[TURNS_ENV] = turns_path(run_dir.run_id)
     try:
         with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=env, namespace=namespace, log_to_driver=False) as session:
+            startup_trace.mark("driver", "ray up")
             say(f"ray {time.perf_counter() - t_start:.1f}s; worker logs in {run_dir.logs_path}")
             # TransferQueue is started by the controller actor, beside the workers' own start-up.
             return session.run(_drive_actor(cfg, run_dir, t_start, resume, session))
@@ -316,6 +321,7 @@ class _Drive:
         what = "controller setup (storage, workers, metrics)"
         info = await within(self.call("setup"), self.cfg.timeouts.setup_s, what)
         self.t_ready = time.perf_counter()
+        startup_trace.mark("driver", "ready")
         if info.get("metrics_url"):
             say(f"{self.prefix}metrics on {info['metrics_url']}")
         parts = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in info.items() if k.endswith("_s"))

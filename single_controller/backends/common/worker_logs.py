@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from single_controller import startup_trace
+
 LOG_DIR_ENV = "SC_GRPO_LOG_DIR"
 # The loggers of sc-grpo's own code (`logging.getLogger(__name__)` in each module).
 PACKAGE_LOGGERS = ("single_controller", "pumps", "samplers", "replay")
@@ -29,7 +31,9 @@ FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def redirect_output(name: str) -> Path | None:
     """Send this process's stdout and stderr to `<$SC_GRPO_LOG_DIR>/<name>.log`; returns the file's
-    path, or None when the variable is unset (then nothing changes)."""
+    path, or None when the variable is unset (then nothing changes). Marks the start-up trace: the
+    constructor of worker `name` runs (its class's module is imported)."""
+    startup_trace.mark(name, "init")
     log_dir = os.environ.get(LOG_DIR_ENV)
     if not log_dir:
         return None
