@@ -18,7 +18,7 @@ a plain frozen dataclass tree that code and tests construct directly, and neithe
 check nor a table beside the schema is needed.
 
 The machine's checks (`environment_problems`, `check_environment`) live in `config.environment`, the
-README reference in `config.reference`; both are re-exported here under their old names.
+config reference (docs/config.md) in `config.reference`; both are re-exported here under their old names.
 """
 
 from __future__ import annotations
