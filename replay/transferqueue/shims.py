@@ -1,25 +1,11 @@
 """Every workaround of TransferQueue's (and torch's) internals, in one place.
 
-Checked against TransferQueue 0.1.11, tensordict 0.15.3, torch 2.13.0+cpu and Ray 2.60. Nothing else in
-`replay.transferqueue` touches a private name of TransferQueue; when TransferQueue changes, this is the
-module to read again. Two kinds:
-
-* Start-up shims, process-wide, all switched on by ONE call, `install_shims()`. Ray runs it in every
-  worker process of a run before its actor class loads (the `worker_process_setup_hook` of
-  `single_controller.runtime.ray_session`), TransferQueue's own processes included, and
-  `replay.transferqueue.common.import_transfer_queue()` runs it before it imports TransferQueue. Leave
-  both calls out and TransferQueue starts exactly as it ships:
-    - `without_dynamo_at_import`: tensordict imported without `torch._dynamo`;
-    - `pause_gc_until_transfer_queue`: no cyclic garbage collection while torch and TQ are imported.
-* TQ's process-local handles (`transfer_queue.interface._TQ_CLIENT`, `_TQ_STORAGE`, `_TQ_CONTROLLER`) and
-  one private client call, which `replay.transferqueue.runtime` and `storage` need for what TQ's public
-  API cannot do: adopt the one-process host as this process's TQ (`adopt_controller`, used only with
-  `storage.tq_one_process`, the switch of that layout), forget stale handles after a failed start or a
-  Ray restart (`forget_tq_handles`), drop this process's client without killing the shared controller
-  (`drop_client`), and remove an empty partition (`clear_empty_partition`).
-
-The figures cited below are from docs/performance.md (the embedded run on this project's 2-core machine).
-This module imports nothing heavy at import time (no torch, Ray or TransferQueue).
+Checked against TransferQueue 0.1.11, tensordict 0.15.3, torch 2.13.0+cpu and Ray 2.60; when TQ
+changes, this is the module to read again. Start-up shims, switched on by ONE call,
+`install_shims()` (Ray's worker setup hook, and `common.import_transfer_queue`): tensordict imported
+without `torch._dynamo`, and no cyclic GC while torch and TQ are imported (what they save:
+docs/performance.md). Private-handle helpers for what TQ's public API cannot do: `adopt_controller`,
+`forget_tq_handles`, `drop_client`, `clear_empty_partition`. Imports nothing heavy at import time.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
-"""`TQRowStorage`: the `RowStorage` the controller and the workers (generation, trainer ranks) read and
-write rows through, on TransferQueue's KV API: one partition, one key per row (or per group, `group_rows`).
-Open it with `replay.transferqueue.factory` (or after `runtime.start_tq` / `attach_tq`).
+"""`TQRowStorage`: the `RowStorage` the controller and the workers use, on TransferQueue's KV API.
 
-Contract (on top of `replay.storage.RowStorage`):
-  * Every put is checked completely with `validate_put` BEFORE anything reaches TQ: TQ registers
-    keys before it looks at the data, so a put it rejects (duplicate keys, tag-count mismatch)
-    leaves orphan keys; and TQ accepts a dtype change for a field, then silently casts mixed reads.
-    The schema fixes each field's dtype, so such puts are refused here (`StorageWriteError`).
-  * Every get is checked with `validate_read`. TQ answers missing keys with fewer rows and an absent
-    field by leaving the column out, both without an error; we raise `StorageReadError` naming the
-    missing keys and fields. The hot path costs nothing extra: the key lookup (`kv_list`) runs only
-    when a read came back short.
-  * Columns: jagged fields are a list of 1-D tensors (sent as one jagged NestedTensor, or as a dense
-    [B, L] tensor when all rows have one length: TQ's fast path), scalar fields a 1-D tensor [B];
-    tags a list of dicts. Reads return the same shapes, rows in `keys` order.
-  * Every TQ call has a deadline (`TimeoutConfig.storage_s`): TQ's controller RPCs have none, and a
-    dead controller would hang the caller forever. Errors name the operation and partition.
-  * Async methods run on the caller's loop. The `*_sync` twins (for worker processes and sync
-    actors) run the very same coroutines on one private event-loop thread per process, so the
-    deadline, validation and accounting are shared; they block the calling thread and must not be
-    called from that private loop. A deadline cancels the TQ call; a put cut short may leave its
-    keys registered without data, which later reads report as an error (never as a short read).
-  * `statistics()` counts what THIS client moved (puts/gets/clears, rows, tensor bytes); with
-    `track_resident`, `resident_rows` counts keys this client put and has not cleared.
-
-Importing this module imports TransferQueue the package's way (`replay.transferqueue.common.import_transfer_queue`:
-environment knobs first, TQ reads `TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
+One partition per run, one key per row or per group (`group_rows`). On top of `RowStorage`: every
+put is validated before it reaches TQ (TQ registers keys before checking data and silently casts a
+changed dtype); every get is validated (TQ answers missing keys with fewer rows), at no cost on the
+hot path; every TQ call has a deadline (`TimeoutConfig.storage_s`: TQ's RPCs have none). The
+`*_sync` twins run the same coroutines on one private loop thread per process. Open it with
+`replay.transferqueue.factory`. Importing it imports TransferQueue the package's way.
 """
 
 from __future__ import annotations
