@@ -1,13 +1,10 @@
 """Log-probabilities of given tokens under a causal policy: the one formula every trainer backend
 (torch, Megatron) and the torch sampler use, so generation and training logprobs agree.
 
-* `log_softmax_tempered(logits, temperature)`: the policy's log-distribution at a temperature.
-* `token_logprobs(policy, prompts, responses, temperature)`: logprobs [B, R] of each response
-  token given its prompt and the tokens before it, with the validity mask [B, R]. `policy` is any
-  callable module mapping input ids [B, L] to logits [B, L, V] (a DDP wrapper, a Megatron adapter).
-* `pad_right(rows, value, dtype)`: 1-D rows of any lengths stacked into [B, max_len].
-
-Pure torch: no engine, no Ray, no asyncio.
+`log_softmax_tempered(logits, temperature)` is the policy's log-distribution at a temperature;
+`token_logprobs(policy, prompts, responses, temperature)` the logprobs [B, R] of each response token
+with its validity mask (`policy`: any module mapping ids [B, L] to logits [B, L, V]); `pad_right`
+stacks 1-D rows into [B, max_len]. Pure torch: no engine, no Ray, no asyncio.
 """
 
 from __future__ import annotations
