@@ -1,7 +1,7 @@
 """TRL's `GRPOTrainer` on a model directory and a built-in digit task, for `sc-grpo bench trl`.
 
 `python -m single_controller.bench.trl_loop MODEL_DIR --seed S ...` (the `bench` extra) trains to
-`--target` or for exactly `--steps` steps with sc-grpo's settings (`bench.trl.shared_settings`), and
+`--target` or for exactly `--steps` steps with the settings `bench.trl.SHARED` gives both sides, and
 prints the one line the harness reads:
 
     TRL: N steps in T s of training (+S s startup): success X

@@ -1,12 +1,10 @@
 """The configuration tree: typed, frozen dataclasses with a docstring under every field.
 
-Each field carries its own contract: its type, its choices (`Literal[...]`), its bounds (annotated-types
-constraints such as `Ge(1)`, mostly through the aliases below) and its docstring, so adding a field
-touches this file only. `single_controller.preflight.loader` reads YAML + `key=value` overrides into this
-tree and validates it (unknown keys, types, choices, bounds; then the cross-field rules of
-`config.rules`), reporting every problem at once. Derived values (e.g. the buffer capacity when left
-unset) are computed in one place: `resolved_capacity`. Code reads fields directly; there are no hidden
-defaults elsewhere.
+Each field carries its own contract: type, choices (`Literal[...]`), bounds (annotated-types
+constraints) and docstring, so adding a field touches this file only (docs/config.md is generated
+from it). `single_controller.preflight.loader` reads YAML + overrides into this tree and validates it,
+then the cross-field rules of `preflight.rules`. Derived values are computed in one place
+(`resolved_capacity`); there are no hidden defaults elsewhere.
 """
 
 from __future__ import annotations
