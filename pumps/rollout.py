@@ -44,7 +44,7 @@ PUMP = "rollout"
 # Groups dispatched between two yields to the event loop. Small enough that a thousand-group step
 # does not hold the loop for milliseconds; large enough that a batching worker (the torch backend
 # takes up to 16 groups per batch) gets a step's requests together: at 8, the embedded run's
-# batches split and its steps took ~10 % longer.
+# batches split and its steps were slower (docs/performance.md).
 DISPATCH_SLICE = 32
 
 

@@ -224,9 +224,9 @@ class Controller:
             )
         st.versions.published = st.versions.latest_weights
         st.notify()  # (a pool member registers once there are weights to expand workers with)
-        # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
-        # the cyclic collector for the run: each full collection would walk it again (~60 ms
-        # each on this machine). Given back at the end, so nothing is kept alive for good.
+        # Everything alive now (imported modules, torch's above all) is set aside from the cyclic
+        # collector for the run: each full collection would walk it again (docs/performance.md).
+        # Given back at the end, so nothing is kept alive for good.
         gc.freeze()
         try:
             async with asyncio.TaskGroup() as pumps:
@@ -378,7 +378,7 @@ class Controller:
         """Write a checkpoint now (between steps) and return it once it is durable and `latest`.
         `durable=False` (the periodic ones) returns once its cut is saved (`stage_checkpoint`): the
         fsyncs, the rename and `latest` run in the background while training goes on (on a slow
-        disk they stalled a step by up to ~0.2 s), and the next checkpoint or the run's end waits
+        disk they stalled the step), and the next checkpoint or the run's end waits
         for them and raises their error, if any."""
         st = self.state
         trainer = st.workers.trainer

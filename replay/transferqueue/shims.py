@@ -108,9 +108,9 @@ def without_dynamo_at_import() -> None:
     import all of Dynamo. Those wrappers matter only when tensordict code runs under `torch.compile`,
     which nothing of TQ does: while tensordict's modules execute they are identity functions, and
     `torch.compiler` is restored right after.
-    Measured purpose (docs/performance.md, "No Dynamo at import"): ~1.5 s of CPU in every process that
-    imports TransferQueue (its host, the controller, every worker); on two cores most of a run's
-    start-up was this. Costs nothing until tensordict is imported; a no-op once it is, or when
+    Why: importing Dynamo is a large share of the start-up of every process that imports
+    TransferQueue (its host, the controller, every worker; docs/performance.md, "No Dynamo at
+    import"). Costs nothing until tensordict is imported; a no-op once it is, or when
     Dynamo is already loaded."""
     if "tensordict" in sys.modules or _hook_installed("tensordict"):
         return
@@ -127,12 +127,10 @@ def pause_gc_until_transfer_queue(max_s: float = GC_PAUSE_MAX_S) -> bool:
     """Pause the cyclic garbage collector until `transfer_queue` has been imported (`max_s` at the
     latest), then set the import's objects aside for good (`gc.freeze`) and resume it.
 
-    Works around: importing torch 2.13 and TransferQueue 0.1.11 allocates ~200k long-lived objects,
-    which the collector walks again and again while they are created; after the freeze, later full
-    collections skip them too.
-    Measured purpose (docs/performance.md, "No garbage collection during the imports"): start-up
-    12.0-12.2 s -> 11.2-11.4 s (three back-to-back pairs), 18.3-18.6 s -> 16.6-16.9 s of CPU across
-    the run's processes. Imports nothing. Returns whether it paused (not when the collector is already
+    Works around: importing torch 2.13 and TransferQueue 0.1.11 allocates a great many long-lived
+    objects, which the collector walks again and again while they are created; after the freeze,
+    later full collections skip them too (what it saves: docs/performance.md, "No garbage
+    collection during the imports"). Imports nothing. Returns whether it paused (not when the collector is already
     off or paused, or `transfer_queue` is already imported)."""
     global _gc_timer
     with _gc_lock:
@@ -193,8 +191,7 @@ def adopt_controller(host: Any, final_config: Any) -> None:
     their own; there is no public way to hand it a controller. After this, `tq.close()` treats the host
     as the controller and as the storage unit (it asks the storage handles to shut down, then kills
     them and the controller).
-    Measured purpose (docs/performance.md, "One TransferQueue process, not two"): start-up
-    11.8 -> 10.6 s and 12.8 -> 11.8 s (alternated), 17.8 -> 15.3 s and 19.6 -> 18.2 s of CPU."""
+    Why: one process fewer at start-up (docs/performance.md, "One TransferQueue process, not two")."""
     import transfer_queue.interface as tqi
 
     tqi._TQ_CONTROLLER = host

@@ -67,8 +67,8 @@ _MAX_PROBED_KEYS = 64  # error path: keys probed one by one to name those regist
 # ---------------------------------------------------------------- conversion (pure)
 # A row's bulk jagged fields (token ids, logprobs, mask, versions) travel packed into ONE TQ field:
 # TQ's cost is per (row, field) -- every storage unit and client encodes and decodes each row's
-# tensor of each field on its own -- so five fields in one cut the data plane's CPU per step by half
-# (`sc-grpo bench storage`; the embedded run spent ~90 ms of CPU per step in TQ). The packed row is a
+# tensor of each field on its own -- so five fields in one cut the data plane's CPU per step
+# (`sc-grpo bench storage`, docs/performance.md). The packed row is a
 # uint8 tensor: an int64 header with each packed field's element count (-1: not in this put), then
 # each present field's bytes in schema order, each padded to 8 bytes. Scalar fields stay TQ fields of
 # their own (the controller reads them without touching bulk data). A put of bulk fields replaces all
@@ -206,13 +206,13 @@ def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Colum
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
     """Rows of one jagged field -> what TQ stores. Equal-length rows go as a dense [B, L] tensor: TQ
-    puts those ~3x faster than a NestedTensor (one frame, not one per row), keeps every row's shape
+    puts those faster than a NestedTensor (one frame, not one per row), keeps every row's shape
     and dtype, and returns them as a jagged NestedTensor like any other (mixing both kinds of puts
     in one partition reads back exactly)."""
     sizes = [t.numel() for t in rows]
     if min(sizes) == max(sizes):
         return torch.stack(rows)  # [B, L]
-    # values + offsets: about 2x cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    # values + offsets: cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     lengths = torch.tensor(sizes, dtype=torch.int64)  # [B]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)  # [B+1]
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -259,7 +259,7 @@ def empty_columns(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> dic
 # the rows packed as above; each scalar field is the group's [n] vector. TQ's cost is per (key,
 # field), so a step's 16 groups cost what 16 rows did (one key per row: 256). Every field travels as
 # a byte string (TQ keeps those as they are): a tensor field would come back from TQ as a jagged
-# NestedTensor, whose construction imports all of torch._dynamo (~1.3 s of CPU) in the reader.
+# NestedTensor, whose construction imports all of torch._dynamo in the reader (a start-up cost).
 
 
 def split_row_key(key: str) -> tuple[str, int] | None:

@@ -52,8 +52,8 @@ def pad_right(
 def _pad_flat(flat: torch.Tensor, lengths: Sequence[int], value: float | int | bool) -> torch.Tensor:
     """Rows laid end to end in `flat` (row b has `lengths[b]` elements) -> [B, max_len], padded on
     the right with `value`: one masked write. A microbatch has hundreds of short rows, and anything
-    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each: this is ~4x faster
-    than padding row by row at 64 rows."""
+    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each, so padding row by row
+    costs more than the rows' data."""
     n = torch.tensor(lengths, dtype=torch.long, device=flat.device)
     width = int(n.max()) if len(lengths) else 0
     out = torch.full((len(lengths), width), value, dtype=flat.dtype, device=flat.device)

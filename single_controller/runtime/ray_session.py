@@ -325,8 +325,8 @@ def ray_session(
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
     `cfg.ray_observability`, does it keep Ray's own task events, metrics and event-loop statistics
-    (~1.3 ms of CPU per step of the embedded run in the raylet, the GCS and Ray's metrics agent;
-    nothing of ours reads them).
+    (CPU per step in the raylet, the GCS and Ray's metrics agent, docs/performance.md; nothing of
+    ours reads them).
     """
     prepare_environment(local=cfg.address is None)
     import ray

@@ -151,8 +151,8 @@ class RunDirectory:
         return self.plot_path
 
     def start_plot(self) -> None:
-        """`save_plot()` on a background thread (matplotlib's import and rendering take ~1 s of CPU,
-        which then overlaps the run's shutdown); `close()` waits for it and reports a failure."""
+        """`save_plot()` on a background thread (matplotlib's import and rendering then overlap
+        the run's shutdown); `close()` waits for it and reports a failure."""
         if self._metrics is not None:
             self._metrics.flush()
         from single_controller.runtime.plots import plot_metrics

@@ -32,8 +32,8 @@ PLACEMENTS = ("pack", "spread")
 # A rank actor runs its split-API calls one at a time, in order. Read-ahead hints (`prefetch_keys`)
 # go to a concurrency group of their own, a second thread: a hint sent while a microbatch computes
 # starts its read at once instead of queueing behind that microbatch, the finish and the export (the
-# read then overlaps compute; queued, the next microbatch waited ~10 ms per step for it on two
-# cores). Rank actors are built with `ray.remote(concurrency_groups=RANK_CONCURRENCY)` and
+# read then overlaps compute; queued, the next microbatch waited for it: docs/performance.md).
+# Rank actors are built with `ray.remote(concurrency_groups=RANK_CONCURRENCY)` and
 # `prefetch_keys` is called with `.options(concurrency_group=PREFETCH_GROUP)`; the method must be
 # thread-safe (`replay.fetch.RowPrefetcher` is).
 PREFETCH_GROUP = "prefetch"

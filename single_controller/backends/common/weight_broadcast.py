@@ -247,8 +247,8 @@ class WeightReceiver:
     def __init__(self) -> None:
         self._group: tuple[GroupAddress, Any] | None = None
         # The buckets of the last snapshot, received into again while the layout stays the same:
-        # a fresh buffer would be faulted in page by page on every sync (on this 2-core VM 1 GB of new
-        # pages costs seconds, more than the transfer). Costs one snapshot's bytes between syncs.
+        # a fresh buffer would be faulted in page by page on every sync (on a VM that can cost more
+        # than the transfer: docs/performance.md). Costs one snapshot's bytes between syncs.
         self._buffers: tuple[tuple[str, tuple[int, ...], str], list[torch.Tensor]] | None = None
         self._lock = threading.Lock()  # one receive at a time: the buffers are reused
 

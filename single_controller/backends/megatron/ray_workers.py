@@ -80,8 +80,8 @@ def destroy_model_parallel() -> None:
     """`parallel_state.destroy_model_parallel()`, and the process groups it forgets: megatron-core
     drops its references to the groups `initialize_model_parallel` made but destroys only its explicit
     gloo ones; torch.distributed keeps the rest registered, so every `build` in the same world leaked
-    its ~20 groups with their gloo threads (~50 threads a build; after 50 builds an idle rank burnt
-    ~0.7 of a core polling). Destroyed as megatron-core destroys its own: only groups still registered;
+    its groups with their gloo threads (dozens of threads a build, and an idle rank after many
+    builds kept most of a core busy polling). Destroyed as megatron-core destroys its own: only groups still registered;
     a group's threads end with its last reference, which the replaced core holds in reference cycles
     (its modules and optimizer): collected here, not whenever the collector next runs."""
     from megatron.core import parallel_state as mps

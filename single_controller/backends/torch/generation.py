@@ -175,7 +175,7 @@ class GenerationCore:
             passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids)].append(i)
         # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
         # tensors are split from the pass's outputs in one call per field (slicing them row by row
-        # cost ~10 us a row); every storage copies what it is given.
+        # cost more than the rows' data); every storage copies what it is given.
         responses: list[list[_Row]] = [[] for _ in requests]
         for (_, temperature, top_p, max_new, stop), idx in passes.items():
             prompt_ids = torch.tensor(

@@ -76,7 +76,7 @@ class CpuTrainerGroup:
     whose microbatch failed refuses the step's finish (`TrainerCore.mark_failed`; every rank learns
     it in the finish's first all-reduce) until the step is aborted. A successful finish of step s
     sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
-    Each saves a round trip between the controller and the ranks per step (~3-5 ms on two cores)."""
+    Each saves a round trip between the controller and the ranks per step."""
 
     def __init__(
         self, rank_handles: Sequence[Any], *, rank_nodes: Sequence[dict] = (), placement: RankPlacement | None = None

@@ -89,7 +89,7 @@ class TrainerCore:
             )
         self._forward: nn.Module = policy if self._ddp is None else self._ddp
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        # never imports torch._dynamo (~1.3 s of CPU at start-up; nothing here is compiled)
+        # never imports torch._dynamo (a start-up cost; nothing here is compiled)
         self.optimizer = eager_adamw(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         # Frozen copy of the initial weights for the KL penalty, only when it is enabled.
         self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
