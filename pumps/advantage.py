@@ -1,23 +1,11 @@
 """Advantage pump: committed groups -> (optional logprob passes) -> GRPO advantages -> ready.
 
-Each iteration takes every group committed so far, computes group-normalized advantages from the
-rewards (a small column the controller already has) and marks the groups ready with them. The
-advantages stay on the group records and travel to the trainer inside its train chunks (one float
-per row): they are never written to storage, which costs the row store a put of every row per step
-(on two cores, a tenth of the embedded run's step). Groups whose
-rewards are all equal carry no signal: they are counted, and with `advantage.drop_zero_variance`
-dropped (rows cleared, prompt settled `dropped/zero_variance`); the ledger's step accounting then
-refills their step with fresh prompts (DAPO dynamic sampling). At most
-`advantage.max_zero_variance_drops_per_step` are dropped for one step: after that they are kept, so
-a task where every group scores the same (solved, or hopeless) cannot refill forever.
-
-A group whose rewards are not finite (a NaN from a reward function no worker checked, or rewards
-too large to normalize) cannot be trained: it alone is dropped with reason `reward_failed` (rows
-cleared, prompt settled `dropped/reward_failed`, counted by `RunState.reward_failed`), as the
-rollout pump drops a group whose worker reported its reward failed; the run goes on.
-
-Optional logprob passes (e.g. reference-policy logprobs for a KL term) plug in as
-`LogprobPass` objects that write their own columns before the groups become ready.
+Group-normalized advantages are computed from the rewards the controller already holds and stay on
+the group records: they reach the trainer inside its train chunks (one float per row), never through
+storage. Zero-variance groups are counted and, with `advantage.drop_zero_variance`, dropped and
+refilled for their step (at most `advantage.max_zero_variance_drops_per_step` per step). A group
+with non-finite rewards is dropped alone with reason `reward_failed`; the run goes on. Optional
+`LogprobPass` objects (e.g. reference logprobs for a KL term) write their columns before `ready`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Eval pump: held-out evaluation of the policy while training flows (no drain).
 
-Due versions: the first policy version (the start of the run), then every `eval.every_steps`
-policy versions, and the final version once the train and weight-sync pumps have finished. When one
-is due, a round evaluates the CURRENT policy version v: one eval request per held-out prompt
-(`GenerationRequest(eval=True)`: no row keys, the eval sampling settings, `eval.num_samples`
-completions), sent to the same generation workers as rollouts, which serve eval requests ahead of
-their queued rollouts (see `protocols.GenerationWorker`). Admission, the rollouts in flight and the
-weight syncs are never touched: training goes on while the round runs.
-
-Every result is stamped with the version that served it. A point is reported for version v only if
-every prompt's result has version_start == version_end == v. When a weight update lands mid-round,
-a result served by a newer version w retargets the round to w and every result of another version
-is re-issued (counted in `eval/reissued`); the round ends once all prompts agree on one version.
-Training is finite, so a round always ends.
-
-Failures: a `GenerationFailed` or a missed deadline re-issues that request (to the next routable
-worker) up to `eval.max_retries` times; past that the round is abandoned (counted in `eval/failed`,
-reason kept) and training goes on. A dead worker (`GenerationWorkerDied`) is taken out of routing
-(the rollout pump restarts it) and its requests are re-issued without charging that budget, as are
-those on a worker shrunk out of the run (withdrawn before it sleeps: `WorkerShrunk`); while no worker
-is routable, requests wait for one. Any other error is a bug and ends the run.
-
-Eval touches neither storage, the group ledger, the prompt ledger nor the replay buffer: it holds
-only the small result columns, in this pump.
+At the first policy version, every `eval.every_steps` versions and at the final one, a round sends
+one eval request per held-out prompt to the generation workers' priority lane. A point is reported
+for version v only if every result was served by v; results of another version are re-issued
+(`eval/reissued`). A failed request is re-issued up to `eval.max_retries` times, then the round is
+abandoned (`eval/failed`); dead or shrunk workers' requests are re-issued uncharged. Eval touches
+neither storage, the ledgers nor admission: training goes on while a round runs.
 """
 
 from __future__ import annotations

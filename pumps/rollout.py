@@ -1,51 +1,17 @@
 """Rollout pump: dataloader -> admission gate -> reserve -> generation worker -> commit.
 
-One loop dispatches prompt groups. A group in flight is a future, the worker's answer to
-`submit` (`protocols.GenerationWorker`), with a timer for the `timeouts.generate_s` deadline. Its
-done callback commits the group on the spot; an attempt that produced no group (a failure, the
-deadline, an abort) is settled by a child task of the pump's TaskGroup, which awaits the worker's
-`withdraw` before it clears the group's keys (so a bug there stops the run). A thousand groups in
-flight are a thousand futures and timers, not a thousand tasks and deadline scopes: `sc-grpo bench
-scale` measured the task form at ~40 % more controller CPU per group (docs/performance.md).
+A group in flight is a future (the worker's `submit`, `protocols.GenerationWorker`) with a
+`timeouts.generate_s` timer; its done callback commits the group, and an attempt that produced no
+group is settled by a child task that awaits the worker's `withdraw` before clearing its keys.
+Futures, not a task per group, keep the controller's cost per group low (docs/performance.md).
 
-The deadline measures a request's own work, not the queue in front of it (the worker's backlog, a
-hold for newer weights). When a request's timer fires, the pump asks its worker (one liveness call
-per worker at a time, `timeouts.liveness_s`): a worker that reports what it is working on
-(`protocols.ReportsRunning`) says how long that request's work has run; one that does not counts
-from dispatch. A request whose own work passed `generate_s` fails alone (`generation_timeout`,
-charged to the prompt's retries); one still queued or held gets its timer again. A worker is
-declared hung only on evidence: its liveness call fails or goes unanswered. Then it is taken out of
-routing and restarted, and every request it had goes again uncharged (`worker_hung`). A busy worker
-that answers is never killed. An
-abort (`RunState.abort_rollouts`: the stale in-flight rule, a sync with `drain_policy=abort`, the
-run's end) marks the group and cancels its future; it is discarded, not as an error, and its prompt
-re-dispatched without charging its retry budget (also with `rollout.on_failure=drop`), but at the
-run's end. An interrupt aborts nothing: the pump withdraws what is in flight and ends, leaving those
-groups to the final checkpoint's cut (a resume dispatches their prompts again). The reward function
-runs inside the generation worker, next to the tokens; what comes back is small columns plus
-version stamps.
-
-A generation failure (`GenerationFailed`, or the request's deadline) clears whatever rows the
-attempt may have written, drops the group with reason `generation_failed`, and re-dispatches the
-prompt while `rollout.max_retries` allows (`rollout.on_failure=drop`: never). A group whose reward
-function failed (`RewardFailed`: the worker answers it alone, its batch-mates as usual) is dropped
-with reason `reward_failed` and counted (`RunState.reward_failed`), its prompt settled, not retried:
-a deterministic reward error would fail again. A group whose environment failed (`EnvironmentFailed`:
-the worker already retried its episodes `env.max_attempts` times) is dropped alike, with reason
-`env_failed` (`RunState.env_failed`): never stored as a zero reward. A multi-turn group whose prompt
-and first observation left an episode no room for one policy token (`ContextFull`) is dropped alike,
-with reason `context_full` (`RunState.context_full`). Any other error is a bug and ends the run with its
-cause. The deficit accounting of the ledger refills the step the
-dropped group was meant for.
-
-A dead worker (`GenerationWorkerDied`) is taken out of routing on its first failed call; its
-in-flight prompts are re-dispatched to the others without charging their retry budget; it is
-restarted (`Restartable`) and given the current weights before it takes work again. With no
-worker left to route to and none coming back, the run stops with `NoGenerationWorkers`. A worker
-shrunk out of the run (`single_controller/elastic.py`) is out of routing but not dead: with every
-worker shrunk the pump simply waits (admission needs a routable worker) until one is expanded. One
-that dies while shrunk is restarted all the same, and put back to sleep at its level (its slot is not
-its own); a restart holds the worker's `Elastic.engine_lock`, so no resize or weight update lands in it.
+The deadline counts a request's own work, not its queue: when a timer fires the pump asks the worker
+(`timeouts.liveness_s`), and a worker is declared hung only if it does not answer; it is then
+restarted and its requests go again uncharged. Failures end in one fate each: `generation_failed`
+(retried per `rollout.max_retries`), `reward_failed`, `env_failed`, `context_full` (dropped, counted,
+not retried); an abort re-dispatches its prompt uncharged; any other error ends the run. A dead
+worker leaves routing on its first failed call and is restarted with the current weights; shrunk
+workers are out of routing, not dead. With no worker left the run stops with `NoGenerationWorkers`.
 """
 
 from __future__ import annotations
@@ -78,7 +44,7 @@ PUMP = "rollout"
 # Groups dispatched between two yields to the event loop. Small enough that a thousand-group step
 # does not hold the loop for milliseconds; large enough that a batching worker (the torch backend
 # takes up to 16 groups per batch) gets a step's requests together: at 8, the embedded run's
-# batches split and its steps took ~10 % longer.
+# batches split and its steps were slower (docs/performance.md).
 DISPATCH_SLICE = 32
 
 

@@ -1,25 +1,12 @@
 """Train pump: one iteration = one RL step = one optimizer step.
 
-select ready groups (>= `min_groups_per_chunk`, or whatever is left) -> lazy `begin_train_step` on
-the first chunk -> `train_microbatch(chunk)` for each chunk as groups become ready ->
-`finish_train_step` once the step has `groups_per_step` groups (or no more can arrive) -> clear
-the step's rows (in the background; slots free once cleared) -> trainer version += 1 -> publish the weights to the
-weight-sync pump through a channel of capacity 1 (so training never runs more than one snapshot
-ahead of the generation workers).
-
-The trainer group fetches the rows itself: a chunk carries keys, lengths and the rows' advantages
-(one float each), never tensors.
-Before each selection, ready groups the sampler can no longer train are evicted (rows cleared,
-prompts re-dispatched within `rollout.max_retries`, else settled `evicted`).
-
-A trainer error (`TrainerFailed`, or a deadline on a trainer call) inside a step first asks the
-trainer where it stands (`train_status`): a remote call can outlive its deadline, so a finish may
-have landed after all, and then its recorded result is taken (never a second optimizer step).
-Otherwise `abort_train_step(step)` restores parameters and optimizer state, the step re-opens and
-the chunks already sent are replayed; after `train.max_step_retries` retries the run fails with the
-cause. Storage errors are not trainer errors: clearing rows retries on its own
-(`state.clear_groups`), and a storage that stays down stops the run with `StorageFailed`; a slot is
-released only once its rows are gone, and never leaks.
+Select ready groups -> lazy `begin_train_step` -> `train_microbatch(chunk)` as groups become ready
+-> `finish_train_step` -> clear the step's rows (slots free once cleared) -> version + 1 -> publish
+the weights through a channel of capacity 1 (training never runs more than one snapshot ahead of
+the generation workers). Chunks carry keys and advantages, never tensors: ranks fetch their rows.
+A trainer error first asks `train_status` (a finish may have landed: never a second optimizer
+step); otherwise the step is aborted and replayed, up to `train.max_step_retries`. A storage that
+stays down stops the run with `StorageFailed`; a slot is released only once its rows are gone.
 """
 
 from __future__ import annotations

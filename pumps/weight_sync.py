@@ -1,20 +1,10 @@
 """Weight-sync pump: close admission -> drain policy -> push weights -> bump version -> reopen.
 
-Receives weight snapshots from the train pump's channel. For each: new rollouts stop being
-admitted; with `sync.drain_policy=drain` the pump waits (with a deadline) until no rollout is in
-flight, with `keep` in-flight rollouts run on and carry their start/end versions, with `abort`
-every in-flight rollout is cancelled (its partial group discarded, its prompt re-dispatched); in-flight
-rollouts that the sampler says could only train above the staleness bound are cancelled (their
-prompts re-dispatched); every generation worker applies the snapshot; then the policy version is
-bumped and admission reopens. Admission reopens even if the sync fails, but the failure ends the
-run (the pump's exception propagates to the controller's TaskGroup).
-
-With version-gated workers (`protocols.VersionGated`: every routable one holds a request until it
-has applied the request's `min_version`), admission reopens as soon as the snapshot is sent to
-every worker, for the new version (`state.dispatch`): the new version's rollouts queue in the
-workers while they load it and start the moment it lands, instead of after the update's answer,
-the controller's admission and the requests' own trip. The policy version is still bumped once
-every worker has applied it.
+For each snapshot from the train pump: admission closes; `sync.drain_policy` drains, keeps or aborts
+the rollouts in flight (those that could only train above the staleness bound are aborted); every
+generation worker applies the snapshot; the policy version is bumped and admission reopens (also
+after a failure, which then ends the run). With version-gated workers (`protocols.VersionGated`)
+admission reopens as soon as the snapshot is sent: the new version's rollouts wait in the workers.
 """
 
 from __future__ import annotations

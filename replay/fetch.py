@@ -1,18 +1,10 @@
 """Trainer-side reads: rows go from row storage straight to the rank that trains them (one hop).
 
-Contract:
-  * `fetch_rows(storage, keys, fields)` reads `fields` of `keys` through the storage's sync twin
-    (trainer ranks are worker processes) and validates the result again with `validate_read`, so a
-    trainer never trains on a short batch whatever the storage implementation.
-  * `fetch_and_broadcast(storage, keys, fields, group, src_rank)` is the model-parallel hook: only
-    `src_rank` (a global rank in `group`) reads from storage; it sends the rows to the other ranks
-    of `group` with two `torch.distributed.broadcast`s (a header of row lengths, then every field's
-    bytes in one buffer). All ranks of `group` must call it with the same keys and fields. If the
-    source's read fails (short read, deadline, ...), the source re-raises its own error and every
-    other rank raises `StorageReadError` quoting it, so no sibling is left waiting in a collective.
-
-Both return what `RowStorage.get_rows` returns: jagged fields as a list of 1-D tensors, scalar
-fields as a 1-D tensor [B], rows in the order of `keys`.
+`fetch_rows` reads through the storage's sync twin and validates the result again (a trainer never
+trains on a short batch). `fetch_and_broadcast` is the model-parallel hook: only `src_rank` reads,
+then broadcasts the rows to its group; if its read fails, every other rank raises
+`StorageReadError` quoting it, so no rank is left waiting in a collective. Both return what
+`RowStorage.get_rows` returns, rows in the order of `keys`.
 """
 
 from __future__ import annotations

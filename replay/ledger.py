@@ -1,5 +1,4 @@
-"""Group-granular replay ledger and the exactly-once prompt ledger: state, no asyncio. The only I/O is
-the prompt ledger's optional history file (settled prompts appended as JSON lines, `PromptLedger`).
+"""Group-granular replay ledger and the exactly-once prompt ledger: state, no asyncio.
 
 Group lifecycle (one group = one attempt at one prompt = G rows in storage):
 
@@ -7,17 +6,11 @@ Group lifecycle (one group = one attempt at one prompt = G rows in storage):
         \\                    \\                       \\
          +--drop(reason)------+--drop(reason)---------+--evict(reason)--> DROPPED / EVICTED
 
-TRAINED, DROPPED and EVICTED are terminal. A group holds a capacity slot from `reserve` until
-`release`, which the caller invokes only after the group's rows are cleared from storage: capacity
-counts rows still resident, not groups still waiting to be selected.
-
-Step accounting: every group is reserved for a target step. `live(s)` counts the groups of step s
-that are not dropped or evicted; a step needs `groups_per_step` of them. `next_target_step()` is the
-earliest step still short of groups, so a dropped group is refilled for the step it was meant for.
-
-The prompt ledger records, for every prompt taken from the dataloader, its attempts (group ids)
-and exactly one fate: trained in step k, or dropped / evicted with a reason. Settling a prompt twice
-raises; `unsettled()` lists prompts still without a fate.
+A group holds a capacity slot from `reserve` until `release`, called only once its rows are cleared:
+capacity counts resident rows. Every group has a target step; `next_target_step()` is the earliest
+step still short of `groups_per_step` live groups, so a dropped group is refilled for its own step.
+The prompt ledger gives every prompt taken exactly one fate (trained in step k, or dropped / evicted
+with a reason); settling twice raises. Its only I/O is the optional history file of settled prompts.
 """
 
 from __future__ import annotations

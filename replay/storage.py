@@ -1,14 +1,10 @@
 """Row storage: where rollout rows live between generation and training.
 
-Contract (`RowStorage`): put / get / clear rows by key. A row is one completion of a prompt group,
-keyed `{group_id}_g{i}`. Every field has one `FieldSpec` (dtype, jagged or scalar) for the whole run;
-a put that would change a field's dtype is refused before anything is written. Every get is
-validated: a read that returns fewer rows than asked, or lacks a field, raises `StorageReadError`
-naming what is missing. Nothing is ever silently short.
-
-`InMemoryRowStorage` behaves like TransferQueue's KV API (including TQ's habit of returning fewer
-rows for missing keys, which the shared validation turns into an error) and serves tests and the
-simulated backend. `replay.transferqueue.storage.TQRowStorage` is the TransferQueue implementation.
+Contract (`RowStorage`): put / get / clear rows by key (`{group_id}_g{i}`). Each field has one
+`FieldSpec` for the whole run, and a put that would change a dtype is refused before anything is
+written. Every get is validated: a short read or a missing field raises `StorageReadError`, never
+silently. `InMemoryRowStorage` mimics TransferQueue's KV API for tests and the simulated backend;
+`replay.transferqueue.storage.TQRowStorage` is the TransferQueue implementation.
 """
 
 from __future__ import annotations

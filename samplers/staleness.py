@@ -1,21 +1,11 @@
 """The staleness sampler: one policy with orthogonal knobs, deciding from version stamps only.
 
-The rules themselves are pure functions in `single_controller.algorithm.staleness`. Knobs (`SamplerConfig`):
-- admission gate `max_lookahead_versions` L: a rollout for step s may start only while
-  s <= policy_version + L. L = 0 is synchronous on-policy.
-- selection `order`: `in_order` trains at step k exactly the groups dispatched for k; `fifo` and
-  `freshest` take any ready group within the staleness bound, by dispatch order or by newest
-  weights first.
-- eviction `max_staleness_versions` S: staleness = train step - the version that started the
-  group. Ready groups above S are evicted; `select` never returns one, so select and evict can
-  never claim the same group.
-- `abort_stale_in_flight`: at a weight sync, in-flight rollouts that could only ever train above S
-  are cancelled (their prompts are re-dispatched).
-
-`select` never waits: the train pump waits, re-checking on every state change. Those re-checks
-are per key, never per group: READY groups sharing (target step, version) are alike to every rule
-here, so `selectable` / `any_evictable` over the ledger's READY index cost O(keys), whatever the
-number of groups (the keys span at most the lookahead and staleness windows).
+Knobs (`SamplerConfig`; the rules are pure functions in `single_controller.algorithm.staleness`):
+admission `max_lookahead_versions` L (a rollout for step s starts only while s <= policy_version + L;
+L = 0 is synchronous), selection `order` (`in_order`, `fifo`, `freshest`), eviction
+`max_staleness_versions` S (`select` never returns a group above S, so select and evict never claim
+the same group) and `abort_stale_in_flight`. `select` never waits, and its checks cost O(keys) of the
+ledger's READY index (target step, version), never O(groups).
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Run checkpoints: atomic on disk, everything a resume needs, refused when the config differs.
 
-Layout (under `<run dir>/checkpoints/`):
-
-    step_000040/           one checkpoint, taken between steps: 40 optimizer steps applied
-        controller.json    versions, the prompt ledger (rolled back to the cut: the unsettled
-                           prompts, plus the length of the run's prompt_history.jsonl that holds
-                           the settled ones), the dataloader position, the success window,
-                           counters, the config it was taken with
-        trainer/           the trainer backend's own state (policy, optimizer, RNG), see
-                           `protocols.Checkpointable`
-    latest                 the name of the newest complete checkpoint
-
-Atomic: a checkpoint is written into `step_N.tmp`, every file and the folder are fsynced, then it
-is renamed to `step_N` and `latest` is replaced (write aside, fsync, rename). A crash at any moment
-leaves `latest` naming a complete checkpoint (the previous one until the rename).
-
-In two phases: `stage_checkpoint` saves the cut (the trainer's state, the controller's serialized)
-between steps; `commit` (the fsyncs, the rename, `latest`, rotation) needs nothing of the run and
-may run while training goes on (the controller's periodic checkpoints do).
-
-The cut: at a checkpoint, groups not yet trained are not saved. Their prompts stay unsettled in the
-saved ledger with their live attempt removed, so a resume re-dispatches them with the same attempt
-number (and retry budget); those attempts are listed (`rolled_back`). A resume into a storage that
-outlived the crash clears every row it holds first, theirs and those of every attempt made after
-the cut (`Controller`).
+`<run dir>/checkpoints/step_N/` holds `controller.json` (versions, the prompt ledger rolled back to
+the cut, the dataloader position, the success window, the config) and `trainer/` (the backend's
+policy, optimizer and RNG, `protocols.Checkpointable`); `latest` names the newest complete one.
+Written aside, fsynced and renamed, so a crash leaves `latest` valid. `stage_checkpoint` saves the
+cut between steps; `commit` (fsyncs, rename, rotation) may run while training goes on. Groups not
+yet trained are not saved: their prompts stay unsettled, so a resume re-dispatches them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The single controller: setup, the pumps in one TaskGroup (eval too when `eval.enabled`), teardown.
 
-`Controller` is constructible in-process (tests, the simulated backend, benchmarks) and is also
-what `ControllerHost` (`single_controller.runtime.actor_host`) runs in a CPU-only Ray actor. It never
-touches bulk tensors: it moves keys, lengths, rewards and advantages; workers read and write rows.
-
-A failing pump cancels its siblings and `run()` raises `RunFailed` naming the pump and its cause.
-Teardown always runs: an open train step is aborted, resident rows are cleared (no key is left in
-storage), and every prompt taken from the dataloader without a fate is settled `dropped`.
-
-Durability (with a run directory and a `Checkpointable` trainer): a checkpoint is written between
-steps every `checkpoint.every_steps` / `checkpoint.every_s`, and once more when the run ends
-(finished, interrupted, or failed while the trainer still answers), before teardown settles
-anything. At the run's end the trainer is asked where it stands first: a finish that landed after
-the train pump stopped waiting (the run failed meanwhile) is its step trained, and a trainer that
-stands elsewhere than the controller gets no final checkpoint (the newest one always resumes). An
-interrupt leaves what it did not train unsettled in that checkpoint, as a crash would. `resume=`
-(a checkpoint's controller state) continues from its cut: same step, same prompt ledger, untrained
-prompts re-dispatched first (see `single_controller.checkpoint`). At the cut no group is resident,
-so before its first rollout a resumed run clears every row its storage still holds: a storage that
-outlived the crash (`storage.attach`) keeps the rows of every attempt the run made after its
-checkpoint, up to the crash.
+`Controller` runs in-process (tests, the simulated backend, benchmarks) or in a CPU-only Ray actor
+(`runtime.actor_host.ControllerHost`); it moves keys, lengths, rewards and advantages, never bulk
+tensors. A failing pump cancels its siblings and `run()` raises `RunFailed` naming it. Teardown always
+runs: an open step is aborted, resident rows are cleared, unsettled prompts are settled `dropped`.
+Checkpoints are written between steps (`checkpoint.every_steps` / `every_s`) and at the end, unless
+the trainer stands elsewhere than the controller; `resume=` continues from a checkpoint's cut,
+clearing whatever rows its storage still holds first.
 """
 
 from __future__ import annotations
@@ -237,9 +224,9 @@ class Controller:
             )
         st.versions.published = st.versions.latest_weights
         st.notify()  # (a pool member registers once there are weights to expand workers with)
-        # Everything alive now (imported modules: torch alone is ~170k objects) is set aside from
-        # the cyclic collector for the run: each full collection would walk it again (~60 ms
-        # each on this machine). Given back at the end, so nothing is kept alive for good.
+        # Everything alive now (imported modules, torch's above all) is set aside from the cyclic
+        # collector for the run: each full collection would walk it again (docs/performance.md).
+        # Given back at the end, so nothing is kept alive for good.
         gc.freeze()
         try:
             async with asyncio.TaskGroup() as pumps:
@@ -391,7 +378,7 @@ class Controller:
         """Write a checkpoint now (between steps) and return it once it is durable and `latest`.
         `durable=False` (the periodic ones) returns once its cut is saved (`stage_checkpoint`): the
         fsyncs, the rename and `latest` run in the background while training goes on (on a slow
-        disk they stalled a step by up to ~0.2 s), and the next checkpoint or the run's end waits
+        disk they stalled the step), and the next checkpoint or the run's end waits
         for them and raises their error, if any."""
         st = self.state
         trainer = st.workers.trainer

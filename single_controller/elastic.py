@@ -1,30 +1,12 @@
 """Elastic generation workers: shrink one out of a running run, expand it back in.
 
-Contract (`Controller.shrink_generation` / `expand_generation` call these on the controller's loop):
-
-* shrink(name, level): out of routing first, in one synchronous step (`RunState.elastic.out`; the
-  rollout pump reads `routable()` once per dispatch slice, which has no await, so nothing is
-  dispatched to the worker from this moment); then its groups in flight are aborted (reason
-  `preempted`: discarded, prompts re-dispatched uncharged) or, with `rollout.shrink=drain`, left to
-  finish up to `rollout.shrink_drain_timeout_s` and the rest aborted (its eval requests are
-  withdrawn at once, by the eval pump); once none is in flight on it, the worker sleeps at `level`
-  (0: routing only, no call; 1: weights freed; 2: weights and caches).
-* expand(name): wake, apply the published weights (`versions.published`, the snapshot the
-  weight-sync pump applies or applied last) until the published snapshot did not change meanwhile,
-  check that the worker's version equals it, and only then rejoin routing, in the same synchronous
-  step as that last check. A weight sync that starts after that step finds the worker routable and
-  updates it with the others. Any failure puts the worker back to sleep (or down), leaves it out of
-  routing (`asleep`) and raises `ExpandFailed`; the run's versions are never touched.
-
-Both are idempotent (a shrunk worker shrinks again only to a deeper level; a routable one expands to
-nothing) and serialized per worker. Every call that changes a worker's engine (its sleep, its wake
-and weights, a weight sync's update, its restart) holds `Elastic.engine_lock`: a shrink never lands
-inside a weight update, nor either inside a restart. A death is handled as outside a pool: a worker
-found dead by a shrink is down (the rollout pump restarts it, asleep since it is shrunk) and the
-shrink ends (nothing of it is left on its slot); one that fails its sleep otherwise, or hangs, counts
-as out once its restart replaced it; one found dead by an expand is restarted, then woken. With every
-worker shrunk the rollout pump waits for an expand: admission needs a routable worker (an event, not
-a poll, and not `NoGenerationWorkers`).
+`shrink(name, level)` takes the worker out of routing in one synchronous step (nothing is dispatched
+to it after), aborts its groups in flight (`preempted`, re-dispatched uncharged) or drains them
+(`rollout.shrink=drain`, up to `rollout.shrink_drain_timeout_s`), then sleeps it at `level`.
+`expand(name)` wakes it, applies the published weights until they stop changing, checks its version
+and only then rejoins routing; any failure leaves it out (`ExpandFailed`), the run's versions
+untouched. Both are idempotent and serialized per worker; every engine change holds
+`Elastic.engine_lock`. With every worker shrunk the rollout pump waits for an expand (an event).
 """
 
 from __future__ import annotations

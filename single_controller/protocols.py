@@ -97,8 +97,8 @@ class GenerationWorker(Protocol):
 
     A request is submitted, not awaited: `submit` queues it and returns its answer as a future (a
     `GenerationFailed` as its exception), so a thousand groups in flight are a thousand futures,
-    not a thousand tasks (`sc-grpo bench scale`: a task and a deadline scope per group cost the
-    controller ~40 % more CPU per group at 1024 groups per step). The controller cancels the future
+    not a thousand tasks (a task and a deadline scope per group cost the controller more CPU per
+    group: `sc-grpo bench scale`, docs/performance.md). The controller cancels the future
     to cancel the request, then awaits `withdraw`; a worker never cancels it itself.
     `generate(worker, request)` below is the coroutine form, for callers that await one request.
     """

@@ -1,16 +1,10 @@
 """The controller's run state, shared by the pumps on one event loop.
 
-Contract: every mutation that a pump may be waiting on goes through a method here (or is followed
-by `notify()`), and every wait is `await state.wait_until(predicate, pump, on=...)`, which sleeps on
-the change signal and records how long the pump waited and on what. No locks are needed: the
-pumps run on one loop and mutate between awaits.
-
-Versions (`RunState.versions`): `trainer` = optimizer steps completed (the next step to train);
-`policy` = the version the generation workers serve, bumped by the weight-sync pump once every
-worker has applied the snapshot; `dispatch` = the version new rollouts are admitted for and stamped
-with (`GenerationRequest.min_version`): `policy`, or with version-gated workers
-(`protocols.VersionGated`) the snapshot being applied, from the moment it was sent. Admission and
-staleness read only these and the stamps on each group.
+Every mutation a pump may wait on goes through a method here (or is followed by `notify()`), and
+every wait is `await state.wait_until(predicate, pump, on=...)`, which records how long the pump
+waited and on what; no locks (one loop, mutations between awaits). Versions (`RunState.versions`):
+`trainer` (optimizer steps done), `policy` (what the generation workers serve) and `dispatch` (what
+new rollouts are stamped with: `policy`, or with version-gated workers the snapshot being applied).
 """
 
 from __future__ import annotations

@@ -387,17 +387,17 @@ def test_reference_documents_every_field():
     assert "| `on_failure` | `retry` / `drop` | `retry` |" in md
 
 
-def test_readme_config_reference_is_in_sync():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_reference(readme) == config_reference_markdown(), (
-        "README.md is stale: run `python -m single_controller.config.reference --write-readme`"
+def test_docs_config_reference_is_in_sync():
+    page = (ROOT / "docs" / "config.md").read_text()
+    assert readme_reference(page) == config_reference_markdown(), (
+        "docs/config.md is stale: run `python -m single_controller.config.reference --write-docs`"
     )
 
 
-def test_write_readme_rewrites_only_the_marked_section(tmp_path):
-    readme = tmp_path / "README.md"
+def test_write_docs_rewrites_only_the_marked_section(tmp_path):
+    readme = tmp_path / "config.md"
     readme.write_text("# T\nintro\n<!-- config-reference:start -->\nold stuff\n<!-- config-reference:end -->\ntail\n")
-    assert reference.main(["--write-readme", str(readme)]) == 0
+    assert reference.main(["--write-docs", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# T\nintro\n<!-- config-reference:start -->\n")
     assert text.endswith("<!-- config-reference:end -->\ntail\n")

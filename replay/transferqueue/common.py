@@ -1,13 +1,9 @@
 """What `runtime`, `host` and `storage` share: TQ's actor names, its environment knobs, its import.
 
-Contract:
-  * `configure_env()` must run before `ray` or `transfer_queue` is imported: both read their knobs
-    at import time (`TQ_NUM_THREADS`, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`), and Ray workers inherit
-    the driver's environment when `ray.init` starts a local cluster. It only sets variables the user
-    has not set.
-  * `import_transfer_queue()` is how this package imports TransferQueue: `configure_env()`, then the
-    start-up shims (`replay.transferqueue.shims.install_shims`), then `import transfer_queue`.
-  * Importing this module imports neither Ray, torch nor TransferQueue.
+`configure_env()` must run before `ray` or `transfer_queue` is imported (both read their knobs at
+import, and a local Ray's workers inherit the driver's environment); it sets only what the user has
+not. `import_transfer_queue()` is the one way this package imports TQ: environment, start-up shims,
+then `import transfer_queue`. Importing this module imports neither Ray, torch nor TQ.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """How a run opens its TransferQueue storage: the two calls the controller makes.
 
-  * `open_tq_storage(cfg, timeouts, partition)`: in the controller, start TQ (or attach to one, per
-    `storage.attach`) and return the run's `TQRowStorage`.
-  * `attach_tq_storage(partition, timeout_s, group_rows)`: the workers' storage factory; a worker
-    calls it in its own process to attach and open the same partition.
-
-Importing this module imports neither torch nor TransferQueue (`replay.transferqueue.storage` does,
-so it is imported inside the calls): the controller pickles `attach_tq_storage` by reference and
-starts its workers before it imports TQ itself.
+`open_tq_storage(cfg, timeouts, partition)` starts TQ (or attaches, per `storage.attach`) in the
+controller and returns the run's `TQRowStorage`; `attach_tq_storage(partition, timeout_s,
+group_rows)` is the workers' storage factory, called in each worker's own process. Importing this
+module imports neither torch nor TQ, so the controller can start its workers before it imports TQ.
 """
 
 from __future__ import annotations

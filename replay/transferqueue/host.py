@@ -1,22 +1,11 @@
 """The one-process host: TransferQueue's controller and its storage unit in one Ray actor process
 (`storage.tq_one_process`, on by default with one storage unit).
 
-`tq.init` makes the controller and each storage unit a Ray actor of its own: a Python process that
-imports torch, Ray and TransferQueue to run a ZMQ server in background threads. TransferQueue uses Ray
-only to start them and to hand out their addresses and its config. With one storage unit, a second
-process buys nothing: a client asks the controller where rows are, then the unit for them, one after
-the other. `TransferQueueHost` builds both from their classes in one actor process, registered under
-the controller's actor name, and answers the Ray calls TransferQueue makes on its controller and
-storage handles; every attaching process finds it as it finds TQ's own controller.
-(docs/performance.md, "One TransferQueue process, not two", has the start-up it saves.)
-
-The host builds TQ's full config itself (defaults, overrides, the servers' addresses), so the
-process that starts it needs nothing of TransferQueue to create it: the host's process imports
-torch and TransferQueue while the starter imports them too. This module imports neither.
-`replay.transferqueue.runtime` creates the host, then makes it this process's TQ
-(`replay.transferqueue.shims.adopt_controller`). Checked against TransferQueue 0.1.11;
-`layout_supported` says whether an installed TransferQueue is laid out as this needs (`runtime`
-falls back to `tq.init` when it is not).
+With one storage unit a second process only costs start-up: a client asks the controller, then the
+unit, one after the other. `TransferQueueHost` builds both in one actor, registered under the
+controller's actor name, and builds TQ's config itself so the starter need not import TQ first.
+Checked against TransferQueue 0.1.11; `layout_supported` tells `runtime` to fall back to `tq.init`
+when an installed TQ is laid out otherwise. This module imports neither torch nor TQ.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Start, attach to and stop TransferQueue (TQ) on a Ray cluster: the module that starts TQ.
+"""Start, attach to and stop TransferQueue (TQ) on a Ray cluster.
 
-Contract:
-  * `start_tq()` (embedded mode) creates the TQ controller and storage units on the Ray this
-    process is connected to: with one storage unit and `one_process` (`storage.tq_one_process`) as
-    one actor, the host (`replay.transferqueue.host`); otherwise with `tq.init`, one actor each. It
-    refuses, with a clear error, to start when Ray lacks the logical CPUs TQ reserves (`tq.init`
-    would otherwise hang forever, printing nothing), and puts a deadline on the start-up itself.
-  * `attach_tq()` (cluster mode, and every worker process) connects this process's TQ client to a
-    controller some other process started, with a deadline; it never starts one.
-  * `stop_tq()` is idempotent and safe in `finally:`. Only the process that created TQ closes it
-    (`tq.close()` in any other process kills the shared controller, after which every client hangs
-    forever); elsewhere it only drops this process's client. `ray.shutdown()` after `stop_tq()`
-    leaves no TQ process behind.
-
-Ray and TransferQueue are imported lazily, so importing this module does not freeze Ray's environment
-(`replay.transferqueue.common.configure_env`) nor import torch.
+`start_tq()` creates TQ on the connected Ray (the one-process host, or `tq.init`), refusing when Ray
+lacks the CPUs TQ reserves (`tq.init` would hang) and with a deadline on the start. `attach_tq()`
+connects this process's client to a running TQ, never starting one. `stop_tq()` is idempotent; only
+the creating process closes TQ (`tq.close()` elsewhere kills the shared controller). Ray and TQ are
+imported lazily, so importing this module neither freezes Ray's environment nor imports torch.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Every workaround of TransferQueue's (and torch's) internals, in one place.
 
-Checked against TransferQueue 0.1.11, tensordict 0.15.3, torch 2.13.0+cpu and Ray 2.60. Nothing else in
-`replay.transferqueue` touches a private name of TransferQueue; when TransferQueue changes, this is the
-module to read again. Two kinds:
-
-* Start-up shims, process-wide, all switched on by ONE call, `install_shims()`. Ray runs it in every
-  worker process of a run before its actor class loads (the `worker_process_setup_hook` of
-  `single_controller.runtime.ray_session`), TransferQueue's own processes included, and
-  `replay.transferqueue.common.import_transfer_queue()` runs it before it imports TransferQueue. Leave
-  both calls out and TransferQueue starts exactly as it ships:
-    - `without_dynamo_at_import`: tensordict imported without `torch._dynamo`;
-    - `pause_gc_until_transfer_queue`: no cyclic garbage collection while torch and TQ are imported.
-* TQ's process-local handles (`transfer_queue.interface._TQ_CLIENT`, `_TQ_STORAGE`, `_TQ_CONTROLLER`) and
-  one private client call, which `replay.transferqueue.runtime` and `storage` need for what TQ's public
-  API cannot do: adopt the one-process host as this process's TQ (`adopt_controller`, used only with
-  `storage.tq_one_process`, the switch of that layout), forget stale handles after a failed start or a
-  Ray restart (`forget_tq_handles`), drop this process's client without killing the shared controller
-  (`drop_client`), and remove an empty partition (`clear_empty_partition`).
-
-The figures cited below are from docs/performance.md (the embedded run on this project's 2-core machine).
-This module imports nothing heavy at import time (no torch, Ray or TransferQueue).
+Checked against TransferQueue 0.1.11, tensordict 0.15.3, torch 2.13.0+cpu and Ray 2.60; when TQ
+changes, this is the module to read again. Start-up shims, switched on by ONE call,
+`install_shims()` (Ray's worker setup hook, and `common.import_transfer_queue`): tensordict imported
+without `torch._dynamo`, and no cyclic GC while torch and TQ are imported (what they save:
+docs/performance.md). Private-handle helpers for what TQ's public API cannot do: `adopt_controller`,
+`forget_tq_handles`, `drop_client`, `clear_empty_partition`. Imports nothing heavy at import time.
 """
 
 from __future__ import annotations
@@ -122,9 +108,9 @@ def without_dynamo_at_import() -> None:
     import all of Dynamo. Those wrappers matter only when tensordict code runs under `torch.compile`,
     which nothing of TQ does: while tensordict's modules execute they are identity functions, and
     `torch.compiler` is restored right after.
-    Measured purpose (docs/performance.md, "No Dynamo at import"): ~1.5 s of CPU in every process that
-    imports TransferQueue (its host, the controller, every worker); on two cores most of a run's
-    start-up was this. Costs nothing until tensordict is imported; a no-op once it is, or when
+    Why: importing Dynamo is a large share of the start-up of every process that imports
+    TransferQueue (its host, the controller, every worker; docs/performance.md, "No Dynamo at
+    import"). Costs nothing until tensordict is imported; a no-op once it is, or when
     Dynamo is already loaded."""
     if "tensordict" in sys.modules or _hook_installed("tensordict"):
         return
@@ -141,12 +127,10 @@ def pause_gc_until_transfer_queue(max_s: float = GC_PAUSE_MAX_S) -> bool:
     """Pause the cyclic garbage collector until `transfer_queue` has been imported (`max_s` at the
     latest), then set the import's objects aside for good (`gc.freeze`) and resume it.
 
-    Works around: importing torch 2.13 and TransferQueue 0.1.11 allocates ~200k long-lived objects,
-    which the collector walks again and again while they are created; after the freeze, later full
-    collections skip them too.
-    Measured purpose (docs/performance.md, "No garbage collection during the imports"): start-up
-    12.0-12.2 s -> 11.2-11.4 s (three back-to-back pairs), 18.3-18.6 s -> 16.6-16.9 s of CPU across
-    the run's processes. Imports nothing. Returns whether it paused (not when the collector is already
+    Works around: importing torch 2.13 and TransferQueue 0.1.11 allocates a great many long-lived
+    objects, which the collector walks again and again while they are created; after the freeze,
+    later full collections skip them too (what it saves: docs/performance.md, "No garbage
+    collection during the imports"). Imports nothing. Returns whether it paused (not when the collector is already
     off or paused, or `transfer_queue` is already imported)."""
     global _gc_timer
     with _gc_lock:
@@ -207,8 +191,7 @@ def adopt_controller(host: Any, final_config: Any) -> None:
     their own; there is no public way to hand it a controller. After this, `tq.close()` treats the host
     as the controller and as the storage unit (it asks the storage handles to shut down, then kills
     them and the controller).
-    Measured purpose (docs/performance.md, "One TransferQueue process, not two"): start-up
-    11.8 -> 10.6 s and 12.8 -> 11.8 s (alternated), 17.8 -> 15.3 s and 19.6 -> 18.2 s of CPU."""
+    Why: one process fewer at start-up (docs/performance.md, "One TransferQueue process, not two")."""
     import transfer_queue.interface as tqi
 
     tqi._TQ_CONTROLLER = host

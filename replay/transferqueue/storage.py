@@ -1,31 +1,11 @@
-"""`TQRowStorage`: the `RowStorage` the controller and the workers (generation, trainer ranks) read and
-write rows through, on TransferQueue's KV API: one partition, one key per row (or per group, `group_rows`).
-Open it with `replay.transferqueue.factory` (or after `runtime.start_tq` / `attach_tq`).
+"""`TQRowStorage`: the `RowStorage` the controller and the workers use, on TransferQueue's KV API.
 
-Contract (on top of `replay.storage.RowStorage`):
-  * Every put is checked completely with `validate_put` BEFORE anything reaches TQ: TQ registers
-    keys before it looks at the data, so a put it rejects (duplicate keys, tag-count mismatch)
-    leaves orphan keys; and TQ accepts a dtype change for a field, then silently casts mixed reads.
-    The schema fixes each field's dtype, so such puts are refused here (`StorageWriteError`).
-  * Every get is checked with `validate_read`. TQ answers missing keys with fewer rows and an absent
-    field by leaving the column out, both without an error; we raise `StorageReadError` naming the
-    missing keys and fields. The hot path costs nothing extra: the key lookup (`kv_list`) runs only
-    when a read came back short.
-  * Columns: jagged fields are a list of 1-D tensors (sent as one jagged NestedTensor, or as a dense
-    [B, L] tensor when all rows have one length: TQ's fast path), scalar fields a 1-D tensor [B];
-    tags a list of dicts. Reads return the same shapes, rows in `keys` order.
-  * Every TQ call has a deadline (`TimeoutConfig.storage_s`): TQ's controller RPCs have none, and a
-    dead controller would hang the caller forever. Errors name the operation and partition.
-  * Async methods run on the caller's loop. The `*_sync` twins (for worker processes and sync
-    actors) run the very same coroutines on one private event-loop thread per process, so the
-    deadline, validation and accounting are shared; they block the calling thread and must not be
-    called from that private loop. A deadline cancels the TQ call; a put cut short may leave its
-    keys registered without data, which later reads report as an error (never as a short read).
-  * `statistics()` counts what THIS client moved (puts/gets/clears, rows, tensor bytes); with
-    `track_resident`, `resident_rows` counts keys this client put and has not cleared.
-
-Importing this module imports TransferQueue the package's way (`replay.transferqueue.common.import_transfer_queue`:
-environment knobs first, TQ reads `TQ_NUM_THREADS` at import) and silences torch's nested-tensor prototype warning.
+One partition per run, one key per row or per group (`group_rows`). On top of `RowStorage`: every
+put is validated before it reaches TQ (TQ registers keys before checking data and silently casts a
+changed dtype); every get is validated (TQ answers missing keys with fewer rows), at no cost on the
+hot path; every TQ call has a deadline (`TimeoutConfig.storage_s`: TQ's RPCs have none). The
+`*_sync` twins run the same coroutines on one private loop thread per process. Open it with
+`replay.transferqueue.factory`. Importing it imports TransferQueue the package's way.
 """
 
 from __future__ import annotations
@@ -87,8 +67,8 @@ _MAX_PROBED_KEYS = 64  # error path: keys probed one by one to name those regist
 # ---------------------------------------------------------------- conversion (pure)
 # A row's bulk jagged fields (token ids, logprobs, mask, versions) travel packed into ONE TQ field:
 # TQ's cost is per (row, field) -- every storage unit and client encodes and decodes each row's
-# tensor of each field on its own -- so five fields in one cut the data plane's CPU per step by half
-# (`sc-grpo bench storage`; the embedded run spent ~90 ms of CPU per step in TQ). The packed row is a
+# tensor of each field on its own -- so five fields in one cut the data plane's CPU per step
+# (`sc-grpo bench storage`, docs/performance.md). The packed row is a
 # uint8 tensor: an int64 header with each packed field's element count (-1: not in this put), then
 # each present field's bytes in schema order, each padded to 8 bytes. Scalar fields stay TQ fields of
 # their own (the controller reads them without touching bulk data). A put of bulk fields replaces all
@@ -226,13 +206,13 @@ def to_tensordict(schema: Mapping[str, FieldSpec], num_rows: int, columns: Colum
 
 def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
     """Rows of one jagged field -> what TQ stores. Equal-length rows go as a dense [B, L] tensor: TQ
-    puts those ~3x faster than a NestedTensor (one frame, not one per row), keeps every row's shape
+    puts those faster than a NestedTensor (one frame, not one per row), keeps every row's shape
     and dtype, and returns them as a jagged NestedTensor like any other (mixing both kinds of puts
     in one partition reads back exactly)."""
     sizes = [t.numel() for t in rows]
     if min(sizes) == max(sizes):
         return torch.stack(rows)  # [B, L]
-    # values + offsets: about 2x cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    # values + offsets: cheaper than torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     lengths = torch.tensor(sizes, dtype=torch.int64)  # [B]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)  # [B+1]
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -279,7 +259,7 @@ def empty_columns(schema: Mapping[str, FieldSpec], fields: Sequence[str]) -> dic
 # the rows packed as above; each scalar field is the group's [n] vector. TQ's cost is per (key,
 # field), so a step's 16 groups cost what 16 rows did (one key per row: 256). Every field travels as
 # a byte string (TQ keeps those as they are): a tensor field would come back from TQ as a jagged
-# NestedTensor, whose construction imports all of torch._dynamo (~1.3 s of CPU) in the reader.
+# NestedTensor, whose construction imports all of torch._dynamo in the reader (a start-up cost).
 
 
 def split_row_key(key: str) -> tuple[str, int] | None:

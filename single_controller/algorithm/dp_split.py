@@ -1,23 +1,11 @@
 """Split a train chunk's rows over data-parallel ranks, balanced by tokens (pure, deterministic).
 
-Contract: `dp_split(keys, seq_lengths, num_ranks, num_microbatches)` assigns every row to exactly
-one (rank, microbatch). Every rank gets the same number of microbatches (DDP ranks must run the
-same number of forward/backward/all-reduce rounds); row counts differ by at most one between ranks,
-and by at most one between the microbatches of a rank. A microbatch is empty only when a rank has
-fewer rows than `num_microbatches`; its rank must still join the step's collectives.
-
-Algorithm (`balanced_partition`, used for ranks and then for each rank's microbatches):
-  1. Order rows longest first (ties: original position), so the result depends only on the input.
-  2. Greedy LPT under a cardinality cap: each row goes to the bin with the least tokens among the
-     bins that still have room (ties: fewer rows, then lower index). Room: a bin holds at most
-     ceil(B/N) rows, and at most B mod N bins may reach ceil(B/N) when it differs from floor(B/N),
-     so the caps add up to exactly B and the greedy always finds a bin.
-  3. Safeguard: also deal the sorted rows round-robin (row i to bin i mod N). Its heaviest bin
-     carries at most min load + max length <= optimum + max length (in each round bin 0 takes the
-     largest remaining row, and telescoping bounds the difference by the very first row). The
-     greedy is usually better; if its heaviest bin is heavier, the round-robin split is used.
-     Hence: max load <= optimal max load (under the same count constraint) + longest row.
-  4. Rows keep their chunk order inside a bin.
+`dp_split(keys, seq_lengths, num_ranks, num_microbatches)` assigns every row to exactly one (rank,
+microbatch). Every rank gets the same number of microbatches (DDP ranks must run the same number of
+collective rounds, so a rank with too few rows still gets empty ones), and row counts differ by at
+most one between ranks and between a rank's microbatches. `balanced_partition` is a greedy
+longest-first fill under that count cap, checked against a round-robin deal, which bounds the
+heaviest bin by the optimum plus the longest row; rows keep their chunk order inside a bin.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Log-probabilities of given tokens under a causal policy: the one formula every trainer backend
 (torch, Megatron) and the torch sampler use, so generation and training logprobs agree.
 
-* `log_softmax_tempered(logits, temperature)`: the policy's log-distribution at a temperature.
-* `token_logprobs(policy, prompts, responses, temperature)`: logprobs [B, R] of each response
-  token given its prompt and the tokens before it, with the validity mask [B, R]. `policy` is any
-  callable module mapping input ids [B, L] to logits [B, L, V] (a DDP wrapper, a Megatron adapter).
-* `pad_right(rows, value, dtype)`: 1-D rows of any lengths stacked into [B, max_len].
-
-Pure torch: no engine, no Ray, no asyncio.
+`log_softmax_tempered(logits, temperature)` is the policy's log-distribution at a temperature;
+`token_logprobs(policy, prompts, responses, temperature)` the logprobs [B, R] of each response token
+with its validity mask (`policy`: any module mapping ids [B, L] to logits [B, L, V]); `pad_right`
+stacks 1-D rows into [B, max_len]. Pure torch: no engine, no Ray, no asyncio.
 """
 
 from __future__ import annotations
@@ -55,8 +52,8 @@ def pad_right(
 def _pad_flat(flat: torch.Tensor, lengths: Sequence[int], value: float | int | bool) -> torch.Tensor:
     """Rows laid end to end in `flat` (row b has `lengths[b]` elements) -> [B, max_len], padded on
     the right with `value`: one masked write. A microbatch has hundreds of short rows, and anything
-    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each: this is ~4x faster
-    than padding row by row at 64 rows."""
+    done per row in torch (a `pad_sequence`, a `cat`) costs microseconds each, so padding row by row
+    costs more than the rows' data."""
     n = torch.tensor(lengths, dtype=torch.long, device=flat.device)
     width = int(n.max()) if len(lengths) else 0
     out = torch.full((len(lengths), width), value, dtype=flat.dtype, device=flat.device)

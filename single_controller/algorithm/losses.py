@@ -1,30 +1,16 @@
 """The GRPO policy loss: a pure function returning a raw masked SUM (normalizer 1) plus counts.
 
-The split train API needs sums: each microbatch adds d(sum)/dθ into the gradients, the ranks
-all-reduce the gradients and the valid token / sequence counts once, and the trainer scales by 1/N
-(N = global tokens for `level="token"`, global sequences for `level="sequence"`). Because the sum is
-linear, any chunking of a step gives the gradient of the full-batch mean.
+The split train API needs sums: microbatches add d(sum)/dθ, the ranks all-reduce gradients and
+counts once, and the trainer scales by 1/N (global tokens or sequences, `level`); because the sum is
+linear, any chunking of a step gives the gradient of the full-batch mean. Per token, with advantage
+A, current logprobs `logp`, generation logprobs `gen`, step-start logprobs `old` (default
+`logp.detach()`: one optimizer step per RL step, so ratio == 1 in value):
 
-Per token (advantage A of the token's row, logprobs of the current policy `logp`, of the policy that
-generated the token `gen`, of the trainer's weights at the start of the step `old`):
-
-  is_truncation > 0 (decoupled objective with truncated importance sampling):
-      w     = min(exp(old - gen), is_truncation)        detached: corrects generation staleness/mismatch
-      ratio = exp(logp - old)
-  is_truncation == 0 (plain PPO against the generation policy):
-      w     = 1
-      ratio = exp(logp - gen)
-  pg    = -w * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
-  kl    = exp(ref - logp) - (ref - logp) - 1             (k3 estimator, >= 0; only when kl_coef > 0)
-  loss  = pg + kl_coef * kl
-
-`old` defaults to logp.detach(): the trainer makes one optimizer step per RL step, so the weights do
-not move within a step and the old policy's logprobs equal the current ones in value (ratio == 1,
-gradient of ratio == gradient of logp). The clip then never binds; it does when a caller passes
-`old_logprobs` from an earlier pass (several updates per batch) or sets is_truncation = 0.
-
-  level "token":    loss_sum = Σ_rows Σ_tokens loss · mask
-  level "sequence": loss_sum = Σ_rows (Σ_tokens loss · mask) / (Σ_tokens mask)   (rows with no valid token add 0)
+  is_truncation > 0:  w = min(exp(old - gen), is_truncation) (detached),  ratio = exp(logp - old)
+  is_truncation == 0: w = 1,                                              ratio = exp(logp - gen)
+  pg   = -w * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
+  kl   = exp(ref - logp) - (ref - logp) - 1      (k3, only when kl_coef > 0)
+  loss = pg + kl_coef * kl;  summed over valid tokens ("token"), or per row divided by its tokens ("sequence")
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Learning-rate schedules: the lr of RL step s as a pure function of s (`lr_at`).
 
-Every trainer backend sets its optimizer's lr to `lr_at(step, schedule)` right before the optimizer
-step of `step`, so the lr depends on the step id alone: a run resumed from a checkpoint at step k
-trains step k, k+1, ... with exactly the lrs of an uninterrupted run, whatever the process has done
-before. With W = warmup_steps, T = total_steps (the run's max_steps), m = min_lr_ratio:
-
-  s < W                    lr * (s + 1) / W                       linear warmup, reaching lr at s = W - 1
-  s >= W, constant         lr
-  s >= W, linear           lr * (1 - (1 - m) * p)                 p = (s - W) / (T - 1 - W), clipped to [0, 1]
-  s >= W, cosine           lr * (m + (1 - m) * (1 + cos(pi p)) / 2)
-
-so a decaying schedule trains step W with lr and its last step, T - 1, with m * lr.
+Every trainer sets its optimizer's lr to `lr_at(step, schedule)` right before the optimizer step,
+so a resumed run trains each step with exactly the lr of an uninterrupted run. With W warmup steps,
+T = max_steps and m = min_lr_ratio: linear warmup lr * (s + 1) / W for s < W, then `constant` lr,
+`linear` lr * (1 - (1 - m) * p) or `cosine` lr * (m + (1 - m) * (1 + cos(pi p)) / 2), with
+p = (s - W) / (T - 1 - W) clipped to [0, 1]: the last step trains with m * lr.
 """
 
 from __future__ import annotations

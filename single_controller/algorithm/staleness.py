@@ -1,6 +1,6 @@
 """The staleness rules of asynchronous GRPO, on version stamps only (pure).
 
-A group is stamped with the policy version that started it (`version`) and the train step it was
+A group is stamped with the policy version that started it (`version`) and the step it was
 dispatched for (`target_step`). With lookahead L and staleness bound S:
 
     admit     a rollout for step s may start         iff  s <= policy_version + L
@@ -10,8 +10,7 @@ dispatched for (`target_step`). With lookahead L and staleness bound S:
     abort in flight at a sync before step t           iff  earliest - version_reserved > S,
               earliest = max(t, target_step) in order, else t
 
-`samplers.staleness.StalenessSampler` applies them to the ledger; everything it decides derives from
-these functions.
+`samplers.staleness.StalenessSampler` applies them to the ledger.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""Which module implements each backend of each role, and how the service starts them.
+"""Which module implements each backend of each role, and the starters' contract.
 
-Backends are chosen per role (`backend.generation`, `backend.trainer`); this table names, for each
-Ray backend, the `module:function` that starts it and the pip extra it needs. Nothing here imports a
-backend: `config_loader` checks availability with `importlib.util.find_spec` before any process
-starts, and the service imports the starter only when it runs.
-
-Starter contracts (both coroutines, called in the controller's process):
-
-    start_generation(cfg, storage_factory, *, storage_ready) -> list[GenerationWorker]
-    start_trainer(cfg, storage_factory, *, storage_ready) -> TrainerGroup
-
-`storage_factory` is a picklable zero-arg callable that builds a row-storage client inside a worker
-process; `storage_ready` is an awaitable that resolves once the storage service is up (start worker
-processes first, then await it, so their start-up overlaps). Every returned object has
-`async shutdown()`, which stops its actors (no process outlives it); a starter that fails cleans up
-what it started before raising. The trainer group additionally has `async save_checkpoint(dir)`.
+For each Ray backend (`backend.generation`, `backend.trainer`) the table names the `module:function`
+that starts it and the pip extra it needs; nothing here imports a backend (`single_controller.preflight`
+checks availability with `importlib.util.find_spec` before any process starts). Starters are
+coroutines, `start_generation(cfg, storage_factory, *, storage_ready) -> list[GenerationWorker]` and
+`start_trainer(...) -> TrainerGroup`: they start processes first, then await `storage_ready`, clean up
+what they started when they fail, and return objects whose `shutdown()` leaves no process behind.
 `start_workers` runs both, then publishes version 0 from the trainer to every generation worker.
 """
 

@@ -1,20 +1,11 @@
 """Simulated backend: latency-scripted fake workers that satisfy the worker Protocols.
 
 They run the whole control plane in milliseconds, in-process, on any row storage. The generation
-worker is serial (one group at a time, `group_s` each; a weight update lands after the group in
-progress, ahead of queued ones), writes real rows with deterministic rewards, and stamps the version
-it serves. Eval requests go through a priority lane (ahead of queued rollouts), take their share
-of `group_s` by rows (n / the last rollout group's n), write nothing, and score with
-`sim_eval_rewards(prompt_id, version, n)`, which depends on the version that served them, so a test
-can tell which weights produced a reported eval point. The trainer group checks the split-API state
-machine, fetches every row it trains (so a missing row fails the step), and logs what each step trained.
-
-Faults are scripted with `Faults`: generation failures or stalls for given (prompt_id, attempt),
-trainer failures at given (step, chunk, attempt), a stall gate (`gate`) that blocks all
-generation until set, and the rewards (`rewards`): a scripted reward that raises fails its group
-alone with `RewardFailed`, as a real worker's would; a non-finite one is passed on unchecked, as a
-worker that does not check would, so the advantage pump's own check is what meets it. A result
-carries per-function values when `reward_parts` scripts them, and always a sample completion text.
+worker is serial, writes real rows with deterministic rewards, stamps the version it serves and
+serves eval requests in a priority lane (`sim_eval_rewards` depends on that version, so a test can
+tell which weights produced an eval point). The trainer group checks the split-API state machine and
+fetches every row it trains. `Faults` scripts generation failures and stalls, trainer failures, a
+stall gate and failing or non-finite rewards.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """`sc-grpo bench pool`: two runs sharing S slots, against the two static splits, in one invocation.
 
-Each run is a real controller on simulated workers (`backends/sim.py`), tied to one pool scheduler
-in this process (`single_controller/pool/`): the same shrink / expand / train-grant path a pooled
-run takes, with scripted compute. A run's work per step is given in slot-seconds: `gen` (spread
-over its generation workers, one group at a time each) and `train` (on its train slots, together:
-its wall time is `train / len(train_slots)`). An expand costs `--switch-ms` (a wake with the weights
-reloaded: sleep level 1).
-
-Layouts (S = 4):
-
-* shared (`gap_ratio`): both runs may generate on every slot and train where the split by run
-  would have them train (partial overlap: a run's train slots are among its generation slots);
-* static by run: A owns slots 0-1, B owns 2-3, always; each trains on the first one or both, by its
-  training share (`layouts`);
-* static by role: slots 0-1 generate (slot 0 for A, 1 for B), slots 2-3 train (2 for A, 3 for B).
-
-Printed per layout: makespan (both runs' K steps), slot busy fraction (useful work + the compute
-of preempted groups, over S x makespan), that over the physical limit (useful work / S over the
-makespan: 1.0 = no slot ever idle or wasted), switching overhead (slot-seconds in shrinks and
-expands over S x makespan), preempted groups, and Jain's fairness over the runs' speed-ups against
-the static split by run. The shared pool's makespan over the better static split is the figure the
-issue's acceptance reads (heterogeneous mix <= 0.85, symmetric <= 1.02).
+Each run is a real controller on simulated workers tied to one in-process pool scheduler (the
+shrink / expand / train-grant path of a pooled run, with scripted compute in slot-seconds per step).
+Layouts (S = 4): shared (`gap_ratio`), static by run (A owns 0-1, B 2-3) and static by role (0-1
+generate, 2-3 train). Printed per layout: makespan, slot busy fraction and its ratio to the physical
+limit, switching overhead, preempted groups and Jain's fairness; the shared makespan over the better
+static split is the acceptance figure (docs/pool.md).
 """
 
 from __future__ import annotations

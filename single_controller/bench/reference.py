@@ -36,7 +36,7 @@ class ReferenceResult:
     reached: bool  # the moving average reached the target
     steps: int
     seconds: float  # wall time of the training loop
-    setup_s: float  # building model, optimizer (its first use imports torch._dynamo: ~3 s once per process), data
+    setup_s: float  # building model, optimizer (its first use imports torch._dynamo once per process), data
     final_exact: float  # last moving average of the exact-match rate
     gen_ms: float  # mean per step: sampling + reward + storage put
     train_ms: float  # mean per step: advantages, storage round trip, begin/microbatch/finish

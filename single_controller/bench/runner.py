@@ -1,16 +1,10 @@
-"""Benchmarks: `sc-grpo bench overlap` (below) and `sc-grpo bench eval` (at the end of the file).
+"""Benchmarks: `sc-grpo bench overlap`, `scale`, `embedded` and `eval` (docs/performance.md).
 
-`sc-grpo bench overlap`: how much of the physically possible overlap the controller achieves.
-
-Runs the controller on the simulated backend twice in one process, with generation time per step
-equal to training time per step: synchronous (L = 0, no streaming: one chunk per step) and
-asynchronous (L = 1, streaming chunks). Prints the async/sync throughput ratio, that ratio divided
-by the physical limit (T_gen + T_train) / max(T_gen, T_train), and the commit -> select latency
-(p50 / p99) measured when the train pump was waiting for the group that completed its chunk.
-Throughput is steady state: steps per second between the end of the first and the last step,
-so the one-step pipeline fill of the async run is not counted against either mode. The simulated
-trainer does not read its rows here: in a real run trainers read them in their own processes, and
-in this single-threaded simulation the reads would be billed to the controller.
+`overlap` runs the controller on the simulated backend twice in one process, generation time equal
+to training time: synchronous (L = 0) and asynchronous (L = 1, streaming chunks). It prints the
+async/sync steady-state throughput ratio, that ratio over the physical limit
+(T_gen + T_train) / max(T_gen, T_train), and the commit -> select latency. The simulated trainer
+reads no rows (real trainers read them in their own processes).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """`sc-grpo bench sync`: one weight sync, trainer rank → generation workers, by each transport, beside
 the raw cost of moving the same bytes.
 
-A sender actor holds a model of N float32 parameters (Llama-shaped blocks: square and 4x-wide
-matrices, as real checkpoints are) and publishes it in `--dtype` exactly as a trainer rank does
-(`weights.pack_weights`, then `ray.put` for the object store or `WeightSender.stage_weights` for the
-collective). Receiver actors hold the same tensors and load what arrives exactly as a torch generation
-worker does (`weights.load_snapshot`), driven by the controller's own client
-(`actor_client.ActorGenerationClient.update_weights`). Each sync is checked: every receiver holds the
-sender's tensors cast to `--dtype`, bit for bit (a benchmark of wrong answers measures nothing).
-
-Columns, per model size and worker count (median of `--repeats`, after three warm-up syncs that form
-the collective groups and fill the sender's staged versions; each transport, and the raw broadcast,
-in fresh processes):
-* `publish_s`: the trainer side before any worker is involved (pack, then put or stage).
-* `deliver_s`: from the workers' first call to every worker having loaded the weights.
-* `sync_s`: the two together, what one sync costs; `GB/s`: snapshot bytes x workers / `sync_s`.
-* `raw_bcast_s`: a bare gloo (`--backend nccl`: NCCL) broadcast of one flat buffer of the snapshot's
-  bytes from the sender to the workers, in one group (world = workers + 1), into the same buffers each
-  time (as the collective's receivers reuse theirs); `memcpy_s`: copying those bytes once in memory.
-* `x raw`: `deliver_s` / `raw_bcast_s`, the transport's cost over the bare move of its bytes (the
-  packing in `publish_s` is the same for both transports, and the raw broadcast has none).
-
-Starts its own local Ray (unless this process is already connected) and stops it.
+A sender actor publishes a Llama-shaped model in `--dtype` as a trainer rank does; receivers load it
+as a torch generation worker does, driven by the controller's own client, and every sync is checked
+bit for bit. Columns (median of `--repeats` after three warm-ups, each transport in fresh processes):
+`publish_s` (trainer side), `deliver_s` (workers), `sync_s` (both), `raw_bcast_s` (a bare gloo or
+NCCL broadcast of the same bytes), `memcpy_s`, and `x raw` = `deliver_s` / `raw_bcast_s`. Starts its
+own local Ray unless this process is connected.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """`sc-grpo bench storage`: latency of row-storage put / get / clear on a real TransferQueue.
 
-Sizes are the embedded task's: a group is G=16 rows of prompt 5 + response 3 tokens, with the
-fields a generation worker writes (`GENERATION_FIELDS`: prompt_ids, response_ids int64;
-gen_logprobs float32; response_mask bool; token_versions int64; reward float32) and no per-row
-tags, as the workers write them; a step batch is 16 groups (256 rows) in one call. Every
-repetition uses fresh keys and is put -> get (the fields a trainer rank reads, `TRAIN_ROW_FIELDS`)
--> clear, timed call by call, and checks that the rows read back are the rows written. `async` is
-the controller's path (`await` on one long-lived loop), `sync` the worker path (`*_sync` twins).
-Each is measured in the layouts asked for: `group`, one TQ key per prompt group (the default,
-`storage.pack_groups`), and `row`, one key per row. The `local` rows time only our validation and
-conversion (no TQ), the overhead this layer adds to each put.
-
-Starts its own local Ray (unless this process is already connected) and TQ, and stops both.
+Rows are the embedded task's (G = 16, prompt 5 + response 3 tokens, the fields a generation worker
+writes, no tags), a step is 16 groups in one call; each repetition uses fresh keys, put -> get (what
+a trainer reads) -> clear, and checks what it reads back. `async` is the controller's path, `sync`
+the workers'; layouts `group` (one key per group, the default) and `row`; `local` times only this
+layer's validation and encoding. Starts its own local Ray and TQ unless connected, and stops them.
 """
 
 from __future__ import annotations

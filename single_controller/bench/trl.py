@@ -1,28 +1,12 @@
 """`sc-grpo bench trl`: sc-grpo against TRL's synchronous `GRPOTrainer` on the identical model,
 prompts, reward and hyper-parameters, side by side in one invocation.
 
-Per size (`tiny`: about 0.1 M parameters, `small`: about 3.2 M; GPT-2 directories written by
-`sc-grpo init-model --arch gpt2 --tokenizer char --seed S`, one per seed, the same step-0 weights
-for both) and per seed, TRL (`python -m single_controller.bench.trl_loop`) and `sc-grpo run CONFIG`
-run one after the other; the order alternates from seed to seed. `tiny` trains to the success target
-(the moving average of the steps' exact-match rate over 5 steps, as `run.stop_at_success_rate`);
-`small` runs a fixed number of steps on both sides, since it needs hundreds to reach the target.
-
-Reported for each run: steps, training seconds (from the first step to the end of training, as
-each prints it), start-up seconds, the whole command's seconds, seconds per step, and the cores the
-machine was busy with on average (busy CPU time from /proc/stat over the command's wall time: every
-process of the run counts, Ray's included). Then, per size, the ratios:
-* `speed`: TRL's seconds per step / sc-grpo's (above 1: sc-grpo is faster);
-* `whole`: sc-grpo's whole command / TRL's (at most 1: sc-grpo's command is not slower).
-sc-grpo runs in each of `--modes`: `disaggregated` (`backend.colocate=false`: generation overlaps
-training, one core's share each) and `colocated` (`backend.colocate=true`: they take turns, every core each).
-
-Both sides share every setting below (printed by the harness): task, prompts, reward, group size,
-prompts per step, learning rate and AdamW betas, constant schedule, clip, gradient clipping,
-token-level loss, no KL term, float32, no gradient checkpointing, completions ended at EOS, one
-optimizer step per generation. TRL runs with every core as torch threads (its own default); sc-grpo in
-the configuration given (`--config`, default configs/embedded.yaml) plus any overrides.
-Needs TRL: `pip install 'sc-grpo[bench]'`.
+Per size (`tiny`, `small`: GPT-2 directories `sc-grpo init-model` writes, one per seed) and seed, TRL
+(`single_controller.bench.trl_loop`) and `sc-grpo run` run one after the other, the order alternating;
+`tiny` trains to the success target, `small` a fixed number of steps. Reported: steps, training,
+start-up and whole-command seconds, seconds per step, busy cores; per size `speed` (TRL's s/step over
+sc-grpo's) and `whole` (sc-grpo's command over TRL's), for each of `--modes` (`disaggregated`,
+`colocated`). Both sides share every setting the harness prints. Needs `pip install 'sc-grpo[bench]'`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """TRL's `GRPOTrainer` on a model directory and a built-in digit task, for `sc-grpo bench trl`.
 
-Run as `python -m single_controller.bench.trl_loop MODEL_DIR --seed S ...` (needs the `bench`
-extra: `pip install 'sc-grpo[bench]'`). It trains until the moving average of the steps' success
-rate (reward >= 1, over `--window` steps) reaches `--target`, or for exactly `--steps` steps, and
-prints one line the harness reads:
+`python -m single_controller.bench.trl_loop MODEL_DIR --seed S ...` (the `bench` extra) trains to
+`--target` or for exactly `--steps` steps with the settings `bench.trl.SHARED` gives both sides, and
+prints the one line the harness reads:
 
     TRL: N steps in T s of training (+S s startup): success X
-
-The settings mirror sc-grpo's (`bench.trl.shared_settings` prints them on both sides): the same
-prompts (the task's pool for the seed), rewards (`positional_match_reward`), group size, prompts per
-step, learning rate, AdamW betas, clipping, token-level loss, no KL, no reference model, one
-optimizer step per generation.
 """
 
 from __future__ import annotations

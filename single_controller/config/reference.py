@@ -1,10 +1,10 @@
 """The config reference: one markdown table per section (field, type, default, docstring).
 
 A developer tool, apart from the runtime loader: everything is read from `config/schema.py` (types,
-choices, defaults, and the docstring under each field, from its source). The README embeds the
+choices, defaults, and the docstring under each field, from its source). docs/config.md embeds the
 reference between markers, and a test checks that it is up to date; after changing the schema run
 
-    python -m single_controller.config.reference --write-readme
+    python -m single_controller.config.reference --write-docs
 
 (without the flag it prints the reference; `sc-grpo config --reference` prints it too).
 """
@@ -34,7 +34,8 @@ __all__ = [
 _README_START = "<!-- config-reference:start -->"
 _README_END = "<!-- config-reference:end -->"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_COMMAND = "python -m single_controller.config.reference --write-readme"
+_COMMAND = "python -m single_controller.config.reference --write-docs"
+_DOCS_PAGE = _REPO_ROOT / "docs" / "config.md"
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -99,7 +100,7 @@ def _markers(readme_text: str) -> tuple[int, int]:
     start = readme_text.find(_README_START)
     end = readme_text.find(_README_END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no '{_README_START}' ... '{_README_END}' section")
+        raise ValueError(f"no '{_README_START}' ... '{_README_END}' section")
     return start, end
 
 
@@ -116,8 +117,8 @@ def readme_reference(readme_text: str) -> str:
     return readme_text[start + len(_README_START) : end].removeprefix("\n")
 
 
-def write_readme_reference(readme: Path = _REPO_ROOT / "README.md") -> bool:
-    """Rewrite the README's config reference section; True if the file changed."""
+def write_readme_reference(readme: Path = _DOCS_PAGE) -> bool:
+    """Rewrite the config reference section of `readme` (docs/config.md); True if the file changed."""
     text = readme.read_text(encoding="utf-8")
     new = replace_readme_reference(text, config_reference_markdown())
     if new != text:
@@ -131,16 +132,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Print or refresh the generated config reference.",
     )
     parser.add_argument(
+        "--write-docs",
         "--write-readme",
+        dest="write_docs",
         nargs="?",
-        const=str(_REPO_ROOT / "README.md"),
-        metavar="README",
-        help="rewrite the config reference section of README.md (default: the repository's)",
+        const=str(_DOCS_PAGE),
+        metavar="PAGE",
+        help="rewrite the config reference section of docs/config.md (default: the repository's)",
     )
     args = parser.parse_args(argv)
-    if args.write_readme:
-        changed = write_readme_reference(Path(args.write_readme))
-        print(f"{args.write_readme}: {'updated' if changed else 'already up to date'}")
+    if args.write_docs:
+        changed = write_readme_reference(Path(args.write_docs))
+        print(f"{args.write_docs}: {'updated' if changed else 'already up to date'}")
     else:
         sys.stdout.write(config_reference_markdown())
     return 0

@@ -1,12 +1,10 @@
 """The configuration tree: typed, frozen dataclasses with a docstring under every field.
 
-Each field carries its own contract: its type, its choices (`Literal[...]`), its bounds (annotated-types
-constraints such as `Ge(1)`, mostly through the aliases below) and its docstring, so adding a field
-touches this file only. `single_controller.preflight.loader` reads YAML + `key=value` overrides into this
-tree and validates it (unknown keys, types, choices, bounds; then the cross-field rules of
-`config.rules`), reporting every problem at once. Derived values (e.g. the buffer capacity when left
-unset) are computed in one place: `resolved_capacity`. Code reads fields directly; there are no hidden
-defaults elsewhere.
+Each field carries its own contract: type, choices (`Literal[...]`), bounds (annotated-types
+constraints) and docstring, so adding a field touches this file only (docs/config.md is generated
+from it). `single_controller.preflight.loader` reads YAML + overrides into this tree and validates it,
+then the cross-field rules of `preflight.rules`. Derived values are computed in one place
+(`resolved_capacity`); there are no hidden defaults elsewhere.
 """
 
 from __future__ import annotations
@@ -455,8 +453,8 @@ class BackendConfig:
     false (disaggregated): each process its own share, generation overlapping training. CPU only for
     now (on a GPU the turns would also have to release the engine's memory)."""
     torch_threads: PositiveInt | None = None
-    """torch threads per worker process; null: 1 (disaggregated: oversubscribing 2 cores slowed steps 5x),
-    or all the node's cores with `colocate`."""
+    """torch threads per worker process; null: 1 (disaggregated: more would oversubscribe the cores and
+    slow every step), or all the node's cores with `colocate`."""
     sim_generate_s: NonNegative = 0.01
     """`sim` only: seconds per generation batch."""
     sim_train_s: NonNegative = 0.01
@@ -513,11 +511,11 @@ class StorageConfig:
     tq_one_process: bool = True
     """With one storage unit, run TransferQueue's controller and the unit in one actor process
     (`replay/transferqueue/host.py`) instead of one each: one Python process fewer importing torch and
-    TransferQueue at start-up (~2.5 s of CPU). More storage units always get a process each, as
+    TransferQueue at start-up (docs/performance.md). More storage units always get a process each, as
     TransferQueue starts them."""
     pack_groups: bool = True
     """One TransferQueue key per prompt group, its rows packed together, instead of one key per row:
-    TransferQueue's cost is per key, so a step's data plane costs ~2.5x less CPU. Rows are still read
+    TransferQueue's cost is per key, so a step's data plane costs far less CPU. Rows are still read
     by their own keys; groups are written and cleared whole (as every backend does)."""
 
 
@@ -532,8 +530,8 @@ class RayConfig:
     ray_observability: bool = False
     """A local Ray's own task events (its state API's task list, `ray.timeline()`), its own metrics and
     its event-loop statistics (its debug-state dumps). Off by default: sc-grpo's metrics and status
-    do not use them, and in the embedded run they cost ~1.3 ms of CPU per step in the raylet, the GCS
-    and Ray's metrics agent. An attached cluster keeps its own settings."""
+    do not use them, and they cost CPU every step in the raylet, the GCS and Ray's metrics agent
+    (docs/performance.md). An attached cluster keeps its own settings."""
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,10 @@
 """A real-format tokenizer for tiny models, trained offline: byte-level BPE with a ChatML chat template.
 
-Contract:
-* `write_bpe_tokenizer(directory, vocab_size, seed)` trains a byte-level BPE (`tokenizers`) on a
-  generated corpus (`corpus(seed)`: English words, sentences, numbers, chat turns; nothing
-  downloaded), with digits split one per token before byte-level splitting (as Llama-3 and Qwen do)
-  and three special tokens: `<|endoftext|>` (padding), `<|im_start|>`, `<|im_end|>` (the end of a
-  turn: the EOS of generation). It writes what `save_pretrained` writes for an instruct model:
-  `tokenizer.json`, `tokenizer_config.json` with a ChatML `chat_template` (Qwen's format), and
-  `special_tokens_map.json`; `AutoTokenizer.from_pretrained(directory)` loads it offline, and
-  `apply_chat_template(..., add_generation_prompt=True)` ends in `<|im_start|>assistant\\n`.
-* `vocab_size` counts everything: 256 byte tokens + 3 special tokens + merges. At 259 there is no
-  merge: every letter and digit is its own token (what a letter-level task such as
-  reasoning-gym's `spell_backward` wants from a tiny model); the same corpus and size give the same
-  tokenizer every time.
+`write_bpe_tokenizer(directory, vocab_size, seed)` trains a byte-level BPE on a generated corpus
+(nothing downloaded), digits split one per token, with `<|endoftext|>` (padding), `<|im_start|>` and
+`<|im_end|>` (end of turn), and writes what `save_pretrained` writes for an instruct model, loadable
+offline by `AutoTokenizer`. `vocab_size` counts 256 bytes + 3 specials + merges (259: no merges);
+the same size gives the same tokenizer every time.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Prompts from dataset files: JSONL, JSON and parquet, rendered to token ids with the model's tokenizer.
 
-Contract:
-* `read_records(path)` reads one file as a list of dicts: `.jsonl` (one JSON object per line),
-  `.json` (a list of objects, or `{"data": [...]}`), `.parquet`. Parquet goes through `pyarrow`
-  (`pyarrow.parquet`), the reference reader of the format, light next to HF `datasets` (which
-  would bring fsspec, multiprocess and a cache directory for what is a read of a few MB); JSON and
-  JSONL go through the standard library, which keeps nested chat messages exactly as written.
-* `file_prompts(files, data_cfg, tokenizer, what)` makes `Prompt`s: the prompt column
-  (`data.prompt_key`) is a string or a list of `{role, content}` messages; messages always go
-  through the tokenizer's chat template (`add_generation_prompt=True`), a string does when
-  `data.chat_template` is true (as one user message), else it is encoded raw. `data.system_prompt`,
-  when set, is prepended as a system message (to templated prompts). `answer` comes from
-  `data.answer_key`; ids from `data.id_key` (else `<file stem>-<line>`); every other column rides
-  along in `Prompt.columns` for the reward functions; `Prompt.raw_prompt` keeps the prompt as given.
-* Refused at load, each with one error naming file, row and column: a missing file, a missing
-  prompt/answer/id column, a prompt that is neither a string nor a list of messages, duplicate ids
-  (`tasks.check_unique_prompt_ids`), a chat prompt with a tokenizer that has no chat template.
-* Prompts longer than `data.max_prompt_tokens` are dropped and counted (`LoadedPrompts.too_long`),
-  or refused when `data.overlong_prompts` is `error`.
+`read_records(path)` reads one file (parquet through `pyarrow`, JSON through the standard library,
+which keeps chat messages as written). `file_prompts` makes `Prompt`s: the `data.prompt_key` column
+(a string, or chat messages always rendered through the chat template), `data.answer_key`,
+`data.id_key`; every other column rides along for the reward functions. A missing file or column,
+a bad prompt, duplicate ids or a chat prompt without a template are refused naming file, row and
+column; prompts over `data.max_prompt_tokens` are dropped and counted, or refused.
 """
 
 from __future__ import annotations

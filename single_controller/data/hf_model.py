@@ -1,21 +1,11 @@
 """The Hugging Face model directory: the one model format every backend loads and saves.
 
-A model directory holds `config.json`, `*.safetensors` weights and the tokenizer files
-(`tokenizer.json`, `tokenizer_config.json`, ...), exactly what `save_pretrained` writes and what
-`transformers` and vLLM load offline. Weight snapshots between roles use the checkpoint's own
-parameter names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`, ...), so any trainer
-backend can feed any generation backend.
-
-Contract:
-* `init_model(dir, ..., arch=...)` writes a tiny random-init causal LM of one of `ARCHS` (Llama,
-  Qwen2, Qwen3 or GPT-2; tied or untied embeddings) plus its tokenizer, offline (no hub): a
-  byte-level BPE with a ChatML chat template (`data.bpe`), or the digit tasks' character tokenizer
-  whose token i is `tasks.TOKENIZER`'s character i.
-* `model_dir_problems(path, ...)` lists what is wrong with a directory for a run, without importing
-  torch or transformers (read by `config_loader` before any process starts).
-* `save_hf_policy` writes a policy wrapping a transformers model (`.model`) back as a model
-  directory (weights + config via `save_pretrained`, tokenizer files copied from the source
-  directory). Loading one as a policy is each backend's own (`backends.torch.model.load_hf_policy`).
+A directory holds `config.json`, `*.safetensors` and the tokenizer files, as `save_pretrained`
+writes them; weight snapshots use the checkpoint's own parameter names, so any trainer feeds any
+generation backend. `init_model` writes a tiny random-init model of one of `ARCHS` offline (a BPE
+with a chat template, or the digit tasks' character tokenizer); `model_dir_problems` lists what is
+wrong with a directory without importing torch (`single_controller.preflight`); `save_hf_policy`
+writes a policy back as a directory.
 """
 
 from __future__ import annotations

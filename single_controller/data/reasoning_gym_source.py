@@ -1,16 +1,9 @@
 """reasoning-gym as a data source: any of its procedural tasks as training and held-out prompts.
 
-Contract:
-* `rg_prompts(cfg, split)` builds `data.reasoning_gym.size` items of task `data.reasoning_gym.task`
-  (split `train`: seed `data.reasoning_gym.seed`, else the run's seed; split `eval`: that seed + 1,
-  `eval_size` items) with `reasoning_gym.create_dataset(task, size=, seed=, **config)`, renders each
-  through `template` (a format string over the item: `{question}`, `{metadata[word]}`, ...), then
-  through the chat template or raw, as a string prompt of a dataset file would be (`files.render_prompt`).
-* Each prompt carries the item in `Prompt.columns["entry"]` (question, answer, metadata), which the
-  `reasoning_gym` reward hands to the task's own `score_answer`, and `columns["extract"]` (how the
-  answer is cut out of a completion, `data.reasoning_gym.extract`). Ids: `rg-<task>-<split>-<index>`.
-* An unknown task is refused naming the closest task names; a template naming a field the items do
-  not have is refused with the item's fields.
+`rg_prompts(cfg, split)` builds `data.reasoning_gym.size` items (eval: `eval_size` items, seed + 1)
+with `reasoning_gym.create_dataset`, renders each through `template` and the chat template, and puts
+the item in `Prompt.columns["entry"]` for the `reasoning_gym` reward (the task's own `score_answer`),
+with `columns["extract"]`. An unknown task or a template field the items lack is refused by name.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What a reward function is: its two forms, and the run's list of them from the config.
 
-Contract:
-* Batched (TRL's form): fn(prompts=[...], completions=[...], **columns) -> list[float | None], one
-  call per group, every argument a list over the group's G completions (passed by keyword, so a
-  function may leave out what it does not use: `def f(completions, **kwargs)`); it must take
-  `**kwargs`. `async def` is allowed. None means "not applicable to this completion".
-* Legacy: fn(prompt: Prompt, response_text: str) -> float, one call per completion: a function with
-  no `**kwargs` and exactly two positional parameters. Anything else is refused by `reward_form`.
-* `resolve_reward_fn(spec)`: a built-in name (`verifiers.BUILTINS`) or `module:function`.
-* `reward_functions(functions, legacy)`: the run's functions, named, weighted and of a known form;
-  empty `functions` means `legacy` (`task.reward_fn`) alone, weight 1. `function_problems` says what
-  is wrong with a list, one message per function, each naming it (the config rules report them).
+Batched (TRL's form): fn(prompts=[...], completions=[...], **columns) -> list[float | None], once per
+group, `async def` allowed, None meaning "not applicable". Legacy: fn(prompt, response_text) ->
+float, once per completion. `resolve_reward_fn` takes a built-in name (`verifiers.BUILTINS`) or
+`module:function`; `reward_functions` gives the run's named, weighted functions (empty: `task.reward_fn`
+alone); `function_problems` says what is wrong with a list, per function.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Where a run's prompts come from: dataset files (`data.train_files`), or the task's generator.
 
-Contract:
-* Sources, first match: `data.reasoning_gym.task` (`reasoning_gym_source`), `data.train_files`
-  (`files`), else the task's generator (`task.name`). Eval: `data.eval_files`, else the reasoning-gym
-  task's held-out items, else `eval.dataset` / the task's held-out split.
-* `train_prompts(cfg)` is the training pool (`LoadedPrompts`: the prompts and how many were too
-  long); `eval_prompts(cfg)` the held-out ones (`data.eval_files`, else `eval.dataset` / the task's
-  held-out split, `eval.num_prompts` at most). Both tokenize with the model's own tokenizer
-  (`tokenizer.load_tokenizer(model.path)`); a generated task's prompts are already token ids of the
-  character tokenizer (config rule `task_speaks_the_models_tokenizer`).
+First match: `data.reasoning_gym.task`, `data.train_files`, else `task.name`; eval: `data.eval_files`,
+the reasoning-gym task's held-out items, else `eval.dataset` / the task's held-out split.
+`train_prompts(cfg)` and `eval_prompts(cfg)` tokenize with the model's own tokenizer; a generated
+task's prompts are already ids of the character tokenizer.
 """
 
 from __future__ import annotations

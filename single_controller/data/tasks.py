@@ -1,28 +1,11 @@
 """Synthetic verifiable tasks for the embedded CPU mode: a character tokenizer, datasets, rewards.
 
-Contract:
-* `TOKENIZER` is a character-level tokenizer where every token is exactly one character, so a
-  decoded response has one character per generated token (positional rewards stay aligned even
-  when a policy samples special tokens: PAD, BOS and EOS decode to `_`, `^` and `$`).
-* A task is a dataset function `(num_prompts, num_digits, seed) -> list[Prompt]`, registered in
-  `TASKS` by name; `prompt_id`s are `p00000`, `p00001`, ... (unique within the list), and
-  `Prompt.answer` is the exact expected response text.
-* `lookup` and `guess` are the prompts of the built-in environments of the same names
-  (`single_controller/envs/builtin.py`, multi-turn: `env.fn`): `^K>` with a secret `num_digits`-digit
-  value, `^>` with a secret digit, the secret being the prompt's `answer`. Their prompt text does not
-  determine the answer, so the held-out split keys on the secret: `lookup.held_out` has the held-out
-  values (the training pool never draws one), `guess.held_out` each of the ten digits once.
-* Held-out split: a digit string is held out for evaluation iff `is_held_out(digits)` (a fixed
-  hash, 1 string in `HELD_OUT_BUCKETS`), the same for every seed, pool size and digit task. The
-  digit tasks never draw a held-out string; the held-out sets (`EVAL_DATASETS`,
-  `<task>.held_out`, ids `h00000`, ...) draw only those, distinct, so eval prompts and training
-  prompts are disjoint by construction. `load_eval_prompts(cfg)` resolves `eval.dataset`.
-* A reward function is `fn(prompt, response_text) -> float` (see `protocols.RewardFunction`).
-* Prompt ids are unique within a dataset: `check_unique_prompt_ids` refuses one that repeats an
-  id (the training pool and the eval prompts are checked as they are loaded).
-* `load_callable("module:function")` resolves the `module:function` strings of the config.
-
-Nothing here downloads anything.
+`TOKENIZER` has one character per token (PAD, BOS, EOS decode to `_`, `^`, `$`), so positional
+rewards stay aligned. A task is `(num_prompts, num_digits, seed) -> list[Prompt]` registered in
+`TASKS` (`lookup` and `guess` are the built-in environments' prompts). A fixed hash holds some digit
+strings out (`is_held_out`) for every seed and task: training never draws them and the held-out sets
+(`EVAL_DATASETS`) draw only them, so eval and training prompts are disjoint by construction. Also
+`check_unique_prompt_ids` and `load_callable("module:function")`. Nothing here downloads anything.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The run's tokenizer: the model's own, loaded from the model directory, or the embedded character one.
 
-Contract:
-* `load_tokenizer(path)` is what every role uses: the controller (prompts, chat templates, stop
-  tokens), the generation workers (decoding completions for the reward) and the config checks.
-  `path=None` (the embedded TinyGPT) and a model directory whose `tokenizer.json` is the digit tasks'
-  character vocabulary give `tasks.TOKENIZER` (one character per token; PAD/BOS/EOS decode to
-  visible characters so positional rewards stay aligned); any other directory gives `HFTokenizer`
-  around `transformers.AutoTokenizer` loaded offline from that directory.
-* Both speak `RunTokenizer`: `encode(text)` (no special tokens added), `encode_prompt(text)` (a raw
-  prompt, with the special tokens the tokenizer adds itself), `decode(ids)` (special tokens
-  skipped for HF tokenizers), `render_chat(messages, add_generation_prompt)` (token ids through the
-  tokenizer's chat template; `NoChatTemplate` when it has none), `eos_ids` (every token that ends a
-  completion: the tokenizer's EOS plus `generation_config.json`'s `eos_token_id`s), `pad_id`, `vocab_size`.
-* Token ids stay the unit end to end: a prompt is rendered to ids once, on the controller; the
-  workers never re-tokenize text, they only decode completions for the reward.
+`load_tokenizer(path)` is what every role uses: `tasks.TOKENIZER` for the embedded TinyGPT or a
+directory in the digit tasks' vocabulary, else `HFTokenizer` around `AutoTokenizer` (offline). Both
+speak `RunTokenizer` (`encode`, `encode_prompt`, `decode`, `render_chat`, `eos_ids` including
+`generation_config.json`'s, `pad_id`, `vocab_size`). Token ids are the unit end to end: prompts are
+rendered once on the controller, and workers only decode completions for the reward.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Built-in reward functions, named in `reward.functions` by the keys of `BUILTINS`.
 
-Each is a batched reward function (`data/rewards.py`): called once per group as
-fn(prompts=[...], completions=[...], **columns) and returning one value per completion.
-
-* `math_verify`: 1.0 when the completion's final answer equals the `answer` column mathematically
-  (the `math-verify` package: `parse` both, `verify(gold, answer)`), else 0.0; an empty or
-  unparsable completion scores 0.0; a gold answer that does not parse gives None (not applicable:
-  the data, not the completion, is at fault). The gold is parsed as LaTeX math first (`$gold$`, so
-  `\\sqrt{2}` or `2\\sqrt{2}` parse whole), then as plain text. math-verify's own timeouts use
-  SIGALRM, which works only on a process's main thread; the reward pool's threads are not, so they
-  are off, and `reward.timeout_s` is the deadline.
-* `reasoning_gym`: the `metadata` column holds a reasoning-gym entry (`{"question", "answer",
-  "metadata": {"source_dataset": ...}}`); the completion's answer (`extract_answer`: the text in
-  `<answer>...</answer>` if present, else the whole completion, stripped) is scored by that task's
-  own `score_answer`.
-* `positional_match`, `exact_match`: the digit tasks' rewards (`data/tasks.py`) over the `answer`
-  column.
-
-`BUILTIN_PACKAGES` names the module a built-in needs beyond the defaults (the `verifiers` extra), so a
-config that names one is refused before anything starts where it is missing.
+Each is batched (`data/rewards.py`). `math_verify`: 1.0 when the completion's final answer equals the
+`answer` column mathematically (the `math-verify` package; its SIGALRM timeouts are off in the reward
+pool's threads, where `reward.timeout_s` is the deadline), None when the gold answer does not parse.
+`reasoning_gym`: the task's own `score_answer` on the extracted answer. `positional_match`,
+`exact_match`: the digit tasks' rewards. `BUILTIN_PACKAGES` names what a built-in needs beyond the
+defaults, so a config naming one is refused where it is missing.
 """
 
 from __future__ import annotations

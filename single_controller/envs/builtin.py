@@ -1,31 +1,15 @@
 """The built-in environments (`env.fn: lookup` / `guess`), small enough for the embedded model to learn
-from scratch with the character tokenizer (`^` BOS, `$` EOS, which also ends every turn).
+from scratch with the character tokenizer (`$` ends every turn).
 
-Contract:
-* Both are deterministic given the episode's item (`prompt_id`, `prompt`, `answer`): the G episodes of
-  a group face the same task. Their prompts come from the tasks of the same names
-  (`single_controller/data/tasks.py`: `lookup`, `guess`); the secret is the prompt's `answer`.
-* Rewards come only with `done` (except `guess` with `shaped=True`, below).
-
-`lookup` (tool use). Prompt `^K>` (K: the key, digits; also read from `item.columns["key"]` when the
-dataset gives one), secret value `answer` (digits). A turn that parses as a tool call (`?K` with the
-default regex format) is answered `=VVV>`: the key's value, or for another key a different
-deterministic value (`other_value`); for an empty or malformed key, an unknown tool or an unreadable
-call, `:>`. Calls are answered as often as they come (`env.max_turns` bounds them). Any other turn
-is the final answer: done, reward = 0.7 * `digit_match(answer, text)` + 0.2 * (the tool was called
-with the right key before) + 0.1 * (the tool was called at all), so 1.0 needs the right call and
-the exact answer. The two call terms are the shaping that lets a model learn from scratch to call at
-all, then with the right key, before it can copy a value it has seen:
+Both are deterministic given the episode's item (the G episodes of a group face the same task); the
+secret is the prompt's `answer`. `lookup` (tool use): prompt `^K>`; a tool call `?K` is answered with
+the key's value, any other turn is the final answer, rewarded 0.7 * digit match + 0.2 (the right call
+was made) + 0.1 (a call was made):
 
     ^3>?3$=482>482$        turn 1 calls the tool, turn 2 answers: reward 1.0
 
-`guess` (a multi-turn game). Prompt `^>`, a secret digit `answer`. Each turn is a guess: one digit.
-The observation is `+` (the secret is larger) or `-` (smaller); the right digit ends the episode with
-reward 1.0; a turn that is not exactly one digit is answered `:`. Binary search finds any digit in 4
-guesses (`env.max_turns: 4`); an episode truncated there gets `env.truncated_reward` from the
-runner, unless `shaped=True`: then every unfinished step carries reward 0.5 * (1 - |guess - secret| / 9)
-(0.0 for a turn that is not a digit), which the runner uses for a truncated episode (its last step's
-reward), always below the success reward 1.0.
+`guess`: each turn guesses a digit, answered `+` / `-`, the right one ends with reward 1.0 (binary
+search needs 4 turns); with `shaped=True` an unfinished step carries a closeness reward below 1.0.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """The environment contract of a multi-turn rollout (docs/environments.md).
 
-An episode is one row of a prompt group. The generation worker owns the tokens; the environment
-sees only text:
+An episode is one row of a prompt group; the generation worker owns the tokens, the environment sees
+only text:
 
-    env = factory()                         # one instance per episode: its state is the episode's
+    env = factory()                         # one instance per episode
     first = await env.reset(item)           # str: the first observation ("" = none)
-    while turns < max_turns:
-        <the policy samples an action, ending at a stop token>
-        out = await env.step(Action(text, tool_call))
-        if out.done: reward = out.reward; break
-        <out.observation's tokens are appended (loss mask 0) and the policy continues>
+    out = await env.step(Action(text, tool_call))   # per policy turn, until out.done or max_turns
     await env.close()
 
 Every call has a deadline (`env.timeout_s`); an error or a missed deadline is an `EnvFailed`, never a
-zero reward. An episode that reaches `max_turns` without `done` ends with reward
-`StepOutcome.reward` of its last step if given, else `env.truncated_reward` (0.0 by default): that
-is a legitimate outcome (the policy did not finish), not an error.
-
-`Action.tool_call` is set when the action parses as a tool call in the configured syntax
-(`tool_calls.py`); the environment answers it with the tool's result as `observation` (or with an
-error message as observation: a malformed call is the policy's mistake, not the environment's).
+zero reward. Reaching `max_turns` without `done` is an outcome, not an error (`env.truncated_reward`).
 """
 
 from __future__ import annotations

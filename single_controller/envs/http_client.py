@@ -1,16 +1,9 @@
 """An environment over HTTP (`env.url`): the client of the JSON protocol of docs/environments.md.
 
-Contract:
-* `HttpEnvironment(url, timeout_s=, args=)` is one episode (an `Environment`): `reset` POSTs /reset
-  with a fresh episode id, `step` POSTs /step, `close` POSTs /close (nothing when never reset).
-  Standard library only: one HTTP/1.1 request per connection (asyncio streams), JSON bodies.
-* Every call has the deadline `timeout_s` (connect, send, answer); a refused or broken connection, a
-  missed deadline, a non-2xx answer, a body that is not the protocol's JSON all raise `EnvFailed`
-  naming the call (`reset`/`step`/`close`), the episode and the url. Nothing is retried here: the
-  runner decides (retry the episode, or drop its group).
-* `check_env_url(url, timeout_s)` (synchronous, before start-up): `GET /health` must answer
-  `{"protocol": "sc-grpo-env/1", ...}`; otherwise `EnvContractError` naming the url and why
-  (`EnvUnreachable` when nothing answered).
+`HttpEnvironment` is one episode: `reset`, `step` and `close` POST to the server (standard library
+only, one request per connection). Every call has the deadline `timeout_s`, and any transport or
+protocol failure raises `EnvFailed` naming the call, the episode and the url; the runner decides what
+to retry. `check_env_url` (before start-up) checks `GET /health` speaks `sc-grpo-env/1`.
 """
 
 from __future__ import annotations

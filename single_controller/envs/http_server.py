@@ -1,24 +1,10 @@
 """Serve any in-process environment class over the JSON protocol of docs/environments.md.
 
-Contract:
-* `EnvServer(factory, host="127.0.0.1", port=0)`: loopback by default (port 0: a free one). Each
-  `/reset` makes a fresh environment, `factory(**args)` with the request's `args`, kept under the
-  request's episode id until `/close`; `/step` drives it. `start()` returns the url, `stop()` closes
-  the listener, cancels the requests in progress and closes every open episode; `async with` does both.
-* An episode with no request for `idle_timeout_s` is expired (its environment closed, its id
-  forgotten: a later `/step` gets 404), so a client that crashed mid-episode leaks nothing forever.
-* An episode id is taken from the moment its `/reset` arrives: a second `/reset` of it meanwhile is
-  a 409 (it never replaces the first's environment), and a `/close` of it meanwhile (a client whose
-  reset missed its deadline) closes the environment as soon as its reset ends, never leaving it open
-  until it expires.
-* Answers: 200 with the protocol's JSON; 400 a request that is not the protocol (or args the
-  environment's constructor rejects); 404 an unknown path or episode; 409 a reset of a live episode;
-  500 an environment that raised or answered outside the contract, `{"error": "..."}` saying which.
-  One request per connection (`Connection: close`).
-* `main(argv)` is `sc-grpo env serve SPEC [--host] [--port] [--args JSON] [--idle-timeout S]`: SPEC is
-  what `env.fn` takes (`lookup`, `guess`, `module:Class`), checked before it listens; `--args` are
-  the constructor's keywords, a request's own `args` override them key by key. It prints the url it
-  listens on (one line) and serves until Ctrl-C or SIGTERM.
+`EnvServer(factory, host, port)` (loopback by default) makes a fresh environment per `/reset`, kept
+under its episode id until `/close` or `idle_timeout_s` of silence, so a crashed client leaks
+nothing. A second reset of a live episode is a 409; a close during its reset closes it as soon as
+the reset ends. Errors answer 400 / 404 / 409 / 500 with `{"error": ...}`. `main(argv)` is
+`sc-grpo env serve SPEC [--host] [--port] [--args JSON] [--idle-timeout S]`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """In-process environments (`env.fn`) and the check of an environment before start-up (`check_env`).
 
-Contract:
-* `env.fn` is a built-in name (`BUILTIN_ENVS`: `lookup`, `guess`) or `module:Class` (dots after the
-  colon walk attributes), imported from the current directory and the Python path.
-* `check_env_class(obj, spec, args)` raises `EnvContractError`, naming the spec and what is wrong,
-  unless `obj` is a class with `async def reset` and `async def step` (and `close`, when it has one,
-  `async def` too) whose constructor accepts `args` as keywords (checked on its signature: nothing is
-  instantiated before start-up).
-* `load_env_factory(cfg)` resolves and checks `env.fn` once, and returns the per-episode factory: each
-  call is a fresh `Class(**env.args)`.
-  The deadlines and the failures of an episode's calls, whatever the transport, are the runner's
-  (`backends/common/episodes.py`: `EpisodeRunner`, `env_factory`).
-* `check_env(cfg)` validates what the config names, `fn` or `url` (reachable, speaking the protocol:
-  `http_client.check_env_url`), raising `EnvContractError`; nothing when both are null (env off).
+`env.fn` is a built-in name (`BUILTIN_ENVS`) or `module:Class`. `check_env_class` refuses, with
+`EnvContractError`, a class without async `reset` / `step` or whose constructor rejects `env.args`
+(checked on its signature: nothing is instantiated before start-up). `load_env_factory(cfg)` returns
+the per-episode factory; `check_env(cfg)` validates `fn` or `url`. Deadlines and failures of an
+episode's calls are the runner's (`backends/common/episodes.py`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """How a policy's turn becomes a tool call (`env.tool_call`), and whether the tokenizer can write it.
 
-Contract:
-* `ToolCallParser.from_config(cfg, tokenizer)` resolves `env.tool_call` (`auto`: `hermes` when the
-  tokenizer's chat template mentions `<tool_call>`, else `regex`); `parse(text)` turns an action's
-  decoded text (without its stop token) into a `ToolCall`, or None for a plain turn:
-  - `none`: always None.
-  - `regex`: `re.fullmatch(env.tool_call_pattern, text)`; the call's arguments are the group
-    `arguments` (a string), its name the group `name` when the pattern has one, else `env.default_tool`.
-  - `hermes`: the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the
-    text (later ones are not read). A turn that opens `<tool_call>` but whose call cannot be read
-    (bad JSON, no `name`, no closing tag) is still a tool call, with `ToolCall.error` saying why and the
-    raw text as `arguments`: the environment answers it with an error observation (the policy's
-    mistake), instead of taking the malformed call for a final answer.
-* `check_expressible(parser, tokenizer)` raises `ToolCallFormatError`, naming the format and the piece,
-  when a literal piece of the format does not survive `decode(encode(piece))` (e.g. the character
-  tokenizer has no `<`); for `regex`, the pieces are the runs of literal characters the pattern
-  always needs (outside optional repeats and alternations).
+`ToolCallParser.from_config` resolves `auto` (`hermes` when the chat template mentions
+`<tool_call>`, else `regex`); `parse(text)` gives a `ToolCall` or None: `regex` fully matches
+`env.tool_call_pattern`, `hermes` reads the first `<tool_call>{...}</tool_call>` (a malformed one is
+still a call, with `ToolCall.error`, so the environment answers the policy's mistake).
+`check_expressible` raises `ToolCallFormatError` when a literal piece of the format does not survive
+the tokenizer's round trip (the character tokenizer has no `<`).
 """
 
 from __future__ import annotations

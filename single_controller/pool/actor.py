@@ -1,16 +1,10 @@
 """The pool on Ray: the scheduler as a CPU-only async actor, and the clients on both sides.
 
-* `PoolActor`: a `PoolScheduler` (its cycles run on the actor's loop) plus, for every registered
-  run, a watch on the run's controller actor (`pool_wait_ended`, a call that returns when the run
-  ends): a run whose controller died is taken out of the pool at once and its slots go to the
-  others (Ray reports the death to the waiting call: no polling, no heartbeat).
-* `RayRunHandle` (held by the pool): a run's controller actor seen as a `RunHandle`.
-* `RayPoolClient` (held by a run): the pool actor seen as a `PoolApi`, every call under a deadline
-  that names the pool and the call (`pool.grant_timeout_s` for a train grant, else
-  `pool.call_timeout_s`).
-
-The pool actor is named `pool.name` in the Ray namespace `sc-grpo-pool` (`sc-grpo pool run` starts
-it; `sc-grpo pool serve` starts one that runs attach to with `pool.attach=true`).
+`PoolActor` runs a `PoolScheduler` and watches each registered run's controller actor (a call that
+returns when the run ends), so a dead run's slots go to the others at once, without polling.
+`RayRunHandle` is a run's controller seen by the pool; `RayPoolClient` the pool seen by a run, every
+call under a deadline (`pool.grant_timeout_s`, `pool.call_timeout_s`). The actor is named
+`pool.name` in the namespace `sc-grpo-pool`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """A run's side of a pool: its controller's generation workers on the pool's slots.
 
-`PoolLink(ctl, pool, spec, level)` ties one `Controller` to a pool (`PoolApi`: the scheduler in
-this process, or its Ray actor). `run()` runs the controller in the pool:
-
-1. every generation worker starts out of the run (shrunk, asleep at `level`); worker i sits on
-   slot `spec.gen_slots[i]`;
-2. once the controller has published its first weights the run registers, and from then on pushes
-   its generation demand whenever it changes (`generation_demand`: groups in flight plus those the
-   staleness gate would admit now; an event on the run's state, not a poll);
-3. the train pump asks for the train slots before it begins a step (`StepHooks.before_train`: the
-   pool shrinks whatever worker is resident there first), and the weight-sync pump releases them
-   once the step's weights are on every routable worker (`StepHooks.after_sync`). Shrunk workers get
-   the published weights when they are expanded again (`single_controller/elastic.py`);
-4. the pool calls back `shrink_slot` / `expand_slot`, which are the controller's own elastic
-   shrink and expand of that slot's worker;
-5. the demand pushes run beside the pumps (`Controller.companions`), at least every `HEARTBEAT_S`
-   (the only call a run whose workers are all shrunk makes): a pool that fails or cannot be reached
-   ends the run as a failing pump does, with its final checkpoint; when the run ends (or fails) it
-   leaves the pool, freeing its slots for the others.
+`PoolLink(ctl, pool, spec, level).run()` starts every generation worker shrunk, registers the run
+once its first weights are published, and pushes its generation demand on every change (and at
+least every `HEARTBEAT_S`). The train pump asks for the train slots before each step
+(`StepHooks.before_train`) and the weight-sync pump releases them once the step's weights are on
+every routable worker (`StepHooks.after_sync`); the pool's `shrink_slot` / `expand_slot` are the
+controller's elastic calls. A pool that fails ends the run like a failing pump; a run that ends
+leaves the pool.
 """
 
 from __future__ import annotations

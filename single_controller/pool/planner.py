@@ -1,29 +1,11 @@
 """The pool's generation planner: which run's generation worker each free slot should hold.
 
-Pure functions over a snapshot of the pool (no clock, no awaits), so that every interleaving the
-scheduler can meet is a plain input here (`tests/test_pool_planner.py` drives them with hypothesis).
-
-A *free* slot is one no run trains on. Each run has one generation worker per slot of its
-`gen_slots`; at most one worker is resident on a slot. Demand is a run's generation demand in
-groups (what it has in flight plus what it could admit now), pushed by the run on change.
-
-Policies:
-
-* `static`: a slot of a run's `static_slots` holds that run's worker whenever it is free, whatever
-  the demand (the baselines: a split by run, or by role when train and generation slots are apart).
-* `gap_ratio` (RLix's planner): each run with demand gets a target share of the free slots
-  proportional to its demand, at least one slot and at most one per group it demands. First every
-  run with demand gets one slot, each its own, wherever some assignment can give them that (rounded-up
-  targets may add up to more than the free slots; a run may generate on few slots); then slots are
-  kept where they are when their run is within its target (no needless switch), then handed to the
-  run furthest below its target, normalized ((target - held) / target), donors being the runs above
-  theirs; what is left goes to runs whose demand is still not covered by one worker per group, the
-  largest shortfall first; a slot nobody needs keeps its resident (idle: switching would cost and
-  buy nothing). A run that can use no open slot takes one planned for a run that moves to another
-  open slot of its own (an augmenting path: nobody loses a slot), so no greedy choice starves a run
-  or leaves a plan that planning again would change. Among the slots a run may take: one it holds,
-  then an empty one, then a donor's; then one nobody trains on, then its own train slot, then
-  another run's train slot (generation there is preempted at that run's next train grant).
+Pure functions over a snapshot of the pool (no clock, no awaits), so every interleaving the
+scheduler meets is a plain input (property-tested). `static`: a run's `static_slots` hold its worker
+whenever free (the baselines). `gap_ratio` (RLix's planner): each run with demand gets a share of the
+free slots proportional to its demand (at least one, at most one per group); slots stay put while
+their run is within its target, then go to the run furthest below it, with augmenting moves so no
+greedy choice starves a run; an idle slot keeps its resident (switching would buy nothing).
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """The pool scheduler: S slots time-shared by several runs (RLix-style).
 
-Contract:
-
-* A run registers its `RunSlots` with a `RunHandle` (what the scheduler calls back: shrink or
-  expand the run's generation worker on a slot; `single_controller/pool/link.py` is the controller's
-  side). Its workers start out of the pool (asleep); the scheduler expands them onto slots.
-* Training is granted before generation and is never preempted: `acquire_train(run, step)` waits
-  until no run trains on any of the run's `train_slots` (nor, for the run's next step, the run
-  itself: a slot goes back to the pool between steps), shrinks whatever generation worker is
-  resident there (another run's preempted: its groups aborted and re-dispatched; the run's own
-  drained first: they are its next step's), then returns. `release_train(run, step)` frees them; a
-  run calls it only once its surviving generation workers hold the step's new weights (the weight
-  sync of that version ended), so a slot never serves stale weights on the run's behalf. Requests
-  are granted first come, first served: a request never takes a slot that an earlier one still
-  waits for, so no run waits longer than the steps queued ahead of it. Acquire/release are
-  idempotent per (run, step).
-* Generation: the planner (`planner.targets`) divides the free slots among runs by the demand they
-  push (`report_demand`, on change: no polling); every plan runs its shrinks before its expands, so
-  at most one worker is resident on a slot at any moment.
-* Train grants are taken on every change, each as a task of its own (its shrinks, a drain
-  included, never hold up the others or the plans); one plan at a time, after a change (an event,
-  not a poll); expands run beside them (a grant never waits behind a wake).
-* Every call into a run has a deadline that names it. A slot is free only once its worker is
-  confirmed out: a shrink that outlives its deadline is asked again (the run serializes them), and
-  an expand that fails or outlives its deadline is followed by a shrink before the slot is free.
-  The pool drops a run only when its controller is gone (`RunGone`); a shrink the run's side
-  failed otherwise fails that run (`pool/link.py`), and its slot is its until it leaves.
-
-The slot timeline (`timeline`: (t, slot, state, run)) is what `pool run` writes to the pool summary
-and `bench pool` measures.
+Runs register their `RunSlots` and a `RunHandle` (shrink / expand a worker on a slot); their workers
+start asleep. Training is granted before generation and never preempted: `acquire_train` waits for
+the run's train slots, first come first served, shrinks what is resident there and returns;
+`release_train` frees them once the step's weights are on the run's workers. Generation: the planner
+divides the free slots by the demand runs push, each plan's shrinks before its expands, so at most
+one worker sits on a slot. Every call into a run has a deadline; a slot is free only once its worker
+is confirmed out. `timeline` is what `pool run` writes and `bench pool` measures.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Load and validate the configuration tree of `single_controller.config.schema`.
 
-Contract:
-- `load_config(path, overrides)` reads a YAML file (or only the defaults when `path` is None), applies
-  `key=value` overrides (OmegaConf dotlist syntax, values parsed as YAML; `${a.b}` interpolations
-  resolve against the merged tree) and returns a frozen `Config`. It rejects unknown keys (with a
-  did-you-mean suggestion), wrongly typed values, values outside a field's choices or bounds, and
-  every rule of `config.rules`, and reports ALL of them together in one `ConfigError` whose `str()`
-  is the readable multi-line message the CLI prints (no traceback needed).
-- `config_to_yaml(cfg)` dumps a `Config` as YAML that `load_config` reads back to an equal `Config`.
-
-How: OmegaConf (public API only) reads the YAML and the overrides and merges them over the defaults as
-plain, untyped trees, then resolves each leaf; pydantic validates the resulting plain dict against the
-schema's stdlib dataclasses in one pass (`TypeAdapter(Config)`, strict JSON mode: a value has the
-type YAML gave it, so `true` is no number and `5` no boolean), reporting every bad field at once with
-the `Literal` choices and annotated-types bounds declared on the fields themselves. So the schema stays
-a plain frozen dataclass tree that code and tests construct directly, and neither a hand-rolled type
-check nor a table beside the schema is needed.
-
-The machine's checks (`environment_problems`, `check_environment`) live in `config.environment`, the
-README reference in `config.reference`; both are re-exported here under their old names.
+`load_config(path, overrides)` merges a YAML file and `key=value` overrides over the defaults
+(OmegaConf, public API) and validates the plain result in one pass with pydantic (strict: `true` is
+no number), then runs `preflight.rules`: unknown keys (with a did-you-mean), types, choices, bounds
+and rules are reported together in one `ConfigError`. `config_to_yaml` dumps a `Config` that loads
+back equal. The schema stays a plain frozen dataclass tree. The machine's checks
+(`preflight.environment`) and the reference writers (`config.reference`) are re-exported here.
 """
 
 from __future__ import annotations

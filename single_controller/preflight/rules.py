@@ -1,14 +1,10 @@
 """Rules a configuration must follow beyond each field's own type, choices and bounds.
 
-Each rule is a small function `rule(cfg) -> Problem | None` named after what it demands; `RULES` is the
-table `load_config` runs, in order, on a `Config` whose fields already passed their own checks. A
-rule's `Problem.paths` names every field it reads, so the loader can leave out a rule's finding when
-one of those fields was already rejected (the rule then judged a default, not the user's value).
-
-Besides the cross-field rules, the table holds the rules that what a config names resolves (the task,
-the reward function, the checkpoint directory, the eval dataset), checked in the launching process so a
-typo fails before Ray or any worker starts. What the machine must have (packages, GPUs, a usable model
-directory) is `config.environment`'s, checked only by `sc-grpo run`.
+Each rule is `rule(cfg) -> Problem | None`, named after what it demands; `RULES` is the table
+`load_config` runs, in order. A rule's `Problem.paths` names every field it reads, so its finding is
+left out when one of them was already rejected. The table also checks that what a config names
+resolves (task, reward, checkpoint, eval dataset), so a typo fails before Ray starts; what the
+machine must have is `preflight.environment`'s, checked only by `sc-grpo run`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The controller's host: builds storage, workers and the dataloader from a config, runs the
 `Controller`, serves its Prometheus metrics, and streams one record per step to whoever drives it.
 
-`ControllerHost` is a plain class with async methods. The driver (`runtime.driver`) runs it as a
-CPU-only Ray actor (`ray.remote(num_cpus=0, num_gpus=0)`) for Ray backends, or in-process for the
-`sim` backend and tests. Workers are built per role (`backend.generation`, `backend.trainer`)
-through `backends.registry`; the controller itself never sees which. Its own lifecycle: `setup()`
--> `run()` (while the driver calls `next_records`) -> `close()` (always, also after a failure).
-As a Ray actor of a run, its output goes to `<run dir>/logs/controller.log`
-(`backends.common.worker_logs`); in-process it stays the driver's.
+`ControllerHost` is a plain class with async methods, run by the driver as a CPU-only Ray actor (Ray
+backends) or in-process (`sim`, tests): `setup()` -> `run()` (while the driver calls `next_records`)
+-> `close()`, always. Workers are built per role through `backends.registry`; as a Ray actor its
+output goes to `<run dir>/logs/controller.log`.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ commands:
   env      serve an environment:     sc-grpo env serve lookup --port 8765
 
 Overrides are `section.field=value` (values parsed as YAML: 3e-4, true, null, [0.9, 0.95]).
-The full list of fields, with types, defaults and meaning, is in README.md ("Config reference"),
+The full list of fields, with types, defaults and meaning, is in docs/config.md,
 or printed by `sc-grpo config --reference`.
 """
 

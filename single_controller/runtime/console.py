@@ -1,15 +1,9 @@
 """The console of `sc-grpo run`: sc-grpo's own lines and nothing else.
 
-Contract:
-- `say(message)` writes one of sc-grpo's own lines (`sc-grpo: <message>`): start-up, the summary
-  on stdout; with `err=True` an interrupt, a failure or where to look next on stderr. Each line is
-  also a log record of `sc_grpo.driver` (INFO; WARNING with `err`), which a run's `run.log` keeps
-  (`runtime.logs.run_log`) and no console shows a second time. Diagnostics
-  of the components go through `logging` instead (`runtime.logs`: shown with `sc-grpo run -v`),
-  and the worker processes' output goes to files in the run directory (`backends.common.worker_logs`).
-- `ConsoleReporter(cfg)` prints one line per step (`step(record)`) from the run's records, plus a
-  progress bar over `run.max_steps` when stdout is a terminal and `run.progress_bar` is true;
-  `eval(record)` prints an eval line without advancing the bar.
+`say(message)` writes one `sc-grpo: <message>` line (stdout; stderr with `err=True`), also kept as a
+log record of `sc_grpo.driver` in `run.log`. `ConsoleReporter(cfg)` prints one line per step and eval
+point, with a progress bar on a terminal (`run.progress_bar`). Components' diagnostics go through
+`logging` (`runtime.logs`, `sc-grpo run -v`); worker output goes to files (`backends.common.worker_logs`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """`sc-grpo run`: from a validated config to a finished run directory.
 
-Ray backends (`backend.generation` / `backend.trainer`: torch, vllm, megatron): start (or attach
-to) Ray with resources that fit the machine, start the controller as a CPU-only Ray actor (which
-starts TransferQueue and the workers side by side), stream one record per step into the run
-directory and the console, save the final policy, and tear everything down on success, error and
-Ctrl-C. sim backends: the same controller in-process.
-
-Every exit writes its records: `metrics.jsonl` (streamed), `summary.json` (with the stop reason),
-`prompt_ledger.json`, and on failure `error.log` (the full traceback) beside one short paragraph on
-the console: which pump, what happened, where the checkpoint is, how to resume, where the worker
-logs are.
-
-The console carries sc-grpo's own lines only (`runtime.console`): start-up, one line per step, the
-summary, errors; `<run dir>/run.log` keeps them as log records (`runtime.logs.run_log`), with the
-sample completions the records carry. The Ray processes of a run (the controller host, the workers)
-write their output to `<run dir>/logs/<name>.log` (`backends.common.worker_logs`), none of it to this
-console. Each record also goes to the loggers of `run.loggers` (`runtime.loggers`: TensorBoard, W&B),
-here in the driver, off the controller's path.
-
-SIGTERM / SIGINT: the first one asks the controller to stop on the last finished step (the step in
-progress is aborted) and to checkpoint it; the run then exits normally with code 130. A second one,
-or 25 s without an exit, forces it.
-
-`resume_dir`: continue that run directory from its newest checkpoint (`sc-grpo run --resume DIR`).
-
-Exit codes: 0 finished, 1 the run failed (its cause is printed, no traceback), 130 interrupted.
+Ray backends: start (or attach to) Ray, start the controller as a CPU-only actor (it starts
+TransferQueue and the workers), stream one record per step into the run directory, the console and
+the `run.loggers`, save the final policy, and tear everything down on success, error and Ctrl-C;
+`sim` backends run the same controller in-process. Every exit writes `metrics.jsonl`, `summary.json`
+and `prompt_ledger.json`, and a failure `error.log` beside one paragraph on the console. The first
+SIGTERM / SIGINT stops on the last finished step with a checkpoint (exit 130); a second, or 25 s
+without an exit, forces it. `resume_dir` continues a run directory. Exit codes: 0, 1 failed, 130.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Where a run's records go besides the console and `metrics.jsonl`: the loggers of `run.loggers`.
 
-Contract:
-- `RecordLoggers.open(cfg, run_dir)` starts each logger `run.loggers` names, in the driver process:
-  `tensorboard` (event files under `<run dir>/tensorboard/`) and `wandb` (a W&B run under
-  `<run dir>/wandb/`, offline unless `WANDB_MODE` says otherwise). `jsonl` names `metrics.jsonl`,
-  which `RunDirectory` writes whatever the list says (resume, the plot and the benchmarks read it).
-  A logger's package is imported only when it is chosen; `config.environment` refuses a config whose
-  logger's package is missing, naming it, before the run starts.
-- `log(record)` hands one record to each logger as the driver receives it (never in the controller):
-  a step's record at its `step`, an eval point's `eval/...` keys at its `eval/policy_version`
-  (`scalars`); every finite number is a scalar under its own key. A record's `sample` (a prompt, its
-  completion and reward, put there every `run.sample_every_steps` steps) is text: TensorBoard's
-  `samples`, a W&B table `samples` of every sample of this drive so far; `sample_text` is its entry in
-  run.log.
-- A logger that raises (starting, logging or closing) is disabled with one warning naming it and
-  what it raised; the run and the other loggers go on (`close()` still closes it, quietly).
-- A resume continues in the same run directory: TensorBoard drops its events of the steps trained
-  again (`purge_step`), W&B resumes the run whose id `<run dir>/wandb_run_id` keeps
-  (`resume="allow"`; an offline run is a new `offline-run-*` directory with the same id, which
-  `wandb sync` uploads as one run).
-- `close()` closes each: TensorBoard flushes its files, W&B `finish()`es its run and stops its
-  service process.
+`RecordLoggers.open(cfg, run_dir)` starts `tensorboard` (`<run dir>/tensorboard/`) and `wandb`
+(`<run dir>/wandb/`, offline unless `WANDB_MODE` says otherwise) in the driver, never the controller;
+`log(record)` writes every finite number as a scalar and a record's `sample` as text. A logger that
+raises is disabled with one warning; the run goes on. A resume continues in place (TensorBoard
+purges the steps trained again, W&B resumes the id in `<run dir>/wandb_run_id`).
 """
 
 from __future__ import annotations

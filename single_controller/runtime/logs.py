@@ -1,20 +1,10 @@
 """What the console shows of sc-grpo's components: their `logging` records, by verbosity.
 
-Every module logs through `logging.getLogger(__name__)`, so a record names its component
-(`single_controller.runtime.ray_session`, `replay.transferqueue.runtime`, ...). `console_logging(v)`
-is how a command of the CLI shows them on stderr while it runs:
-- v = 0: WARNING and up, as `sc-grpo: <message>`, beside sc-grpo's own console lines (`runtime.console`);
-- v = 1 (`-v`): INFO and up, v >= 2 (`-vv`): DEBUG and up, each with its time, level and component.
-Only sc-grpo's own packages are shown (`PACKAGE_LOGGERS`), not the libraries'. On exit the loggers
-are as they were. Worker processes log to their files instead (`backends.common.worker_logs`).
-
-`run.log` in a run directory (`run_log(path)`, opened by `sc-grpo run` for each drive of the run,
-appended to on resume) holds what the console showed, as log records with their time, level and
-component: sc-grpo's own console lines under `sc_grpo.<component>` (`line_logger`: `sc_grpo.driver`
-for start-up, the summary, interrupts and failures; `sc_grpo.steps` for the step and eval lines;
-`sc_grpo.samples` for the sample completions, which are on no console), and the components' INFO and
-up (warnings included). The `sc_grpo` loggers never reach the console through `logging` (their lines
-are printed there already): they do not propagate, and write nowhere outside `run_log`.
+Every module logs through `logging.getLogger(__name__)`. `console_logging(v)` shows sc-grpo's own
+packages (`PACKAGE_LOGGERS`) on stderr: WARNING and up by default, INFO with `-v`, DEBUG with `-vv`,
+and restores the loggers on exit. `run_log(path)` keeps `run.log` in the run directory: what the
+console showed (the `sc_grpo.*` line loggers, which never reach the console through `logging`), the
+sample completions, and the components' INFO and up. Workers log to their files instead.
 """
 
 from __future__ import annotations

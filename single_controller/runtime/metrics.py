@@ -1,35 +1,11 @@
 """Prometheus exporter: `ControllerStatistics` -> `/metrics`, read at scrape time.
 
-Contract:
-- The only module that imports `prometheus_client`. Pumps and the controller expose frozen
-  `statistics()` records (STYLE #5); this module turns one `ControllerStatistics` into metric
-  families (`families()`, a pure function) and serves them from a custom Collector registered on
-  its own `CollectorRegistry` (never the global one).
-- `start_metrics_server(stats_fn, host="127.0.0.1", port=0)` binds loopback unless a host is
-  passed (`MetricsConfig.host`), serves from a daemon thread and returns `(server, bound_port)`;
-  `server.stop()` shuts it down and closes the socket. `serve_from_config` moves on to the next
-  free port when `metrics.port` is taken (two runs on one host never fight over it); `server.url`
-  is the URL actually bound.
-- Consistency: the controller's state lives on one event loop and is mutated between awaits, so
-  `stats_fn` must not run concurrently with it. With `loop` (default: the loop running in the
-  thread that starts the server) each scrape schedules `stats_fn` on that loop and waits for it,
-  with a deadline (`timeout_s`): a scrape sees one consistent snapshot, and a blocked loop shows
-  up as failed scrapes (`up == 0`) instead of a torn read. Once the loop is closed or stopped
-  (the run is over) `stats_fn` is called directly from the scrape thread.
-
-Definitions worth knowing when reading the dashboard (see docs/metrics.md):
-- `sc_grpo_pump_wait_seconds_total{pump,on}` counts wall seconds a pump spent blocked, by what it
-  awaited (the in-progress wait included), so `rate()` of it is the fraction of wall time blocked.
-- `sc_grpo_pump_current_wait_seconds{pump,on}` is the length of the wait in progress: one series
-  per reason the pump has ever waited on, 0 on all but the current one. Stall alerts key on it.
-- `sc_grpo_trainer_idle_ratio` = W / (W + B) of the train pump (W: seconds waiting for ready groups
-  or for the previous weight sync, B: seconds inside trainer calls), run-to-date.
-  `sc_grpo_generation_idle_ratio` is the same ratio for the rollout pump, whose W is the
-  dispatcher's admission wait and whose B is generation-call seconds summed over concurrent calls
-  (worker-seconds), so it weighs blocked dispatch against outstanding generation work; it is not a
-  wall-clock fraction (that needs a generation-active-seconds counter in the rollout pump).
-- `sc_grpo_run_finished` is 1 once the train pump has finished (max_steps, a stop, or a failure):
-  nothing is trained after that, so no wait is a stall.
+The only module that imports `prometheus_client`: `families()` turns one statistics record into
+metric families (pure), served from a Collector on its own registry. `start_metrics_server` binds
+loopback unless told otherwise; `serve_from_config` moves to the next free port when `metrics.port`
+is taken. Each scrape runs `stats_fn` on the controller's loop under a deadline, so it sees one
+consistent snapshot and a blocked loop shows as failed scrapes. What the pump-wait, idle-ratio and
+finished series mean: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """`sc-grpo pool run POOL.yaml` and `sc-grpo pool serve`: several runs time-sharing one pool of slots.
 
-POOL.yaml (every key but `runs` optional):
-
-    slots: 2                 # slots of the pool (GPUs; on a CPU machine, cores: at most its count)
-    policy: gap_ratio        # gap_ratio | static
-    name: sc-grpo-pool       # the pool actor's name
-    output_dir: runs         # the pool's directory, <output_dir>/pool-<timestamp>, goes here
-    runs:                    # each one a config and its overrides, as `sc-grpo run` takes them
-      - config: configs/embedded.yaml
-        overrides: [run.name=reverse, backend.num_generation_workers=2, pool.gen_slots=[0,1], pool.train_slots=[0]]
-      - resume: runs/copy-20261123-120000   # or a run directory resumed from its newest checkpoint,
-        overrides: [run.max_steps=300]      # as `sc-grpo run --resume` does (its own config plus these)
-
-`pool run` checks everything before anything starts (each run's config with `pool.enabled=true`, the
-runs' names distinct, their slots inside the pool, the pool inside the machine), then starts one
-local Ray, one TransferQueue (the runs attach to it, each in its own partition), the pool actor and
-one controller actor per run (sim backends: all of it in this process), and drives the runs side by
-side. Each run writes its own run directory as `sc-grpo run` does (records, ledger, checkpoints: a
-run resumes alone with `sc-grpo run --resume DIR pool.enabled=false`). The pool's directory gets
-`pool_summary.json`: each run's directory and exit code, the pool's statistics and its slot
-timeline ([seconds, slot, state, run]).
-
-`pool serve --address HEAD:6379 --slots N [--policy P] [--name NAME]`: the pool actor on a Ray
-cluster until Ctrl-C; runs join it with `ray.address=HEAD:6379 storage.attach=true pool.enabled=true
-pool.attach=true` (and their slots), each started with `sc-grpo run`.
-
-Exit codes: 0 every run finished, 1 a run failed (each failure is printed), 2 a bad POOL.yaml or run
-config, 130 interrupted.
+`pool run` checks everything first (each run's config with `pool.enabled=true`, distinct names, slots
+inside the pool, the pool inside the machine), then starts one local Ray, one TransferQueue, the pool
+actor and one controller per run, and drives the runs side by side; each writes its own run directory
+and the pool's gets `pool_summary.json` (exit codes, statistics, slot timeline). `pool serve` runs the
+pool actor on a cluster for runs started with `pool.attach=true`. POOL.yaml: docs/pool.md. Exit
+codes: 0, 1 a run failed, 2 a bad POOL.yaml or config, 130 interrupted.
 """
 
 from __future__ import annotations

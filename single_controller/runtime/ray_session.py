@@ -1,27 +1,11 @@
 """Ray's lifetime for one run: start (or attach), interrupt handling, and a shutdown that leaves nothing.
 
-Contract of `ray_session(cfg, min_cpus=...)`:
-- Sets `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (local Ray only), `TQ_NUM_THREADS=<cpu count>` and
-  `RAY_AUTH_MODE=disabled` (unless already set) before importing ray, then starts a local Ray (no
-  dashboard, `cfg.num_cpus` or max(min_cpus, cpu count) logical CPUs) or attaches to `cfg.address`.
-- On exit, whatever the cause (return, exception, KeyboardInterrupt), it shuts Ray down and then makes
-  sure no process of *this* session survives: the driver's descendants (gcs_server, raylet, agents,
-  `ray::` workers) and workers of our raylet that were orphaned. It never touches other Ray sessions
-  on the machine, and kills nothing when it merely attached to a cluster.
-- Interrupts (SIGINT and SIGTERM alike): the first stops the run cleanly: it cancels the main task of
-  `session.run(coro)`, or raises KeyboardInterrupt in the main thread when no such task runs. A
-  second one, or the run still going `grace_s` after the first, forces: it kills the session's
-  processes and exits with status 130 at once. So Ctrl-C always ends a run within `grace_s` (25 s).
-- If Ray is already initialized in this process the session only borrows it: no start, no shutdown.
-
-`worker_env(torch_threads)` gives the thread-count environment for worker processes.
-
-`new_event_loop()` is the loop the controller runs on wherever this process makes the loop (the
-driver, a local run on simulated workers, the benchmarks): the one Ray gives an async actor, so
-the controller actor and everything measured outside it run on the same kind of loop. That is
-uvloop when it is installed (a dependency on Linux and macOS) unless `RAY_USE_UVLOOP` is set to
-something other than `1`/`true`, as in
-`ray._private.async_compat.get_new_event_loop`; else asyncio's own.
+`ray_session(cfg, min_cpus=...)` sets Ray's and TQ's environment before importing ray, starts a
+local Ray (loopback, no dashboard) or attaches to `cfg.address`, and on any exit shuts Ray down and
+kills what is left of this session's processes (never another session's; nothing when attached).
+The first SIGINT / SIGTERM stops the run cleanly; a second, or `grace_s` later, kills the session
+and exits 130. `worker_env` gives worker thread counts; `new_event_loop()` is the loop Ray gives an
+async actor (uvloop when installed), used wherever this process makes the controller's loop.
 """
 
 from __future__ import annotations
@@ -341,8 +325,8 @@ def ray_session(
     A local Ray starts no idle "prestarted" workers: every process of a run is an actor with its own
     runtime environment, so they were never used and only took CPU while the run started. Nor, unless
     `cfg.ray_observability`, does it keep Ray's own task events, metrics and event-loop statistics
-    (~1.3 ms of CPU per step of the embedded run in the raylet, the GCS and Ray's metrics agent;
-    nothing of ours reads them).
+    (CPU per step in the raylet, the GCS and Ray's metrics agent, docs/performance.md; nothing of
+    ours reads them).
     """
     prepare_environment(local=cfg.address is None)
     import ray

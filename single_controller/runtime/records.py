@@ -1,16 +1,9 @@
 """A run's metrics records: their keys and their file, `metrics.jsonl`.
 
-Contract:
-- A step's record has `step` and namespaced keys (`rollout/...`, `train/...`, `pump/...`, `time/...`);
-  an eval point's record has `eval/...` keys and `eval/policy_version`, no `step` (`is_eval_record`).
-- `time/wall_s` is the run's wall clock: seconds since its controller started, continued across
-  resumes (a resumed run's records go on from the latest record kept, `RunDirectory.reopen`; the
-  controller stamps it, so the records a checkpoint keeps carry it too). It never goes back.
-  `time/since_launch_s` is seconds since this `sc-grpo run` command started: it starts again at
-  each resume.
-- `metrics.jsonl` holds one JSON object per line; `jsonable` makes a value fit for it (non-finite
-  numbers become null, numpy and torch scalars plain numbers); `read_metrics` reads every record
-  back and skips a torn last line left by a killed run.
+A step's record has `step` and namespaced keys (`rollout/...`, `train/...`, `pump/...`, `time/...`);
+an eval point's has `eval/...` keys and no `step` (`is_eval_record`). `time/wall_s` is the run's
+clock, continued across resumes (it never goes back); `time/since_launch_s` restarts with each
+command. `jsonable` makes a value fit for JSON; `read_metrics` skips a torn last line.
 """
 
 from __future__ import annotations

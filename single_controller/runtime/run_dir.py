@@ -1,22 +1,10 @@
 """A run's directory: where everything a run leaves behind goes.
 
-Contract:
-- `RunDirectory(cfg)` creates `<run.output_dir>/<run.name>-<YYYYmmdd-HHMMSS>` (a `-2`, `-3`... suffix if
-  that exists), writes the resolved `config.yaml` into it, and its `run_id` (the directory name plus
-  a random suffix: unique even across output directories and machines; a resume keeps it) into
-  `run_id`. The run id names the run's Ray namespace and TransferQueue partition.
-- `append_metrics(record)` appends one JSON object per step to `metrics.jsonl` (flushed line by
-  line, so a crashed run keeps every finished step; see `runtime.records`); `time/wall_s` (seconds
-  since the directory was created) is stamped on records that lack it. Eval records are appended
-  to the same file when eval is on.
-- A resume writes the config it runs with as `config.resume.yaml`; the next resume starts from it
-  (`resume_config`), so overrides given to one resume stay in force until another overrides them.
-- `logs/` holds the output of the run's worker processes, one file per worker
-  (`backends.common.worker_logs`); `run.log` what the console showed, as log records
-  (`runtime.logs.run_log`); `tensorboard/` and `wandb/` the records of those `run.loggers`
-  (`runtime.loggers`).
-- `save_plot()` renders `curves.png` from metrics.jsonl (`runtime.plots`); `start_plot()` does it on
-  a background thread that `close()` waits for.
+`RunDirectory(cfg)` creates `<run.output_dir>/<run.name>-<timestamp>`, writes the resolved
+`config.yaml` and the `run_id` (directory name + random suffix, kept by resumes: it names the Ray
+namespace and the TQ partition). `append_metrics` appends one flushed line per record to
+`metrics.jsonl`; a resume writes `config.resume.yaml`, which the next resume starts from. `logs/`,
+`run.log`, `tensorboard/`, `wandb/` and `curves.png` (`start_plot`, on a thread) live here too.
 """
 
 from __future__ import annotations
@@ -163,8 +151,8 @@ class RunDirectory:
         return self.plot_path
 
     def start_plot(self) -> None:
-        """`save_plot()` on a background thread (matplotlib's import and rendering take ~1 s of CPU,
-        which then overlaps the run's shutdown); `close()` waits for it and reports a failure."""
+        """`save_plot()` on a background thread (matplotlib's import and rendering then overlap
+        the run's shutdown); `close()` waits for it and reports a failure."""
         if self._metrics is not None:
             self._metrics.flush()
         from single_controller.runtime.plots import plot_metrics

@@ -2,14 +2,9 @@
 
     sc-grpo status [--url http://127.0.0.1:9464/metrics] [--watch SECONDS] [--timeout SECONDS]
 
-Fetches the exporter's endpoint once (or every SECONDS with --watch) and prints versions, the
-last step, reward, buffer occupancy, what each pump is doing ("waiting on X for Ns" / "busy"),
-the staleness of trained groups, the last weight sync and (with eval on) the last eval point. A
-synchronous CLI: it never touches the controller's event loop; everything it shows comes from the
-scrape.
-
-Exit status: 0 on success, 1 if the endpoint cannot be fetched or is not an sc-grpo exporter
-(with --watch, errors are shown and retried; Ctrl-C exits 0), 2 on bad arguments.
+It prints versions, the last step, reward, buffer occupancy, what each pump waits on, staleness, the
+last weight sync and eval point, from the scrape alone. Exit status: 0, 1 when the endpoint cannot be
+read or is not sc-grpo's (retried with --watch), 2 on bad arguments.
 """
 
 from __future__ import annotations

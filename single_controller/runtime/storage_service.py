@@ -1,16 +1,10 @@
 """`sc-grpo storage serve | list`: a TransferQueue that outlives runs, on a Ray cluster.
 
-Contract:
-  * `serve`: connects to the Ray cluster at `--address` (namespace `sc-grpo-storage`), starts TQ
-    there (`replay.transferqueue.runtime.start_tq`: 1 controller + `--storage-units` units, each a 1-CPU Ray actor),
-    prints one `ready` line naming the address, then serves until SIGINT / SIGTERM, when it closes TQ
-    (only the creating process may) and disconnects. TQ's actors belong to this process: they live
-    exactly as long as it does. Runs use it with `ray.address=ADDRESS storage.attach=true`; each run
-    reads and writes only its own partition, `<storage.partition>-<run id>`.
-  * `list`: connects, attaches to the running TQ (never starts one) and prints every partition with
-    its key count (`--keys`: the keys too; `--json`: one JSON object `{partition: [keys]}`).
-
-Exit codes: 0 (served until a signal / listed), 1 (cannot connect, start or attach: the cause is printed).
+`serve` connects to `--address` (namespace `sc-grpo-storage`), starts TQ there
+(`replay.transferqueue.runtime.start_tq`), prints one `ready` line and serves until SIGINT /
+SIGTERM, then closes it: TQ lives exactly as long as this process. Runs use it with
+`storage.attach=true`, each in its own partition. `list` attaches and prints every partition and its
+key count (`--keys`, `--json`). Exit codes: 0, 1 when it cannot connect, start or attach.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Generation workers on Ray, controller side: the client every generation backend (torch, vLLM) uses
-and its start-up.
+"""Generation workers on Ray, controller side: the client every generation backend (torch, vLLM) uses.
 
-* `ActorGenerationClient` is the `GenerationWorker` over one generation actor run as a Ray async
-  actor (any actor with `generate_many`, `cancel`, `update_weights`, `connect`, `in_flight`,
-  `pause`, `resume`, `statistics` and `close`).
-* `start_generation_clients(prefix, count, spawn_of, storage_ready)` starts the actors, waits for the
-  storage service and connects them to it; on failure nothing is left running.
-Actors are stopped with `actors.kill_all`.
-
-Adapters are coroutines that `await` object refs; nothing here calls `ray.get`.
+`ActorGenerationClient` is the `GenerationWorker` over one Ray async generation actor (any actor
+with `generate_many`, `cancel`, `update_weights`, `connect`, ...); `start_generation_clients` starts
+the actors, connects them to storage and leaves nothing running on failure. Adapters await object
+refs; nothing here calls `ray.get`. Actors are stopped with `actors.kill_all`.
 """
 
 from __future__ import annotations

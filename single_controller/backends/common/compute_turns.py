@@ -1,24 +1,12 @@
-"""Colocated mode (`backend.colocate: true`): the generation workers and the trainer ranks of a node
-take turns at its compute instead of splitting it.
+"""Colocated mode (`backend.colocate: true`): the generation workers and trainer ranks of a node take
+turns at its compute instead of splitting it.
 
-Disaggregated (the default), each process has its own share of the cores (`backend.torch_threads`,
-1 each) and generation overlaps training. Colocated, every process gets every core of its node
-(`threads_per_process`), and a node-local lock decides who computes:
-* a trainer rank holds it, shared, around each microbatch's forward/backward, each finish (the
-  all-reduce and the optimizer step) and each weight export. Shared: the ranks of one node hold it
-  together (they meet in collectives, and one waiting on another's turn would deadlock);
-* a generation worker holds it, exclusive, around each batch it samples (torch) or each engine step
-  (vLLM).
-So sampling and training alternate at the granularity of a batch and a microbatch, each with all
-the cores, while reading rows, rewards, storage puts and the controller go on beside them. The
-pipeline and its bounds are unchanged: rollouts of the next step are sampled between this step's
-microbatches, within `sampler.max_lookahead_versions`.
-
-The lock is an `flock` on a file named by the run (`TURNS_ENV`, set by the driver for every worker
-process; the same path on each node, so each node has its own). Nothing waits for a remote process
-while holding it, and the lock goes with the process that held it (a killed worker cannot leave it
-taken). On a GPU the same turns would release the engine's memory while the trainer steps (vLLM's
-sleep mode, CUDA only); not built yet: see docs/performance.md.
+Every process gets every core (`threads_per_process`) and a node-local `flock` (`TURNS_ENV`) decides
+who computes: trainer ranks hold it shared around each microbatch, finish and export (ranks meet in
+collectives, so they take the turn together); a generation worker holds it exclusive around each
+sampling batch or engine step. The pipeline and its staleness bounds are unchanged, nothing waits on
+a remote process while holding the lock, and it dies with its holder. CPU only: on a GPU a turn would
+also have to release the engine's memory (not built).
 """
 
 from __future__ import annotations

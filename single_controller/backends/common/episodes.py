@@ -1,30 +1,13 @@
 """Multi-turn episodes: a generation engine's tokens against an environment (`single_controller/envs`).
 
-`EpisodeRunner.run_group(request, engine)` plays a prompt group's G episodes concurrently. Each is
-one sequence that grows turn by turn on the same engine:
-
-    prompt ids (+ the tokens of reset's observation, if any)
-    [policy turn][observation][policy turn][observation]...[policy turn]
-
-A policy turn is what the engine sampled, kept as the exact ids and per-token logprobs and policy
-versions it reported (never decoded and re-encoded); it ends at a stop token (`tokenizer.eos_ids`) or
-after `env.max_tokens_per_turn` tokens. Its decoded text (without the final stop token) is the
-action, parsed for a tool call (`envs/tool_calls.py`). An observation is encoded once, as inserted:
-with a chat template, the template's tokens that close the policy's turn and open the next one are
-part of it (`ObservationEncoder`). The row stored is `prompt_ids` + `response_ids` (everything after
-the prompt) with `response_mask` True exactly on policy tokens; an observation must encode to at
-least one token, so the policy turns (the mask's runs of True) are the turn boundaries.
-
-An episode ends when the environment says `done` (its reward), or after `env.max_turns` policy turns,
-or when the next turn or observation would not fit the model's positions (`truncated_reward`: an
-outcome of the policy, not an error). An episode whose prompt and first observation leave no room for
-even its first policy token has nothing to train: its group fails with `ContextFull` (dropped as
-`context_full`, its batch-mates untouched), never a zero reward. Every environment call has the
-deadline `env.timeout_s`. An environment that fails (raises, misses a deadline, breaks the contract)
-fails that episode's attempt; the episode starts over with a fresh environment after a pause
-(`env.retry_backoff_s`, doubled each time), up to `env.max_attempts` attempts; then the whole group
-fails with `EnvironmentFailed` and none of its rows is stored: a failed environment is never
-a zero reward in the GRPO baseline. Engine errors are not environment failures: they propagate.
+`EpisodeRunner.run_group(request, engine)` plays a group's G episodes concurrently, each one
+sequence growing turn by turn: prompt, then [policy turn][observation]... A policy turn keeps the
+exact ids, logprobs and versions the engine sampled; its decoded text is the action (tool calls:
+`envs/tool_calls.py`); observations are encoded once, as inserted. The stored row's `response_mask`
+is True exactly on policy tokens. An episode ends at `done`, after `env.max_turns`, or when the next
+turn would not fit (`truncated_reward`); one with no room for its first token fails its group with
+`ContextFull`. A failing environment restarts the episode (`env.retry_backoff_s`, up to
+`env.max_attempts`), then fails the group with `EnvironmentFailed`: never a zero reward.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """Trainer ranks on Ray, shared by every trainer backend: fan-out calls, placement, rendezvous.
 
-`await rank_call("finish_train_step(3)", [r.finish_train_step.remote(3) for r in ranks])` awaits
-every rank in rank order. What a failure becomes decides whether the step is retried:
-* a rank whose process is gone: `TrainerRankDied` naming it (the run stops and resumes from its
-  checkpoint);
-* a failure a retry can fix (`RETRYABLE`): `TrainerFailed` naming the call and the rank (the train
-  pump asks where the trainer stands, then aborts and retries the step);
-* the protocol errors a rank raises on purpose (`ON_PURPOSE`: `TrainStepStateError`, the split API
-  out of order; `TrainerStateLost`, an optimizer step failed partway): raised as themselves, of
-  their own class and naming the rank, chained to Ray's error (which carries the rank's traceback).
-  Not as Ray's wrapper, a class of its own (`RayTaskError(TrainerStateLost)`) whose name is what a
-  failed run records, and `run.auto_resume` heals a failure by that name;
-* everything else, e.g. a `TypeError` in the loss: raised as it is (Ray's error, an instance of the
-  rank's class too, carries its traceback), so a bug fails the run at once.
-Ranks say themselves which of their failures a retry can fix, by raising `TrainerFailed`
-(`RankStepCalls._read_rows`, `split_step.collective`).
-
-Shared by every trainer group: `train_status_of`, `load_state_of` and `stop_ranks` (fan-out, the
-ranks' agreement checked, shutdown with the placement released).
-
-Placement (`backend.trainer_placement`): `place_ranks` returns the `.options()` of each rank actor.
-`pack` adds nothing (Ray's default scheduling: the ranks share a node while it has room); `spread`
-reserves a STRICT_SPREAD placement group, one bundle per rank, so no two ranks share a node. A
-cluster that cannot do that is refused with `TrainerPlacementError` naming its nodes: at once when
-it has fewer alive nodes than ranks, else when the group is not placed within the deadline.
-
-Rendezvous: `rendezvous(rank0)` has rank 0 open a torch TCPStore on the IP its node registered
-with the cluster (`node_address()`, actor side) and returns that address; every rank then joins
-the group through it (`join_store` -> `init_process_group(store=...)`). Nothing assumes the ranks
-share a host. `node_info()` says where an actor runs.
+`rank_call(what, refs)` awaits every rank in order and decides what a failure becomes: a dead rank
+is `TrainerRankDied`; a failure a retry can fix (`RETRYABLE`) is `TrainerFailed` (the train pump
+aborts and retries the step); the protocol errors a rank raises on purpose (`ON_PURPOSE`) are raised
+as their own class, naming the rank; anything else (a bug) is raised as it is and fails the run.
+`place_ranks` gives each rank's `.options()` for `backend.trainer_placement` (`spread`: a
+STRICT_SPREAD placement group, refused with `TrainerPlacementError` when the cluster cannot).
+`rendezvous` has rank 0 open a TCPStore on its node's registered IP, so ranks need not share a host.
 """
 
 from __future__ import annotations
@@ -54,8 +32,8 @@ PLACEMENTS = ("pack", "spread")
 # A rank actor runs its split-API calls one at a time, in order. Read-ahead hints (`prefetch_keys`)
 # go to a concurrency group of their own, a second thread: a hint sent while a microbatch computes
 # starts its read at once instead of queueing behind that microbatch, the finish and the export (the
-# read then overlaps compute; queued, the next microbatch waited ~10 ms per step for it on two
-# cores). Rank actors are built with `ray.remote(concurrency_groups=RANK_CONCURRENCY)` and
+# read then overlaps compute; queued, the next microbatch waited for it: docs/performance.md).
+# Rank actors are built with `ray.remote(concurrency_groups=RANK_CONCURRENCY)` and
 # `prefetch_keys` is called with `.options(concurrency_group=PREFETCH_GROUP)`; the method must be
 # thread-safe (`replay.fetch.RowPrefetcher` is).
 PREFETCH_GROUP = "prefetch"

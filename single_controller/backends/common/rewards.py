@@ -1,23 +1,11 @@
 """Scoring groups of completions with the run's reward functions, next to the tokens (every engine).
 
-`RewardScorer.from_config(cfg.reward, cfg.task.reward_fn, ...)` holds the run's functions
-(`data/rewards.py`). `score_groups(groups)` answers each group with its `Scored` (the G rewards,
-each function's values by name, one sample for the logs) or its `RewardFailed`:
-
-* The default (`reward.functions` empty, `task.reward_fn` of the per-completion form) is called in
-  the caller's own thread, once per completion, as it always was (`score_group`): no pool, no
-  deadline, no per-function values.
-* Otherwise every (group, function) call runs in a thread pool of `reward.max_workers` threads (an
-  `async def` function through `asyncio.run` in its thread), at most that many at once, so a call
-  starts when it is submitted and `reward.timeout_s` counts from then. A call that misses its
-  deadline cannot be stopped: it is abandoned in its thread and a fresh pool serves the calls after
-  it (the old one ends once its calls do).
-* The reward of a completion is the sum of weight * value over the functions whose value is not
-  None; with none, 0.0.
-* A function that raises, misses its deadline, returns anything but G values, or a value that is
-  neither None nor a finite number (or a weighted sum that overflows) fails that group alone with
-  `RewardFailed`, naming the function, the group, the completion (where one is at fault) and the
-  cause; its batch-mates are answered as usual.
+`RewardScorer.score_groups(groups)` answers each group with its `Scored` (G rewards, each function's
+values, a sample) or its `RewardFailed`. The default per-completion `task.reward_fn` runs in the
+caller's thread; `reward.functions` run per (group, function) in a pool of `reward.max_workers`
+threads under `reward.timeout_s` (a late call is abandoned and a fresh pool serves the rest). The
+reward is the weighted sum of the values that are not None. A function that raises, misses its
+deadline or returns a bad value fails that group alone, naming the function and the cause.
 """
 
 from __future__ import annotations

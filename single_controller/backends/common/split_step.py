@@ -1,31 +1,13 @@
 """The split train API's bookkeeping, shared by every trainer backend (torch, Megatron) by composition.
 
-A trainer rank holds one `SplitStep` (`core.steps`) and makes the engine-specific moves between its
-calls (zeroing gradient buffers, collectives, the optimizer step). Nothing but the gradients changes
-before the optimizer step, so a step keeps no copy of parameters or optimizer state: an abort drops
-the gradients, bit-exactly what was there before the begin. The optimizer step runs inside
-`steps.applying(st)`: a failure there leaves the rank's state partly updated, with nothing to restore
-it from, and the rank refuses everything but a checkpoint load (`TrainerStateLost`).
-
-  begin_train_step(step, loss)  `steps.check_begin` refuses unless no step is open, `step` is
-                                `next_step` and the loss can be computed; `steps.open_step` opens it.
-  train_microbatch(rows)        `steps.require_open`; `OpenStep.take_rows` counts the microbatch and
-                                checks the rows; `train_rows` cuts them into forward/backward passes of
-                                at most `train.micro_batch_tokens` padded tokens (`token_passes`) and,
-                                per pass, `rows_loss` runs forward, the GRPO loss and backward, and
-                                `OpenStep.add` sums the counts and statistics.
-  finish_train_step(step)       `steps.retried_finish` answers a finish of the step finished last with
-                                its recorded metrics (no second optimizer step); `steps.finishing`
-                                returns the open step; the engine all-reduces `OpenStep.sums()`
-                                (`StepSums.of` reads them back; `collective` makes a failed
-                                collective a `TrainerFailed`) and steps, with the lr `set_lr` gives the
-                                optimizer right before (`lr_at(step)`: a function of the step id, so
-                                a resumed run repeats it); `steps.finished` closes the step and records
-                                its metrics (`step_metrics`).
-  abort_train_step(step)        `steps.aborting(step)` returns the open step if it is `step` (else
-                                None: an abort never undoes a finish); the engine drops its
-                                gradients; `steps.aborted` closes it.
-  status()                      `steps.status()`: {"next_step", "open_step", "last_finished"}.
+A rank holds one `SplitStep` (`core.steps`) that checks the order of begin / microbatch / finish /
+abort by step id and records each finished step's metrics, while the engine makes its own moves
+(zeroing gradients, collectives, the optimizer step). `train_rows` cuts a microbatch into passes of
+at most `train.micro_batch_tokens` tokens and `rows_loss` runs forward, the GRPO loss and backward.
+A finish of the step finished last returns its recorded metrics (never a second optimizer step); an
+abort drops the gradients, bit-exactly what was there before the begin (no copy is kept). An
+optimizer step that fails inside `steps.applying` leaves the rank refusing everything but a
+checkpoint load (`TrainerStateLost`).
 """
 
 from __future__ import annotations

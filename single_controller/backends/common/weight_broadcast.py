@@ -1,31 +1,12 @@
 """Weight sync over a collective group (`sync.transport: collective`).
 
-The object-store path (`weights.WeightSnapshot` with `ray.put` buckets) copies the packed snapshot
-into plasma, and each generation worker reads it from there (shared memory on the trainer's node,
-Ray's object transfer elsewhere). Here the trainer's rank 0 keeps the packed buckets
-(`WeightSender.stage_weights`) and broadcasts them, bucket by bucket, over a `torch.distributed` group
-made for the purpose: gloo on CPU, NCCL on GPUs (a bucket is copied to the device on each side). The
-generation worker receives into buckets of the manifest's dtype and loads them exactly as it loads an
-object-store snapshot (torch: `load_snapshot`; vLLM: the worker extension's `sc_load_snapshot`).
-
-* One group per generation worker: rank 0 is the sender, rank 1 the worker's process (`sync_ranks`:
-  the vLLM engine runs in its actor's process). A worker that restarts, or joins when a pool grows,
-  gets a group of its own; the others' groups are untouched. The price: the sender's link carries the
-  bytes once per worker (gloo's broadcast does too; an NCCL ring over one group of all workers would
-  not). Measured against the object store in docs/performance.md ("weight sync by transport").
-* Groups meet at a `TCPStore` the sender hosts on its node (`sync_address`: the node's registered IP,
-  a port the OS picks), each under a key of its own (`PrefixStore`). Every wait has the group's
-  timeout (`timeouts.weight_sync_s`).
-* Memory: nothing is allocated per sync in steady state. A sender keeps `STAGED_VERSIONS` packed
-  snapshots and packs each new one into the buckets of the one it drops (`make_room`), unless a send
-  or an object-store copy reads them: a reader marks its version in the same locked step that finds
-  its buckets (`_reading`), so no export in between can pack into them. A receiver receives into
-  the buckets of its last snapshot (`WeightReceiver`).
-* `StagedWeights` is a `WeightsHandle` payload of this transport: the manifest and the sending actor.
-  The controller-side client (`actor_client.ActorGenerationClient`) forms the group on first use,
-  then runs the sender's `send_weights` beside the worker's `receive_weights`. When the group cannot
-  be formed (no route, a firewall, no NCCL) it says so once and asks the sender for an object-store
-  snapshot of the same staged bytes instead (`put_weights`).
+Instead of copying the packed snapshot into Ray's object store, the trainer's rank 0 keeps the
+buckets (`WeightSender.stage_weights`) and broadcasts them over a `torch.distributed` group made per
+generation worker (gloo on CPU, NCCL on GPUs); the worker loads them as it loads an object-store
+snapshot. Groups meet at a `TCPStore` the sender hosts (`sync_address`), under
+`timeouts.weight_sync_s`. Nothing is allocated per sync in steady state: the sender packs into the
+buckets of a dropped staged version (`make_room`), a receiver into its last snapshot's. A group that
+cannot be formed falls back, once and saying so, to an object-store snapshot (`put_weights`).
 """
 
 from __future__ import annotations
@@ -266,8 +247,8 @@ class WeightReceiver:
     def __init__(self) -> None:
         self._group: tuple[GroupAddress, Any] | None = None
         # The buckets of the last snapshot, received into again while the layout stays the same:
-        # a fresh buffer would be faulted in page by page on every sync (on this 2-core VM 1 GB of new
-        # pages costs seconds, more than the transfer). Costs one snapshot's bytes between syncs.
+        # a fresh buffer would be faulted in page by page on every sync (on a VM that can cost more
+        # than the transfer: docs/performance.md). Costs one snapshot's bytes between syncs.
         self._buffers: tuple[tuple[str, tuple[int, ...], str], list[torch.Tensor]] | None = None
         self._lock = threading.Lock()  # one receive at a time: the buffers are reused
 

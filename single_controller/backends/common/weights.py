@@ -1,18 +1,10 @@
 """Weight snapshots: how weights travel from a trainer backend to a generation backend.
 
-A `WeightSnapshot` is the tensors packed into flat numpy buckets of at most `bucket_bytes` (a tensor
-larger than that gets its own bucket) plus a `WeightManifest` of names, shapes and offsets tagged
-with the policy version. Names are the checkpoint's (Hugging Face names for an HF model), so any
-trainer backend can feed any generation backend.
-
-* `pack_weights(tensors, version, dtype=...)`: the one packer (a module's parameters, or named
-  tensors), cast to the generation dtype on the way (a float32 trainer publishes bfloat16 buckets).
-* `bucket_tensor(bucket, dtype)`: a bucket as a torch tensor of the manifest's dtype. numpy has no
-  bfloat16, so a bfloat16 bucket travels as its int16 bit pattern (`CARRIERS`) and is reinterpreted
-  (`.view(torch.bfloat16)`, no copy) on the receiving side; `WeightManifest.dtype` names the torch dtype.
-* `resolve_snapshot(snapshot)`: await the buckets a Ray trainer `ray.put` (ObjectRefs).
-* `load_snapshot(module, snapshot)`: copy a resolved snapshot into a module's parameters, after
-  checking the whole manifest against the module.
+A `WeightSnapshot` is the tensors packed into flat numpy buckets of at most `bucket_bytes` plus a
+`WeightManifest` (names, shapes, offsets, the policy version). Names are the checkpoint's, so any
+trainer feeds any generation backend. `pack_weights` is the one packer (cast to the generation
+dtype on the way; bfloat16 travels as its int16 bit pattern, `CARRIERS`); `resolve_snapshot` awaits
+the buckets' ObjectRefs; `load_snapshot` checks the whole manifest, then copies into a module.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Where a worker process's output goes: its own file in the run directory, not the user's console.
 
-Contract:
-- The driver of a run puts `SC_GRPO_LOG_DIR=<run dir>/logs` into the environment of every Ray
-  process of the run (the session's `runtime_env`) and starts Ray with `log_to_driver=False`.
-- `redirect_output(name)`, called first thing in a worker actor's constructor, points the process's
-  file descriptors 1 and 2 at `$SC_GRPO_LOG_DIR/<name>.log` (appended to: a restarted worker adds to
-  its predecessor's file, after a header line). `os.dup2` moves the descriptors themselves, so what
-  C extensions, child processes (vLLM's engine core) and the interpreter's exit write lands there
-  too: engine logs, progress bars, warnings, leak reports. Python's loggers of sc-grpo's packages
-  write INFO and up to the same file.
-- Without `SC_GRPO_LOG_DIR` (a worker built in-process, or by a test's own Ray) it does nothing:
-  the output stays where it was.
+The driver puts `SC_GRPO_LOG_DIR=<run dir>/logs` into every Ray process's environment and starts
+Ray with `log_to_driver=False`; `redirect_output(name)`, first thing in a worker's constructor,
+points file descriptors 1 and 2 at `<name>.log` (appended: a restarted worker adds to its file), so
+C extensions and child processes land there too. Without `SC_GRPO_LOG_DIR` it does nothing.
 """
 
 from __future__ import annotations

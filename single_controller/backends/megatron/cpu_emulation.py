@@ -1,29 +1,12 @@
-"""Running megatron-core on CPU, for tests only. The one switch is `MegatronConfig.cpu_emulation`
-(`megatron.cpu_emulation` in a config); nothing else in the Megatron backend knows about CPUs.
+"""Running megatron-core on CPU, for tests only: the one switch is `megatron.cpu_emulation`.
 
-megatron-core has no CPU mode: its DDP buffers, optimizer, gradient clipping and global scratch
-buffers hard-code CUDA. Written against megatron-core == PINNED_VERSION (the `megatron` extra pins
-it); `tests/test_megatron_emulation.py` runs every emulated call site and fails loudly when an
-upgrade moves one. On a machine with CUDA the emulation refuses to start: the GPU path never runs
-through it.
-
-`cpu_emulation()` is a context manager, entered around everything a trainer rank does with Megatron
-(build, forward/backward, finish, abort). Inside it:
-  (a) a `TorchFunctionMode` rewrites `device=` arguments naming CUDA (or a bare device index, which
-      Megatron passes as `torch.cuda.current_device()`) to "cpu", and `Tensor.to(<cuda>)` likewise;
-  (b) `Tensor.cuda()` returns the tensor itself;
-  (c) `Tensor.type()` reports `torch.cuda.<T>` (Megatron's `clip_grads` asserts CUDA grads);
-  (d) `torch.cuda.current_device / synchronize / Stream / stream / current_stream / default_stream`
-      are stubs;
-  (e) activation recompute (`train.gradient_checkpointing`: Megatron's `tensor_parallel.checkpoint`)
-      recomputes a layer's forward inside the backward pass, where (a) is not active (a
-      `TorchFunctionMode` is off while it handles a call, here `Tensor.backward`): its backward runs
-      under a mode of its own; the CUDA RNG state it saves before the forward and restores for the
-      recompute is an empty tensor, and restoring it a no-op (there is no CUDA RNG, and with dropout
-      0 nothing draws from it; the CPU RNG, which it also saves and restores, is torch's own);
-and on exit everything is restored. `manual_seed(seed)` is the CPU-safe twin of Megatron's
-`model_parallel_cuda_manual_seed` (its CUDA RNG tracker reads `torch.cuda.get_rng_state`; the
-inference tracker's fork is a no-op, which is exact with dropout 0).
+megatron-core has no CPU mode (its DDP buffers, optimizer, clipping and scratch buffers hard-code
+CUDA). `cpu_emulation()` is a context manager entered around everything a rank does with Megatron:
+a `TorchFunctionMode` maps CUDA devices to CPU, `Tensor.cuda()` / `Tensor.type()` and the
+`torch.cuda` stream and device calls are stubbed, and activation recompute runs its backward under a
+mode of its own; everything is restored on exit. `manual_seed` is the CPU twin of Megatron's seeding.
+Written against megatron-core == `PINNED_VERSION` (a test runs every emulated call site); it refuses
+to start where CUDA is available, so the GPU path never runs through it.
 """
 
 from __future__ import annotations

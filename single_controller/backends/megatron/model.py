@@ -1,38 +1,13 @@
-"""Llama-, Qwen2-, Qwen3- and GPT-2-family models in megatron-core and their exact weight conversion to
-and from Hugging Face.
+"""Llama-, Qwen2-, Qwen3- and GPT-2-family models in megatron-core, with exact weight conversion to and
+from Hugging Face.
 
-`ModelSpec.from_hf_config(config.json dict)` picks the architecture from `model_type` and reads what
-the model needs; it refuses what this backend does not build, naming the field:
-  llama  sizes, heads, GQA groups, head_dim, RMSNorm eps, rope theta, tied or untied embeddings
-         (no biases, no rope scaling, SiLU only): RMSNorm, SwiGLU MLP, RoPE (rotate-half, like HF).
-  qwen2  llama's fields and layout, plus biases on q/k/v (`add_qkv_bias`; no other bias); no
-         sliding window.
-  qwen3  llama's fields and layout, plus an RMSNorm over each query and each key head before RoPE
-         (HF q_norm/k_norm [d] -> Megatron q_layernorm/k_layernorm, `qk_layernorm`); no bias
-         (`attention_bias` false), no sliding window.
-  gpt2   sizes, heads, n_inner, layer_norm_epsilon, n_positions, tied or untied embeddings:
-         learned absolute positions, LayerNorm with bias, biased linears, non-gated GELU MLP (the tanh
-         approximation, HF's `gelu_new`; or exact `gelu`), attention scaled by 1/sqrt(head_dim).
-`build_gpt(spec, tp, dtype)` makes the `GPTModel` (local spec: no Transformer Engine, no apex), causal
-attention, `parallel_output=False` so every TP rank sees whole logits. The vocabulary is padded to a
-multiple of TP with zero rows; `MegatronPolicy` cuts the padding off the logits, so padded rows never
-receive gradient.
-
-Conversion works on plain name -> tensor dicts, HF names on one side and this rank's Megatron shard
-on the other:
-  hf_to_megatron(hf, spec, tp, tp_rank)  -> the state dict of TP rank `tp_rank` (every tensor exact)
-  megatron_to_hf(shards, spec)           -> HF tensors from the state dicts of all TP ranks (rank order)
-Layouts (per layer; q/k/v heads h, groups g = kv heads, d = head_dim, I = intermediate size):
-  linear_qkv  [g * (h/g + 2) * d, H]: for each group its h/g query heads, then its key, then its
-              value (its bias [g * (h/g + 2) * d] the same way: GPT-2's, Qwen2's q/k/v_proj biases).
-              GPT-2's fused Conv1D `c_attn`
-              is [H, 3H] = [in, out] with out = [q; k; v]: transposed, then regrouped per head.
-  linear_fc1  llama: [2 * I/tp, H] per rank: this rank's gate rows, then its up rows;
-              gpt2: c_fc transposed [I, H], split by rows (bias too).
-  linear_proj, linear_fc2 split along the input dim (their biases, added after the TP all-reduce,
-  are whole on every rank); qkv, fc1, embedding, output layer along dim 0; norms (Qwen3's per-head
-  q/k norms too: every head shares one) and GPT-2's position embedding are whole on every rank.
-  GPT-2's Conv1D weights are [in, out]: transposed both ways.
+`ModelSpec.from_hf_config` reads `config.json` by `model_type` and refuses, naming the field, what
+this backend does not build (rope scaling, sliding windows, other biases...). `build_gpt` makes the
+`GPTModel` (local spec: no Transformer Engine, no apex; whole logits on every TP rank; vocabulary
+padded to a multiple of TP, the padding cut off by `MegatronPolicy`). `hf_to_megatron` gives one TP
+rank's shard and `megatron_to_hf` reassembles HF tensors from every rank's: fused qkv regrouped per
+query group, gate/up rows split per rank, row-parallel layers split along their input, norms whole,
+GPT-2's Conv1D weights transposed.
 """
 
 from __future__ import annotations

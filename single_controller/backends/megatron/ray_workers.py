@@ -1,18 +1,11 @@
 """The Megatron trainer on Ray: one actor per rank (gloo on CPU, NCCL with one GPU each), and the
 controller-side `MegatronTrainerGroup` that satisfies `protocols.TrainerGroup`.
 
-* `MegatronRankActor` joins the group's torch.distributed world (`join`), then `build`s: it
-  (re)initializes `megatron.core.parallel_state` with the TP size (DP = world / TP; ranks of a TP group
-  are consecutive), reads the Hugging Face model directory (`config.json` + `*.safetensors`) and
-  builds a `MegatronTrainerCore` from it. `build` may be called again with another TP size in the
-  same processes (tests share one 2-process world this way).
-* Rows: the controller sends keys; the group splits each chunk over DP ranks with
-  `single_controller.algorithm.dp_split` (balanced by tokens, one microbatch per DP rank per chunk); inside a TP group
-  only the TP leader reads from storage and broadcasts (`replay.fetch.fetch_and_broadcast`).
-* Weights leave as a `backends.common.weights.WeightSnapshot` (flat numpy buckets + manifest) under
-  Hugging Face tensor names: every rank gathers its TP group's shards, rank 0 converts and
-  `ray.put`s the buckets, so weight bytes never pass through the controller. Checkpoints are HF
-  model directories (`save_checkpoint`).
+`MegatronRankActor` joins the group's world, then `build`s a `MegatronTrainerCore` from the model
+directory (again with another TP size if asked). The group splits each chunk over DP ranks
+(`algorithm.dp_split`); inside a TP group only the leader reads rows and broadcasts them
+(`replay.fetch.fetch_and_broadcast`). Weights leave as a `WeightSnapshot` under HF names, put by
+rank 0, so they never pass through the controller; checkpoints are HF model directories.
 """
 
 from __future__ import annotations
@@ -87,8 +80,8 @@ def destroy_model_parallel() -> None:
     """`parallel_state.destroy_model_parallel()`, and the process groups it forgets: megatron-core
     drops its references to the groups `initialize_model_parallel` made but destroys only its explicit
     gloo ones; torch.distributed keeps the rest registered, so every `build` in the same world leaked
-    its ~20 groups with their gloo threads (~50 threads a build; after 50 builds an idle rank burnt
-    ~0.7 of a core polling). Destroyed as megatron-core destroys its own: only groups still registered;
+    its groups with their gloo threads (dozens of threads a build, and an idle rank after many
+    builds kept most of a core busy polling). Destroyed as megatron-core destroys its own: only groups still registered;
     a group's threads end with its last reference, which the replaced core holds in reference cycles
     (its modules and optimizer): collected here, not whenever the collector next runs."""
     from megatron.core import parallel_state as mps

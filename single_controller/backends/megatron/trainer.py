@@ -1,33 +1,11 @@
 """One Megatron trainer rank without Ray: the split train API on megatron-core's own machinery.
 
-The caller has joined a torch.distributed group and initialized `megatron.core.parallel_state`
-(TP x DP ranks); every rank of the group builds one `MegatronTrainerCore` and makes the same calls.
-
-Contract of a step (the torch trainer's, with the same loss math and bookkeeping:
-`backends.common.split_step.SplitStep`, `core.steps`):
-  begin_train_step(step, loss)  refuses unless `step` == next_step and no step is open; zeroes
-                                Megatron DDP's gradient buffers (no copy of parameters or optimizer
-                                state is kept: only the optimizer step in finish changes them).
-  train_microbatch(rows)        forward/backward of the RAW masked loss sum (`grpo_loss`) under DDP
-                                `no_sync()`, in passes of at most `train.micro_batch_tokens` tokens
-                                (`train_rows`): gradients accumulate in DDP's main_grad buffers, no
-                                communication. All ranks of a TP group get the same rows.
-  finish_train_step(step)       all-reduces [counts, loss and stat sums] over the DP group, then
-                                `finalize_model_grads` (DDP grad all-reduce, or reduce-scatter with
-                                the distributed optimizer), scales by 1/N once (N = global valid
-                                tokens or sequences), clips with Megatron's TP-aware norm, one
-                                optimizer step at `lr_at(step)`: the trainer sets the inner torch
-                                optimizers' param groups itself, right before the step (Megatron's
-                                `OptimizerParamScheduler` is not used: its state would be a second
-                                step counter to keep in line). finish of the step finished last returns its recorded
-                                metrics (no second step). If it raises the step stays open.
-  abort_train_step(step)        the open `step`: drops its gradients, which leaves parameters and
-                                optimizer state bit-identical to before begin; anything else: no-op
-                                (never undoes a finished step). An optimizer step that failed partway
-                                cannot be undone: `TrainerStateLost` until a checkpoint load.
-  status()                      {"next_step", "open_step", "last_finished"}.
-`hf_state_dict()` gathers the TP shards and converts them to Hugging Face names (weight sync and
-checkpoints); every rank of the TP group must call it.
+The torch trainer's contract and loss math (`backends.common.split_step.SplitStep`), on Megatron:
+microbatches accumulate the raw loss sum into DDP's buffers under `no_sync()`; finish all-reduces the
+counts and sums over DP, runs `finalize_model_grads`, scales by 1/N once, clips with the TP-aware
+norm and steps at `lr_at(step)` (set on the inner optimizers directly: no `OptimizerParamScheduler`,
+no second step counter). An abort drops the gradients. `hf_state_dict()` gathers the TP shards under
+HF names (weight sync, checkpoints); every rank of a TP group must call it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""AdamW for the torch trainer without importing `torch._dynamo` (~1.3 s of CPU in each trainer
-process, on the run's start-up path).
+"""AdamW for the torch trainer without importing `torch._dynamo` (a start-up cost of every trainer
+process: docs/performance.md).
 
-`torch.optim` wraps `Optimizer.add_param_group`, `zero_grad`, `state_dict` and `load_state_dict` in
-`torch._disable_dynamo`, whose first call imports all of Dynamo to build the disabled twin, and every
-`step()` calls `torch._dynamo.graph_break()`. Both only matter under `torch.compile`, which this
-trainer never uses. `eager_adamw` gives those wrappers their own function as the "disabled" twin (so
-they call it directly), and `eager_step` runs the optimizer's update under `torch.no_grad()` (what
-`step()` does when the optimizer is not differentiable) and records that it ran. Where torch is not
-built the way this expects (another version), both fall back to torch's own calls: same results,
-Dynamo imported.
+`torch.optim` wraps a few `Optimizer` methods in `torch._disable_dynamo`, whose first call imports
+Dynamo, and every `step()` calls `torch._dynamo.graph_break()`; both matter only under
+`torch.compile`, which this trainer never uses. `eager_adamw` and `eager_step` skip them with the
+same results; where torch is not built as this expects, both fall back to torch's own calls.
 """
 
 from __future__ import annotations

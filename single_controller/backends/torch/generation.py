@@ -1,26 +1,12 @@
 """Generation: sample prompt groups, score them next to the tokens, store the rows.
 
-`GenerationCore` (synchronous, no Ray) turns a batch of `GenerationRequest`s into one sampling pass
-per distinct (prompt length, sampling settings), decodes every completion, scores each group with the
-run's reward functions (`backends/common/rewards.py`), and writes ALL rows of the batch's rollout
-requests to the row storage in ONE put (fields GENERATION_FIELDS, keys `request.row_keys`; no per-row
-tags: a row's key names its group and its `token_versions` its weights, and TransferQueue's per-row
-tags cost the writer ~20 % of a put); eval requests (`request.eval`) are sampled and scored alike but
-never stored; `temperature == 0` samples greedily. The response text given to the reward function
-excludes a final stop token. A group whose reward function raises or gives a
-non-finite reward is answered with `RewardFailed` and none of its rows is stored; its batch-mates
-are answered and stored as ever (`backends/common/rewards.py`). It stamps results with `version`, the policy
-version of its weights; with no weights loaded yet (`version is None`) it refuses to generate.
-
-`GenerationActor` is the asyncio worker around it (run as a Ray async actor by `ray_workers`, or
-directly in a test): concurrent `generate()` calls queue up in two lanes, eval requests ahead of
-rollouts; one batching loop takes up to `max_batch_groups` groups' worth of them (the eval lane
-first, an eval request weighed by its rows), runs the core in a thread (`asyncio.to_thread`) and resolves each call's
-future. It is version-gated (`protocols.VersionGated`): a request whose `min_version` is newer
-than the weights loaded waits in its lane until an update brings them. Weights change only under
-`_weights_lock`, which a batch holds from its first to its last token, so a batch never sees a
-half-applied update and version_start == version_end. `sleep(1|2)` frees the weights (elastic
-shrink: `protocols.Sleepable`); `wake()` takes the memory back, and serving resumes with the next update.
+`GenerationCore` (no Ray) runs one sampling pass per distinct (prompt length, sampling settings),
+decodes, scores each group (`backends/common/rewards.py`) and writes all rollout rows of a batch in
+ONE put, without per-row tags (a key names its group, `token_versions` its weights); eval requests
+are never stored; a group whose reward failed is answered with `RewardFailed`, unstored, alone.
+`GenerationActor` is the asyncio worker around it: two lanes (eval first), one batching loop of up to
+`max_batch_groups` groups, version-gated (`protocols.VersionGated`); weights change only under
+`_weights_lock`, so a batch sees one version. `sleep` / `wake` serve an elastic shrink.
 """
 
 from __future__ import annotations
@@ -189,7 +175,7 @@ class GenerationCore:
             passes[(len(r.prompt.token_ids), s.temperature, s.top_p, s.max_new_tokens, s.stop_token_ids)].append(i)
         # Per request: (token ids [n], logprobs [n], mask [n], response text, n) of each row. The
         # tensors are split from the pass's outputs in one call per field (slicing them row by row
-        # cost ~10 us a row); every storage copies what it is given.
+        # cost more than the rows' data); every storage copies what it is given.
         responses: list[list[_Row]] = [[] for _ in requests]
         for (_, temperature, top_p, max_new, stop), idx in passes.items():
             prompt_ids = torch.tensor(

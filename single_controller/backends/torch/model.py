@@ -1,17 +1,10 @@
 """Policies for the embedded CPU backend: a pure-torch TinyGPT and an adapter for HF causal LMs.
 
-Contract (`CausalPolicy`): a module with `vocab_size`, `max_seq_len` and
-  * `forward(input_ids [B, T]) -> logits [B, T, V]` (causal, positions 0..T-1; what the trainer uses),
-  * `new_cache(batch_size, max_len=None) -> cache` and `forward_cached(input_ids [B, t], cache) -> logits [B, t, V]`,
-    which appends the t tokens to the cache (what sampling uses: one prefill, then one token at a time).
-Both paths compute the same function, so generation logprobs and trainer logprobs agree to float
-rounding (`algorithm.logprobs.token_logprobs` computes logprobs of given tokens for training).
-`load_hf_policy(path)` wraps a Hugging Face model directory (`backends.common.hf_model`) as a policy.
-
-TinyGPT: pre-LayerNorm blocks, learned absolute positions, tied input/output embeddings (the head is
-`F.linear(x, tok_emb.weight)`, so the state dict has no duplicate tensor), GELU MLP (4x),
-`F.scaled_dot_product_attention`, a preallocated KV cache. Weights are saved as
-`model.safetensors` + `config.json` in a directory.
+`CausalPolicy`: `forward(input_ids) -> logits` (what the trainer uses) and `new_cache` /
+`forward_cached` (one prefill, then a token at a time: what sampling uses), computing the same
+function so generation and training logprobs agree to rounding. TinyGPT: pre-LayerNorm blocks,
+learned positions, tied embeddings, saved as `model.safetensors` + `config.json`. `load_hf_policy`
+wraps a Hugging Face model directory (`single_controller.data.hf_model`).
 """
 
 from __future__ import annotations

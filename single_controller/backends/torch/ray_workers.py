@@ -1,25 +1,11 @@
-"""The embedded CPU backend on Ray: trainer-rank and generation actors, and the controller-side
-adapters that satisfy `protocols.TrainerGroup` and `protocols.GenerationWorker`.
+"""The embedded torch backend on Ray: trainer-rank and generation actors, and their controller-side
+adapters (`protocols.TrainerGroup`, `protocols.GenerationWorker`).
 
-* `TrainerRankActor` wraps one `TrainerCore`. Ranks form a gloo group that meets at a TCPStore rank 0
-  opens on its node's IP (`rank_calls.rendezvous`), so ranks may sit on different nodes
-  (`backend.trainer_placement`). Each rank reads ITS OWN rows from the row storage (`storage_factory()` in
-  the actor); the controller only sends keys.
-* `CpuTrainerGroup` splits each `TrainChunk` across ranks with `single_controller.algorithm.dp_split` (balanced by
-  tokens), one microbatch per rank per chunk (so every rank runs the same number of microbatches); finish returns
-  rank 0's metrics plus the bytes all ranks read; `export_weights` has rank 0 `ray.put` its buckets
-  and returns a `WeightsHandle` whose payload is a `WeightSnapshot` holding the bucket ObjectRefs
-  (refs nested in a container are not resolved by Ray; generation workers await them), so weight
-  bytes never pass through the controller.
-* Generation: `backends.common.actor_client.ActorGenerationClient` over a `generation.GenerationActor`
-  run as a Ray async actor.
-* `start_torch_generation` / `start_torch_trainer` start one role each (the starters named in
-  `backends.registry`); `create_cpu_workers(cfg, storage_factory)` starts both and syncs version 0
-  (rank 0's init, or `model.checkpoint`) to every generation worker; `shutdown_cpu_workers` stops them.
-
-Adapters are coroutines that `await` object refs; nothing here calls `ray.get` on the event loop.
-Errors: see `backends.common.rank_calls` (which trainer failures become a retried `TrainerFailed`)
-and `backends.common.actor_client` (`GenerationFailed`, `GenerationWorkerDied`).
+`CpuTrainerGroup` drives `TrainerRankActor`s: a gloo group met at rank 0's TCPStore
+(`rank_calls.rendezvous`), each chunk split over ranks by tokens (`algorithm.dp_split`), each rank
+reading its own rows; rank 0 `ray.put`s the weight buckets, so weights never pass through the
+controller. Generation is `ActorGenerationClient` over a `GenerationActor`. `start_torch_generation` /
+`start_torch_trainer` are the starters `backends.registry` names. Errors: `rank_calls`, `actor_client`.
 """
 
 from __future__ import annotations
@@ -90,7 +76,7 @@ class CpuTrainerGroup:
     whose microbatch failed refuses the step's finish (`TrainerCore.mark_failed`; every rank learns
     it in the finish's first all-reduce) until the step is aborted. A successful finish of step s
     sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
-    Each saves a round trip between the controller and the ranks per step (~3-5 ms on two cores)."""
+    Each saves a round trip between the controller and the ranks per step."""
 
     def __init__(
         self, rank_handles: Sequence[Any], *, rank_nodes: Sequence[dict] = (), placement: RankPlacement | None = None

@@ -1,15 +1,10 @@
 """Batched autoregressive sampling with a KV cache.
 
-Contract: `sample(policy, prompt_ids [B, Tp], ...)` draws up to `max_new_tokens` tokens per row from
-softmax(logits / temperature), restricted to the top-p nucleus when top_p < 1, and reports for each
-drawn token its log-probability under log_softmax(logits / temperature): the *tempered, un-truncated*
-policy. The trainer computes the same quantity (`model.token_logprobs` with the same temperature), so
-for identical weights and tokens the two agree to float rounding; top-p only restricts which tokens
-can be drawn (as vLLM reports logprobs), which keeps every importance ratio finite.
-
-A row that emits one of `stop_token_ids` stops: the stop token is its last real token, and every later
-position has `mask` False, token `pad_id` and logprob 0. `SampleOutput.row(i)` gives the real tokens
-of row i (up to and including the stop token). Sampling ends early once every row has stopped.
+`sample(policy, prompt_ids, ...)` draws up to `max_new_tokens` per row from softmax(logits / T),
+within the top-p nucleus, and reports each token's logprob under the tempered, un-truncated policy:
+what the trainer recomputes, so both agree to rounding and every importance ratio stays finite. A
+row stops at one of `stop_token_ids` (later positions masked, `pad_id`, logprob 0); sampling ends
+once every row has stopped.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """One trainer rank without Ray: the split train API over a policy, AdamW and an optional gloo group.
 
-Contract of a step (`TrainerCore`); every call names its step (see `protocols.TrainerGroup`; the
-bookkeeping is `backends.common.split_step.SplitStep`, `core.steps`):
-  begin_train_step(step, loss)  opens a step (raises if one is open or `step` is not `next_step`),
-                                zeroes gradients (no copy of parameters or optimizer state is kept:
-                                only the optimizer step in finish changes them).
-  train_microbatch(rows)        (raises if no step is open) adds d(raw loss sum)/dθ to the local
-                                gradients, under DDP `no_sync()`: no communication per microbatch; in
-                                passes of at most `train.micro_batch_tokens` tokens (`train_rows`).
-  finish_train_step(step)       all-reduces [counts, loss and stat sums] and, once, all gradients
-                                flattened into one buffer; scales by 1/N (N = global valid tokens for
-                                token-level loss, global sequences for sequence-level); clips to
-                                grad_clip; one AdamW step at `lr_at(step)` (set on the param groups
-                                right before it); closes the step and returns metrics. If it
-                                raises (non-finite gradient norm, no valid tokens, a collective
-                                failed) the step stays open: the caller aborts it. finish of the
-                                step finished last returns its recorded metrics (no second step).
-  abort_train_step(step)        idempotent: drops the step's gradients, which leaves parameters and
-                                optimizer state bit-identical to before begin (no-op when `step` is
-                                not open: never undoes a finish). An optimizer step that failed
-                                partway cannot be undone: `TrainerStateLost` until a checkpoint load.
-After finish, `p.grad` holds the gradient that was applied (scaled and clipped) until the next begin.
-
-Weights leave the trainer as a `backends.common.weights.WeightSnapshot` (`publish_weights`) and
-come in through `load_weights`.
-
-Precision: the parameters (and so AdamW's state) keep the dtype they were built in (float32, or
-float64 for the equivalence tests); `compute_dtype` (model.dtype: bfloat16/float16) runs the forwards
-under `torch.autocast` in it (`split_step.rows_loss`; the backward mirrors them): matmuls in 16 bits, logprobs and the
-loss in float32, gradients accumulated in the parameters' dtype. Snapshots are published in
-`compute_dtype`, the generation workers' dtype (half the bytes of float32).
+`TrainerCore` follows `protocols.TrainerGroup` with `backends.common.split_step.SplitStep`'s
+bookkeeping: microbatches add the raw loss sum's gradient under DDP `no_sync()` (no communication);
+finish all-reduces counts, sums and the flattened gradients once, scales by 1/N, clips and takes one
+AdamW step at `lr_at(step)`; an abort drops the gradients. Parameters and AdamW state keep their
+build dtype; `compute_dtype` (`model.dtype`) runs forwards under `torch.autocast` (logprobs and loss
+in float32) and is the dtype snapshots are published in.
 """
 
 from __future__ import annotations
@@ -113,7 +89,7 @@ class TrainerCore:
             )
         self._forward: nn.Module = policy if self._ddp is None else self._ddp
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        # never imports torch._dynamo (~1.3 s of CPU at start-up; nothing here is compiled)
+        # never imports torch._dynamo (a start-up cost; nothing here is compiled)
         self.optimizer = eager_adamw(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         # Frozen copy of the initial weights for the KL penalty, only when it is enabled.
         self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None

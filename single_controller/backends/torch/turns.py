@@ -1,12 +1,9 @@
 """Multi-turn generation on the torch worker: the `TurnEngine` of `backends/common/episodes.py`.
 
-Episodes ask to continue their sequences one turn at a time (`continue_sequence`); `TurnBatcher`
-gathers every continuation asked for at a moment into one pass of `sampling.sample` per distinct
-(sequence length, budget, sampling settings), run in a thread while it holds the worker's weights
-lock (a pass sees one policy version; an update lands between passes, so an episode that spans an
-update carries both versions, token by token). The whole sequence is prefilled each turn: the
-torch sampler keeps no cache between calls (vLLM's prefix caching does).
-
+`TurnBatcher` gathers the turns asked for at one moment into one `sampling.sample` pass per distinct
+(length, budget, settings), under the worker's weights lock: a pass sees one policy version, and an
+episode spanning an update carries both, token by token. The torch sampler keeps no cache between
+turns, so each turn prefills the whole sequence.
 """
 
 from __future__ import annotations

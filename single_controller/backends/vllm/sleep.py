@@ -1,19 +1,10 @@
 """vLLM's sleep mode behind `protocols.Sleepable` (an elastic shrink, `single_controller/elastic.py`).
 
-Only on a GPU: vLLM's sleep mode is CUDA/ROCm only, and the engine must be started with
-`enable_sleep_mode=True` (`worker.engine_args` does, with `vllm.device=cuda` and
-`rollout.sleep_level` > 0; the config rule `vllm_sleeps_only_on_a_gpu` refuses a deeper level on the
-CPU). Both functions run in the engine's own thread, under the worker's engine lock, with nothing in
-the engine:
-
-* `sleep_engine(engine, level)`: `LLMEngine.sleep(level)`. Level 1 offloads the weights to host
-  memory and drops the KV cache; level 2 drops both (buffers such as RoPE tables are kept on the
-  host), so every weight must be loaded again before the engine generates. Returns a `SleepRecord`:
-  the device memory freed (`torch.cuda.mem_get_info` before and after, so another process's
-  allocations in between count too) beside the engine's weights and KV cache on the device.
-* `wake_engine(engine)`: `LLMEngine.wake_up`, the weights' memory first and then the KV cache's
-  where the installed vLLM takes tags (what vLLM's docs advise against an OOM while weights are
-  reloaded), then checks that the engine is awake (its scheduler runs again only then).
+GPU only (vLLM's sleep mode is CUDA/ROCm; the rule `vllm_sleeps_only_on_a_gpu` refuses a deeper
+level on the CPU). Both run in the engine's thread under the worker's engine lock, nothing in the
+engine. `sleep_engine(engine, level)`: level 1 offloads the weights and drops the KV cache, level 2
+drops both; it returns a `SleepRecord` of the device memory freed. `wake_engine(engine)` wakes the
+weights, then the KV cache, and checks the engine is awake.
 """
 
 from __future__ import annotations

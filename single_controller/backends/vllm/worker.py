@@ -1,48 +1,13 @@
-"""One vLLM engine behind the generation-worker contract (run as a Ray async actor, or directly on an
-asyncio loop in tests).
+"""One vLLM engine behind the generation-worker contract (a Ray async actor, or an asyncio loop in tests).
 
-`VllmGenerationActor` owns an in-process `LLMEngine` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: no engine
-process of its own, so nothing outlives the actor) and steps it from one asyncio task, each step in a
-thread. Every engine call (step, add, abort, weight load) holds `_engine_lock`, so they never overlap.
-
-* `generate_many(requests)`: each group is one engine request with n = G, sampled-token logprobs
-  (`processed_logprobs`: log_softmax(logits / temperature), what the trainer recomputes). When a
-  group finishes, its completions are decoded with the model directory's tokenizer, scored by the reward
-  function here, and ALL groups finished in one engine step are written in ONE put (fields
-  `GENERATION_FIELDS`, keys `request.row_keys`; empty `row_keys`: score only, store nothing).
-  Returns one `GenerationResult` (or the `GenerationFailed` that ended it) per request: a group
-  whose reward function raises or gives a non-finite reward is answered with `RewardFailed` and
-  not stored, alone (`backends/common/rewards.py`).
-* Per-token versions: the engine labels every output token with the weight version it was sampled
-  with (`set_weight_version` at each update); rows carry them as `token_versions`, and a group's
-  `version_start` / `version_end` are its oldest / newest token's.
-* `update_weights(handle)`: between two engine steps (in-flight requests stay in the engine with
-  their KV cache: vLLM's "pause keep"), the snapshot's buckets (awaited from Ray's object store
-  while the engine steps on) are streamed bucket by bucket into the worker's own `reload_weights`,
-  then the engine's version label is set. With the controller's `drain`
-  policy nothing is in flight at that point; with `keep`, groups span versions.
-* `cancel(group_id)`: aborts the request in the engine; a group cancelled before its rows were put
-  is never written; one cancelled while its put is in flight has those rows cleared again before
-  `cancel` returns. Either way, once `cancel` returns no key of the group is in storage, and none
-  will be.
-* `pause(after_steps)` / `resume()`: stop stepping (in-flight requests frozen) and go on.
-* `sleep(level)` / `wake()` / `weights_version()` (`protocols.Sleepable`, an elastic shrink and
-  expand): level 0 changes nothing (routing only); on a GPU, vLLM's own sleep mode (`sleep.py`):
-  level 1 offloads the weights and drops the KV cache, level 2 drops both, and `weights_version()`
-  is None until the next update has loaded every weight again. Asleep, it refuses requests and
-  updates; each sleep's freed device memory goes to the worker's log and `sleep_stats()`.
-
-Multi-turn episodes (`env` set): every request, rollout or eval, is a group of G episodes played by
-`backends/common/episodes.py`'s `EpisodeRunner` against the environment; each policy turn is ONE
-engine request (n = 1, the whole sequence so far as its prompt, the turn's budget and stop tokens,
-the sampling settings and logprobs above), stepped by the same engine loop as every other request,
-so all the episodes' turns run concurrently. The prefix cache is on: a turn reuses the KV of its
-episode's earlier turns; its blocks are salted with the weight version, so none is reused across an
-update. The rows (`rows_of`: observation tokens masked out, logprob 0) and the result
-(`episode_result`) are the torch worker's. Version gating, `keep` updates between steps (a turn's
-tokens carry their versions), pause and cancel hold as above: `cancel` aborts the group's turns in
-the engine and stops its episodes; no row of it is written after `cancel` returns. A group whose
-environment fails (`EnvironmentFailed`) is answered with it alone, nothing stored.
+`VllmGenerationActor` owns an in-process `LLMEngine` and steps it from one task, each step in a
+thread, every engine call under `_engine_lock`. A group is one request with n = G and sampled-token
+logprobs (what the trainer recomputes); finished groups are decoded, scored and stored in one put per
+engine step, each token labelled with the weight version it was sampled with (`token_versions`).
+`update_weights` lands between engine steps with requests kept in flight; `cancel` guarantees no key
+of the group is, or will be, in storage once it returns; `pause` / `resume`, `sleep` / `wake`
+(`sleep.py`). With `env`, each policy turn is one engine request (prefix cache salted by version),
+played by `backends/common/episodes.py`.
 """
 
 from __future__ import annotations
