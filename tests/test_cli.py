@@ -226,6 +226,6 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys):
     err = capsys.readouterr().err
     assert "usage: sc-grpo bench [-h] NAME [ARGS ...]" in err
     assert (
-        "give a benchmark NAME: overlap, reference, storage, scale, embedded, sync, trl, eval" in err
+        "give a benchmark NAME: overlap, reference, storage, scale, embedded, startup, sync, trl, eval" in err
         and "ARGS" not in err.splitlines()[-1]
     )
