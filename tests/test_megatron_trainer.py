@@ -506,18 +506,18 @@ def test_distributed_optimizer_dp2_matches_full_batch(pair, single, hf_dir, rows
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 async def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
-    """Through `MegatronTrainerGroup.train_microbatch(TrainChunk)`: DP ranks read their token-balanced
+    """Through `megatron_trainer_group(...).train_microbatch(TrainChunk)`: DP ranks read their token-balanced
     share; in a TP group only the leader reads and broadcasts. Same gradients as the full batch."""
     import ray
 
     from replay.storage import TRAIN_FIELDS, column_nbytes
-    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.backends.megatron.ray_workers import megatron_trainer_group
     from single_controller.types import TrainChunk
 
     stored = make_rows(N_ROWS, STORED_SEED)
     loss = LossConfig(level="sequence")
     ref_grads, _, ref_metrics = reference(single, hf_dir, stored, loss, tag="stored")
-    group = MegatronTrainerGroup(pair, build(pair, hf_dir, tp=tp))
+    group = megatron_trainer_group(pair, build(pair, hf_dir, tp=tp))
     lengths = [len(p) + len(r) for p, r in zip(stored["prompt_ids"], stored["response_ids"])]
 
     await group.begin_train_step(0, loss)
@@ -592,10 +592,10 @@ async def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_
     state and next step are back bit-exactly, and the next step lands where it did the first time."""
     import ray
 
-    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.backends.megatron.ray_workers import megatron_trainer_group
 
     layouts = build(pair, hf_dir, tp=2)
-    group = MegatronTrainerGroup(pair, layouts)
+    group = megatron_trainer_group(pair, layouts)
     run_step(pair, layouts, rows, [6, 6], LossConfig(), step=0)
     saved = ray.get([r.state_fingerprint.remote() for r in pair])
     await group.save_state(str(tmp_path / "ckpt"))
@@ -617,15 +617,19 @@ async def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_
 
 async def test_step_id_semantics_through_the_group(pair, hf_dir, rows):
 
-    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.backends.megatron.ray_workers import megatron_trainer_group
 
     layouts = build(pair, hf_dir, tp=1)
-    group = MegatronTrainerGroup(pair, layouts)
+    group = megatron_trainer_group(pair, layouts)
     assert isinstance(group, TrainerGroup)
 
     assert await group.train_status() == TrainStatus(0, None, None)
+    # Calls are pipelined (`RankTrainerGroup`): a begin's refusal is reported by the next call that
+    # waits for the answers, and a refused begin opened nothing.
+    await group.begin_train_step(3, LossConfig())  # not the next step
     with pytest.raises(TrainStepStateError):
-        await group.begin_train_step(3, LossConfig())  # not the next step
+        await group.begin_train_step(0, LossConfig())  # reports the refusal before it, sends nothing
+    assert await group.train_status() == TrainStatus(0, None, None)
     await group.begin_train_step(0, LossConfig())
     with pytest.raises(TrainStepStateError):
         await group.begin_train_step(0, LossConfig())  # already open
@@ -662,12 +666,12 @@ async def test_weight_sync_generation_logprobs_match_trainer(pair, hf_dirs, arch
     import ray
 
     hf_dir, rows = hf_dirs[arch], arch_rows[arch]
-    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.backends.megatron.ray_workers import megatron_trainer_group
 
     layouts = build(pair, hf_dir, tp=tp)
     for step in range(2):
         run_step(pair, layouts, rows, [6, 6], LossConfig(), step=step)
-    group = MegatronTrainerGroup(pair, layouts)
+    group = megatron_trainer_group(pair, layouts)
 
     handle = await group.export_weights(2)
     snapshot = await resolve_snapshot(handle.payload)
@@ -817,12 +821,12 @@ async def test_bfloat16_snapshot_is_the_bfloat16_model_and_generation_logprobs_m
 ):
     import ray
 
-    from single_controller.backends.megatron.ray_workers import MegatronTrainerGroup
+    from single_controller.backends.megatron.ray_workers import megatron_trainer_group
 
     layouts = build(pair, hf_dir, tp=tp, dtype="bfloat16")
     for step in range(2):
         run_step(pair, layouts, rows, [6, 6], LossConfig(), step=step)
-    handle = await MegatronTrainerGroup(pair, layouts).export_weights(2)
+    handle = await megatron_trainer_group(pair, layouts).export_weights(2)
     snapshot = await resolve_snapshot(handle.payload)
     assert snapshot.manifest.dtype == "bfloat16" and snapshot.manifest.carrier == "int16"
     generator = load_hf(hf_dir).to(torch.bfloat16)  # what torch generation in bfloat16 holds

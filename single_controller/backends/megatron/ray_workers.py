@@ -1,5 +1,5 @@
 """The Megatron trainer on Ray: one actor per rank (gloo on CPU, NCCL with one GPU each), and the
-controller-side `MegatronTrainerGroup` that satisfies `protocols.TrainerGroup`.
+controller-side `RankTrainerGroup` (`megatron_trainer_group`) that satisfies `protocols.TrainerGroup`.
 
 `MegatronRankActor` joins the group's world, then `build`s a `MegatronTrainerCore` from the model
 directory (again with another TP size if asked). The group splits each chunk over DP ranks
@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,33 +26,29 @@ import torch.distributed as dist
 
 from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import Column, FieldSpec, LazyRowStorage, column_nbytes
-from single_controller.algorithm.dp_split import split_chunk
 from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
-    PREFETCH_GROUP,
     RANK_CONCURRENCY,
     RankPlacement,
     RankStepCalls,
     join_store,
-    load_state_of,
     node_address,
     node_info,
     place_ranks,
     rank_call,
     rendezvous,
     stop_ranks,
-    train_status_of,
 )
 from single_controller.backends.common.split_step import collective
+from single_controller.backends.common.trainer_group import RankTrainerGroup
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot, pack_weights
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.megatron.model import ModelSpec
 from single_controller.config.schema import TrainConfig
-from single_controller.protocols import TrainStepStateError
-from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
+from single_controller.types import LossConfig
 
 if TYPE_CHECKING:  # imported where a rank builds its core (`build`)
     from single_controller.backends.megatron.trainer import MegatronTrainerCore, MegatronTrainerStatistics
@@ -351,133 +346,30 @@ class MegatronRankActor(RankStepCalls, WeightSender):
                 dist.destroy_process_group()
 
 
-@dataclass(frozen=True)
-class MegatronTrainerGroupStatistics:
-    num_ranks: int
-    rank_nodes: tuple[str, ...]  # Ray node id of each rank
-    data_parallel_size: int
-    tensor_parallel_size: int
-    open_step: int | None
-    steps_finished: int
-    steps_aborted: int
-    chunks_in_open_step: int
-    bytes_read_open_step: int
-    bytes_read_total: int
-
-
-class MegatronTrainerGroup:
-    """`TrainerGroup` over `MegatronRankActor` handles in rank order, after `build` (its `layout`:
-    one {"dp_rank", "tp_rank", ...} per rank); `rank_nodes` (node_info() per rank) and `placement`
-    (released at shutdown) come from `start_megatron_ranks`."""
-
-    def __init__(
-        self,
-        rank_handles: Sequence[Any],
-        layout: Sequence[Mapping[str, int]],
-        weight_prefix: str = "",
-        *,
-        rank_nodes: Sequence[Mapping[str, str]] = (),
-        placement: RankPlacement | None = None,
-        transport: str = "object_store",
-    ):
-        if not rank_handles or len(layout) != len(rank_handles):
-            raise ValueError("need one layout entry per trainer rank")
-        self.ranks = list(rank_handles)
-        self.rank_nodes = [dict(n) for n in rank_nodes]
-        self.placement = placement
-        self.dp_ranks = [int(x["dp_rank"]) for x in layout]
-        self.dp, self.tp = int(layout[0]["dp"]), int(layout[0]["tp"])
-        self.weight_prefix = weight_prefix
-        self.transport = transport  # sync.transport: how rank 0 publishes weights
-        self._step: int | None = None
-        self._bytes_read = 0
-        self._last_bytes = 0
-        self._chunks = 0
-        self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
-
-    def statistics(self) -> MegatronTrainerGroupStatistics:
-        return MegatronTrainerGroupStatistics(
-            num_ranks=len(self.ranks),
-            rank_nodes=tuple(n["node_id"] for n in self.rank_nodes),
-            data_parallel_size=self.dp,
-            tensor_parallel_size=self.tp,
-            open_step=self._step,
-            chunks_in_open_step=self._chunks,
-            bytes_read_open_step=self._bytes_read,
-            **self._counts,
-        )
-
-    async def begin_train_step(self, step: int, loss: LossConfig) -> None:
-        await rank_call(f"begin_train_step({step})", [r.begin_train_step.remote(step, loss) for r in self.ranks])
-        self._step, self._bytes_read, self._chunks = step, 0, 0
-
-    async def train_microbatch(self, chunk: TrainChunk) -> None:
-        if self._step != chunk.step:
-            raise TrainStepStateError(f"train_microbatch for step {chunk.step}, but the open step is {self._step}")
-        if len(chunk.seq_lengths) != len(chunk.row_keys):
-            raise ValueError(
-                f"chunk {chunk.chunk_index}: {len(chunk.seq_lengths)} lengths for {len(chunk.row_keys)} keys"
-            )
-        split = split_chunk(chunk, self.dp)  # one microbatch per DP rank, balanced by tokens
-        refs = [
-            r.train_microbatch_keys.remote(
-                chunk.step, split.rank_keys(d), list(chunk.fields), chunk.rank_advantages(split.rank_keys(d))
-            )
-            for r, d in zip(self.ranks, self.dp_ranks)
-        ]
-        nbytes = sum(await rank_call(f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", refs))
-        self._bytes_read += nbytes
-        self._counts["bytes_read_total"] += nbytes
-        self._chunks += 1
-
-    async def prefetch(self, chunk: TrainChunk) -> None:
-        split = split_chunk(chunk, self.dp)
-        refs = [
-            r.prefetch_keys.options(concurrency_group=PREFETCH_GROUP).remote(split.rank_keys(d), list(chunk.fields))
-            for r, d in zip(self.ranks, self.dp_ranks)
-        ]
-        await rank_call(f"prefetch(step={chunk.step})", refs)
-
-    async def finish_train_step(self, step: int) -> StepResult:
-        metrics = await rank_call(f"finish_train_step({step})", [r.finish_train_step.remote(step) for r in self.ranks])
-        if self._step == step:
-            self._step = None
-            self._counts["steps_finished"] += 1
-            self._last_bytes = self._bytes_read
-        return StepResult(step=step, metrics={**metrics[0], "train/bytes_read": float(self._last_bytes)})
-
-    async def abort_train_step(self, step: int) -> None:
-        await rank_call(f"abort_train_step({step})", [r.abort_train_step.remote(step) for r in self.ranks])
-        if self._step == step:
-            self._counts["steps_aborted"] += 1
-            self._step = None
-
-    async def train_status(self) -> TrainStatus:
-        return await train_status_of(self.ranks)
-
-    async def export_weights(self, version: int) -> WeightsHandle:
-        snaps = await rank_call(
-            f"export_weights({version})",
-            [r.export_weights.remote(version, self.weight_prefix, self.transport) for r in self.ranks],
-        )
-        snapshot = snaps[0]
-        return WeightsHandle(version=version, payload=snapshot, num_bytes=snapshot.manifest.num_bytes)
-
-    async def save_checkpoint(self, directory: str) -> str:
-        paths = await rank_call(
-            f"save_checkpoint({directory})", [r.save_checkpoint.remote(directory) for r in self.ranks]
-        )
-        return paths[0]
-
-    async def save_state(self, directory: str) -> None:
-        """Resume state (`protocols.Checkpointable`): every rank's shards, optimizer state, RNG, next step."""
-        await rank_call(f"save_state({directory})", [r.save_state.remote(directory) for r in self.ranks])
-
-    async def load_state(self, directory: str) -> int:
-        return await load_state_of(self.ranks, directory)
-
-    async def shutdown(self) -> None:
-        await stop_ranks(self.ranks, self.placement)
+def megatron_trainer_group(
+    rank_handles: Sequence[Any],
+    layout: Sequence[Mapping[str, int]],
+    weight_prefix: str = "",
+    *,
+    rank_nodes: Sequence[Mapping[str, str]] = (),
+    placement: RankPlacement | None = None,
+    transport: str = "object_store",
+) -> RankTrainerGroup:
+    """The `TrainerGroup` over `MegatronRankActor` handles in rank order, after `build` (its `layout`:
+    one {"dp_rank", "dp", "tp", ...} per rank): a chunk goes to each data-parallel rank (the ranks of
+    a tensor-parallel group read the same rows), and every rank takes part in an export (rank 0
+    gathers the shards; `transport`: how it publishes them) and a checkpoint."""
+    if not rank_handles or len(layout) != len(rank_handles):
+        raise ValueError("need one layout entry per trainer rank")
+    return RankTrainerGroup(
+        rank_handles,
+        data_ranks=[int(x["dp_rank"]) for x in layout],
+        tensor_parallel_size=int(layout[0]["tp"]),
+        export_args=(weight_prefix, transport),
+        collective_io=True,
+        rank_nodes=[dict(n) for n in rank_nodes],
+        placement=placement,
+    )
 
 
 async def start_megatron_ranks(
@@ -500,7 +392,7 @@ async def start_megatron_ranks(
     placement: str = "pack",
     transport: str = "object_store",
     dtype: str = "float32",
-) -> MegatronTrainerGroup:
+) -> RankTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
     rank) and build the trainer; returns the group."""
@@ -536,7 +428,7 @@ async def start_megatron_ranks(
     except BaseException:
         await asyncio.shield(stop_ranks(ranks, where))
         raise
-    return MegatronTrainerGroup(
+    return megatron_trainer_group(
         ranks, layout, weight_prefix=weight_prefix, rank_nodes=rank_nodes, placement=where, transport=transport
     )
 
@@ -547,7 +439,7 @@ async def start_megatron_trainer(
     *,
     storage_ready: Any = None,
     options: dict | None = None,
-) -> MegatronTrainerGroup:
+) -> RankTrainerGroup:
     """The `registry` starter for `backend.trainer: megatron`: `backend.num_trainer_ranks` rank actors
     (TP = megatron.tensor_parallel_size, DP = megatron.data_parallel_size) training `model.path`."""
     mg = cfg.megatron

@@ -1,7 +1,7 @@
 """`TrainerRankActor`: one trainer rank of the embedded torch backend, run as a Ray actor.
 
-`CpuTrainerGroup` in `ray_workers` starts it (`ray.remote(TrainerRankActor)`) and is its
-controller-side adapter.
+`ray_workers` starts it (`ray.remote(TrainerRankActor)`); `RankTrainerGroup`
+(`backends.common.trainer_group`) drives it from the controller.
 """
 
 from __future__ import annotations
