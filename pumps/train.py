@@ -64,35 +64,17 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
         state.request_stop(state.stop.reason or "training finished")
 
 
-@dataclass
-class _Ahead:
-    """The next step's first chunk, selected while this step finishes (`FinishAndBegin`)."""
-
-    step: int
-    groups: list[GroupRecord]
-    chunk: TrainChunk
-    t_start: float
-    sent: bool = False  # sent behind a finish that succeeded: the step is open on the trainer
-
-
 async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
-    ahead: _Ahead | None = None
+    overlap = StepOverlap(state)
     while state.versions.trainer < state.cfg.run.max_steps:
         # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-        report, ahead = await _train_step(state, state.versions.trainer, clears, ahead)
+        report = await _train_step(state, state.versions.trainer, clears, overlap)
         if report is None:
             break
         await _after_step(state, weights, on_step, report)
         if state.stop.requested:
             break
-    if ahead is not None and ahead.sent:
-        # The run stops with the next step begun behind the last finish: undo it. Its groups stay
-        # selected and untrained, as an interrupted step's do; teardown settles them.
-        await _timed(
-            state,
-            state.workers.trainer.abort_train_step(ahead.step),
-            f"trainer.abort_train_step({ahead.step}) (the run stops)",
-        )
+    await overlap.close()
 
 
 async def _after_step(state: RunState, weights: Channel[WeightsHandle], on_step, report: StepReport) -> None:
@@ -118,24 +100,13 @@ class _Step:
     sent: int = 0  # chunks sent in the current attempt
     is_open: bool = False  # begun on the trainer in the current attempt
     retries: int = 0
-    ahead: _Ahead | None = None  # the next step's first chunk, once selected
-
-    @classmethod
-    def starting(cls, number: int, begun: _Ahead | None) -> _Step:
-        """Step `number`, with its first chunk if that was selected (and perhaps sent) ahead."""
-        if begun is None:
-            return cls(number)
-        sent = 1 if begun.sent else 0
-        return cls(number, list(begun.groups), [begun.chunk], begun.t_start, sent=sent, is_open=begun.sent)
 
 
-async def _train_step(
-    state: RunState, step: int, clears: asyncio.TaskGroup, begun: _Ahead | None
-) -> tuple[StepReport | None, _Ahead | None]:
-    """One RL step; `begun`: its first chunk, selected (and perhaps sent) while the previous step
-    finished. Returns the step's report (None: no step) and the next step's first chunk, if one was
-    taken ahead."""
-    cur = _Step.starting(step, begun)
+async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup, overlap: StepOverlap) -> StepReport | None:
+    """One RL step: begin -> microbatch* as its groups become ready -> finish (`overlap` may have
+    begun it behind the previous step's finish, and begins the next one behind this one's).
+    Returns the step's report; None: no step (an interrupt, or no group came)."""
+    cur = overlap.take(step)
     result: StepResult | None = None
     while result is None:
         # Exits: the step finished (or a finish landed after its deadline); an interrupt, or no
@@ -148,17 +119,15 @@ async def _train_step(
                         state.workers.trainer.abort_train_step(step),
                         f"trainer.abort_train_step({step}) (interrupt)",
                     )
-                return None, None
-            result = await _finish(state, cur)
+                return None
+            result = await overlap.finish(cur)
         except TrainerFailed as e:
             result = await _recover(state, cur, e)
     _finish_groups(state, step, cur.groups, clears)
     state.versions.trainer = step + 1
     state.notify()
     assert cur.t_start is not None  # set when the step's first chunk was selected
-    return StepReport(
-        step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock()
-    ), cur.ahead
+    return StepReport(step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock())
 
 
 async def _fill(state: RunState, cur: _Step) -> bool:
@@ -223,71 +192,112 @@ async def _recover(state: RunState, cur: _Step, error: TrainerFailed) -> StepRes
     return None
 
 
-async def _finish(state: RunState, cur: _Step) -> StepResult:
-    """Finish the step. With a trainer that can (`FinishAndBegin`), the next step's first chunk goes
-    out behind the finish as soon as its groups are ready. `cur.ahead`: that chunk once selected (its
-    groups belong to the next step from then on, whatever this finish does; one kept from an
-    earlier attempt of this step goes out at once); `sent` when the finish succeeded with it behind."""
-    trainer, step = state.workers.trainer, cur.number
-    what = f"trainer.finish_train_step({step})"
-    nxt = cur.ahead
-    assert cur.t_start is not None  # set when the step's first chunk was selected
-    state.finishing = Finishing(step, len(cur.chunks), cur.retries, cur.t_start)
-    if not _may_send_ahead(state, step + 1):
-        return await _timed(state, trainer.finish_train_step(step), what)
-    finish = asyncio.ensure_future(_timed(state, trainer.finish_train_step(step), what))
-    ready = None if nxt is not None else asyncio.ensure_future(_ready_ahead(state, step + 1))
-    behind = False
-    try:
-        if ready is not None:
-            await asyncio.wait([finish, ready], return_when=asyncio.FIRST_COMPLETED)
-            if ready.done() and ready.result() and not finish.done() and _may_send_ahead(state, step + 1):
-                nxt = cur.ahead = _select_ahead(state, step + 1, ready.result())
-        else:
-            await asyncio.sleep(0)  # the finish task's first step: its calls are sent
-        if nxt is not None and not finish.done():
-            assert isinstance(trainer, FinishAndBegin)  # _may_send_ahead checked the capability
-            behind = await trainer.begin_behind_finish(step + 1, loss_config(state), nxt.chunk)
-        result = await finish
-    finally:
-        for task in (finish, ready):
-            if task is not None and not task.done():
-                task.cancel()
-    if nxt is not None:
-        nxt.sent = behind  # else the next step sends it as its first chunk
-    return result
+@dataclass
+class _Ahead:
+    """The next step's first chunk, selected while this step finishes."""
+
+    step: int
+    groups: list[GroupRecord]
+    chunk: TrainChunk
+    t_start: float
+    sent: bool = False  # sent behind a finish that succeeded: the step is open on the trainer
 
 
-def _may_send_ahead(state: RunState, step: int) -> bool:
-    """Whether `step`'s first chunk may go out behind the previous step's finish: the trainer can
-    take it that way, the run is not stopping and `step` is one it will train, and no checkpoint
-    is due after the previous step (a checkpoint needs no step open)."""
-    cfg = state.cfg
-    return (
-        state.trainer_can(FinishAndBegin)
-        and cfg.train.pipeline_steps
-        and not (state.stop.requested or state.stop.abandon_open_step)
-        and step < cfg.run.max_steps
-        and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
-        and state.hooks.before_train is None  # in a pool a step begins only once its train slots are granted
-    )
+class StepOverlap:
+    """The one place where train steps overlap. With a trainer that can (`FinishAndBegin`) and
+    `train.pipeline_steps`, while step s finishes on the trainer, step s + 1's first chunk is
+    selected as soon as all its groups are ready and sent behind the finish: the trainer begins it
+    without waiting a round trip for the controller. (The trainer's side of it, calls queued behind
+    a finish in flight, is `backends/common/trainer_group.py`.) The train pump asks it to `finish` a
+    step, to hand it a step to start (`take`: with its first chunk when that was selected, and
+    perhaps sent, ahead) and to undo a step begun behind the last finish when the run stops (`close`)."""
 
+    def __init__(self, state: RunState):
+        self.state = state
+        # step s + 1's first chunk, once selected while s finished: its groups belong to s + 1 from
+        # then on, whatever the finish does; kept across the retries of step s
+        self.ahead: _Ahead | None = None
 
-async def _ready_ahead(state: RunState, step: int) -> list[GroupRecord]:
-    """Wait until all of `step`'s groups are selectable (never evicts: with evictable groups the train
-    pump's own selection goes first); returns them, or [] when they cannot all come now. Only a whole
-    step goes out ahead: taking part of it early would leave the rest to trickle in as small chunks
-    behind bursts of commits (more calls, later selections) for no gain."""
-    want = state.cfg.train.groups_per_step
-    ready = state.ledger.ready_index()
+    def take(self, step: int) -> _Step:
+        """Step `step` to run, with its first chunk if that was selected (and perhaps sent) ahead."""
+        begun, self.ahead = self.ahead, None
+        if begun is None or begun.step != step:
+            return _Step(step)
+        sent = 1 if begun.sent else 0
+        return _Step(step, list(begun.groups), [begun.chunk], begun.t_start, sent=sent, is_open=begun.sent)
 
-    def chunk_ready() -> bool:
-        return state.sampler.selectable(ready, step) >= want and not state.sampler.any_evictable(ready, step)
+    async def finish(self, cur: _Step) -> StepResult:
+        """Finish `cur`; the next step's first chunk goes out behind the finish as soon as its groups
+        are ready (one kept from an earlier attempt of this step goes out at once)."""
+        state, step = self.state, cur.number
+        trainer, what = state.workers.trainer, f"trainer.finish_train_step({step})"
+        assert cur.t_start is not None  # set when the step's first chunk was selected
+        state.finishing = Finishing(step, len(cur.chunks), cur.retries, cur.t_start)
+        if not self._may_begin(step + 1):
+            return await _timed(state, trainer.finish_train_step(step), what)
+        finish = asyncio.ensure_future(_timed(state, trainer.finish_train_step(step), what))
+        ready = None if self.ahead is not None else asyncio.ensure_future(self._ready(step + 1))
+        behind = False
+        try:
+            if ready is not None:
+                await asyncio.wait([finish, ready], return_when=asyncio.FIRST_COMPLETED)
+                if ready.done() and ready.result() and not finish.done() and self._may_begin(step + 1):
+                    groups, chunk, now = _select(state, step + 1, 0, ready.result())
+                    self.ahead = _Ahead(step + 1, groups, chunk, now)
+            else:
+                await asyncio.sleep(0)  # the finish task's first step: its calls are sent
+            if self.ahead is not None and not finish.done():
+                assert isinstance(trainer, FinishAndBegin)  # _may_begin checked the capability
+                behind = await trainer.begin_behind_finish(step + 1, loss_config(state), self.ahead.chunk)
+            result = await finish
+        finally:
+            for task in (finish, ready):
+                if task is not None and not task.done():
+                    task.cancel()
+        if self.ahead is not None:
+            self.ahead.sent = behind  # else the next step sends it as its first chunk
+        return result
 
-    await state.changed.wait_until(lambda: chunk_ready() or state.stop.requested or state.stop.abandon_open_step)
-    if not chunk_ready():
-        return []
-    return state.sampler.select_from(ready, step, state.cfg.train.groups_per_step)
+    async def close(self) -> None:
+        """The run stops with the next step begun behind the last finish: undo it. Its groups stay
+        selected and untrained, as an interrupted step's do; teardown settles them."""
+        if self.ahead is not None and self.ahead.sent:
+            step = self.ahead.step
+            await _timed(
+                self.state,
+                self.state.workers.trainer.abort_train_step(step),
+                f"trainer.abort_train_step({step}) (the run stops)",
+            )
+
+    def _may_begin(self, step: int) -> bool:
+        """Whether `step`'s first chunk may go out behind the previous step's finish: the trainer can
+        take it that way, the run is not stopping and `step` is one it will train, and no checkpoint
+        is due after the previous step (a checkpoint needs no step open)."""
+        state, cfg = self.state, self.state.cfg
+        return (
+            state.trainer_can(FinishAndBegin)
+            and cfg.train.pipeline_steps
+            and not (state.stop.requested or state.stop.abandon_open_step)
+            and step < cfg.run.max_steps
+            and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
+            and state.hooks.before_train is None  # in a pool a step begins only once its train slots are granted
+        )
+
+    async def _ready(self, step: int) -> list[GroupRecord]:
+        """Wait until all of `step`'s groups are selectable (never evicts: with evictable groups the
+        train pump's own selection goes first); returns them, or [] when they cannot all come now.
+        Only a whole step goes out ahead: taking part of it early would leave the rest to trickle in
+        as small chunks behind bursts of commits (more calls, later selections) for no gain."""
+        state, want = self.state, self.state.cfg.train.groups_per_step
+        ready = state.ledger.ready_index()
+
+        def chunk_ready() -> bool:
+            return state.sampler.selectable(ready, step) >= want and not state.sampler.any_evictable(ready, step)
+
+        await state.changed.wait_until(lambda: chunk_ready() or state.stop.requested or state.stop.abandon_open_step)
+        if not chunk_ready():
+            return []
+        return state.sampler.select_from(ready, step, want)
 
 
 def _select(
@@ -299,11 +309,6 @@ def _select(
     state.sampler.record_selected(groups, step)
     state.notify()
     return groups, _chunk(state, step, index, groups), now
-
-
-def _select_ahead(state: RunState, step: int, picked: list[GroupRecord]) -> _Ahead:
-    groups, chunk, now = _select(state, step, 0, picked)
-    return _Ahead(step, groups, chunk, now)
 
 
 async def _where_trainer_stands(state: RunState, step: int, error: Exception) -> TrainStatus:
