@@ -33,8 +33,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # contracts and pure parts: worker protocols, the GRPO math, prompts and rewards, environments,
     # the replay buffer's ledgers and storage, checkpoints
     ("protocols", "algorithm", "data", "envs", "replay", "checkpoint"),
-    # the engines behind the protocols; the staleness sampler over the ledger
-    ("backends", "samplers"),
+    # the engines behind the protocols; the staleness sampler over the ledger; the step in one screen
+    ("backends", "samplers", "step"),
     # the checks a config passes before start (they ask the engines); the controller's run state
     ("preflight", "state"),
     # the pumps over the run state; elastic workers
