@@ -62,7 +62,7 @@ async def rollout_pump(state: RunState, *, stop_token_ids: tuple[int, ...] = ())
     sampling = sampling_params(state, stop_token_ids)
     try:
         async with asyncio.TaskGroup() as children:
-            flights = _Flights(state, children)
+            flights = _InFlight(state, children)
             try:
                 await _pump_loop(state, flights, children, sampling)
             finally:
@@ -73,7 +73,9 @@ async def rollout_pump(state: RunState, *, stop_token_ids: tuple[int, ...] = ())
         state.notify()
 
 
-async def _pump_loop(state: RunState, flights: _Flights, children: asyncio.TaskGroup, sampling: SamplingParams) -> None:
+async def _pump_loop(
+    state: RunState, flights: _InFlight, children: asyncio.TaskGroup, sampling: SamplingParams
+) -> None:
     while True:
         # Exits: a stop was requested (the train pump requests one when it ends); or the dataloader
         # is exhausted, no re-dispatch is pending and no group could still need one.
@@ -105,7 +107,7 @@ async def _pump_loop(state: RunState, flights: _Flights, children: asyncio.TaskG
             await asyncio.sleep(0)
 
 
-def _dispatch_slice(state: RunState, flights: _Flights, sampling: SamplingParams) -> None:
+def _dispatch_slice(state: RunState, flights: _InFlight, sampling: SamplingParams) -> None:
     """Dispatch up to DISPATCH_SLICE admissible groups, each to the least-loaded routable worker
     (ties: the first in routing order), and tell the other pumps once."""
     led, version = state.ledger, state.versions.dispatch
@@ -264,7 +266,7 @@ class _Flight:
 
 
 @dataclass(eq=False)
-class _Flights:
+class _InFlight:
     """The pump's requests in flight, and where their follow-ups run."""
 
     state: RunState
@@ -419,7 +421,7 @@ async def _settle(state: RunState, flight: _Flight) -> None:
                 "(its future fails with GenerationFailed; only the controller cancels a request)"
             )
         state.pumps[PUMP].errors += 1
-        if flight.expired == "hung":  # its worker's doing: out of routing and restarted (`_Flights._hung`)
+        if flight.expired == "hung":  # its worker's doing: out of routing and restarted (`_InFlight._hung`)
             await _discard(state, rec, "worker_hung", charge=False)
         else:  # its own work passed the deadline on a worker that answers: the prompt's retries pay
             await _discard(state, rec, "generation_timeout")

@@ -193,7 +193,7 @@ async def _recover(state: RunState, cur: _Step, error: TrainerFailed) -> StepRes
 
 
 @dataclass
-class _Ahead:
+class _NextStepStart:
     """The next step's first chunk, selected while this step finishes."""
 
     step: int
@@ -216,7 +216,7 @@ class StepOverlap:
         self.state = state
         # step s + 1's first chunk, once selected while s finished: its groups belong to s + 1 from
         # then on, whatever the finish does; kept across the retries of step s
-        self.ahead: _Ahead | None = None
+        self.ahead: _NextStepStart | None = None
 
     def take(self, step: int) -> _Step:
         """Step `step` to run, with its first chunk if that was selected (and perhaps sent) ahead."""
@@ -243,7 +243,7 @@ class StepOverlap:
                 await asyncio.wait([finish, ready], return_when=asyncio.FIRST_COMPLETED)
                 if ready.done() and ready.result() and not finish.done() and self._may_begin(step + 1):
                     groups, chunk, now = _select(state, step + 1, 0, ready.result())
-                    self.ahead = _Ahead(step + 1, groups, chunk, now)
+                    self.ahead = _NextStepStart(step + 1, groups, chunk, now)
             else:
                 await asyncio.sleep(0)  # the finish task's first step: its calls are sent
             if self.ahead is not None and not finish.done():

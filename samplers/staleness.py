@@ -1,6 +1,6 @@
 """The staleness sampler: one policy with orthogonal knobs, deciding from version stamps only.
 
-Knobs (`SamplerConfig`; the rules are pure functions in `single_controller.algorithm.staleness`):
+Knobs (`SamplerConfig`; the rules are pure functions in `single_controller.algorithm.version_rules`):
 admission `max_lookahead_versions` L (a rollout for step s starts only while s <= policy_version + L;
 L = 0 is synchronous), selection `order` (`in_order`, `fifo`, `freshest`), eviction
 `max_staleness_versions` S (`select` never returns a group above S, so select and evict never claim
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from replay.ledger import GroupRecord, ReadyKey
-from single_controller.algorithm import staleness as rules
+from single_controller.algorithm import version_rules as rules
 from single_controller.config.schema import SamplerConfig
 
 ORDERS = ("in_order", "fifo", "freshest")
@@ -57,7 +57,7 @@ class StalenessSampler:
     def staleness(group: GroupRecord, train_step: int) -> int:
         return train_step - group.version
 
-    # The two rules (`algorithm.staleness`), on a group's (target step, version).
+    # The two rules (`algorithm.version_rules`), on a group's (target step, version).
     def _eligible_key(self, target_step: int, version: int, train_step: int) -> bool:
         return rules.eligible(
             target_step, version, train_step, max_staleness=self.max_staleness, in_order=self.in_order

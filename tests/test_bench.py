@@ -260,7 +260,7 @@ def _fake_embedded(monkeypatch, stdout: str, ref_reached: bool = True, step_wall
         return types.SimpleNamespace(steps=100, seconds=8.0, reached=ref_reached)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setattr("single_controller.bench.reference.run_reference", fake_reference)
+    monkeypatch.setattr("single_controller.bench.reference_loop.run_reference", fake_reference)
     return runs, refs
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from single_controller.bench.reference import group_advantages, main, run_reference
+from single_controller.bench.reference_loop import group_advantages, main, run_reference
 
 
 def test_group_advantages():

@@ -131,7 +131,7 @@ def test_ctrl_c_during_run_exits_130(monkeypatch, capsys):
     "name, module, attr",
     [
         ("overlap", "single_controller.bench.runner", "main_overlap"),
-        ("reference", "single_controller.bench.reference", "main"),
+        ("reference", "single_controller.bench.reference_loop", "main"),
         ("storage", "single_controller.bench.tq", "main"),
     ],
 )
@@ -209,7 +209,7 @@ def test_python_dash_m_single_controller():
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
-    from single_controller.bench import reference
+    from single_controller.bench import reference_loop as reference
     from single_controller.data.hf_model import main_init_model
 
     with pytest.raises(SystemExit) as info:

@@ -1,4 +1,4 @@
-"""Colocated turns (`backend.colocate`, `backends/common/compute_turns.py`): a generation worker's
+"""Colocated turns (`backend.colocate`, `backends/common/colocation.py`): a generation worker's
 hold excludes every other hold on the node; trainer ranks hold together (they meet in collectives);
 and the config refuses colocation on GPUs by name."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from single_controller.backends.common.compute_turns import ComputeTurns, threads_per_process, turns_path
+from single_controller.backends.common.colocation import ComputeTurns, threads_per_process, turns_path
 from single_controller.config.schema import BackendConfig
 
 

@@ -1,4 +1,4 @@
-"""Issue 9, end to end on the embedded CPU backend, as a user runs it (subprocesses):
+"""Issue 9, end to end on the embedded torch backend, as a user runs it (subprocesses):
 
 * SIGTERM mid-run: a checkpoint is written and the process is gone within 30 s; resume continues.
 * kill -9 of the whole run (driver and every process it started) at random moments, resumed each

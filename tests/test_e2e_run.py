@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from single_controller.backends.common.compute_turns import turns_path
+from single_controller.backends.common.colocation import turns_path
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

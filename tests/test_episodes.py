@@ -217,7 +217,7 @@ def env_actor(storage, calls: Calls, env_cls=SlowScripted, **env_kw) -> Generati
     actor._episodes = EpisodeRunner(
         cfg, lambda: env_cls(calls), TOKENIZER, QParser(), default_max_new=3, name="gen-env"
     )
-    from single_controller.backends.torch.turns import TurnBatcher
+    from single_controller.backends.torch.turn_batches import TurnBatcher
 
     actor._batcher = TurnBatcher(int(actor._core.policy.max_seq_len), actor._continue_in_turn, actor._pass_gate)
     return actor

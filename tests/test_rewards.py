@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from replay.storage import InMemoryRowStorage, row_keys
-from single_controller.backends.common.rewards import GroupToScore, RewardScorer
+from single_controller.backends.common.scoring import GroupToScore, RewardScorer
 from single_controller.backends.sim import Faults, sim_rewards
 from single_controller.backends.torch.generation import GenerationCore
 from single_controller.backends.torch.model import TinyGPT

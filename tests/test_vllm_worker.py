@@ -39,7 +39,7 @@ from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, 
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
 from single_controller.backends.common.episodes import EpisodeRunner  # noqa: E402
-from single_controller.backends.common.rewards import RewardScorer  # noqa: E402
+from single_controller.backends.common.scoring import RewardScorer  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402

@@ -255,7 +255,7 @@ def _eval_pairs(off: Config, on: Config, repeats: int) -> list[tuple[dict, dict]
         return _run_on_loop(pairs(local))
     import ray
 
-    from single_controller.backends.common.compute_turns import threads_per_process
+    from single_controller.backends.common.colocation import threads_per_process
     from single_controller.runtime.ray_session import ray_session, worker_env
 
     def actor(cfg):
@@ -755,7 +755,7 @@ def _compare_seed(
 ) -> tuple[int, float, int, float, float, int, float, float] | None:
     """The reference loop for `seed` beside the run's figures (`done`: its summary line), printed;
     the seed's row, or None when either stopped short of the target."""
-    from single_controller.bench.reference import run_reference
+    from single_controller.bench.reference_loop import run_reference
 
     steps, phase_s, startup_s, reason = int(done[1]), float(done[2]), float(done[3]), done[4]
     # To the target: the end of the step that reached it (the reference loop's clock stops there

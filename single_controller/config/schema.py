@@ -449,7 +449,7 @@ class BackendConfig:
     """Generation and training take turns at each node's cores instead of splitting them: every worker
     process gets all the node's cores (unless `torch_threads` says otherwise) and a node-local lock
     lets one role compute at a time, a sampling batch / engine step against a trainer microbatch or
-    finish (`backends/common/compute_turns.py`). The pipeline and the staleness bounds are unchanged.
+    finish (`backends/common/colocation.py`). The pipeline and the staleness bounds are unchanged.
     false (disaggregated): each process its own share, generation overlapping training. CPU only for
     now (on a GPU the turns would also have to release the engine's memory)."""
     torch_threads: PositiveInt | None = None

@@ -27,8 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "how much the async pipeline overlaps generation and training (vs synchronous)",
     ),
     "reference": (
-        "single_controller.bench.reference:main",
-        "the embedded CPU backend against a plain single-process reference loop",
+        "single_controller.bench.reference_loop:main",
+        "the embedded torch backend against a plain single-process reference loop",
     ),
     "storage": (
         "single_controller.bench.tq:main",

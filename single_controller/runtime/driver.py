@@ -153,7 +153,7 @@ def _check_resumable(cfg: Config, resume_dir: str) -> int:
 
 
 def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
-    from single_controller.backends.common.compute_turns import TURNS_ENV, threads_per_process, turns_path
+    from single_controller.backends.common.colocation import TURNS_ENV, threads_per_process, turns_path
     from single_controller.backends.common.worker_logs import LOG_DIR_ENV
     from single_controller.runtime.ray_session import ray_session, worker_env
 

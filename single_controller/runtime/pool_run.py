@@ -244,7 +244,7 @@ def _summary(spec: PoolSpec, codes: dict, dirs: dict, pool: dict) -> dict:
 def _pool_on_ray(spec: PoolSpec) -> tuple[dict, dict]:
     import uuid
 
-    from single_controller.backends.common.compute_turns import threads_per_process
+    from single_controller.backends.common.colocation import threads_per_process
     from single_controller.runtime.ray_session import check_ray_address, ray_session, worker_env
 
     first = spec.runs[0]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from single_controller.backends.common.rewards import finite
+from single_controller.backends.common.scoring import finite
 from single_controller.config.schema import EnvConfig
 from single_controller.data.tokenizer import RunTokenizer
 from single_controller.deadlines import DeadlineExceeded, within

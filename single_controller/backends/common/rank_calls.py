@@ -302,7 +302,7 @@ class RankStepCalls:
     def finish_train_step(self, step: int) -> dict[str, float]:
         core = self._step_core()
         fresh = core.steps.is_open
-        turns = getattr(self, "turns", None)  # `compute_turns.ComputeTurns` of a colocated rank
+        turns = getattr(self, "turns", None)  # `colocation.ComputeTurns` of a colocated rank
         with turns.hold() if turns is not None else contextlib.nullcontext():
             metrics = core.finish_train_step(step)
         if fresh:  # a retried finish reports the step's figures again

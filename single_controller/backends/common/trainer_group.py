@@ -50,7 +50,7 @@ class TrainerGroupStatistics:
     bytes_read_total: int
 
 
-class _Due(NamedTuple):
+class _SentCall(NamedTuple):
     """A call sent to every rank whose answers are not taken yet."""
 
     kind: Literal["begin", "microbatch"]
@@ -103,7 +103,7 @@ class RankTrainerGroup:
         self._chunks = 0
         self._counts = dict(steps_finished=0, steps_aborted=0, bytes_read_total=0)
         # calls sent and not answered yet, oldest first: a begin, microbatches
-        self._due: list[_Due] = []
+        self._due: list[_SentCall] = []
         self._export: tuple[int, list] | None = None  # (version, refs) of an export sent after a finish
         self._finish = BehindFinish()  # the finish in flight and the next step's calls sent behind it
         self._draining: set[asyncio.Future] = set()
@@ -180,12 +180,12 @@ class RankTrainerGroup:
         # microbatch runs ahead of the controller's view).
         await self._answers(keep_last=True)
 
-    def _send_begin(self, step: int, loss: LossConfig) -> _Due:
-        return _Due(
+    def _send_begin(self, step: int, loss: LossConfig) -> _SentCall:
+        return _SentCall(
             "begin", f"begin_train_step({step})", step, [r.begin_train_step.remote(step, loss) for r in self.ranks]
         )
 
-    def _send_microbatch(self, chunk: TrainChunk) -> _Due:
+    def _send_microbatch(self, chunk: TrainChunk) -> _SentCall:
         _check_lengths(chunk)
         split = split_chunk(chunk, self.dp)  # one microbatch per data-parallel rank, balanced by tokens
         refs = []
@@ -194,7 +194,9 @@ class RankTrainerGroup:
             refs.append(
                 r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys))
             )
-        return _Due("microbatch", f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs)
+        return _SentCall(
+            "microbatch", f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs
+        )
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import Column, FieldSpec, LazyRowStorage, column_nbytes
 from single_controller.algorithm.logprobs import token_logprobs
-from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
+from single_controller.backends.common.colocation import threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     RANK_CONCURRENCY,

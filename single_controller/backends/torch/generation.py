@@ -1,7 +1,7 @@
 """Generation: sample prompt groups, score them next to the tokens, store the rows.
 
 `GenerationCore` (no Ray) runs one sampling pass per distinct (prompt length, sampling settings),
-decodes, scores each group (`backends/common/rewards.py`) and writes all rollout rows of a batch in
+decodes, scores each group (`backends/common/scoring.py`) and writes all rollout rows of a batch in
 ONE put, without per-row tags (a key names its group, `token_versions` its weights); eval requests
 are never stored; a group whose reward failed is answered with `RewardFailed`, unstored, alone.
 `GenerationActor` is the asyncio worker around it: two lanes (eval first), one batching loop of up to
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
-from single_controller.backends.common.compute_turns import turns_from_env
+from single_controller.backends.common.colocation import turns_from_env
 from single_controller.backends.common.episodes import (
     Continuation,
     Episode,
@@ -35,13 +35,13 @@ from single_controller.backends.common.episodes import (
     episode_runner,
     rows_of,
 )
-from single_controller.backends.common.rewards import GroupToScore, RewardScorer, Scored
+from single_controller.backends.common.scoring import GroupToScore, RewardScorer, Scored
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
 from single_controller.backends.torch.model import TinyGPT, load_hf_policy, state_module
 from single_controller.backends.torch.sampling import row_uniforms, sample
-from single_controller.backends.torch.turns import TurnBatcher, sample_continuations
+from single_controller.backends.torch.turn_batches import TurnBatcher, sample_continuations
 from single_controller.config.schema import EnvConfig, ModelConfig, RewardConfig, env_enabled
 from single_controller.data.tasks import TOKENIZER
 from single_controller.data.tokenizer import RunTokenizer, load_tokenizer
@@ -284,7 +284,7 @@ class GenerationCore:
             out[i] = scored
         return out
 
-    # -- multi-turn episodes (`env`): `backends/torch/turns.py`, `backends/common/episodes.py` --
+    # -- multi-turn episodes (`env`): `backends/torch/turn_batches.py`, `backends/common/episodes.py` --
 
     def continue_pass(self, asks: list) -> list[Continuation]:
         """One turn of every asking episode (the worker holds its weights lock)."""

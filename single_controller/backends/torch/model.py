@@ -1,4 +1,4 @@
-"""Policies for the embedded CPU backend: a pure-torch TinyGPT and an adapter for HF causal LMs.
+"""Policies for the embedded torch backend: a pure-torch TinyGPT and an adapter for HF causal LMs.
 
 `CausalPolicy`: `forward(input_ids) -> logits` (what the trainer uses) and `new_cache` /
 `forward_cached` (one prefill, then a token at a time: what sampling uses), computing the same

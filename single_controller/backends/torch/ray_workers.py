@@ -18,7 +18,7 @@ import ray
 
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
-from single_controller.backends.common.compute_turns import threads_per_process
+from single_controller.backends.common.colocation import threads_per_process
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     RANK_CONCURRENCY,

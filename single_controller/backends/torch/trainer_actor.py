@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
-from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
+from single_controller.backends.common.colocation import threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from replay.storage import Columns, LazyRowStorage
-from single_controller.backends.common.compute_turns import threads_per_process, turns_from_env
+from single_controller.backends.common.colocation import threads_per_process, turns_from_env
 from single_controller.backends.common.episodes import (
     Continuation,
     Episode,
@@ -36,7 +36,7 @@ from single_controller.backends.common.episodes import (
     episode_runner,
     rows_of,
 )
-from single_controller.backends.common.rewards import GroupToScore, RewardScorer
+from single_controller.backends.common.scoring import GroupToScore, RewardScorer
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
@@ -516,7 +516,7 @@ class VllmGenerationActor:
         self, finished: list[tuple[_Group, Any]]
     ) -> list[tuple[dict[str, list], GenerationResult] | BaseException]:
         """Each finished group's rows and result, or the error that ends it alone; off the event
-        loop unless the reward is the default, called inline (`backends/common/rewards.py`)."""
+        loop unless the reward is the default, called inline (`backends/common/scoring.py`)."""
 
         def made() -> list[tuple[dict[str, list], GenerationResult] | BaseException]:
             out: list[tuple[dict[str, list], GenerationResult] | BaseException] = []

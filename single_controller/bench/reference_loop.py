@@ -1,4 +1,4 @@
-"""Reference GRPO loop: the CPU backend's pieces in one process, no controller, no Ray.
+"""Reference GRPO loop: the embedded torch backend's pieces in one process, no controller, no Ray.
 
 Per step: P prompts x G completions are sampled and scored by `GenerationCore` (rows go to an
 in-memory row storage, one put), advantages (r - mean) / (std + 1e-4) are computed per group and
