@@ -64,8 +64,9 @@ async def grpo_step(
     result = await trainer.finish_train_step(step)
     await storage.clear_rows([k for r in requests for k in r.row_keys])  # their slots are free again
 
-    # weight-sync pump: version step + 1 to every generation worker
+    # train pump, after the step: the ranks export version step + 1 (asked for behind the finish)
     weights = await trainer.export_weights(step + 1)
+    # weight-sync pump: version step + 1 to every generation worker
     await asyncio.gather(*(g.update_weights(weights) for g in generators))
     return result
 
