@@ -221,8 +221,9 @@ class StepOverlap:
     def take(self, step: int) -> _Step:
         """Step `step` to run, with its first chunk if that was selected (and perhaps sent) ahead."""
         begun, self.ahead = self.ahead, None
-        if begun is None or begun.step != step:
+        if begun is None:
             return _Step(step)
+        assert begun.step == step, f"step {begun.step}'s first chunk was selected ahead, but step {step} starts"
         sent = 1 if begun.sent else 0
         return _Step(step, list(begun.groups), [begun.chunk], begun.t_start, sent=sent, is_open=begun.sent)
 
