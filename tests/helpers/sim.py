@@ -1,5 +1,6 @@
 """The simulated backend's run, shared by the controller tests (tests/unit/): a small config, a run of the
-whole controller on sim workers, and the checks every clean end must pass. Not a test module."""
+whole controller on sim workers, and the checks every clean end must pass; the same with evaluation on. Not a
+test module."""
 
 from __future__ import annotations
 
@@ -88,3 +89,73 @@ async def assert_clean_end(ctl, trainer, storage):
     for rec in ctl.state.prompts.records():
         if rec.fate == "trained":
             assert rec.prompt.prompt_id in trained_prompts(trainer)[rec.step]
+
+
+# -- runs with evaluation on (the eval tests, tests/unit/test_eval*.py) --------------------------------------
+def eval_cfg(steps=12, every=4, **sections):
+    ev = {"enabled": True, "every_steps": every, "num_prompts": len(EVAL_PROMPTS), **sections.pop("eval", {})}
+    return make_cfg(steps=steps, L=1, eval=ev, **sections)
+
+
+class KeySpyStorage(InMemoryRowStorage):
+    """Records every key anything writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.put_keys: set[str] = set()
+
+    async def put_rows(self, keys, columns, tags=None):
+        self.put_keys.update(keys)
+        return await super().put_rows(keys, columns, tags)
+
+
+def hold(ctl, gens, prompt_id: str, until) -> None:
+    """Every round's first eval request for `prompt_id` is held (before the worker serves it)
+    until `until(state)` holds: a deterministic way to let training move on mid-round."""
+
+    for g in gens:
+        orig = g.generate
+
+        async def held(req, orig=orig):
+            if req.eval and req.prompt.prompt_id == prompt_id and req.group_id.endswith("-a0"):
+                await ctl.state.changed.wait_until(lambda: until(ctl.state))
+            return await orig(req)
+
+        g.generate = held
+
+
+async def run_eval_sim(
+    cfg,
+    faults=None,
+    *,
+    gen_s=0.001,
+    train_s=0.001,
+    num_generators=2,
+    prompts=EVAL_PROMPTS,
+    timeout=30.0,
+    held=None,
+    on_step=None,
+):
+    storage = KeySpyStorage()
+    gens, trainer = sim_workers(
+        storage, num_generators=num_generators, gen_group_s=gen_s, train_group_s=train_s, faults=faults
+    )
+    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), eval_prompts=prompts)
+    if held is not None:
+        hold(ctl, gens, *held)
+    if on_step is not None:
+        ctl.on_step = lambda rec: on_step(ctl, rec)
+    leftover: list = []
+
+    async def go():
+        try:
+            return await asyncio.wait_for(ctl.run(), timeout)
+        finally:
+            leftover.extend(t for t in asyncio.all_tasks() if t is not asyncio.current_task())
+
+    try:
+        summary, err = await go(), None
+    except RunFailed as e:
+        summary, err = None, e
+    assert leftover == [], f"tasks left behind: {leftover}"
+    return ctl, gens, trainer, storage, summary, err
