@@ -1,6 +1,5 @@
-"""`sc-grpo pool run POOL.yaml` (single_controller/runtime/pool_run.py): what it refuses before anything
-starts, two sim runs in one pool end to end (each with its own records, exactly once, the slot
-timeline never holding two runs on a slot), and, on the embedded backend under Ray, kill -9 of the
+"""`sc-grpo pool run POOL.yaml` (single_controller/runtime/pool_run.py) as a user runs it, on the embedded
+backend under Ray (its sim runs and refusals in this process: tests/unit/test_pool_run_sim.py): kill -9 of the
 pool actor (every run stops with a named error and a resumable checkpoint) and of one run's
 controller (the other run goes on and takes its slots)."""
 
@@ -18,138 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from single_controller.config.problems import ConfigError
-from single_controller.runtime.pool_run import load_pool, main_run
-from tests.helpers.runs import actor_pids, check_exactly_once
+from tests.helpers.runs import actor_pids, check_exactly_once, check_one_run_per_slot, pool_file
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _pool_file(tmp_path: Path, runs: list[dict], **top) -> Path:
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "pools"), **top, "runs": runs}), encoding="utf-8")
-    return path
-
-
-def _sim_run(name: str, gen: str, train: str, *more: str) -> dict:
-    workers = len(yaml.safe_load(gen))
-    return {
-        "config": str(ROOT / "configs/sim.yaml"),
-        "overrides": [
-            f"run.name={name}",
-            f"backend.num_generation_workers={workers}",
-            f"pool.gen_slots={gen}",
-            f"pool.train_slots={train}",
-            *more,
-        ],
-    }
-
-
-@pytest.mark.parametrize(
-    ("top", "runs", "problem"),
-    [
-        (  # the slots a CPU machine has are its cores
-            {"slots": 4096},
-            [
-                {
-                    "config": str(ROOT / "configs/embedded.yaml"),
-                    "overrides": ["pool.gen_slots=[0]", "pool.train_slots=[0]"],
-                }
-            ],
-            r"4096 slots do not fit this machine: it has \d+ CPU core\(s\)",
-        ),
-        (  # partial overlap trains on slots whose workers sleep meanwhile: a subset
-            {"slots": 4},
-            [_sim_run("a", "[0,1]", "[2]")],
-            r"pool.overlap=partial: the train slots \[2\] are not among the run's generation slots \[0, 1\]",
-        ),
-        (
-            {"slots": 4},
-            [_sim_run("a", "[0,1]", "[0]"), _sim_run("a", "[2,3]", "[2]")],
-            r"two runs are named 'a'",
-        ),
-        (
-            {"slots": 2},
-            [_sim_run("a", "[0,1,2]", "[0]")],
-            r"run a: slots \[2\] are outside the pool's 0..1",
-        ),
-        (  # vLLM's sleep mode is CUDA/ROCm only
-            {"slots": 1},
-            [
-                {
-                    "config": str(ROOT / "configs/vllm_cpu.yaml"),
-                    "overrides": ["pool.gen_slots=[0]", "pool.train_slots=[0]", "rollout.sleep_level=2"],
-                }
-            ],
-            r"rollout.sleep_level=2 with vLLM on the CPU",
-        ),
-    ],
-)
-def test_a_pool_that_cannot_run_is_refused_before_anything_starts(tmp_path, top, runs, problem):
-    path = _pool_file(tmp_path, runs, **top)
-    with pytest.raises(ConfigError, match=problem):
-        load_pool(path)
-    assert main_run([str(path)]) == 2
-    assert not (tmp_path / "pools").exists(), "a refused pool created its directory"
-
-
-def _resident_runs(timeline: list[list]) -> dict[int, list[tuple[float, str, str | None]]]:
-    by_slot: dict[int, list[tuple[float, str, str | None]]] = {}
-    for t, slot, state, run in timeline:
-        by_slot.setdefault(int(slot), []).append((t, state, run))
-    return by_slot
-
-
-def _check_one_run_per_slot(timeline: list[list]) -> None:
-    """A slot goes from one run to another only through a state that holds nobody (idle) or the
-    train state: never from run A's worker straight to run B's."""
-    for slot, events in _resident_runs(timeline).items():
-        holder = None
-        for t, state, run in events:
-            if state in ("gen", "switching"):
-                assert holder in (None, run), f"slot {slot} at {t:.3f}s: {run} moved in while {holder} was there"
-                holder = run
-            else:  # idle or train: the generation worker that was there has left
-                holder = None
-
-
-def test_two_sim_runs_share_a_pool_each_with_its_own_records_exactly_once(tmp_path):
-    out = tmp_path / "runs"
-    more = (f"run.output_dir={out}", "run.max_steps=8", "rollout.sleep_level=1", "rollout.max_in_flight_per_worker=2")
-    path = _pool_file(
-        tmp_path,
-        [_sim_run("gen-heavy", "[0,1,2,3]", "[0]", *more), _sim_run("train-heavy", "[0,1,2,3]", "[2,3]", *more)],
-        slots=4,
-    )
-    assert main_run([str(path)]) == 0
-    (summary_path,) = (tmp_path / "pools").glob("pool-*/pool_summary.json")
-    summary = json.loads(summary_path.read_text())
-    assert {r["exit_code"] for r in summary["runs"].values()} == {0}
-    _check_one_run_per_slot(summary["timeline"])
-    stats = summary["statistics"]
-    assert stats["expands"] >= 4 and stats["shrinks"] >= 2 and stats["train_grants"] >= 2, stats
-    for name, run in summary["runs"].items():
-        run_dir = Path(run["run_dir"])
-        assert run_dir.parent == out and run_dir.name.startswith(name)
-        check_exactly_once(run_dir, 8, 16)
-        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-        assert last["elastic/expands"] >= 1, last  # the pool brought its workers in
-    trained_on = {run for _, _, state, run in summary["timeline"] if state == "train"}
-    assert trained_on == {"gen-heavy", "train-heavy"}
-
-
-def test_a_pooled_run_resumes_into_a_pool_at_sleep_level_1_from_its_run_directory(tmp_path):
-    # (R2: the resume pushed its weights to workers asleep out of the pool, and the run died before a rollout)
-    out = tmp_path / "runs"
-    more = (f"run.output_dir={out}", "run.max_steps=4", "rollout.sleep_level=1", "checkpoint.every_steps=2")
-    first = _pool_file(tmp_path, [_sim_run("a", "[0,1]", "[0]", *more), _sim_run("b", "[0,1]", "[1]", *more)], slots=2)
-    assert main_run([str(first)]) == 0
-    (run_dir,) = out.glob("a-*")
-    resumed = _pool_file(tmp_path, [{"resume": str(run_dir), "overrides": ["run.max_steps=6"]}], slots=2)
-    assert main_run([str(resumed)]) == 0
-    check_exactly_once(run_dir, 6, 16)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 6, summary
 
 
 # -- under Ray, on the embedded backend ------------------------------------------------------------
@@ -180,7 +50,7 @@ def _embedded_pool(tmp_path: Path) -> Path:
         }
         for i, name in enumerate(("left", "right"))
     ]
-    return _pool_file(tmp_path, runs, slots=2)
+    return pool_file(tmp_path, runs, slots=2)
 
 
 def _start_pool(path: Path, cwd: Path) -> subprocess.Popen:
@@ -264,7 +134,7 @@ def test_kill_9_of_one_runs_controller_leaves_the_other_run_going_on_both_slots(
     summary = json.loads(summary_path.read_text())
     assert summary["runs"]["left"]["exit_code"] == 1 and summary["runs"]["right"]["exit_code"] == 0, summary["runs"]
     assert summary["dropped_runs"] == ["left"], summary["dropped_runs"]
-    _check_one_run_per_slot(summary["timeline"])
+    check_one_run_per_slot(summary["timeline"])
     # after left is gone, right generates on both slots (left's train slot 0 included; a slot goes
     # back to generation between left's steps, so right may be there already as left goes)
     timeline = summary["timeline"]
@@ -323,14 +193,14 @@ def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into
     (summary_path,) = (tmp_path / "pools").glob("pool-*/pool_summary.json")
     summary = json.loads(summary_path.read_text())
     assert summary["dropped_runs"] == [], summary["dropped_runs"]
-    _check_one_run_per_slot(summary["timeline"])
+    check_one_run_per_slot(summary["timeline"])
     assert "generation worker gen0 died while shrunk" in (right / "logs" / "controller.log").read_text()
     for run_dir in (left, right):
         check_exactly_once(run_dir, steps, 16)
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
         # the death is taken at once; its restart (a model load) may still be under way at the last step
         assert last["rollout/worker_deaths"] == 1 and last["rollout/worker_restarts"] <= 1, last
-    resume = _pool_file(tmp_path, [{"resume": str(left), "overrides": [f"run.max_steps={steps + 2}"]}], slots=2)
+    resume = pool_file(tmp_path, [{"resume": str(left), "overrides": [f"run.max_steps={steps + 2}"]}], slots=2)
     done = subprocess.run(
         [sys.executable, "-m", "single_controller", "pool", "run", str(resume)],
         cwd=tmp_path,
@@ -341,13 +211,6 @@ def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     check_exactly_once(left, steps + 2, 16)
     assert json.loads((left / "summary.json").read_text())["resumed_from"]["step"] == steps
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "configs/pools").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_pool_file_loads(path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # its runs' config paths are relative to the repository
-    spec = load_pool(path)
-    assert spec.runs and all(c.pool.enabled for c in spec.runs)
 
 
 @pytest.mark.slow
@@ -385,7 +248,7 @@ def test_with_lookahead_0_a_run_samples_and_scores_the_same_alone_and_in_a_pool(
         },
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "single_controller", "pool", "run", str(_pool_file(tmp_path, runs, slots=2))],
+        [sys.executable, "-m", "single_controller", "pool", "run", str(pool_file(tmp_path, runs, slots=2))],
         cwd=tmp_path,
         capture_output=True,
         text=True,

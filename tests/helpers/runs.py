@@ -1,5 +1,5 @@
 """Checks on what a whole run leaves behind and on the processes of a run under way, shared by the
-end-to-end tests. Not a test module."""
+end-to-end tests; pool files and the pool timeline's one-run-per-slot check (the pool tests). Not a test module."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
+import yaml
 
 
 def check_exactly_once(run_dir: Path, steps: int, per_step: int) -> None:
@@ -41,3 +42,29 @@ def actor_pids(session: int, cls: str) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def pool_file(tmp_path: Path, runs: list[dict], **top) -> Path:
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "pools"), **top, "runs": runs}), encoding="utf-8")
+    return path
+
+
+def resident_runs(timeline: list[list]) -> dict[int, list[tuple[float, str, str | None]]]:
+    by_slot: dict[int, list[tuple[float, str, str | None]]] = {}
+    for t, slot, state, run in timeline:
+        by_slot.setdefault(int(slot), []).append((t, state, run))
+    return by_slot
+
+
+def check_one_run_per_slot(timeline: list[list]) -> None:
+    """A slot goes from one run to another only through a state that holds nobody (idle) or the
+    train state: never from run A's worker straight to run B's."""
+    for slot, events in resident_runs(timeline).items():
+        holder = None
+        for t, state, run in events:
+            if state in ("gen", "switching"):
+                assert holder in (None, run), f"slot {slot} at {t:.3f}s: {run} moved in while {holder} was there"
+                holder = run
+            else:  # idle or train: the generation worker that was there has left
+                holder = None
