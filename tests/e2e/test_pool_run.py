@@ -265,26 +265,3 @@ def test_with_lookahead_0_a_run_samples_and_scores_the_same_alone_and_in_a_pool(
     a, p = rewards("alone"), rewards("pooled")
     assert len(a) == len(p) == 4
     assert a == pytest.approx(p, rel=0, abs=1e-9), (a, p)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "problem"),
-    [
-        ([], r"pool.enabled=true: a run joins a pool that `sc-grpo pool run POOL.yaml` starts"),
-        (["pool.attach=true"], r"pool.attach=true joins the pool `sc-grpo pool serve` serves"),
-    ],
-)
-def test_sc_grpo_run_refuses_a_pooled_config_with_no_pool_to_join(tmp_path, overrides, problem):
-    cmd = [
-        sys.executable,
-        "-m",
-        "single_controller",
-        "run",
-        str(ROOT / "configs/sim.yaml"),
-        f"run.output_dir={tmp_path}",
-    ]
-    pooled = ["pool.enabled=true", "pool.gen_slots=[0]", "pool.train_slots=[0]", *overrides]
-    out = subprocess.run([*cmd, *pooled], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert re.search(problem, " ".join((out.stdout + out.stderr).split())), out.stderr
-    assert not any(tmp_path.iterdir()), "a refused run created its directory"

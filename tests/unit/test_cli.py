@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tomllib
 import types
@@ -184,28 +183,6 @@ def test_status_through_the_cli_reaches_the_real_tool(capsys):
     assert cli.main(["status", "--url", "127.0.0.1:1", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert "127.0.0.1:1" in err and "Traceback" not in err
-
-
-def test_python_dash_m_single_controller():
-    ok = subprocess.run(
-        [sys.executable, "-m", "single_controller", "config", EMBEDDED],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert "name: embedded" in ok.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "single_controller", "config", EMBEDDED, "train.lrr=1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
-    assert bad.returncode == 2
-    assert "did you mean 'train.lr'?" in bad.stderr
-    assert "Traceback" not in bad.stderr
 
 
 def test_argument_mistakes_in_reference_and_init_model_are_usage_errors_not_tracebacks(tmp_path, capsys):
