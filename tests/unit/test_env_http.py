@@ -1,5 +1,6 @@
-"""Environments over HTTP when things go wrong: a server killed mid-episode, a server that hangs, one that
-answers garbage or errors, idle episodes, the checks before start-up, loopback by default, the CLI.
+"""Environments over HTTP when things go wrong, in this process: a server that hangs, one that answers garbage or
+errors, idle episodes, the checks before start-up, loopback by default, the CLI (a server process killed
+mid-episode: tests/integration/test_env_serve.py).
 
 Each wait is bounded by `asyncio.wait_for` well past the deadline under test, so a missing deadline
 fails the test instead of hanging it."""
@@ -8,12 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +23,6 @@ from single_controller.envs.http_server import EnvServer
 from single_controller.envs.inprocess import check_env
 from single_controller.runtime import cli
 
-ROOT = Path(__file__).resolve().parents[2]
 ITEM = EpisodeItem("p00004", "^3>", "482", index=2)
 GUARD_S = 10.0  # far past every deadline below: reaching it means the deadline did not hold
 
@@ -74,41 +70,6 @@ class _Closing(LookupEnv):
 
     async def close(self):
         _Closing.closed.set()
-
-
-# -- a server killed mid-episode -------------------------------------------------------------------
-@pytest.fixture
-def served_lookup():
-    """`sc-grpo env serve lookup --port 0` in its own process; yields (process, the url it printed)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "single_controller.runtime.cli", "env", "serve", "lookup", "--port", "0"]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) as proc:
-        try:
-            url = proc.stdout.readline().strip()
-            assert url.startswith("http://127.0.0.1:"), (url, proc.stderr.read() if proc.poll() is not None else "")
-            yield proc, url
-        finally:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-async def test_a_server_killed_mid_episode_fails_the_next_call_quickly_naming_it(served_lookup):
-    proc, url = served_lookup
-    check_env_url(url, 5.0)  # the CLI's server speaks the protocol
-    env = HttpEnvironment(url, timeout_s=GUARD_S / 2)
-    assert await env.reset(ITEM) == ""
-    assert (await env.step(Action("?3"))).done  # no tool call given: a final answer, the server works
-    env = HttpEnvironment(url, timeout_s=GUARD_S / 2)
-    await env.reset(ITEM)
-    proc.kill()
-    proc.wait(timeout=10)
-    t0 = time.monotonic()
-    with pytest.raises(EnvFailed) as info:
-        await asyncio.wait_for(env.step(Action("482")), GUARD_S)
-    assert time.monotonic() - t0 < 2.0  # refused at once, not at the deadline
-    e = info.value
-    assert e.what == "step" and e.episode == env.episode and e.episode.startswith("p00004.2.a0.")
-    assert f"POST {url}/step" in str(e) and "ConnectionRefusedError" in str(e)
 
 
 # -- a server that hangs -----------------------------------------------------------------------------
