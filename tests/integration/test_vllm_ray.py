@@ -1,13 +1,12 @@
-"""The vLLM backend through Ray and TransferQueue, and `sc-grpo run` with it, as a user runs it.
+"""The vLLM backend through Ray and TransferQueue.
 
 - A request whose deadline expires (the engine held paused) leaves no key of its group in the
   TransferQueue partition: every key of the partition is listed, not only the controller's.
 - Shutdown ends the engine with its actor's process.
-- `sc-grpo run configs/vllm_cpu.yaml` for a few steps, and Ctrl-C of one: exit codes, rows, and no
-  process of the run (Ray's or the engine's) outliving it.
-- A `gpu` test runs configs/vllm_gpu.yaml when CUDA is present.
+- The collective weight sync reaches the engine, and again after a restart.
 
-Skipped, with the reason, only when vLLM is not installed; CI installs it (the `vllm-cpu` extra).
+`sc-grpo run` with it, as a user runs it: tests/e2e/test_vllm_run.py. Skipped, with the reason, only when vLLM is
+not installed; CI installs it (the `vllm-cpu` extra).
 """
 
 from __future__ import annotations
@@ -16,12 +15,7 @@ import asyncio
 import contextlib
 import functools
 import importlib.util
-import json
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,8 +23,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-
-from tests.helpers.process_tree import ProcessTree
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["TQ_NUM_THREADS"] = "2"
@@ -129,83 +121,6 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
         while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, f"the engine's process {pid} outlived shutdown"
             time.sleep(0.2)  # test code, not the controller
-
-
-def _start(tmp_path: Path, model_dir: Path, config: str, *overrides: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "single_controller",
-        "run",
-        str(ROOT / config),
-        f"run.output_dir={tmp_path}",
-        "run.progress_bar=false",
-        "run.plot=false",
-        "metrics.port=0",
-        f"model.path={model_dir}",
-        "model.create=false",
-        *overrides,
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-
-
-@pytest.mark.slow
-def test_vllm_cpu_run_and_no_process_outlives_it(tmp_path, model_dir):
-    proc = _start(tmp_path, model_dir, "configs/vllm_cpu.yaml", "run.max_steps=4", "run.stop_at_success_rate=null")
-    tree, out = ProcessTree.follow(proc)
-    assert proc.returncode == 0, out[-4000:]
-    assert "Traceback" not in out
-    assert any("VllmGenerationActor" in c for c in tree.seen.values()), tree.seen  # the engine's actor ran
-    (run_dir,) = list(tmp_path.glob("vllm_cpu-*"))
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["storage"]["resident_rows"] == 0, "rows left in TransferQueue"
-    assert (run_dir / "checkpoint" / "tokenizer.json").is_file()  # the checkpoint is a model directory
-    leaked = tree.alive(20)
-    assert not leaked, f"processes of the run left behind: {leaked}"
-
-
-@pytest.mark.slow
-def test_ctrl_c_of_a_vllm_run_leaves_no_process(tmp_path, model_dir):
-    proc = _start(tmp_path, model_dir, "configs/vllm_cpu.yaml", "run.max_steps=100000", "run.stop_at_success_rate=null")
-    tree = ProcessTree(proc.pid)
-    try:
-        deadline = time.monotonic() + 300
-        for line in proc.stdout:  # wait until it is training for real
-            tree.snapshot()
-            if re.match(r"step\s+1/", line):
-                break
-            assert time.monotonic() < deadline, "run did not start training"
-        tree.snapshot()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, out[-2000:]
-    leaked = tree.alive(20)
-    assert not leaked, f"processes of the run left behind after Ctrl-C: {leaked}"
-
-
-@pytest.mark.gpu
-def test_vllm_gpu_config_runs(tmp_path, model_dir):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.device_count() < 2:
-        pytest.skip(f"configs/vllm_gpu.yaml needs 2 CUDA GPUs (vLLM + trainer); found {torch.cuda.device_count()}")
-    proc = _start(tmp_path, model_dir, "configs/vllm_gpu.yaml", "run.max_steps=3", "run.stop_at_success_rate=null")
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    (run_dir,) = list(tmp_path.glob("vllm_gpu-*"))
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 3
 
 
 def _as_vllm(trainer: dict) -> dict:
