@@ -111,10 +111,9 @@ def make_rows(n: int, seed: int, hf_model=None) -> dict:
 def make_multi_turn_rows(seed: int, hf_model) -> dict:
     """12 multi-turn rows (3 groups of 4 sharing a prompt; `multi_turn_rows.multi_turn_rows`), gen_logprobs on
     policy tokens the HF model's own logprobs plus noise, as `make_rows`."""
-    from multi_turn_rows import multi_turn_rows
-
     from single_controller.algorithm.logprobs import token_logprobs
     from single_controller.backends.torch.model import HFCausalLMPolicy
+    from tests.helpers.multi_turn_rows import multi_turn_rows
 
     def logprobs_of(prompts, responses):
         return token_logprobs(HFCausalLMPolicy(hf_model), prompts, responses)[0]

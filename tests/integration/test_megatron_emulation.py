@@ -93,8 +93,9 @@ def test_everything_is_restored_on_exit():
 @pytest.fixture(scope="module")
 def world():
     import torch.distributed as dist
-    from free_ports import free_port
     from megatron.core import parallel_state as mps
+
+    from tests.helpers.free_ports import free_port
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

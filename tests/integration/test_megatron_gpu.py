@@ -24,11 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_gpu_rank_converts_exactly_and_trains(tmp_path, arch):
-    from free_ports import free_port
-
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.config.schema import TrainConfig
     from single_controller.types import LossConfig
+    from tests.helpers.free_ports import free_port
 
     torch.backends.cuda.matmul.allow_tf32 = False
     d = make_hf_dir(tmp_path / "m", arch=arch)

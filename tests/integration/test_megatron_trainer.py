@@ -104,9 +104,9 @@ def multi_turn_rows(hf_dir):
 def single(hf_dir):
     """This process as a 1-rank world (TP=1, DP=1): the full-batch reference."""
     import torch.distributed as dist
-    from free_ports import free_port
 
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
+    from tests.helpers.free_ports import free_port
 
     torch.set_num_threads(1)
     rank = MegatronRankActor(0, 1)
@@ -120,9 +120,9 @@ def single(hf_dir):
 def pair():
     """Two rank actors in one gloo world; tests `build` them with the layout they need."""
     import ray
-    from free_ports import free_port
 
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
+    from tests.helpers.free_ports import free_port
 
     ray_init()
     cls = ray.remote(MegatronRankActor)

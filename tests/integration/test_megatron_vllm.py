@@ -53,10 +53,9 @@ ROUNDS = 3
 def test_vllm_logprobs_match_the_megatron_trainer_after_training_steps(tmp_path, arch, tied):
     """Tied archs: Megatron's shared embedding/output weight goes out as the embedding alone, and the
     engine's tied head (its own processed copy on the CPU backend) follows it."""
-    from free_ports import free_port
-
     from single_controller.backends.megatron.ray_workers import MegatronRankActor
     from single_controller.backends.vllm.worker import VllmGenerationActor
+    from tests.helpers.free_ports import free_port
 
     torch.set_num_threads(1)
     # std 0.2: logits far from uniform, so a stale or misplaced weight shows in the logprobs
