@@ -285,42 +285,6 @@ def test_statistics_count_this_clients_bytes(storage, loop):
 
 
 # ---------------------------------------------------------------- TQ only
-def test_packed_rows_round_trip_every_dtype_and_empty_rows():
-    from replay.storage import FieldSpec
-    from replay.transferqueue.storage import pack_rows, unpack_rows
-
-    specs = (
-        FieldSpec("a", torch.int64, jagged=True, bulk=True),
-        FieldSpec("b", torch.bool, jagged=True, bulk=True),
-        FieldSpec("c", torch.bfloat16, jagged=True, bulk=True),
-        FieldSpec("d", torch.float32, jagged=True, bulk=True),
-    )
-    g = torch.Generator().manual_seed(0)
-    lengths = [0, 1, 3, 7]
-    cols = {
-        "a": [torch.randint(-(2**62), 2**62, (n,), generator=g) for n in lengths],
-        "b": [torch.rand(n, generator=g) > 0.5 for n in lengths],
-        "c": [torch.randn(n, generator=g).to(torch.bfloat16) for n in lengths],
-        "d": [torch.randn(n, generator=g) for n in lengths],
-    }
-    packed = pack_rows(specs, len(lengths), cols)  # ragged rows: a jagged NestedTensor
-    assert packed.is_nested and packed.dtype == torch.uint8
-    assert all(r.numel() % 8 == 0 for r in packed.unbind())
-    for value in (packed, torch.nested.nested_tensor(list(packed.unbind()))):  # jagged, and strided as TQ may return
-        got = unpack_rows(specs, ["d", "a", "b", "c"], value)
-        for name in cols:
-            assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(got[name], cols[name], strict=True)), (
-                name
-            )
-    # equal-length rows go dense [B, L]
-    same = {name: [col[3]] * 3 for name, col in cols.items()}
-    dense = pack_rows(specs, 3, same)
-    assert not dense.is_nested and dense.shape[0] == 3
-    got = unpack_rows(specs, ["a", "c"], dense)
-    assert set(got) == {"a", "c"} and all(torch.equal(x, cols["c"][3]) for x in got["c"])
-    # a field the put did not carry is left out whole, never returned short
-    partial = pack_rows(specs, 2, {"a": cols["a"][:2]})
-    assert set(unpack_rows(specs, ["a", "d"], partial)) == {"a"}
 
 
 @pytest.mark.tq
@@ -661,54 +625,3 @@ def test_start_refuses_too_few_cpus_and_stop_leaves_no_processes_in_each_layout(
             break
         time.sleep(0.2)
     assert alive == [], f"left running: {alive}"
-
-
-def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def test_worker_setup_pauses_the_collector_until_transfer_queue_is_imported():
-    """Every Ray worker process of a run imports torch and TransferQueue with the cyclic collector
-    paused; it is back on (with the import's objects frozen) once TQ is in, Dynamo stays out, and the
-    imported modules keep their own loaders (TQ reads its config.yaml through them)."""
-    out = _python(
-        """
-        import gc, sys
-        from importlib import resources
-        from replay.transferqueue.shims import install_shims, pause_gc_until_transfer_queue
-        install_shims()
-        assert not gc.isenabled(), "the collector runs during the imports"
-        assert not pause_gc_until_transfer_queue(), "paused twice"
-        import transfer_queue
-        assert gc.isenabled(), "the collector stayed off after TQ was imported"
-        assert gc.get_freeze_count() > 50_000, gc.get_freeze_count()
-        assert "torch._dynamo" not in sys.modules
-        for name in ("transfer_queue", "tensordict"):
-            loader = sys.modules[name].__spec__.loader
-            assert type(loader).__module__ != "replay.transferqueue.shims", (name, loader)
-            assert sys.modules[name].__loader__ is loader, (name, loader)
-        assert (resources.files("transfer_queue") / "config.yaml").is_file()
-        assert not pause_gc_until_transfer_queue(), "TQ is imported already: nothing to pause for"
-        print("OK")
-        """
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
-
-
-def test_the_collector_pause_ends_by_itself_in_a_process_that_never_imports_transfer_queue():
-    out = _python(
-        """
-        import gc, time
-        from replay.transferqueue.shims import pause_gc_until_transfer_queue, resume_gc
-        assert pause_gc_until_transfer_queue(max_s=0.3) and not gc.isenabled()
-        time.sleep(1.0)
-        assert gc.isenabled(), "still paused after max_s"
-        resume_gc()  # idempotent
-        assert gc.isenabled()
-        print("OK")
-        """,
-        timeout=60,
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
