@@ -46,13 +46,6 @@ CFG = dataclasses.replace(
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()  # one long-lived loop, like the controller's
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def cluster():
     import ray
 

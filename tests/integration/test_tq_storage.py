@@ -6,7 +6,6 @@ Storage-agnostic tests are parametrized over `memory` and `tq`: both must valida
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -69,13 +68,6 @@ def tq_cluster(leak_probe):
     finally:
         stop_tq()
         ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()  # one long-lived loop, like the controller's (TQ pools sockets per loop)
-    yield loop
-    loop.close()
 
 
 def new_tq_storage(**kw):

@@ -37,13 +37,6 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 def run(loop, coro, timeout=180):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 

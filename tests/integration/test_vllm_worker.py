@@ -15,7 +15,6 @@ import copy
 import importlib.util
 import threading
 import time
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -33,65 +32,27 @@ from replay.ledger import GroupRecord  # noqa: E402
 from replay.storage import GENERATION_FIELDS, TRAIN_FIELDS, InMemoryRowStorage, row_keys  # noqa: E402
 from samplers.staleness import StalenessSampler  # noqa: E402
 from single_controller.algorithm.logprobs import token_logprobs  # noqa: E402
-from single_controller.backends.common.episodes import EpisodeRunner  # noqa: E402
 from single_controller.backends.common.rewards import RewardScorer  # noqa: E402
 from single_controller.backends.torch.model import build_policy  # noqa: E402
 from single_controller.backends.torch.trainer import TrainerCore  # noqa: E402
 from single_controller.config.schema import SamplerConfig  # noqa: E402
 from single_controller.data import hf_model  # noqa: E402
 from single_controller.data.rewards import RewardFn  # noqa: E402
-from single_controller.data.tasks import TOKENIZER, positional_match_reward, reverse_digits  # noqa: E402
+from single_controller.data.tasks import TOKENIZER, positional_match_reward  # noqa: E402
 from single_controller.data.tokenizer import load_tokenizer  # noqa: E402
-from single_controller.envs.contract import StepOutcome, ToolCall  # noqa: E402
 from single_controller.preflight.loader import load_config  # noqa: E402
-from single_controller.protocols import EnvironmentFailed, GenerationFailed, RewardFailed  # noqa: E402
+from single_controller.protocols import GenerationFailed, RewardFailed  # noqa: E402
 from single_controller.types import (  # noqa: E402
     GenerationRequest,
-    GenerationResult,
     LossConfig,
     SamplingParams,
     WeightsHandle,
 )
 from tests.helpers.chat_prompts import chat_prompts  # noqa: E402
+from tests.helpers.vllm_worker import GatedStorage, cancel_while_put, digit_requests, run  # noqa: E402
 
 # float32 on both sides, the same weights: measured max |diff| ~1e-6 (vLLM's CPU kernels vs torch).
 LOGPROB_TOL = 1e-4
-
-
-class GatedStorage(InMemoryRowStorage):
-    """In-memory rows whose puts can be held at a gate (from the engine's writer thread)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.put_started = threading.Event()
-        self._mutex = threading.Lock()
-
-    def put_rows_sync(self, keys, columns, tags=None):
-        self.put_started.set()
-        self.gate.wait(30)
-        with self._mutex:
-            super().put_rows_sync(keys, columns, tags)
-
-    def clear_rows_sync(self, keys):
-        with self._mutex:
-            super().clear_rows_sync(keys)
-
-    def keys_of(self, group_id: str) -> list[str]:
-        with self._mutex:
-            return [k for k in self._rows if k.startswith(f"{group_id}_g")]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-def run(loop, coro, timeout=120):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
 
 @pytest.fixture(scope="module")
@@ -108,18 +69,6 @@ def env(tmp_path_factory, loop):
     run(loop, actor.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
     yield actor, trainer, storage, state
     run(loop, actor.close())
-
-
-def _requests(
-    prefix: str, n_groups: int, G: int = 4, max_new_tokens: int = 3, seed: int = 0
-) -> list[GenerationRequest]:
-    prompts = reverse_digits(n_groups, 3, seed=seed)
-    return [
-        GenerationRequest(
-            f"{prefix}{i}", p, SamplingParams(n=G, max_new_tokens=max_new_tokens), row_keys(f"{prefix}{i}", G)
-        )
-        for i, p in enumerate(prompts)
-    ]
 
 
 def _move_every_tensor(trainer, seed: int) -> None:
@@ -144,7 +93,7 @@ def test_logprobs_match_the_trainer_before_and_after_weight_updates(env, loop):
     actor, trainer, storage, state = env
     for round_ in range(4):
         v = state["version"]
-        reqs = _requests(f"lp{round_}-", 8, seed=round_)
+        reqs = digit_requests(f"lp{round_}-", 8, seed=round_)
         results = run(loop, actor.generate_many(reqs))
         assert all(r.version_start == r.version_end == v for r in results), results
         keys = [k for r in reqs for k in r.row_keys]
@@ -186,7 +135,7 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
     versions; its version_start is the oldest token's, which the staleness sampler bounds."""
     actor, trainer, storage, state = env
     v = state["version"]
-    (req,) = _requests("keep", 1, G=4, max_new_tokens=6)
+    (req,) = digit_requests("keep", 1, G=4, max_new_tokens=6)
     task = loop.create_task(actor.generate_many([req]))
     assert run(loop, actor.pause(after_steps=2)) == 1  # prefill + one decode step: 2 tokens each
     with torch.no_grad():
@@ -227,7 +176,7 @@ def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(
 
 def test_cancel_aborts_in_the_engine_and_stores_nothing(env, loop):
     actor, trainer, storage, state = env
-    (req,) = _requests("cancel", 1, max_new_tokens=20)
+    (req,) = digit_requests("cancel", 1, max_new_tokens=20)
     task = loop.create_task(actor.generate_many([req]))
     run(loop, actor.pause(after_steps=1))
     assert run(loop, actor.cancel(req.group_id)) is True
@@ -236,7 +185,7 @@ def test_cancel_aborts_in_the_engine_and_stores_nothing(env, loop):
     assert not actor.engine.has_unfinished_requests()
     run(loop, actor.resume())
     # the engine goes on serving; the cancelled group never shows up
-    results = run(loop, actor.generate_many(_requests("after", 2)))
+    results = run(loop, actor.generate_many(digit_requests("after", 2)))
     assert all(r.version_end == state["version"] for r in results)
     assert storage.keys_of(req.group_id) == []
     assert run(loop, actor.cancel(req.group_id)) is False  # already gone
@@ -244,7 +193,7 @@ def test_cancel_aborts_in_the_engine_and_stores_nothing(env, loop):
 
 def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch_mates(env, loop, monkeypatch):
     actor, trainer, storage, state = env
-    reqs = _requests("rwd", 4)
+    reqs = digit_requests("rwd", 4)
     bad = {reqs[1].prompt.prompt_id: "raise", reqs[2].prompt.prompt_id: "nan"}
 
     def picky(prompt, text):
@@ -269,7 +218,7 @@ def test_reward_functions_run_off_the_engines_loop_and_a_stuck_one_fails_only_it
     stepping the engine); a function past its deadline fails its own group, the others come back
     with each function's values."""
     actor, trainer, storage, state = env
-    reqs = _requests("pool", 3)
+    reqs = digit_requests("pool", 3)
     release, loop_thread = threading.Event(), threading.current_thread().name
     threads: set[str] = set()
 
@@ -309,7 +258,7 @@ def test_reward_functions_run_off_the_engines_loop_and_a_stuck_one_fails_only_it
 def test_a_cancelled_call_stores_nothing(env, loop):
     """A deadline or the run's end cancels the caller's generate_many: its groups are aborted."""
     actor, trainer, storage, state = env
-    reqs = _requests("deadline", 2, max_new_tokens=20)
+    reqs = digit_requests("deadline", 2, max_new_tokens=20)
     task = loop.create_task(actor.generate_many(reqs))
     run(loop, actor.pause(after_steps=1))
     task.cancel()
@@ -317,40 +266,16 @@ def test_a_cancelled_call_stores_nothing(env, loop):
         run(loop, task)
     assert run(loop, actor.in_flight()) == 0 and not actor.engine.has_unfinished_requests()
     run(loop, actor.resume())
-    run(loop, actor.generate_many(_requests("after2-", 1)))
+    run(loop, actor.generate_many(digit_requests("after2-", 1)))
     assert [k for r in reqs for k in storage.keys_of(r.group_id)] == []
-
-
-def _cancel_while_put(actor, storage, loop, req):
-    """Cancel `req` while its rows are being put: the cancel waits for the put in flight and answers
-    True (its rows were written, and are taken back). Returns the request's own outcome."""
-    storage.gate.clear()
-    storage.put_started.clear()
-    task = loop.create_task(actor.generate_many([req]))
-
-    async def cancel_while_writing():
-        while not storage.put_started.is_set():
-            await asyncio.sleep(0.005)  # test code: the writer thread signals through a threading.Event
-        cancel = asyncio.ensure_future(actor.cancel(req.group_id))
-        await asyncio.sleep(0.05)
-        assert not cancel.done()  # waits for the put in flight
-        storage.gate.set()
-        return await cancel
-
-    try:
-        assert run(loop, cancel_while_writing()) is True
-    finally:
-        storage.gate.set()
-    (res,) = run(loop, task)
-    return res
 
 
 def test_cancel_during_the_put_takes_the_rows_back(env, loop):
     """A group whose rows are being written when its cancel arrives: cancel returns only after the
     put landed AND its rows were cleared, so no key of it remains."""
     actor, trainer, storage, state = env
-    (req,) = _requests("late", 1)
-    res = _cancel_while_put(actor, storage, loop, req)
+    (req,) = digit_requests("late", 1)
+    res = cancel_while_put(actor, storage, loop, req)
     assert isinstance(res, GenerationFailed)
     assert storage.keys_of(req.group_id) == []
 
@@ -372,7 +297,7 @@ def test_a_request_for_newer_weights_waits_for_them_and_can_be_cancelled_meanwhi
     actor, trainer, storage, state = env
     v = state["version"]
     held_req, dropped_req, now_req = (
-        dataclasses.replace(r, min_version=m) for r, m in zip(_requests("gated", 3, seed=7), (v + 1, v + 1, v))
+        dataclasses.replace(r, min_version=m) for r, m in zip(digit_requests("gated", 3, seed=7), (v + 1, v + 1, v))
     )
     held = loop.create_task(actor.generate_many([held_req]))
     dropped = loop.create_task(actor.generate_many([dropped_req]))
@@ -418,7 +343,7 @@ class FakeSleepMode:
 
 
 def _max_logprob_gap(loop, actor, trainer, storage, prefix: str) -> float:
-    reqs = _requests(prefix, 4)
+    reqs = digit_requests(prefix, 4)
     run(loop, actor.generate_many(reqs))
     keys = [k for r in reqs for k in r.row_keys]
     rows = storage.get_rows_sync(keys, list(GENERATION_FIELDS))
@@ -453,7 +378,7 @@ def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights
     run(loop, actor.sleep(1))
     run(loop, actor.sleep(1))
     assert fake.calls == [("sleep", 1)] and run(loop, actor.weights_version()) == v  # level 1 keeps them (host copy)
-    (failed,) = run(loop, actor.generate_many(_requests("asleep-", 1)))
+    (failed,) = run(loop, actor.generate_many(digit_requests("asleep-", 1)))
     assert isinstance(failed, GenerationFailed) and "asleep at level 1" in str(failed)
     with pytest.raises(GenerationFailed, match="while asleep"):
         run(loop, actor.update_weights(WeightsHandle(v + 1, trainer.publish_weights(v + 1))))
@@ -468,7 +393,7 @@ def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights
     run(loop, actor.wake())
     assert fake.calls[1:] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
     assert run(loop, actor.weights_version()) is None
-    (failed,) = run(loop, actor.generate_many(_requests("unloaded-", 1)))
+    (failed,) = run(loop, actor.generate_many(digit_requests("unloaded-", 1)))
     assert isinstance(failed, GenerationFailed) and "no weights loaded" in str(failed)
     _move_every_tensor(trainer, seed=11)  # the expand's weights differ from those the engine held
     assert _push(loop, actor, trainer, state) == run(loop, actor.weights_version()) == v + 1
@@ -593,152 +518,3 @@ def test_bfloat16_engine_logprobs_match_the_bfloat16_trainer_within_the_bound(tm
 
 
 # -- multi-turn episodes (`env`) ------------------------------------------------------------------
-
-# An observation of 32 tokens: from its second turn on, an episode's sequence fills a 32-token KV
-# block (vLLM's CPU block size), which its next turn finds in the prefix cache.
-OBS = "=" + "0123456789" * 3 + ">"
-
-
-@dataclass
-class Script:
-    """What the scripted environments do (set by a test) and what they saw."""
-
-    delay: float = 0.0  # seconds each step takes
-    failing: set[str] = field(default_factory=set)  # prompt ids whose environment always raises
-    steps: int = 0
-    stepped: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class Lookup:
-    """Answers two actions with `OBS`; the third ends the episode, its length the reward."""
-
-    def __init__(self, script: Script):
-        self.script, self.steps, self.prompt_id = script, 0, ""
-
-    async def reset(self, item):
-        self.prompt_id = item.prompt_id
-        return ""
-
-    async def step(self, action):
-        self.script.steps += 1
-        self.script.stepped.set()
-        self.steps += 1
-        await asyncio.sleep(self.script.delay)
-        if self.prompt_id in self.script.failing:
-            raise RuntimeError("environment is down")
-        if self.steps == 3:
-            return StepOutcome(reward=float(len(action.text)), done=True)
-        return StepOutcome(observation=OBS)
-
-
-class QParser:
-    def parse(self, text: str):
-        return ToolCall("lookup", text[1:]) if text.startswith("?") else None
-
-
-@pytest.fixture(scope="module")
-def episodes(tmp_path_factory, loop):
-    """A second engine, for a run with an environment (prefix caching on, 128 positions); its
-    episodes play the scripted `Lookup` (the runner `episode_runner` would build, with it)."""
-    from single_controller.backends.vllm import worker
-
-    # std 0.2: logits far from uniform, so a turn computed over wrong KV shows in its logprobs
-    model_dir = hf_model.init_model(
-        tmp_path_factory.mktemp("vllm-env") / "tiny", hidden_size=64, head_dim=32, max_positions=128, init_std=0.2
-    )
-    overrides = ["env.fn=lookup", "env.max_turns=3", "env.max_tokens_per_turn=8", "env.timeout_s=5"]
-    cfg = load_config(None, ["backend.generation=vllm", f"model.path={model_dir}", "model.max_seq_len=128", *overrides])
-    storage, script = GatedStorage(), Script()
-
-    def runner(env_cfg, tokenizer, *, default_max_new, name):
-        return EpisodeRunner(
-            env_cfg, lambda: Lookup(script), tokenizer, QParser(), default_max_new=default_max_new, name=name
-        )
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker, "episode_runner", runner)
-        actor = worker.VllmGenerationActor("vllm-env", cfg, lambda: storage, seed=0)
-    trainer = TrainerCore(build_policy(cfg.model, TOKENIZER.vocab_size, seed=0), cfg.train)
-    run(loop, actor.update_weights(WeightsHandle(0, trainer.publish_weights(0))))
-    yield actor, trainer, storage, script
-    run(loop, actor.close())
-
-
-def test_episodes_on_vllm_store_masked_rows_whose_logprobs_the_trainer_reproduces(episodes, loop):
-    """Each turn is one engine request over the whole sequence so far; the rows mask the observations
-    out (logprob 0 there), and on the policy's tokens the trainer's logprobs are the engine's, also
-    for the turns whose earlier turns' KV came from the prefix cache."""
-    actor, trainer, storage, script = episodes
-    assert actor.engine.vllm_config.cache_config.enable_prefix_caching
-    reqs = _requests("ep", 2, G=4)
-    results = run(loop, actor.generate_many(reqs))
-    for res, req in zip(results, reqs):
-        assert isinstance(res, GenerationResult), res
-        assert res.episode_stats["episodes"] == 4 and res.episode_stats["turns"] == 12
-        assert res.episode_stats["observation_tokens"] == 4 * 2 * len(OBS)
-        assert (res.version_start, res.version_end) == (0, 0)
-        rows = storage.get_rows_sync(list(req.row_keys), list(GENERATION_FIELDS) + ["reward"])
-        assert res.response_lengths == tuple(len(t) for t in rows["response_ids"])
-        assert list(res.rewards) == rows["reward"].tolist()
-        with torch.no_grad():
-            lp, _ = token_logprobs(trainer.policy, rows["prompt_ids"], rows["response_ids"])
-        for i in range(4):
-            ids, mask, gen = rows["response_ids"][i], rows["response_mask"][i], rows["gen_logprobs"][i]
-            assert TOKENIZER.decode(ids[~mask].tolist()) == OBS * 2  # inserted as encoded, masked out
-            assert (gen[~mask] == 0).all() and (rows["token_versions"][i] == 0).all()
-            diff = float((lp[i, : len(ids)][mask] - gen[mask]).abs().max())
-            assert diff < LOGPROB_TOL, f"{req.group_id} row {i}: max |trainer - vLLM| = {diff}"
-    # every episode's third turn found at least its first 32-token block in the cache
-    assert run(loop, actor.statistics()).cached_tokens >= 8 * 32
-    storage.clear_rows_sync([k for r in reqs for k in r.row_keys])
-
-
-def test_an_episode_group_cancelled_mid_episode_leaves_the_engine_and_writes_nothing(episodes, loop):
-    """Cancelled between turns, with its next turns waiting in the (paused) engine: cancel takes
-    them out of the engine and stops the episodes; no row is written, no step follows."""
-    actor, trainer, storage, script = episodes
-    (req,) = _requests("epcancel", 1, G=2)
-    script.delay, script.stepped = 0.2, asyncio.Event()
-    task = loop.create_task(actor.generate_many([req]))
-    try:
-        run(loop, script.stepped.wait())  # an episode's first turn is done, its step under way
-        assert run(loop, actor.pause()) == 1
-        run(loop, asyncio.sleep(0.5))  # the steps are over: the second turns wait in the engine
-        assert actor.engine.has_unfinished_requests()
-        steps = script.steps
-        assert run(loop, actor.cancel(req.group_id)) is True
-        assert not actor.engine.has_unfinished_requests()
-        (res,) = run(loop, task)
-        assert isinstance(res, GenerationFailed) and "cancelled" in str(res)
-        run(loop, actor.resume())
-        run(loop, asyncio.sleep(1.0))  # the episodes would have finished by now
-    finally:
-        script.delay = 0.0
-        run(loop, actor.resume())
-    assert storage.keys_of(req.group_id) == [] and script.steps == steps
-    assert run(loop, actor.in_flight()) == 0 and not actor._asks
-
-
-def test_an_environment_failure_answers_its_group_alone_and_stores_nothing_of_it(episodes, loop):
-    actor, trainer, storage, script = episodes
-    reqs = _requests("epfail", 2, G=2, seed=3)
-    script.failing = {reqs[0].prompt.prompt_id}
-    before = run(loop, actor.statistics()).env_failures
-    try:
-        bad, good = run(loop, actor.generate_many(reqs))
-    finally:
-        script.failing = set()
-    assert isinstance(bad, EnvironmentFailed) and "environment is down" in str(bad)
-    assert isinstance(good, GenerationResult) and good.episode_stats["episodes"] == 2
-    assert storage.keys_of("epfail0") == [] and len(storage.keys_of("epfail1")) == 2
-    assert run(loop, actor.statistics()).env_failures == before + 1
-    assert not actor.engine.has_unfinished_requests() and not actor._asks
-    storage.clear_rows_sync(list(reqs[1].row_keys))
-
-
-def test_an_episode_group_cancelled_while_its_rows_are_put_has_them_taken_back(episodes, loop):
-    actor, trainer, storage, script = episodes
-    (req,) = _requests("epput", 1, G=2, seed=5)
-    res = _cancel_while_put(actor, storage, loop, req)
-    assert isinstance(res, GenerationFailed) and "cancelled" in str(res)
-    assert storage.keys_of(req.group_id) == []
