@@ -1,7 +1,7 @@
 """The pool's generation planner: which run's generation worker each free slot should hold.
 
 Pure functions over a snapshot of the pool (no clock, no awaits), so that every interleaving the
-scheduler can meet is a plain input here (`tests/test_pool_planner.py` drives them with hypothesis).
+scheduler can meet is a plain input here (`tests/unit/test_pool_planner.py` drives them with hypothesis).
 
 A *free* slot is one no run trains on. Each run has one generation worker per slot of its
 `gen_slots`; at most one worker is resident on a slot. Demand is a run's generation demand in

@@ -3,7 +3,7 @@
 
 megatron-core has no CPU mode: its DDP buffers, optimizer, gradient clipping and global scratch
 buffers hard-code CUDA. Written against megatron-core == PINNED_VERSION (the `megatron` extra pins
-it); `tests/test_megatron_emulation.py` runs every emulated call site and fails loudly when an
+it); `tests/integration/test_megatron_emulation.py` runs every emulated call site and fails loudly when an
 upgrade moves one. On a machine with CUDA the emulation refuses to start: the GPU path never runs
 through it.
 
@@ -150,7 +150,7 @@ def check_version() -> str:
         raise CpuEmulationError(
             f"megatron-core {v} is installed but the CPU emulation was written for {PINNED_VERSION}; "
             f"install the pinned version (pip install -e '.[megatron]') or re-check every emulated call "
-            f"site (tests/test_megatron_emulation.py) and bump PINNED_VERSION"
+            f"site (tests/integration/test_megatron_emulation.py) and bump PINNED_VERSION"
         )
     return v
 
