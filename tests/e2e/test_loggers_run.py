@@ -221,9 +221,3 @@ def test_a_resume_continues_tensorboard_without_the_steps_trained_again_and_the_
     assert all(path.name.endswith(f"-{run_id}") for path in offline)
     _, rows = wandb_run(offline[1])
     assert {row["step"] for row in rows if "step" in row} >= set(range(STEPS, RESUMED_STEPS))
-
-
-# ---------------------------------------------------------------- failures
-
-
-# ---------------------------------------------------------------- records with a sample

@@ -1,7 +1,7 @@
 """The vLLM generation worker on the real engine (vLLM's CPU build), in-process, against the torch
 trainer on the same Hugging Face model: logprob parity across weight updates (and the mismatch
-metric that shows it), the keep policy's per-token versions, cancel semantics; multi-turn episodes
-against a scripted environment (their own engine, with the prefix cache on).
+metric that shows it), the keep policy's per-token versions, cancel semantics (multi-turn episodes on
+their own engine: test_vllm_episodes.py).
 
 One engine for the module's Llama (~5-25 s to start on 2 busy cores), one event loop; the Qwen2 and
 Qwen3 weight-update test starts one engine per architecture.
@@ -515,6 +515,3 @@ def test_bfloat16_engine_logprobs_match_the_bfloat16_trainer_within_the_bound(tm
                 assert float((old[valid] - gen).abs().max()) > 2 * BF16_LOGPROB_TOL
     finally:
         run(loop, actor.close())
-
-
-# -- multi-turn episodes (`env`) ------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Evaluation during asynchronous training (issue 14): the held-out split, the eval pump on the
-simulated backend (weight updates, worker failures and the run's end during eval), the workers'
-eval lane, the config checks, and the metrics it leaves."""
+"""Evaluation during asynchronous training (issue 14): the held-out split, the workers' eval lane, the config
+checks, and the metrics it leaves. The eval pump on the simulated backend: test_eval_pump.py; the embedded run
+with eval on: tests/e2e/test_eval_run.py."""
 
 from __future__ import annotations
 
@@ -83,9 +83,6 @@ def test_eval_metrics_by_hand():
         "eval/tokens": 11.0,
         "eval/prompts": 2.0,
     }
-
-
-# -- the eval pump on the simulated backend ----------------------------------------------------
 
 
 # -- the workers' eval lane ----------------------------------------------------------------------
@@ -336,7 +333,7 @@ async def test_eval_records_in_metrics_file_plot_and_console(tmp_path):
     assert rep._reported == 0  # an eval line is not a step
 
 
-# -- end to end: the embedded run with eval on ------------------------------------------------------
+# -- the status tool, and what a resume measures again ---------------------------------------------
 
 
 async def test_status_shows_the_last_eval_point():
