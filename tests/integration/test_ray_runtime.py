@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from single_controller.config.schema import RayConfig
-from single_controller.runtime.ray_session import prepare_environment, ray_session, worker_env
+from single_controller.runtime.ray_session import ray_session, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,26 +60,6 @@ def workers_of(raylet_pids: set[int]) -> list[psutil.Process]:
         except (psutil.Error, ValueError):
             pass
     return out
-
-
-# ---------------------------------------------------------------- without Ray
-
-
-def test_worker_env_sets_every_thread_pool():
-    env = worker_env(3)
-    assert env["OMP_NUM_THREADS"] == "3"
-    assert env["MKL_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "3"
-    assert all(isinstance(v, str) for v in env.values())
-
-
-def test_prepare_environment_sets_defaults_without_overriding(monkeypatch):
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
-    monkeypatch.delenv("TQ_NUM_THREADS", raising=False)
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    prepare_environment()
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
-    assert os.environ["TQ_NUM_THREADS"] == str(os.cpu_count())
-    assert os.environ["RAY_AUTH_MODE"] == "token"  # the user's choice stands
 
 
 POLICY_SCRIPT = textwrap.dedent(

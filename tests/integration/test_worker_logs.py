@@ -1,9 +1,8 @@
-"""Logging: a worker's output goes to its file in the run directory, the console carries sc-grpo's
-lines, and `-v` shows the components' log records (backends/common/worker_logs.py, runtime/logs.py)."""
+"""Logging: a worker's output goes to its file in the run directory, as a process of its own and as a Ray worker
+(backends/common/worker_logs.py; the console's levels, in this process: tests/unit/test_console_logging.py)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from single_controller.backends.common.worker_logs import LOG_DIR_ENV, redirect_output
-from single_controller.runtime.logs import console_logging
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,33 +52,6 @@ def test_a_workers_output_goes_to_its_file_in_the_log_dir_and_not_to_the_console
         assert line in text, text
 
 
-def test_without_a_log_dir_nothing_is_redirected(monkeypatch, capfd):
-    monkeypatch.delenv(LOG_DIR_ENV, raising=False)
-    assert redirect_output("gen0") is None
-    print("still on the console")
-    assert capfd.readouterr().out == "still on the console\n"
-
-
-def test_the_console_shows_warnings_by_default_and_info_with_verbose(capsys):
-    log = logging.getLogger("single_controller.runtime.probe")
-    with console_logging(0):
-        log.info("an info record")
-        log.warning("a warning")
-    assert capsys.readouterr().err == "sc-grpo: a warning\n"
-    with console_logging(1):
-        log.info("an info record")
-        log.debug("a debug record")
-    err = capsys.readouterr().err
-    assert "INFO single_controller.runtime.probe: an info record" in err and "debug" not in err
-    with console_logging(2):
-        log.debug("a debug record")
-    assert "DEBUG single_controller.runtime.probe: a debug record" in capsys.readouterr().err
-    logging.getLogger("some_library").warning("not ours")  # libraries' records are not sc-grpo's console
-    log.warning("after the command")  # the console handler is gone once the command returns
-    assert "not ours" not in capsys.readouterr().err
-    assert all(not h.__class__.__name__.startswith("_Stderr") for h in logging.getLogger("single_controller").handlers)
-
-
 @pytest.mark.ray
 def test_a_ray_workers_print_lands_in_its_log_file_and_not_on_the_drivers_console(tmp_path, capfd):
     """A run's Ray session: log_to_driver=False and the log directory in every worker's environment."""
@@ -94,7 +65,6 @@ def test_a_ray_workers_print_lands_in_its_log_file_and_not_on_the_drivers_consol
 
     class Worker:
         def __init__(self, name: str):
-            from single_controller.backends.common.worker_logs import redirect_output
 
             redirect_output(name)  # first thing, as every worker actor's constructor does
             print(f"{name}: hello from the worker", flush=True)
