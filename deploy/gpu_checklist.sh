@@ -7,7 +7,7 @@
 #
 # Steps (each prints "== step: ..." and its figures; the summary is $OUT/gpu_checklist.md):
 #   1. the `gpu`-marked tests (skipped cleanly without CUDA)
-#   2. the 2-GPU functional suite (tests/functional/*.sh with SC_GRPO_DEVICE=gpu)
+#   2. the 2-GPU functional suite (tests/e2e/functional/*.sh with SC_GRPO_DEVICE=gpu)
 #   3. `sc-grpo bench sync` over NCCL (2+ GPUs: the sender and each worker a GPU of their own)
 #   4. a short bf16 run of a 0.4 B-parameter random-init Qwen2 (hidden 1024, 24 layers, tied) (vLLM + Megatron, one GPU each): tokens/s,
 #      step time, sync time from metrics.jsonl, peak GPU memory from nvidia-smi
@@ -47,7 +47,7 @@ step "2. functional suite on 2 GPUs"
 if [[ $GPUS -ge 2 ]]; then
   T0=$SECONDS
   RC=0
-  for s in tests/functional/*.sh; do
+  for s in tests/e2e/functional/*.sh; do
     [[ $(basename "$s") == lib.sh ]] && continue
     SC_GRPO_DEVICE=gpu bash "$s" > "$OUT/$(basename "$s" .sh).log" 2>&1 || { RC=1; note "| functional $(basename "$s") | FAILED (see $OUT) |"; }
   done

@@ -3,7 +3,7 @@
 Each line: {"id": "gsm-000", "prompt": [{"role": "user", "content": "..."}], "answer": "42",
 "solution": "..."}. Answers are integers, fractions (`\\frac{3}{4}`) or decimals, as math-verify
 compares them (`1/2`, `0.5` and `\\frac{1}{2}` are the same answer). The `solution` column is a worked
-solution ending in `\\boxed{answer}`, which `tests/test_examples.py` feeds back as a completion that
+solution ending in `\\boxed{answer}`, which `tests/e2e/test_examples.py` feeds back as a completion that
 must score 1.0. Run from the repository root: python -m examples.math_verify.make_data
 """
 

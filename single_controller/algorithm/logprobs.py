@@ -92,7 +92,7 @@ def token_logprobs(
     `share_prefixes` (and a policy with `forward_shared_prefix`, e.g. `TinyGPT`, the HF adapter): rows
     with the same prompt (a GRPO group's) run it once; its keys and values are gathered for each row,
     whose response then attends to them. The same function of the parameters as the one forward of
-    whole rows (`tests/test_shared_prefix.py`), for a fraction of the prompt's compute.
+    whole rows (`tests/unit/test_shared_prefix.py`), for a fraction of the prompt's compute.
     """
     n_prompt = [p.shape[0] for p in prompt_ids]
     if min(n_prompt, default=1) < 1:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Interval
 
-# Bounds of numeric fields. Every int or float field declares one (tests/test_configs.py checks);
+# Bounds of numeric fields. Every int or float field declares one (tests/unit/test_configs.py checks);
 # `AnyFloat` says in so many words that any value is fine.
 Count = Annotated[int, Ge(0)]  # 0, 1, 2, ...
 PositiveInt = Annotated[int, Ge(1)]  # 1, 2, 3, ...

@@ -133,7 +133,7 @@ def check_version() -> str:
         raise CpuEmulationError(
             f"megatron-core {v} is installed but the CPU emulation was written for {PINNED_VERSION}; "
             f"install the pinned version (pip install -e '.[megatron]') or re-check every emulated call "
-            f"site (tests/test_megatron_emulation.py) and bump PINNED_VERSION"
+            f"site (tests/integration/test_megatron_emulation.py) and bump PINNED_VERSION"
         )
     return v
 
