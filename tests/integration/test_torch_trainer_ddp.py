@@ -85,7 +85,7 @@ def _counting_shared_prefix(policy: TinyGPT) -> list[int]:
 
 def _ddp_step(rank: int, world: int, rows: dict, chunking, level: str, cfg: TrainConfig = TRAIN) -> tuple:
     """One step of `rows` in `chunking` on this rank, each chunk split across the ranks by length (what
-    CpuTrainerGroup does): (applied gradient, parameters after, metrics, shared-prefix forwards)."""
+    RankTrainerGroup does): (applied gradient, parameters after, metrics, shared-prefix forwards)."""
     policy = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
     shared = _counting_shared_prefix(policy)
     core = TrainerCore(policy, cfg, process_group=dist.group.WORLD)
