@@ -3,8 +3,6 @@ interfaces (the sim workers here) and does what the pumps do, in order."""
 
 from __future__ import annotations
 
-import asyncio
-
 from replay.storage import InMemoryRowStorage
 from single_controller.algorithm.advantages import grpo_advantages
 from single_controller.backends.sim import sim_prompts, sim_rewards, sim_workers
@@ -12,7 +10,7 @@ from single_controller.step import grpo_step
 from single_controller.types import LossConfig, SamplingParams
 
 
-def test_three_steps_of_the_spine_train_every_row_once_and_publish_each_version():
+async def test_three_steps_of_the_spine_train_every_row_once_and_publish_each_version():
     async def main():
         storage = InMemoryRowStorage()
         gens, trainer = sim_workers(storage, num_generators=2)
@@ -39,11 +37,11 @@ def test_three_steps_of_the_spine_train_every_row_once_and_publish_each_version(
             assert await storage.resident_keys() == set()  # trained rows are cleared
         return results
 
-    results = asyncio.run(main())
+    results = await main()
     assert [r.step for r in results] == [0, 1, 2]
 
 
-def test_the_advantages_the_spine_sends_are_each_groups_normalised_rewards():
+async def test_the_advantages_the_spine_sends_are_each_groups_normalised_rewards():
     sent = []
 
     async def main():
@@ -60,7 +58,7 @@ def test_the_advantages_the_spine_sends_are_each_groups_normalised_rewards():
         await grpo_step(0, prompts, gens, trainer, storage, sampling=SamplingParams(n=4), loss=LossConfig())
         return prompts
 
-    prompts = asyncio.run(main())
+    prompts = await main()
     assert [c.chunk_index for c in sent] == [0, 1]  # one group per chunk by default
     for chunk, p in zip(sent, prompts):
         expected = grpo_advantages(sim_rewards(p.prompt_id, 0, 4), normalize_std=True, eps=1e-6)
