@@ -72,8 +72,9 @@ class RankTrainerGroup:
     and names the call it came from. A finish can follow a microbatch this closely because a rank
     whose microbatch failed refuses the step's finish (`TrainerCore.mark_failed`; every rank learns
     it in the finish's first all-reduce) until the step is aborted. A successful finish of step s
-    sends rank 0's `export_weights(s + 1)` at once, and `export_weights(s + 1)` takes that answer.
-    Each saves a round trip between the controller and the ranks per step."""
+    sends `export_weights(s + 1)` at once (to rank 0, or to every rank with `collective_io`), and
+    `export_weights(s + 1)` takes that answer. Each saves a round trip between the controller and the
+    ranks per step."""
 
     def __init__(
         self,
