@@ -25,6 +25,13 @@ def attach_tq_storage(partition: str, timeout_s: float, group_rows: bool = False
     return TQRowStorage.attach(partition, timeout_s=timeout_s, group_rows=group_rows)
 
 
+def import_storage_modules() -> None:
+    """Import what `open_tq_storage` imports once TQ's processes were asked for: TransferQueue and this
+    package's row storage (with torch and tensordict). See `ControllerHost._ray_workers`: a process that
+    imports on another thread meanwhile imports these first, on that thread."""
+    from replay.transferqueue import storage  # noqa: F401
+
+
 def open_tq_storage(
     cfg: StorageConfig,
     timeouts: TimeoutConfig,

@@ -61,20 +61,34 @@ def _load(spec: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
+def load_starters(cfg: Config) -> tuple[Callable, Callable]:
+    """Import the starters of `cfg`'s generation and trainer backends (torch and the backend modules:
+    seconds of CPU), and return them: `(start_generation, start_trainer)`."""
+    startup_trace.mark("controller", "import the worker starters")
+    starters = (
+        _load(GENERATION_BACKENDS[cfg.backend.generation].starter),
+        _load(TRAINER_BACKENDS[cfg.backend.trainer].starter),
+    )
+    startup_trace.mark("controller", "worker starters imported")
+    return starters
+
+
 async def start_workers(
-    cfg: Config, storage_factory: Callable[[], Any], *, storage_ready: Awaitable[Any]
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    *,
+    storage_ready: Awaitable[Any],
+    starters: tuple[Callable, Callable] | None = None,
 ) -> tuple[list[Any], Any]:
     """Start the trainer and the generation workers side by side, then sync version 0 (the
-    trainer's initial weights) to every generation worker. On failure nothing is left running."""
+    trainer's initial weights) to every generation worker. On failure nothing is left running.
+    `starters`: what `load_starters(cfg)` returned (imported here when not given)."""
     storage_ready = asyncio.ensure_future(storage_ready)
-    startup_trace.mark("controller", "import the worker starters")
-    start_gen = _load(GENERATION_BACKENDS[cfg.backend.generation].starter)
-    start_trainer = _load(TRAINER_BACKENDS[cfg.backend.trainer].starter)
+    start_gen, start_trainer = starters or load_starters(cfg)
     tasks = [
         asyncio.ensure_future(start_gen(cfg, storage_factory, storage_ready=storage_ready)),
         asyncio.ensure_future(start_trainer(cfg, storage_factory, storage_ready=storage_ready)),
     ]
-    startup_trace.mark("controller", "worker starters imported")
     tasks[0].add_done_callback(lambda _: startup_trace.mark("controller", "generation workers ready"))
     tasks[1].add_done_callback(lambda _: startup_trace.mark("controller", "trainer ready"))
     try:

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import random
+import threading
 import time
 import traceback
 import uuid
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from single_controller import startup_trace
 from single_controller.config.schema import Config
-from single_controller.deadlines import within
+from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.types import Prompt
 
 if TYPE_CHECKING:
@@ -287,16 +288,23 @@ class ControllerHost:
     async def _ray_workers(self):
         """Start (or attach to) TransferQueue here, while the worker processes start beside it."""
         # TQ itself is imported on the storage thread: the worker processes start first
-        from replay.transferqueue.factory import attach_tq_storage, open_tq_storage
-        from single_controller.backends.registry import start_workers
+        from replay.transferqueue.factory import attach_tq_storage, import_storage_modules, open_tq_storage
+        from single_controller.backends.registry import load_starters, start_workers
 
         cfg = self.cfg
         t0 = time.perf_counter()
 
         loop, spawned = asyncio.get_running_loop(), asyncio.Event()
+        # Python's imports are not safe on two threads at once: a module another thread is importing
+        # can be reported missing (CPython bpo-38884; here `No module named
+        # 'single_controller.backends.common.weight_broadcast'` once in a suite). So the storage thread
+        # waits, once TQ's processes were asked for, until this thread has imported what both need.
+        imported = threading.Event()
 
         def asked_for() -> None:  # on the storage thread
             loop.call_soon_threadsafe(spawned.set)
+            if not imported.wait(cfg.timeouts.setup_s):
+                raise DeadlineExceeded(f"the controller's imports of the worker starters ({cfg.timeouts.setup_s:g} s)")
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
             # starts TQ, or attaches to one
@@ -313,10 +321,16 @@ class ControllerHost:
         asked = asyncio.ensure_future(spawned.wait())
         await asyncio.wait([storage, asked], return_when=asyncio.FIRST_COMPLETED)
         asked.cancel()
+        try:
+            starters = load_starters(cfg)
+            import_storage_modules()
+        finally:
+            imported.set()
         factory = functools.partial(attach_tq_storage, self.partition, cfg.timeouts.storage_s, cfg.storage.pack_groups)
         b = cfg.backend
         what = f"starting TransferQueue, the {b.generation} generation workers and the {b.trainer} trainer"
-        gens, trainer = await within(start_workers(cfg, factory, storage_ready=storage), cfg.timeouts.setup_s, what)
+        started = start_workers(cfg, factory, storage_ready=storage, starters=starters)
+        gens, trainer = await within(started, cfg.timeouts.setup_s, what)
         self._workers = (gens, trainer)
         self.setup_times["workers_s"] = time.perf_counter() - t0
         startup_trace.mark("controller", "workers up, weights v0 synced")
