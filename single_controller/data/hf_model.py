@@ -235,8 +235,8 @@ class VocabIds(TypedDict):
 def _gpt2_config(sizes: _Sizes, vocab: VocabIds) -> Any:
     import transformers
 
-    # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`); their annotated signature omits it
-    return transformers.GPT2Config(  # type: ignore[call-arg]
+    # torch_dtype: transformers >= 4.40 reads it (newer ones as `dtype`)
+    return transformers.GPT2Config(
         n_embd=sizes.hidden_size,
         n_layer=sizes.num_layers,
         n_head=sizes.heads,

@@ -304,7 +304,7 @@ class ControllerHost:
         def asked_for() -> None:  # on the storage thread
             loop.call_soon_threadsafe(spawned.set)
             if not imported.wait(cfg.timeouts.setup_s):
-                raise DeadlineExceeded(f"the controller's imports of the worker starters ({cfg.timeouts.setup_s:g} s)")
+                raise DeadlineExceeded("the controller's imports of the worker starters", cfg.timeouts.setup_s)
 
         def storage_up():  # blocking Ray lookups and tq.init: run off the event loop
             # starts TQ, or attaches to one
