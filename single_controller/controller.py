@@ -181,16 +181,16 @@ class Controller:
         self._tokens_trained = 0
         self._env_totals: dict[str, float] = {}  # multi-turn: sums of the trained episodes' stats
         self._last_controller_bytes = 0
-        self._t0 = self.state.clock()
+        self._t0 = self._last_step_end = self.state.clock()
         self._wall_offset_s = wall_offset_s
         self._last_wait: dict[str, float] = {}
-        self._last_step_end = self._t0
         self.run_dir = run_dir
         self._dataloader_state = dataloader_state
         self.last_checkpoint: CheckpointInfo | None = None  # the newest durable one
         self._committing: asyncio.Task[CheckpointInfo] | None = None  # a periodic one, being committed
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
+        self._records_unwritten_from: int | None = None  # `records_written`; None: nobody confirms
         if run_dir is not None and isinstance(workers.trainer, Checkpointable):
             self.state.hooks.after_step = self._periodic_checkpoint
             self.state.hooks.checkpoint_due = self._checkpoint_due
@@ -294,9 +294,9 @@ class Controller:
             "prompts": prompts,
             "rolled_back": rolled_back,
             "dataloader": {"taken": len(st.prompts), **(self._dataloader_state() if self._dataloader_state else {})},
-            # the step records since the previous checkpoint: the driver writes metrics.jsonl behind
-            # the controller, so a crash can lose the last ones a resume does not train again
-            "records": [dict(r) for r in self.history if r["step"] >= (self._last_checkpoint_step or 0)],
+            # the step records the driver may not have written yet: it writes metrics.jsonl behind the
+            # controller, so a crash can lose the last ones, which a resume does not train again
+            "records": [dict(r) for r in self.history if r["step"] >= self._records_kept_from()],
             "success_window": list(self._success),
             "counters": {
                 "zero_variance_groups": st.counters.zero_variance_groups,
@@ -360,6 +360,19 @@ class Controller:
         async with asyncio.TaskGroup() as fanout:
             for w in st.routable():
                 fanout.create_task(update_worker(st, w, handle, " (resume)"))
+
+    def records_written(self, before_step: int) -> None:
+        """The consumer of `on_step` (the driver, writing metrics.jsonl) has durably written the
+        records of every step before `before_step`: a checkpoint keeps the step records from the first
+        one it has not, however many checkpoints ago that was (at most the last HISTORY_KEPT). Never
+        called: a checkpoint keeps the records since the previous one."""
+        self._records_unwritten_from = max(self._records_unwritten_from or 0, before_step)
+
+    def _records_kept_from(self) -> int:
+        since_checkpoint = self._last_checkpoint_step or 0
+        if self._records_unwritten_from is None:
+            return since_checkpoint
+        return min(since_checkpoint, self._records_unwritten_from)
 
     def _checkpoint_due(self, version: int) -> bool:
         c, st = self.cfg.checkpoint, self.state

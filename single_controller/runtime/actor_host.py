@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from single_controller import startup_trace
 from single_controller.config.schema import Config
 from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.runtime.records import is_eval_record
 from single_controller.types import Prompt
 
 if TYPE_CHECKING:
@@ -222,6 +223,8 @@ class ControllerHost:
             # settled prompts stream to disk: memory holds the ones in flight, checkpoints stay small
             prompt_history=os.path.join(self.run_dir, "prompt_history.jsonl") if self.run_dir else None,
         )
+        # the driver writes the records from here on (`next_records` confirms what it wrote)
+        self.controller.records_written(saved["step"] if saved else 0)
         if cfg.metrics.enabled:
             from single_controller.runtime.metrics import serve_from_config
 
@@ -457,8 +460,12 @@ class ControllerHost:
         past the run's end). Asking from `cursor` acknowledges every record before it: those are
         dropped, so the controller's memory stays flat however long the run."""
         if cursor > self._records_base:
+            written = self.records[: cursor - self._records_base]
             del self.records[: cursor - self._records_base]
             self._records_base = cursor
+            steps = [r["step"] for r in written if not is_eval_record(r)]
+            if steps and self.controller is not None:
+                self.controller.records_written(max(steps) + 1)
         while self._records_base + len(self.records) <= cursor and not self._finished.is_set():
             self._changed.clear()
             await self._changed.wait()

@@ -282,7 +282,7 @@ def test_sigstop_of_a_generation_worker_mid_run_replaces_it_and_costs_no_prompt(
     print(f"the whole run, SIGSTOP at step 5: {time.monotonic() - t0:.1f} s")
 
 
-def test_a_generation_queue_three_times_the_deadline_kills_no_worker_and_the_run_finishes(tmp_path):
+def test_a_generation_queue_past_the_deadline_kills_no_worker_and_the_run_finishes(tmp_path):
     """The deadline measures a request's own work: one torch worker sampling one group per batch
     (~10-30 ms) with 96 groups in flight (48 per step, lookahead 1) queues a group for about a second
     against generate_s=0.25. No worker is taken for hung or killed, no request times out, the run
@@ -294,7 +294,8 @@ def test_a_generation_queue_three_times_the_deadline_kills_no_worker_and_the_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(5))
     queued = max(r["rollout/group_latency_max_s"] for r in records)
-    assert queued > 3 * limit, queued  # a group did wait in the worker past 3x its deadline
+    # a group did wait in the worker past twice its deadline (0.7-1.5 s on 2 cores, less on faster ones)
+    assert queued > 2 * limit, queued
     assert records[-1]["rollout/worker_deaths"] == 0 and records[-1]["rollout/worker_restarts"] == 0
     ledger = json.loads((run_dir / "prompt_ledger.json").read_text())["prompts"]
     assert [p for p in ledger if p["reason"] not in (None, "run_ended")] == []  # nothing timed out or hung

@@ -111,6 +111,26 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.parametrize("written_before", [None, 3])
+async def test_a_checkpoint_keeps_every_step_record_the_driver_has_not_written(tmp_path, written_before):
+    """The driver writes metrics.jsonl behind the controller and confirms what it wrote
+    (`records_written`): a checkpoint keeps every record from the first one not confirmed, even when
+    the driver lags more than a checkpoint interval (a kill then lost those steps' records, which a
+    resume does not train again); with no driver confirming, the records since the previous one."""
+    cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 2, "at_exit": False})
+    storage = InMemoryRowStorage()
+    gens, trainer = sim_workers(storage, num_generators=2, gen_group_s=0.002)
+    ctl = Controller(cfg, sim_prompts(), storage, Workers(gens, trainer), run_dir=str(tmp_path))
+    if written_before is not None:
+        ctl.records_written(0)
+        ctl.records_written(written_before)  # and no further: the driver is stuck behind step 2
+    summary = await asyncio.wait_for(ctl.run(), 30)
+    saved = read_controller_state(latest_checkpoint(tmp_path))
+    assert saved["step"] == summary.checkpoint.step == 8
+    kept_from = 6 if written_before is None else written_before
+    assert [r["step"] for r in saved["records"]] == list(range(kept_from, 8))
+
+
 async def test_a_resume_into_a_storage_that_outlived_the_crash_clears_the_rows_of_attempts_after_the_cut(tmp_path):
     """`storage.attach`: the crashed run's rows stay in the storage. Those of attempts made after its
     last checkpoint (prompts taken after the cut, for steps the resume never reaches) are named

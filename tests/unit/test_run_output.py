@@ -307,11 +307,14 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
     the run has finished; asking from a cursor drops the records before it."""
     import asyncio
     import time
+    import types
 
     from single_controller.config.schema import Config
     from single_controller.runtime.actor_host import ControllerHost
 
     host = ControllerHost(Config())
+    written: list[int] = []  # what the controller is told the driver wrote (its checkpoints keep the rest)
+    host.controller = types.SimpleNamespace(records_written=written.append)  # type: ignore[assignment]
 
     async def steps(first: int, n: int, finish: bool = False) -> None:
         for i in range(first, first + n):
@@ -333,6 +336,7 @@ async def test_the_driver_gets_the_records_of_several_steps_per_call_and_the_end
     assert time.perf_counter() - t0 < 5.0, "lingered past the run's end"
     assert [r["step"] for r in records] == [5, 6]
     assert host._records_base == 5 and len(host.records) == 2, "acknowledged records kept"
+    assert written == [5], "the controller was not told which records the driver wrote"
     await feeding
     t0 = time.perf_counter()
     assert await host.next_records(7, 30.0) == ([], True)
