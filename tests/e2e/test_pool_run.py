@@ -95,23 +95,25 @@ def test_kill_9_of_the_pool_actor_stops_every_run_with_a_named_error_and_a_resum
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-3000:]
+    assert re.search(r"run failed in the \w+ pump after \d+ steps: .*pool sc-grpo-pool", out), out[-3000:]
     for name in ("left", "right"):
         (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["failure"] is not None and "pool sc-grpo-pool" in summary["failure"]["error"], summary
         assert summary["checkpoint"]["step"] >= 3, summary
-        assert re.search(r"run failed in the \w+ pump after \d+ steps: .*pool sc-grpo-pool", out), out[-3000:]
-        k = summary["checkpoint"]["step"]  # it resumes alone, out of any pool
-        resume = [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir)]
-        done = subprocess.run(
-            [*resume, "pool.enabled=false", f"run.max_steps={k + 2}"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        check_exactly_once(run_dir, k + 2, 16)
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{summary['checkpoint']['step']:06d}"
+    # one of them resumes alone, out of any pool (both checkpoints were written by the same code)
+    k = summary["checkpoint"]["step"]
+    resume = [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir)]
+    done = subprocess.run(
+        [*resume, "pool.enabled=false", f"run.max_steps={k + 2}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    check_exactly_once(run_dir, k + 2, 16)
 
 
 @pytest.mark.slow
