@@ -133,11 +133,11 @@ async def eval_pump(
             # Idle between rounds is the schedule, not a stall: this wait is not billed to the pump's
             # clock (whose current wait feeds the stall alert); only waits for eval results are.
             await state.changed.wait_until(functools.partial(_round_due, state, due))
-            if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.policy):
+            if state.stop.abandon_open_step or (_training_over(state) and evaluated == state.versions.served):
                 break  # (an interrupt: the run stops on its last finished step, without a last eval)
             point = await _round(state, prompts, sampling, tracker, clk.iterations)
             clk.iterations += 1
-            evaluated = point.version if point is not None else state.versions.policy
+            evaluated = point.version if point is not None else state.versions.served
             due = (evaluated // cfg.every_steps + 1) * cfg.every_steps
             if point is not None:
                 tracker.points.append(point)
@@ -152,7 +152,7 @@ async def eval_pump(
 
 def _round_due(state: RunState, due: int) -> bool:
     """Version `due` is out, no newer one can come, or the run was interrupted."""
-    return state.versions.policy >= due or _training_over(state) or state.stop.abandon_open_step
+    return state.versions.served >= due or _training_over(state) or state.stop.abandon_open_step
 
 
 def _training_over(state: RunState) -> bool:
@@ -215,7 +215,7 @@ class _Round:
         self, state: RunState, prompts: Sequence[Prompt], sampling: SamplingParams, tracker: EvalTracker, index: int
     ) -> None:
         self.state, self.prompts, self.sampling, self.tracker, self.index = state, prompts, sampling, tracker, index
-        self.target = state.versions.policy  # the version the round measures
+        self.target = state.versions.served  # the version the round measures
         self.accepted: dict[int, GenerationResult] = {}  # prompt index -> result served by `target`
         self.attempts = [0] * len(prompts)
         self.failures = [0] * len(prompts)

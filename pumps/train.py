@@ -66,9 +66,9 @@ async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: 
 
 async def _train_loop(state: RunState, weights, on_step, clears: asyncio.TaskGroup) -> None:
     overlap = StepOverlap(state)
-    while state.versions.trainer < state.cfg.run.max_steps:
+    while state.versions.trained < state.cfg.run.max_steps:
         # Exits: max_steps trained; a stop was requested after a step; or no group can arrive.
-        report = await _train_step(state, state.versions.trainer, clears, overlap)
+        report = await _train_step(state, state.versions.trained, clears, overlap)
         if report is None:
             break
         await _after_step(state, weights, on_step, report)
@@ -124,7 +124,7 @@ async def _train_step(state: RunState, step: int, clears: asyncio.TaskGroup, ove
         except TrainerFailed as e:
             result = await _recover(state, cur, e)
     _finish_groups(state, step, cur.groups, clears)
-    state.versions.trainer = step + 1
+    state.versions.trained = step + 1
     state.notify()
     assert cur.t_start is not None  # set when the step's first chunk was selected
     return StepReport(step, result, tuple(cur.groups), len(cur.chunks), cur.retries, cur.t_start, state.clock())
@@ -415,7 +415,7 @@ def record_landed_finish(state: RunState, step: int, result: StepResult) -> Step
     meanwhile, and a remote call runs to its end): the step as `_train_step` would have ended it,
     its groups trained, its prompts settled `trained@step`, the trainer version bumped. Its report
     is returned; the run's teardown clears its rows."""
-    f, at = state.finishing, state.versions.trainer
+    f, at = state.finishing, state.versions.trained
     if f is None or f.step != step or at != step:
         raise RuntimeError(
             f"the trainer applied step {step}, but the controller is at step {at} and the train pump last "
@@ -424,7 +424,7 @@ def record_landed_finish(state: RunState, step: int, result: StepResult) -> Step
     groups = [g for g in state.ledger.in_state(GroupState.SELECTED) if g.trained_step == step]
     state.ledger.mark_trained_many([g.group_id for g in groups], step)
     state.prompts.settle_trained([g.prompt.prompt_id for g in groups], step)
-    state.versions.trainer = step + 1
+    state.versions.trained = step + 1
     state.notify()
     return StepReport(step, result, tuple(groups), f.chunks, f.retries, f.t_start, state.clock())
 
@@ -449,10 +449,10 @@ async def prefetch_pump(state: RunState) -> None:
         await state.changed.wait_until(functools.partial(_prefetch_due, state, seen))
         if state.stop.train_done:
             return
-        if state.versions.trainer != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
+        if state.versions.trained != seen[0]:  # forget hints of groups no longer waiting (memory stays flat)
             hinted = {g for g in hinted if g in state.ledger.ready_ids()}
-        seen = (state.versions.trainer, state.ledger.ready_marks)
-        step = state.versions.trainer + 1
+        seen = (state.versions.trained, state.ledger.ready_marks)
+        step = state.versions.trained + 1
         groups = _unhinted(state, hinted)
         if not groups:
             continue
@@ -466,14 +466,14 @@ async def prefetch_pump(state: RunState) -> None:
 
 def _prefetch_due(state: RunState, seen: tuple[int, int]) -> bool:
     """The train pump finished, or a group became READY or the trainer moved on since `seen`."""
-    return state.stop.train_done or (state.versions.trainer, state.ledger.ready_marks) != seen
+    return state.stop.train_done or (state.versions.trained, state.ledger.ready_marks) != seen
 
 
 def _unhinted(state: RunState, hinted: set[str]) -> list[GroupRecord]:
-    if state.versions.trainer + 1 >= state.cfg.run.max_steps:
+    if state.versions.trained + 1 >= state.cfg.run.max_steps:
         return []
     nxt = state.sampler.select_from(
-        state.ledger.ready_index(), state.versions.trainer + 1, state.cfg.train.groups_per_step
+        state.ledger.ready_index(), state.versions.trained + 1, state.cfg.train.groups_per_step
     )
     return [g for g in nxt if g.group_id not in hinted]
 

@@ -109,7 +109,7 @@ def _abort_stale_in_flight(state: RunState, new_version: int) -> None:
     if not state.sampler.aborts_in_flight:  # the default: no in-flight group is ever looked at
         return
     _abort_in_flight(
-        state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trainer)
+        state, "stale_in_flight", lambda rec: state.sampler.should_abort_in_flight(rec, state.versions.trained)
     )
 
 

@@ -218,7 +218,7 @@ class Controller:
             await self._clear_rows_left()
             await self._sync_resumed_weights()
         else:  # the workers hold the trainer's initial weights (their backend loaded them at setup)
-            v = st.versions.trainer
+            v = st.versions.trained
             st.versions.latest_weights = await within(
                 st.workers.trainer.export_weights(v), self.cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v})"
             )
@@ -257,7 +257,7 @@ class Controller:
         gc.unfreeze()
         await self._end(failed=False)
         return RunSummary(
-            st.versions.trainer,
+            st.versions.trained,
             st.stop.reason or "finished",
             st.clock() - self._t0,
             list(self.history),
@@ -279,7 +279,7 @@ class Controller:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """The controller's side of a checkpoint at the cut `versions.trainer` (between steps).
+        """The controller's side of a checkpoint at the cut `versions.trained` (between steps).
         Attempts not trained by the cut are rolled back: their prompts will be re-dispatched."""
         st = self.state
         live = {g.group_id for g in st.ledger.active_records() if g.state not in TERMINAL}
@@ -290,7 +290,7 @@ class Controller:
                 rolled_back += [a for a in p["attempts"] if a in live]
                 p["attempts"] = [a for a in p["attempts"] if a not in live]
         return {
-            "step": st.versions.trainer,
+            "step": st.versions.trained,
             "prompts": prompts,
             "rolled_back": rolled_back,
             "dataloader": {"taken": len(st.prompts), **(self._dataloader_state() if self._dataloader_state else {})},
@@ -352,7 +352,7 @@ class Controller:
         fails it is down, and restarted with them). A shrunk one (asleep, in a pool) gets them at its
         expand: they are the published weights from now on."""
         st, cfg = self.state, self.cfg
-        v = st.versions.trainer
+        v = st.versions.trained
         handle = await within(
             st.workers.trainer.export_weights(v), cfg.timeouts.weight_sync_s, f"trainer.export_weights(v{v}) (resume)"
         )
@@ -384,7 +384,7 @@ class Controller:
         st = self.state
         # A next step already open (sent behind the finish, when no checkpoint was due then; the
         # time-based one may have come due since): the checkpoint waits for the next step boundary.
-        if self._checkpoint_due(st.versions.trainer) and not st.ledger.count(GroupState.SELECTED):
+        if self._checkpoint_due(st.versions.trained) and not st.ledger.count(GroupState.SELECTED):
             await self.checkpoint(durable=False)
 
     async def checkpoint(self, *, durable: bool = True) -> CheckpointInfo | None:
@@ -398,7 +398,7 @@ class Controller:
         # (only called with both: `__init__` sets the checkpoint hook only then)
         assert self.run_dir is not None and isinstance(trainer, Checkpointable), "no run directory or trainer state"
         await self._checkpoint_committed()
-        step = st.versions.trainer
+        step = st.versions.trained
         staged = await within(
             stage_checkpoint(
                 self.run_dir,
@@ -462,7 +462,7 @@ class Controller:
         st, t = self.state, self.cfg.timeouts.train_call_s
         if not st.ledger.count(GroupState.SELECTED):
             return True
-        trainer, step = st.workers.trainer, st.versions.trainer
+        trainer, step = st.workers.trainer, st.versions.trained
         try:
             status = await within(trainer.train_status(), t, f"trainer.train_status (the run ends in step {step})")
             if status.open_step is not None:
@@ -478,9 +478,9 @@ class Controller:
                 raise
             st.teardown_errors.append(f"where the trainer stands at the end: {type(e).__name__}: {e}")
             return False
-        if status.next_step != st.versions.trainer:
+        if status.next_step != st.versions.trained:
             where = (
-                f"at the run's end the trainer is at step {status.next_step}, the controller at {st.versions.trainer}"
+                f"at the run's end the trainer is at step {status.next_step}, the controller at {st.versions.trained}"
             )
             if not failed:
                 raise RuntimeError(where)
@@ -501,7 +501,7 @@ class Controller:
             st.teardown_errors.append(f"checkpoint of step {self._last_checkpoint_step}: {type(e).__name__}: {e}")
         if self.state.hooks.after_step is None or not self.cfg.checkpoint.at_exit or not in_step:
             return
-        if st.versions.trainer == self._last_checkpoint_step:
+        if st.versions.trained == self._last_checkpoint_step:
             return
         try:
             await self.checkpoint()
@@ -538,7 +538,7 @@ class Controller:
             "throughput/train_tokens_per_s": seq_tokens / step_s if step_s > 0 else 0.0,
             "throughput/gen_tokens_per_s": gen_tokens / step_s if step_s > 0 else 0.0,
             "replay/resident_groups": st.ledger.resident(),
-            "sync/policy_version": st.versions.policy,
+            "sync/policy_version": st.versions.served,
             "sync/last_s": st.sync.last_s,
             "sync/admission_closed_s": st.sync.last_closed_s,
             "rollout/worker_deaths": st.counters.worker_deaths,
@@ -622,7 +622,7 @@ class Controller:
             "eval/seconds": point.seconds,
             "eval/reissued": point.reissued,
             "eval/failures": point.failures,
-            "eval/trainer_version": self.state.versions.trainer,
+            "eval/trainer_version": self.state.versions.trained,
             "time/wall_s": self._wall_offset_s + point.t_end - self._t0,
         }
         self.eval_history.append(rec)
@@ -635,7 +635,7 @@ class Controller:
         reason = "run_failed" if failed else "run_ended"
         if failed and st.ledger.count(GroupState.SELECTED):
             try:  # the step is open on the trainer: leave its state as it was before begin
-                step = st.versions.trainer  # the open step is always the next one
+                step = st.versions.trained  # the open step is always the next one
                 await within(
                     st.workers.trainer.abort_train_step(step),
                     self.cfg.timeouts.train_call_s,
@@ -669,8 +669,8 @@ class Controller:
         last = self.history[-1] if self.history else {}
         return ControllerStatistics(
             t=now,
-            policy_version=st.versions.policy,
-            trainer_version=st.versions.trainer,
+            policy_version=st.versions.served,
+            trainer_version=st.versions.trained,
             admission_open=st.admission_open,
             stopping=st.stop.requested,
             pumps={n: c.statistics(now) for n, c in st.pumps.items()},
@@ -682,7 +682,7 @@ class Controller:
             zero_variance_groups=st.counters.zero_variance_groups,
             aborted_steps=st.counters.aborted_steps,
             step_retries=st.counters.step_retries,
-            steps=st.versions.trainer,
+            steps=st.versions.trained,
             tokens_generated=st.counters.tokens_generated,
             tokens_trained=self._tokens_trained,
             last_step_s=last.get("time/step_s", 0.0),

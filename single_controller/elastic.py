@@ -38,7 +38,7 @@ def _worker(state: RunState, name: str) -> ElasticWorker:
         raise ValueError(f"no generation worker is named {name!r} (there are: {', '.join(by_name)})")
     worker = by_name[name]
     if not isinstance(worker, Sleepable):
-        raise TypeError(f"generation worker {name} cannot be shrunk: its backend has no sleep/wake/weights_version")
+        raise TypeError(f"generation worker {name} cannot be shrunk: its backend has no sleep/wake/policy_version")
     return worker  # a GenerationWorker, and Sleepable as checked
 
 
@@ -206,12 +206,12 @@ async def _wake_with_published_weights(state: RunState, worker: ElasticWorker, n
         target = state.versions.published
         if target is None:
             raise RuntimeError("no weights were published yet")
-        what = f"generation worker {name}: weights_version()"
-        held = await within(worker.weights_version(), cfg.timeouts.weight_sync_s, what)
+        what = f"generation worker {name}: policy_version()"
+        held = await within(worker.policy_version(), cfg.timeouts.weight_sync_s, what)
         if held != target.version:
             what = f"generation worker {name}: update_weights(v{target.version}) (expand)"
             await within(worker.update_weights(target), cfg.timeouts.weight_sync_s, what)
-            held = await within(worker.weights_version(), cfg.timeouts.weight_sync_s, what)
+            held = await within(worker.policy_version(), cfg.timeouts.weight_sync_s, what)
         if held != target.version:
             raise RuntimeError(f"it holds weights v{held} after applying the published v{target.version}")
         if state.versions.published is target:

@@ -267,14 +267,14 @@ class Sleepable(Protocol):
     shrink, `single_controller/elastic.py`), called only once it is out of routing with nothing in
     flight: `sleep(1)` frees its weights, `sleep(2)` its weights and caches; it then serves nothing
     (it keeps no weights that could be served stale). `wake()` takes its memory back; it serves only
-    after an `update_weights`. `weights_version()`: the version of the weights it holds (None: none).
+    after an `update_weights`. `policy_version()`: the version of the weights it holds (None: none).
     Both are idempotent."""
 
     async def sleep(self, level: int) -> None: ...
 
     async def wake(self) -> None: ...
 
-    async def weights_version(self) -> int | None: ...
+    async def policy_version(self) -> int | None: ...
 
 
 @runtime_checkable

@@ -2,9 +2,14 @@
 
 Every mutation a pump may wait on goes through a method here (or is followed by `notify()`), and
 every wait is `await state.wait_until(predicate, pump, on=...)`, which records how long the pump
-waited and on what; no locks (one loop, mutations between awaits). Versions (`RunState.versions`):
-`trainer` (optimizer steps done), `policy` (what the generation workers serve) and `dispatch` (what
-new rollouts are stamped with: `policy`, or with version-gated workers the snapshot being applied).
+waited and on what; no locks (one loop, mutations between awaits).
+
+The policy version is the one counter of the run: the number of optimizer steps behind a set of
+weights. Rows are stamped with it (`policy_version`), a weights snapshot carries it
+(`WeightsHandle.version`), a generation worker reports the one it holds (`policy_version()`). The
+controller tracks three of its values (`RunState.versions`): `trained` (the trainer's: optimizer
+steps done), `served` (the generation workers') and `dispatch` (what new rollouts are stamped with:
+`served`, or with version-gated workers the snapshot being applied).
 """
 
 from __future__ import annotations
@@ -129,12 +134,12 @@ class Workers:
 
 @dataclass
 class Versions:
-    """The policy versions (see the module docstring). Owners: the train pump bumps `trainer`; the
-    weight-sync pump bumps `policy` and `dispatch` (`RunState.bump_policy_version`, `dispatch`)
-    and sets `latest_weights`."""
+    """Three values of the policy version (see the module docstring). Owners: the train pump bumps
+    `trained`; the weight-sync pump bumps `served` and `dispatch` (`RunState.bump_policy_version`,
+    `dispatch`) and sets `latest_weights`."""
 
-    trainer: int
-    policy: int
+    trained: int
+    served: int
     dispatch: int
     latest_weights: WeightsHandle | None = None  # the snapshot every worker applied last
     # the newest snapshot published: the one the weight-sync pump is applying, or `latest_weights`
@@ -310,7 +315,7 @@ class RunState:
         self._dataloader = dataloader
         self.dataloader_exhausted = False
         self.pending_prompts: collections.deque[Prompt] = collections.deque()  # taken, not yet dispatched
-        self.versions = Versions(trainer=first_step, policy=first_step, dispatch=first_step)
+        self.versions = Versions(trained=first_step, served=first_step, dispatch=first_step)
         self.admission_open = True
         self.stop = Stop()
         self.hooks = StepHooks()
@@ -483,9 +488,9 @@ class RunState:
 
     def bump_policy_version(self, version: int) -> None:
         v = self.versions
-        if version <= v.policy:
-            raise RuntimeError(f"policy version must increase: {v.policy} -> {version}")
-        v.policy = version
+        if version <= v.served:
+            raise RuntimeError(f"policy version must increase: {v.served} -> {version}")
+        v.served = version
         v.dispatch = max(v.dispatch, version)
         self.notify()
 

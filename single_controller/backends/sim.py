@@ -559,7 +559,7 @@ class SimGenerationWorker:
             raise GenerationFailed(f"{self.name}: wake failed (scripted)")
         self.asleep = None
 
-    async def weights_version(self) -> int | None:
+    async def policy_version(self) -> int | None:
         return None if self.weights_dropped else self.version
 
 
@@ -823,7 +823,7 @@ def sim_workers(
     return gens, trainer
 
 
-GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart", "sleep", "wake", "weights_version")
+GENERATION_CALLS = ("generate", "update_weights", "in_flight", "restart", "sleep", "wake", "policy_version")
 TRAINER_CALLS = (
     "begin_train_step",
     "train_microbatch",

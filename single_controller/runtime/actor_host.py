@@ -364,7 +364,7 @@ class ControllerHost:
                 "traceback": "".join(traceback.format_exception(cause))
                 + "".join(f"\nThe {p} pump failed too:\n" + "".join(traceback.format_exception(x)) for p, x in e.also),
             }
-            steps, reason, checkpoint = controller.state.versions.trainer, f"failed: {e}", e.checkpoint
+            steps, reason, checkpoint = controller.state.versions.trained, f"failed: {e}", e.checkpoint
         finally:
             self._finished.set()
             self._changed.set()

@@ -364,7 +364,7 @@ def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights
     v = state["version"]
     run(loop, actor.sleep(0))
     run(loop, actor.wake())
-    assert run(loop, actor.weights_version()) == v
+    assert run(loop, actor.policy_version()) == v
     assert _max_logprob_gap(loop, actor, trainer, storage, "s0-") < LOGPROB_TOL
     with pytest.raises(GenerationFailed, match=r"sleep\(1\) needs vLLM's sleep mode"):
         run(loop, actor.sleep(1))
@@ -377,13 +377,13 @@ def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     run(loop, actor.sleep(1))
     run(loop, actor.sleep(1))
-    assert fake.calls == [("sleep", 1)] and run(loop, actor.weights_version()) == v  # level 1 keeps them (host copy)
+    assert fake.calls == [("sleep", 1)] and run(loop, actor.policy_version()) == v  # level 1 keeps them (host copy)
     (failed,) = run(loop, actor.generate_many(digit_requests("asleep-", 1)))
     assert isinstance(failed, GenerationFailed) and "asleep at level 1" in str(failed)
     with pytest.raises(GenerationFailed, match="while asleep"):
         run(loop, actor.update_weights(WeightsHandle(v + 1, trainer.publish_weights(v + 1))))
     run(loop, actor.sleep(2))  # deeper: the device memory is free already; the weights count as gone
-    assert fake.calls == [("sleep", 1)] and run(loop, actor.weights_version()) is None
+    assert fake.calls == [("sleep", 1)] and run(loop, actor.policy_version()) is None
     stats = run(loop, actor.sleep_stats())
     assert (stats.level, stats.wakes, len(stats.sleeps)) == (2, 0, 1)
     assert (stats.sleeps[0].level, stats.sleeps[0].freed_bytes) == (1, 1000)
@@ -392,11 +392,11 @@ def test_an_elastic_sleep_refuses_work_until_woken_and_level_2_needs_the_weights
     run(loop, actor.wake())
     run(loop, actor.wake())
     assert fake.calls[1:] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
-    assert run(loop, actor.weights_version()) is None
+    assert run(loop, actor.policy_version()) is None
     (failed,) = run(loop, actor.generate_many(digit_requests("unloaded-", 1)))
     assert isinstance(failed, GenerationFailed) and "no weights loaded" in str(failed)
     _move_every_tensor(trainer, seed=11)  # the expand's weights differ from those the engine held
-    assert _push(loop, actor, trainer, state) == run(loop, actor.weights_version()) == v + 1
+    assert _push(loop, actor, trainer, state) == run(loop, actor.policy_version()) == v + 1
     assert _max_logprob_gap(loop, actor, trainer, storage, "woken-") < LOGPROB_TOL
     assert run(loop, actor.statistics()).sleep_level == 0
 

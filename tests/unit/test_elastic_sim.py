@@ -45,7 +45,7 @@ async def run_elastic(cfg, script, *, faults=None, gen_s=0.004, timeout=30.0):
 
 
 async def at_step(ctl, step):
-    await ctl.state.changed.wait_until(lambda: ctl.state.versions.trainer >= step)
+    await ctl.state.changed.wait_until(lambda: ctl.state.versions.trained >= step)
 
 
 async def test_a_shrunk_worker_gets_nothing_its_groups_go_again_once_and_versions_step_by_one():
@@ -70,7 +70,7 @@ async def test_a_shrunk_worker_gets_nothing_its_groups_go_again_once_and_version
     # every preempted group went again, without charging its prompt's retries
     assert sum(r.uncharged for r in ctl.state.prompts.records()) == el.preempted_groups
     # one optimizer step and one version per step, whatever the resizes
-    assert summary.steps == trainer.optimizer_steps == 8 and ctl.state.versions.policy == 8
+    assert summary.steps == trainer.optimizer_steps == 8 and ctl.state.versions.served == 8
     assert [r["sync/policy_version"] for r in summary.history] == list(range(8))  # recorded before its sync
     last = summary.history[-1]
     assert (last["elastic/shrinks"], last["elastic/expands"]) == (2, 2)
@@ -97,7 +97,7 @@ async def test_an_expand_during_a_weight_sync_rejoins_with_the_newest_weights():
 
     ctl, gens, trainer, storage, summary, violations = await run_elastic(elastic_cfg(), script)
     assert violations == []
-    assert gens[1].version == ctl.state.versions.policy == 8
+    assert gens[1].version == ctl.state.versions.served == 8
     await assert_clean_end(ctl, trainer, storage)
 
 
@@ -110,7 +110,7 @@ async def test_a_failed_expand_leaves_the_worker_out_and_a_retry_brings_it_back(
         with pytest.raises(ExpandFailed, match="sim-gen-1.*wake failed"):
             await ctl.expand_generation("sim-gen-1")
         assert ctl.state.elastic.out == {"sim-gen-1": "asleep"} and ctl.state.elastic.failed_expands == 1
-        assert await gens[1].weights_version() is None  # no weights applied, none routed
+        assert await gens[1].policy_version() is None  # no weights applied, none routed
         await at_step(ctl, 3)
         faults.wake_fails.clear()
         await ctl.expand_generation("sim-gen-1")

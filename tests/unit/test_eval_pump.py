@@ -71,7 +71,7 @@ async def test_weight_update_during_eval_reissues_and_reports_one_version():
     slow = EVAL_PROMPTS[3].prompt_id
     cfg = eval_cfg(steps=30, every=10)
     ctl, gens, trainer, storage, summary, err = await run_eval_sim(
-        cfg, held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done)
+        cfg, held=(slow, lambda st: st.versions.served % 10 >= 2 or st.stop.train_done)
     )
     assert err is None and summary.steps == 30
     first = ctl.eval_history[0]
@@ -89,7 +89,7 @@ async def test_without_reissue_a_point_mixes_versions(monkeypatch):
     import pumps.eval as ev
 
     async def lax_round(state, prompts, sampling, tracker, index):
-        t0, target = state.clock(), state.versions.policy
+        t0, target = state.clock(), state.versions.served
         reqs = [ev.GenerationRequest(f"eval{index}-{p.prompt_id}-a0", p, sampling, eval=True) for p in prompts]
         results = await asyncio.gather(*(ev._request(state, r, i) for i, r in enumerate(reqs)))
         return ev.EvalPoint(target, ev.eval_metrics(results, 1.0), state.clock() - t0, 0, 0, state.clock())
@@ -97,7 +97,7 @@ async def test_without_reissue_a_point_mixes_versions(monkeypatch):
     monkeypatch.setattr(ev, "_round", lax_round)
     slow = EVAL_PROMPTS[3].prompt_id
     ctl, *_ = await run_eval_sim(
-        eval_cfg(steps=30, every=10), held=(slow, lambda st: st.versions.policy % 10 >= 2 or st.stop.train_done)
+        eval_cfg(steps=30, every=10), held=(slow, lambda st: st.versions.served % 10 >= 2 or st.stop.train_done)
     )
     with pytest.raises(AssertionError, match="mixes versions"):
         assert_points_served_by_their_version(ctl)

@@ -502,7 +502,7 @@ async def test_two_sim_runs_share_a_pool_train_exactly_once_and_never_serve_stal
     assert violations == [] and board.violations == []
     for link in links:
         ctl, trainer = link.ctl, link.ctl.state.workers.trainer
-        assert trainer.optimizer_steps == 3 and ctl.state.versions.policy == 3
+        assert trainer.optimizer_steps == 3 and ctl.state.versions.served == 3
         assert [r["sync/policy_version"] for r in ctl.history] == [0, 1, 2]
         assert [g.calls_while_asleep for g in ctl.state.workers.generators] == [0] * 4
         assert [len(trained_prompts(trainer)[step]) for step in range(3)] == [4] * 3  # groups_per_step each

@@ -34,7 +34,7 @@ async def run_with(ctl: Controller, script, timeout: float = 20.0):
 
 
 async def at_step(ctl: Controller, step: int) -> None:
-    await ctl.state.changed.wait_until(lambda: ctl.state.versions.trainer >= step)
+    await ctl.state.changed.wait_until(lambda: ctl.state.versions.trained >= step)
 
 
 def kill(gen) -> None:
@@ -60,7 +60,7 @@ async def test_a_worker_that_dies_while_shrunk_is_restarted_asleep_and_expanded_
     assert summary.steps == 6 and trainer.optimizer_steps == 6
     assert gens[0].restarts == 1 and st.counters.worker_deaths == 1 and st.counters.worker_restarts == 1
     assert gens[0].sleeps == [1]  # restarted for its expand: not put to sleep only to be woken
-    assert gens[0].calls_while_asleep == 0 and gens[0].version == st.versions.policy
+    assert gens[0].calls_while_asleep == 0 and gens[0].version == st.versions.served
     assert st.elastic.failed_expands == 0 and st.elastic.expands == 1
     await assert_clean_end(ctl, trainer, storage)
 
@@ -83,7 +83,7 @@ async def test_a_worker_that_dies_just_before_its_shrink_is_shrunk_down_and_rest
 
     summary = await run_with(ctl, script)
     assert summary.steps == 8 and st.counters.worker_deaths == 1 and st.elastic.failed_expands == 0
-    assert gens[1].calls_while_asleep == 0 and gens[1].version == st.versions.policy
+    assert gens[1].calls_while_asleep == 0 and gens[1].version == st.versions.served
     await assert_clean_end(ctl, trainer, storage)
 
 

@@ -303,7 +303,7 @@ async def test_a_sleeping_actor_frees_its_weights_and_after_wake_and_update_give
     await actor.sleep(level)
     await actor.sleep(level)  # idempotent
     assert sum(p.untyped_storage().nbytes() for p in params) == 0  # the weights' memory is given back
-    assert await actor.weights_version() is None  # nothing that could be served stale
+    assert await actor.policy_version() is None  # nothing that could be served stale
     with pytest.raises(GenerationFailed, match="while asleep"):
         await actor.update_weights(weights)
     held = asyncio.create_task(actor.generate(_greedy("held")))
@@ -315,7 +315,7 @@ async def test_a_sleeping_actor_frees_its_weights_and_after_wake_and_update_give
     await actor.wake()  # idempotent
     for _ in range(20):
         await asyncio.sleep(0)
-    assert not held.done() and await actor.weights_version() is None  # woken, but with no weights yet
+    assert not held.done() and await actor.policy_version() is None  # woken, but with no weights yet
     assert await actor.update_weights(weights) == 0
     after = await held
     assert after.version_start == 0 and after.response_lengths == before.response_lengths

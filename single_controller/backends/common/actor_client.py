@@ -282,8 +282,8 @@ class ActorGenerationClient:
     async def wake(self) -> None:
         await self._unless_dead(self.actor.wake.remote(), "wake()")
 
-    async def weights_version(self) -> int | None:
-        return await self._unless_dead(self.actor.weights_version.remote(), "weights_version()")
+    async def policy_version(self) -> int | None:
+        return await self._unless_dead(self.actor.policy_version.remote(), "policy_version()")
 
     async def _unless_dead(self, ref: Any, call: str) -> Any:
         """`ref`'s result; a dead actor as `GenerationWorkerDied` (the caller restarts the worker)."""

@@ -613,7 +613,7 @@ class GenerationActor:
             self._asleep = False
         self._woken = True  # the next update resumes serving
 
-    async def weights_version(self) -> int | None:
+    async def policy_version(self) -> int | None:
         return self._core.version
 
     async def pause(self) -> int:

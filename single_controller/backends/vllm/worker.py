@@ -778,7 +778,7 @@ class VllmGenerationActor:
             (weights,) = await asyncio.get_running_loop().run_in_executor(self._engine_thread, rpc)
         return weights
 
-    async def weights_version(self) -> int | None:
+    async def policy_version(self) -> int | None:
         """The policy version of the loaded weights (an elastic expand checks it); None after a sleep
         at level 2 until an update has loaded them again."""
         return self.version
