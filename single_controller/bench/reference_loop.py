@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from replay.storage import TRAIN_FIELDS, InMemoryRowStorage, row_keys
+from single_controller.algorithm.advantages import grpo_advantages
 from single_controller.backends.torch.generation import GenerationCore
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.backends.torch.trainer import TrainerCore
-from single_controller.config.schema import ModelConfig, TrainConfig
+from single_controller.config.schema import AdvantageConfig, ModelConfig, TrainConfig
 from single_controller.data.tasks import TOKENIZER, load_task, positional_match_reward
 from single_controller.types import GenerationRequest, GenerationResult, LossConfig, SamplingParams
 
@@ -42,11 +43,10 @@ class ReferenceResult:
     train_ms: float  # mean per step: advantages, storage round trip, begin/microbatch/finish
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """rewards [P, G] -> (r - mean) / (std + eps) within each group [P, G] (population std)."""
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + eps)
+def group_advantages(rewards: Sequence[Sequence[float]], cfg: AdvantageConfig | None = None) -> torch.Tensor:
+    """rewards [P][G] -> advantages [P, G]: the run's own computation (`grpo_advantages`), group by group."""
+    cfg = cfg or AdvantageConfig()
+    return torch.tensor([grpo_advantages(r, normalize_std=cfg.normalize_std, eps=cfg.eps) for r in rewards])
 
 
 def run_reference(
@@ -129,7 +129,8 @@ class _ReferenceLoop:
         assert len(done) == len(results), results
         rewards = torch.tensor([r.rewards for r in done])  # [P, G]
         keys = [k for r in requests for k in r.row_keys]
-        self.storage.put_rows_sync(keys, {"advantage": group_advantages(rewards).reshape(-1).float()})
+        advantages = group_advantages([r.rewards for r in done])
+        self.storage.put_rows_sync(keys, {"advantage": advantages.reshape(-1).float()})
         rows = self.storage.get_rows_sync(keys, TRAIN_FIELDS)
         self.trainer.begin_train_step(step, self.loss_cfg)
         self.trainer.train_microbatch(rows)

@@ -7,7 +7,7 @@ from single_controller.bench.reference_loop import group_advantages, main, run_r
 
 def test_group_advantages():
     # group [0, 1]: mean .5, population std .5 -> (+-.5) / (.5 + 1e-4); a constant group -> 0
-    adv = group_advantages(torch.tensor([[0.0, 1.0], [0.3, 0.3]]))
+    adv = group_advantages([[0.0, 1.0], [0.3, 0.3]])
     assert torch.allclose(adv, torch.tensor([[-0.5 / 0.5001, 0.5 / 0.5001], [0.0, 0.0]]))
 
 
