@@ -73,6 +73,14 @@ def _wait_for_steps(proc: subprocess.Popen, steps: dict[str, int]) -> list[str]:
     raise AssertionError(f"the pool ended before the steps {steps}:\n{''.join(seen[-40:])}")
 
 
+def _sc_grpo_to_the_end(cwd: Path, *args: str) -> None:
+    """`sc-grpo ARGS...` in `cwd`, to its end: it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "single_controller", *args], cwd=cwd, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
 def _actor_pid(session: int, cls: str, name: str | None = None) -> int:
     import psutil
 
@@ -104,15 +112,7 @@ def test_kill_9_of_the_pool_actor_stops_every_run_with_a_named_error_and_a_resum
         assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{summary['checkpoint']['step']:06d}"
     # one of them resumes alone, out of any pool (both checkpoints were written by the same code)
     k = summary["checkpoint"]["step"]
-    resume = [sys.executable, "-m", "single_controller", "run", "--resume", str(run_dir)]
-    done = subprocess.run(
-        [*resume, "pool.enabled=false", f"run.max_steps={k + 2}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _sc_grpo_to_the_end(tmp_path, "run", "--resume", str(run_dir), "pool.enabled=false", f"run.max_steps={k + 2}")
     check_exactly_once(run_dir, k + 2, 16)
 
 
@@ -203,14 +203,7 @@ def test_kill_9_of_a_shrunk_worker_and_of_one_on_a_train_slot_then_a_resume_into
         # the death is taken at once; its restart (a model load) may still be under way at the last step
         assert last["rollout/worker_deaths"] == 1 and last["rollout/worker_restarts"] <= 1, last
     resume = pool_file(tmp_path, [{"resume": str(left), "overrides": [f"run.max_steps={steps + 2}"]}], slots=2)
-    done = subprocess.run(
-        [sys.executable, "-m", "single_controller", "pool", "run", str(resume)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _sc_grpo_to_the_end(tmp_path, "pool", "run", str(resume))
     check_exactly_once(left, steps + 2, 16)
     assert json.loads((left / "summary.json").read_text())["resumed_from"]["step"] == steps
 
