@@ -212,6 +212,11 @@ class ModelConfig:
     (Qwen2ForCausalLM: Llama's plus q/k/v biases), `qwen3` (Qwen3ForCausalLM: Llama's plus an RMSNorm
     of each query and key head) or `gpt2` (GPT2LMHeadModel: learned absolute positions, like the
     embedded TinyGPT)."""
+    n_kv_heads: PositiveInt | None = None
+    """Key/value heads of the model `create` writes (grouped-query attention: they divide `n_heads`,
+    e.g. 14 query / 2 key-value heads in Qwen2.5-0.5B; RoPE archs only); null: one per query head."""
+    d_ff: PositiveInt | None = None
+    """MLP width of the model `create` writes (Qwen2.5-0.5B: 4,864 for `d_model` 896); null: 4 x `d_model`."""
     tie_embeddings: bool = False
     """`create` ties the output head to the input embedding (`tie_word_embeddings`, as Qwen2.5-0.5B,
     Qwen3-0.6B and GPT-2 do; the embedded TinyGPT is tied too); false: a separate `lm_head`. A tied

@@ -142,6 +142,7 @@ def init_model(
     num_layers: int = 2,
     head_dim: int = 32,
     intermediate_size: int | None = None,
+    num_kv_heads: int | None = None,
     max_positions: int = 32,
     seed: int = 0,
     init_std: float = 0.02,
@@ -156,7 +157,9 @@ def init_model(
     tokenizer; `"bpe"`: a byte-level BPE of `vocab_size` tokens with a ChatML chat template
     (`data.bpe`), the same for every seed. `tie_embeddings`: the output head is the input embedding
     (`tie_word_embeddings`, as in Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B and GPT-2), else a separate
-    `lm_head.weight`.
+    `lm_head.weight`. `intermediate_size`: the MLP's width (default 4 x hidden). `num_kv_heads`:
+    grouped-query attention, as many key/value heads (they divide the query heads; default: as many
+    as the query heads; the RoPE archs only).
 
     `arch` (one of `ARCHS`): `llama` LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); `qwen2` Qwen2ForCausalLM
     (Llama's layout plus biases on q/k/v); `qwen3` Qwen3ForCausalLM (Llama's layout plus an RMSNorm
@@ -171,10 +174,13 @@ def init_model(
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer must be one of {TOKENIZER_KINDS}, got {tokenizer!r}")
+    heads = hidden_size // head_dim
+    kv_heads = _kv_heads(heads, num_kv_heads, arch)
     sizes = _Sizes(
         hidden_size=hidden_size,
         num_layers=num_layers,
-        heads=hidden_size // head_dim,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=intermediate_size or 4 * hidden_size,
         max_positions=max_positions,
@@ -189,6 +195,17 @@ def init_model(
     if arch == "qwen3":
         return _write(directory, _qwen3_config(sizes, vocab, rope_theta), transformers.Qwen3ForCausalLM, seed)
     return _write(directory, _llama_config(sizes, vocab, rope_theta), transformers.LlamaForCausalLM, seed)
+
+
+def _kv_heads(heads: int, num_kv_heads: int | None, arch: str) -> int:
+    """The key/value heads of a new model: `num_kv_heads`, checked, or one per query head."""
+    if num_kv_heads is None or num_kv_heads == heads:
+        return heads
+    if arch == "gpt2":
+        raise ValueError(f"GPT-2 has one key/value head per query head ({heads}), not {num_kv_heads}")
+    if num_kv_heads < 1 or heads % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} key/value heads do not divide the {heads} query heads")
+    return num_kv_heads
 
 
 def _write_tokenizer_files(out: Path, kind: str, vocab_size: int) -> VocabIds:
@@ -215,7 +232,8 @@ def _write_tokenizer_files(out: Path, kind: str, vocab_size: int) -> VocabIds:
 class _Sizes:
     hidden_size: int
     num_layers: int
-    heads: int  # query heads, and as many key/value heads
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (grouped-query attention when fewer)
     head_dim: int
     intermediate_size: int
     max_positions: int
@@ -253,14 +271,14 @@ def _gpt2_config(sizes: _Sizes, vocab: VocabIds) -> Any:
 
 
 def _rope_fields(sizes: _Sizes, vocab: VocabIds, rope_theta: float) -> dict[str, Any]:
-    """The config fields Llama, Qwen2 and Qwen3 share (MHA: as many key/value heads as query heads).
+    """The config fields Llama, Qwen2 and Qwen3 share.
     torch_dtype, rope_theta: transformers >= 4.40 reads them (newer ones into `dtype`, `rope_parameters`)."""
     return dict(
         hidden_size=sizes.hidden_size,
         intermediate_size=sizes.intermediate_size,
         num_hidden_layers=sizes.num_layers,
         num_attention_heads=sizes.heads,
-        num_key_value_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
         max_position_embeddings=sizes.max_positions,
         initializer_range=sizes.init_std,
         tie_word_embeddings=sizes.tie_embeddings,
@@ -328,6 +346,8 @@ def prepare_model_dir(model_cfg, seed: int, data_files: bool = False) -> bool:
         hidden_size=model_cfg.d_model,
         num_layers=model_cfg.n_layers,
         head_dim=model_cfg.d_model // model_cfg.n_heads,
+        intermediate_size=model_cfg.d_ff,
+        num_kv_heads=model_cfg.n_kv_heads,
         max_positions=model_cfg.max_seq_len,
         seed=seed,
         init_std=model_cfg.init_std,
@@ -364,6 +384,14 @@ def _init_model_parser() -> Any:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32, help="32 or more for vLLM's CPU attention")
+    parser.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default 4 x hidden)")
+    parser.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=None,
+        help="grouped-query attention: key/value heads, dividing the query heads (default: one per query head; "
+        "RoPE archs only)",
+    )
     parser.add_argument("--max-positions", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rope-theta", type=float, default=ROPE_THETA, help="RoPE archs (llama, qwen2, qwen3) only")
@@ -394,18 +422,25 @@ def main_init_model(argv: list[str] | None = None) -> int:
     """`sc-grpo init-model DIR`: write a tiny random-init Llama, Qwen2, Qwen3 or GPT-2 + its tokenizer."""
     parser = _init_model_parser()
     args = parser.parse_args(argv)
-    if min(args.hidden_size, args.num_layers, args.head_dim, args.max_positions) < 1:
-        parser.error("--hidden-size, --num-layers, --head-dim and --max-positions must be positive")
+    sizes = (args.hidden_size, args.num_layers, args.head_dim, args.max_positions)
+    if min(sizes) < 1 or min(args.intermediate_size or 1, args.num_kv_heads or 1) < 1:
+        parser.error("--hidden-size, --num-layers, --head-dim, --max-positions and the optional sizes must be positive")
     if args.hidden_size % args.head_dim:
         parser.error(
             f"--hidden-size {args.hidden_size} is not a multiple of --head-dim {args.head_dim} "
             f"(e.g. --hidden-size {max(1, round(args.hidden_size / args.head_dim)) * args.head_dim})"
         )
+    try:
+        _kv_heads(args.hidden_size // args.head_dim, args.num_kv_heads, args.arch)
+    except ValueError as e:
+        parser.error(f"--num-kv-heads: {e}")
     path = init_model(
         args.dir,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        num_kv_heads=args.num_kv_heads,
         max_positions=args.max_positions,
         seed=args.seed,
         rope_theta=args.rope_theta,
@@ -417,9 +452,13 @@ def main_init_model(argv: list[str] | None = None) -> int:
     cfg = read_config(path)
     hidden = cfg["hidden_size"] if "hidden_size" in cfg else cfg["n_embd"]
     layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = hidden // head_dim_of(cfg)
+    kv_heads = cfg.get("num_key_value_heads", heads)
     print(
         f"sc-grpo: wrote {path}: {cfg['architectures'][0]} hidden {hidden}, {layers} layers, "
-        f"{hidden // head_dim_of(cfg)} heads of {head_dim_of(cfg)}, vocab {cfg['vocab_size']}"
+        f"{heads} heads of {head_dim_of(cfg)}"
+        + (f" ({kv_heads} key/value)" if kv_heads != heads else "")
+        + f", MLP {cfg.get('intermediate_size', cfg.get('n_inner'))}, vocab {cfg['vocab_size']}"
         + (", tied embeddings" if cfg.get("tie_word_embeddings") else "")
     )
     return 0

@@ -120,6 +120,31 @@ def heads_divide_the_hidden_size(cfg: Config) -> Problem | None:
     )
 
 
+def created_sizes_are_for_a_created_model(cfg: Config) -> Problem | None:
+    """`model.n_kv_heads` and `model.d_ff` shape the model `model.create` writes: key/value heads
+    divide the query heads, and GPT-2 has one per query head; the embedded TinyGPT takes neither."""
+    m = cfg.model
+    if m.n_kv_heads is None and m.d_ff is None:
+        return None
+    if m.path is None or not m.create:
+        return Problem(
+            ("model.n_kv_heads", "model.d_ff", "model.create"),
+            "model.n_kv_heads and model.d_ff shape the model model.create writes into model.path; an existing "
+            "model directory has its own, and the embedded TinyGPT (model.path: null) has one key/value head "
+            "per query head and a 4 x d_model MLP",
+        )
+    if m.n_kv_heads is None or m.n_kv_heads == m.n_heads:
+        return None
+    if m.arch == "gpt2":
+        return Problem(("model.n_kv_heads", "model.arch"), "a GPT-2 model has one key/value head per query head")
+    if m.n_heads % m.n_kv_heads:
+        return Problem(
+            ("model.n_kv_heads", "model.n_heads"),
+            f"model.n_kv_heads ({m.n_kv_heads}) must divide model.n_heads ({m.n_heads})",
+        )
+    return None
+
+
 def sequences_fit_the_model(cfg: Config) -> Problem | None:
     """A digit task's longest sequence (prompt + new tokens, eval's included when on) fits max_seq_len."""
     if cfg.task.name not in DIGIT_TASKS or prompts_from_data(cfg):
@@ -317,12 +342,13 @@ def tensor_parallel_divides_the_heads_created(cfg: Config) -> Problem | None:
     """The heads of the model `model.create` is about to write (an existing one is checked at run)."""
     tp, m = cfg.megatron.tensor_parallel_size, cfg.model
     writes = m.path is not None and m.create and not Path(m.path).exists()
-    if cfg.backend.trainer != "megatron" or tp == 1 or not writes or m.n_heads % tp == 0:
+    kv_heads = m.n_kv_heads or m.n_heads
+    if cfg.backend.trainer != "megatron" or tp == 1 or not writes or m.n_heads % tp == kv_heads % tp == 0:
         return None
     return Problem(
-        ("megatron.tensor_parallel_size", "model.n_heads"),
-        f"megatron.tensor_parallel_size = {tp} does not divide the "
-        f"{m.n_heads} attention heads (model.n_heads) of the model model.create writes",
+        ("megatron.tensor_parallel_size", "model.n_heads", "model.n_kv_heads"),
+        f"megatron.tensor_parallel_size = {tp} does not divide the {m.n_heads} attention heads (model.n_heads) "
+        f"and the {kv_heads} key/value heads (model.n_kv_heads) of the model model.create writes",
     )
 
 
@@ -560,6 +586,7 @@ RULES: tuple[Rule, ...] = (
     vllm_fits_a_group,
     vllm_sleeps_only_on_a_gpu,
     heads_divide_the_hidden_size,
+    created_sizes_are_for_a_created_model,
     capacity_holds_the_lookahead,
     staleness_bound_covers_the_lookahead,
     a_step_fills_a_chunk,

@@ -366,7 +366,8 @@ def _add_init_model(sub: Any) -> None:
         "GPT2LMHeadModel with --arch qwen2 / qwen3 / gpt2 (head_dim 32 by default: valid for vLLM's CPU "
         "attention) and its tokenizer (a byte-level BPE with a chat template, or --tokenizer char) into DIR, "
         "offline. Use it as model.path. Options after DIR: --hidden-size, --num-layers, --head-dim, "
-        "--max-positions, --seed, --arch, --rope-theta, --tokenizer, --vocab-size, --tie-embeddings "
+        "--intermediate-size, --num-kv-heads, --max-positions, --seed, --arch, --rope-theta, --tokenizer, "
+        "--vocab-size, --tie-embeddings "
         "(`sc-grpo init-model DIR --help`).",
         epilog="examples:\n  sc-grpo init-model models/tiny-llama --hidden-size 64 --seed 0\n"
         "  sc-grpo init-model models/tiny-qwen3 --arch qwen3\n"

@@ -156,6 +156,45 @@ def test_bad_model_dirs_are_reported_before_anything_starts(tmp_path, model_dir)
         load_config(None, [f"model.path={model_dir}", "model.checkpoint=x"])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_init_model_writes_grouped_query_attention_and_the_mlp_width_asked_for(arch, tmp_path, capsys):
+    """Qwen2.5-0.5B's shape in small: fewer key/value heads than query heads, its own MLP width."""
+    sizes = ["--hidden-size", "128", "--head-dim", "32", "--num-kv-heads", "2", "--intermediate-size", "96"]
+    assert cli_main(["init-model", str(tmp_path / "m"), "--arch", arch, *sizes]) == 0
+    cfg = hf_model.read_config(tmp_path / "m")
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]) == (4, 2, 96)
+    names = _tensor_names(tmp_path / "m")
+    with safetensors.safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        k_proj = f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape()
+        gate = f.get_slice("model.layers.0.mlp.gate_proj.weight").get_shape()
+    assert "model.layers.0.self_attn.k_proj.weight" in names and k_proj == [2 * 32, 128] and gate == [96, 128]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape[:2] == (1, 3)
+    assert hf_model.model_dir_problems(tmp_path / "m", vllm_cpu=True, min_positions=8) == []
+    for arch_, kv in (("gpt2", "2"), (arch, "3")):  # GPT-2 has no GQA; 3 does not divide 4 query heads
+        with pytest.raises(SystemExit):
+            cli_main(["init-model", str(tmp_path / "x"), "--arch", arch_, "--hidden-size", "128", "--num-kv-heads", kv])
+        assert "--num-kv-heads" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_model_create_writes_the_key_value_heads_and_mlp_width_of_the_config(tmp_path):
+    over = ["model.create=true", "model.arch=qwen2", "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2"]
+    cfg = load_config(None, [f"model.path={tmp_path / 'm'}", *over, "model.d_ff=96"])
+    assert hf_model.prepare_model_dir(cfg.model, cfg.seed)
+    written = hf_model.read_config(tmp_path / "m")
+    assert (written["num_key_value_heads"], written["intermediate_size"]) == (2, 96)
+    for wrong, said in (
+        ([f"model.path={tmp_path / 'n'}", *over, "model.n_kv_heads=3"], "must divide model.n_heads (4)"),
+        ([f"model.path={tmp_path / 'n'}", *over, "model.arch=gpt2"], "GPT-2 model has one key/value head"),
+        (["model.n_kv_heads=2"], "the embedded TinyGPT"),  # it takes neither size
+        ([f"model.path={tmp_path / 'm'}", "model.d_ff=96"], "an existing model directory has its own"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, wrong)
+        assert len(err.value.problems) == 1 and said in " ".join(str(err.value).split()), str(err.value)
+
+
 def test_prepare_model_dir_writes_once(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.create=true", "model.n_heads=2", "seed=4"])
     assert hf_model.prepare_model_dir(cfg.model, cfg.seed)

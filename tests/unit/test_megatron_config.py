@@ -93,6 +93,18 @@ def test_tp_must_divide_the_heads_of_the_model_create_writes():
             ],
         )
     assert any("does not divide the 1 attention heads" in p.message for p in e.value.problems)
+    with pytest.raises(ConfigError) as e:  # the query heads divide, the key/value heads do not
+        load_config(
+            CPU_CFG,
+            [
+                "model.n_heads=2",
+                "model.n_kv_heads=1",
+                "megatron.tensor_parallel_size=2",
+                "megatron.data_parallel_size=1",
+                "model.path=/nonexistent/m",
+            ],
+        )
+    assert any("and the 1 key/value heads" in p.message for p in e.value.problems), str(e.value)
 
 
 def test_more_ranks_than_gpus_is_refused_before_start(monkeypatch):
