@@ -78,13 +78,13 @@ async def start_workers(
     storage_factory: Callable[[], Any],
     *,
     storage_ready: Awaitable[Any],
-    starters: tuple[Callable, Callable] | None = None,
+    starters: tuple[Callable, Callable],
 ) -> tuple[list[Any], Any]:
-    """Start the trainer and the generation workers side by side, then sync version 0 (the
-    trainer's initial weights) to every generation worker. On failure nothing is left running.
-    `starters`: what `load_starters(cfg)` returned (imported here when not given)."""
+    """Start the trainer and the generation workers side by side with `starters` (what
+    `load_starters(cfg)` returned), then sync version 0 (the trainer's initial weights) to every
+    generation worker. On failure nothing is left running."""
     storage_ready = asyncio.ensure_future(storage_ready)
-    start_gen, start_trainer = starters or load_starters(cfg)
+    start_gen, start_trainer = starters
     tasks = [
         asyncio.ensure_future(start_gen(cfg, storage_factory, storage_ready=storage_ready)),
         asyncio.ensure_future(start_trainer(cfg, storage_factory, storage_ready=storage_ready)),
