@@ -156,8 +156,8 @@ async def _send_next(state: RunState, cur: _Step) -> None:
     """Send the step's next unsent chunk, beginning the step first if it is not open."""
     trainer, step = state.workers.trainer, cur.number
     if not cur.is_open:
-        if state.hooks.before_train is not None:  # in a pool: the train slots are granted first
-            await state.waiting(state.hooks.before_train(step), PUMP, "train slots")
+        if state.hooks.before_train is not None:  # in a pool the train slots, colocated in turns the device, first
+            await state.waiting(state.hooks.before_train(step), PUMP, "train slots / device turn")
         await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
         cur.is_open = True
     await _timed(
@@ -281,7 +281,7 @@ class StepOverlap:
             and not (state.stop.requested or state.stop.abandon_open_step)
             and step < cfg.run.max_steps
             and not (state.hooks.checkpoint_due is not None and state.hooks.checkpoint_due(step))
-            and state.hooks.before_train is None  # in a pool a step begins only once its train slots are granted
+            and state.hooks.before_train is None  # in a pool or in turns a step begins only once it has the device
         )
 
     async def _ready(self, step: int) -> list[GroupRecord]:
@@ -345,8 +345,8 @@ def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) ->
 async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:
     """Wait for at least min(min_groups_per_chunk, need) selectable groups, or for none to be able to
     arrive (then return what there is, possibly nothing). Evicts what can never train first."""
-    # In a pool a step is selected whole: its train slots are asked for only once it can train to
-    # the end, never held while its groups are still generated (on the slots the pool has left).
+    # In a pool (or colocated in turns) a step is selected whole: its train slots (the device) are
+    # asked for only once it can train to the end, never held while its groups are still generated.
     pooled = state.hooks.before_train is not None
     want = need if pooled else min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None

@@ -39,6 +39,7 @@ from single_controller.checkpoint import (
 )
 from single_controller.config.schema import CapacityConfigError, Config, check_capacity  # noqa: F401  (re-exported)
 from single_controller.deadlines import within
+from single_controller.device_turns import DeviceTurns
 from single_controller.errors import error_text
 from single_controller.protocols import Checkpointable
 from single_controller.state import ElasticStatistics, PumpStatistics, RunState, SyncRecord, Workers
@@ -197,6 +198,10 @@ class Controller:
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
+        # `backend.colocate_form: turns`: the device goes to training before each step and back after it
+        self.turns = DeviceTurns(self.state) if cfg.backend.colocate and cfg.backend.colocate_form == "turns" else None
+        if self.turns is not None:
+            self.turns.install()
         # Beside the pumps, in their TaskGroup (a failure ends the run as a pump's does): name -> a coroutine
         # function of the run state, returning once training is done (a pool member's: `pool/link.py`).
         self.companions: dict[str, Callable[[RunState], Coroutine[Any, Any, None]]] = {}
@@ -546,6 +551,8 @@ class Controller:
             "rollout/reward_failed": st.counters.reward_failed,
         }
         rec.update(elastic.step_record(st))
+        if self.turns is not None:
+            rec.update(self.turns.record.step_record())
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
         self._add_rewards(rec, report)
         self._add_moved_bytes(rec)

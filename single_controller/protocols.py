@@ -18,6 +18,7 @@ from single_controller.types import (
     GenerationRequest,
     GenerationResult,
     LossConfig,
+    OffloadRecord,
     Prompt,
     StepResult,
     TrainChunk,
@@ -275,6 +276,17 @@ class Sleepable(Protocol):
     async def wake(self) -> None: ...
 
     async def policy_version(self) -> int | None: ...
+
+
+@runtime_checkable
+class Offloadable(Protocol):
+    """A trainer that can move its state to host memory between steps (`train.offload`, colocated
+    turns, `single_controller/device_turns.py`): `offload("optimizer" | "all")`, and `onload()` brings
+    it back bit-exact. A trainer call that needs the state while it is out brings it back itself."""
+
+    async def offload(self, what: str) -> OffloadRecord: ...
+
+    async def onload(self) -> OffloadRecord: ...
 
 
 @runtime_checkable

@@ -170,7 +170,8 @@ class StepHooks:
     # pump then sends no next step behind the finish: a checkpoint needs no step open).
     checkpoint_due: Callable[[int], bool] | None = None
     # In a pool (`single_controller/pool/link.py`): awaited before a step begins on the trainer (the
-    # grant of the run's train slots), and after each weight sync with the version it applied.
+    # grant of the run's train slots), and after each weight sync with the version it applied;
+    # colocated in turns (`single_controller/device_turns.py`): the device to training and back.
     before_train: Callable[[int], Awaitable[None]] | None = None
     after_sync: Callable[[int], Awaitable[None]] | None = None
 

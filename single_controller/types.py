@@ -149,3 +149,14 @@ class WeightsHandle:
     version: int
     payload: Any = None
     num_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class OffloadRecord:
+    """One move of a trainer's state between the device and host memory (`train.offload`): bytes
+    moved, seconds taken, and the device memory allocated after it (CUDA; else 0)."""
+
+    direction: str  # "offload" or "onload"
+    num_bytes: int
+    seconds: float
+    device_allocated_bytes: int

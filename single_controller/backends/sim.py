@@ -37,6 +37,7 @@ from single_controller.types import (
     GenerationRequest,
     GenerationResult,
     LossConfig,
+    OffloadRecord,
     Prompt,
     StepResult,
     TrainChunk,
@@ -594,6 +595,9 @@ class SimTrainerGroup:
         self.fetch_rows = fetch_rows
         self.version = 0  # optimizer steps applied = the next step begin accepts
         self.optimizer_steps = 0
+        self.offloaded: str | None = None  # `offload(what)` until `onload()`
+        self.moves: list[tuple[str, int]] = []  # ("offload" | "onload", version then)
+        self.implicit_onloads = 0
         self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
         self.attempts: dict[int, int] = {}
         self.aborts = 0
@@ -659,7 +663,23 @@ class SimTrainerGroup:
     async def begin_train_step(self, step: int, loss: LossConfig) -> None:
         await self._call(self._begin(step))
 
+    async def offload(self, what: str) -> OffloadRecord:
+        """`train.offload` (`protocols.Offloadable`): records the move (`moves`); nothing to move."""
+        if self._open is not None:
+            raise RuntimeError(f"offload({what}) while step {self._step} is open")
+        self.offloaded = what
+        self.moves.append(("offload", self.version))
+        return OffloadRecord("offload", 0, 0.0, 0)
+
+    async def onload(self) -> OffloadRecord:
+        self.offloaded = None
+        self.moves.append(("onload", self.version))
+        return OffloadRecord("onload", 0, 0.0, 0)
+
     async def _begin(self, step: int) -> None:
+        if self.offloaded is not None:
+            self.implicit_onloads += 1  # as the torch trainer does: a call that needs the state brings it back
+            self.offloaded = None
         if self._open is not None:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:

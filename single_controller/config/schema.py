@@ -339,6 +339,16 @@ class TrainConfig:
     """Recompute each transformer layer's activations in the backward pass instead of keeping them (less
     activation memory, about one more forward pass of compute); same gradients. torch: HF models'
     `gradient_checkpointing_enable`, the embedded TinyGPT per block; Megatron: full recompute, one layer at a time."""
+    offload: Literal["none", "optimizer", "all"] = "none"
+    """torch trainer, `backend.colocate_form=turns` only: what the trainer moves to host memory (pinned
+    on CUDA) while the generation workers have the device: `optimizer` (its state: AdamW's two moments,
+    2x the parameters in float32), `all` (the parameters too, and the KL reference). Moved back,
+    bit-exact, before the next step begins."""
+    gpu_memory_fraction: Fraction | None = None
+    """torch trainer on CUDA: the share of the GPU's memory its process may allocate (torch's
+    `set_per_process_memory_fraction`; past it an allocation fails with out-of-memory instead of
+    taking the engine's memory); null: no limit. With `backend.colocate_form=shared` on one GPU it and
+    `vllm.gpu_memory_utilization` must leave room for each other (they sum to at most 0.95)."""
     share_prompt_prefix: bool = True
     """torch trainer: the rows of a pass that share a prompt (a group's G rows) run it once; each row's
     response attends to its keys and values. Same logprobs and gradients as whole rows, for 1/G of the
@@ -451,12 +461,22 @@ class BackendConfig:
     trainer_device: Literal["cpu", "cuda"] = "cpu"
     """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
     colocate: bool = False
-    """Generation and training take turns at each node's cores instead of splitting them: every worker
-    process gets all the node's cores (unless `torch_threads` says otherwise) and a node-local lock
-    lets one role compute at a time, a sampling batch / engine step against a trainer microbatch or
-    finish (`backends/common/colocation.py`). The pipeline and the staleness bounds are unchanged.
-    false (disaggregated): each process its own share, generation overlapping training. CPU only for
-    now (on a GPU the turns would also have to release the engine's memory)."""
+    """Generation and training on the same device (a node's cores, or one GPU) instead of each role its
+    own; `colocate_form` says how they share it. false (disaggregated): each process its own share
+    (on GPUs, a GPU per generation worker and per trainer rank), generation overlapping training."""
+    colocate_form: Literal["shared", "turns"] = "shared"
+    """`colocate` only. `shared`: both roles stay resident and the pipeline overlaps them: on the CPU
+    every process gets all the node's cores and a node-local lock lets one role compute at a time, a
+    sampling batch / engine step against a trainer microbatch or finish
+    (`backends/common/colocation.py`); on a GPU each role takes its own memory share
+    (`vllm.gpu_memory_utilization`, `train.gpu_memory_fraction`) and both run at once. Use it when
+    the model fits twice (weights, KV cache, optimizer state). `turns`: the device alternates by
+    whole phases (`single_controller/device_turns.py`): before a train step every generation worker
+    is shrunk to sleep at `rollout.sleep_level` (vLLM frees its KV cache and weights) and the trainer
+    takes back what `train.offload` moved to host memory; after the step's weights are published the
+    trainer offloads again and the workers wake with the new weights. Use it when the model does not
+    fit twice, or to give each phase the whole device; each switch costs a sleep and a wake. The
+    exactly-once ledger, the staleness bound and the weight-sync policy hold in both."""
     torch_threads: PositiveInt | None = None
     """torch threads per worker process; null: 1 (disaggregated: more would oversubscribe the cores and
     slow every step), or all the node's cores with `colocate`."""

@@ -23,6 +23,7 @@ from single_controller.config.schema import (
     required_capacity,
     rollout_max_new_tokens,
 )
+from single_controller.preflight import colocation
 
 __all__ = ["DIGIT_TASKS", "RULES", "Rule", "rule_problems"]
 
@@ -291,23 +292,6 @@ def megatron_layout_is_the_rank_count(cfg: Config) -> Problem | None:
         ("megatron.tensor_parallel_size", "megatron.data_parallel_size", "backend.num_trainer_ranks"),
         f"megatron.tensor_parallel_size * megatron.data_parallel_size = {tp} * {dp} = {tp * dp} must equal "
         f"backend.num_trainer_ranks = {ranks} (one Megatron rank per trainer actor)",
-    )
-
-
-def colocation_is_on_the_cpu(cfg: Config) -> Problem | None:
-    """Colocated turns share a node's cores; on a GPU they would also have to move the engine's and
-    the trainer's memory out of each other's way (vLLM's sleep mode), which is not built."""
-    if not cfg.backend.colocate:
-        return None
-    on_gpu = cfg.backend.trainer_device == "cuda" or (cfg.backend.generation == "vllm" and cfg.vllm.device == "cuda")
-    on_gpu = on_gpu or (cfg.backend.trainer == "megatron" and not cfg.megatron.cpu_emulation)
-    if not on_gpu:
-        return None
-    return Problem(
-        ("backend.colocate",),
-        "backend.colocate=true runs generation and training on the same CPU cores in turns; on GPUs it is not "
-        "built yet (the turns would have to release the vLLM engine's memory while the trainer steps): use "
-        "backend.colocate=false with a GPU for each role",
     )
 
 
@@ -594,7 +578,7 @@ RULES: tuple[Rule, ...] = (
     a_decaying_lr_has_steps_to_decay_over,
     megatron_layout_is_the_rank_count,
     megatron_has_no_float16,
-    colocation_is_on_the_cpu,
+    *colocation.RULES,
     distributed_optimizer_needs_data_parallel,
     tensor_parallel_divides_the_heads_created,
     pass_at_k_needs_sampling,

@@ -153,7 +153,12 @@ def _check_resumable(cfg: Config, resume_dir: str) -> int:
 
 
 def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool) -> int:
-    from single_controller.backends.common.colocation import TURNS_ENV, threads_per_process, turns_path
+    from single_controller.backends.common.colocation import (
+        TURNS_ENV,
+        colocated_on_gpu,
+        threads_per_process,
+        turns_path,
+    )
     from single_controller.backends.common.worker_logs import LOG_DIR_ENV
     from single_controller.runtime.ray_session import ray_session, worker_env
 
@@ -166,7 +171,7 @@ def _run_on_ray(cfg: Config, run_dir: RunDirectory, t_start: float, resume: bool
     env = {**worker_env(threads_per_process(cfg.backend)), LOG_DIR_ENV: str(run_dir.logs_path.resolve())}
     if os.environ.get(startup_trace.TRACE_ENV):  # `sc-grpo bench startup`: every process marks its start-up
         env[startup_trace.TRACE_ENV] = os.environ[startup_trace.TRACE_ENV]
-    if cfg.backend.colocate:  # every worker process of the run takes its turns at one lock per node
+    if cfg.backend.colocate and not colocated_on_gpu(cfg):  # on the CPU: compute turns at one lock per node
         env[TURNS_ENV] = turns_path(run_dir.run_id)
     try:
         with ray_session(cfg.ray, min_cpus=min_cpus, env_vars=env, namespace=namespace, log_to_driver=False) as session:

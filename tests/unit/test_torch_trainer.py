@@ -472,3 +472,42 @@ def test_pack_and_load_weights_bit_identical():
     wrong = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0)
     with pytest.raises(ValueError, match="does not fit"):
         load_snapshot(wrong, snap)
+
+
+# --- offload (`train.offload`, colocated turns) ------------------------------------------------------
+
+
+def _resident(t: TrainerCore) -> int:
+    tensors = [*t.policy.parameters(), *(v for s in t.optimizer.state.values() for v in s.values())]
+    return sum(x.untyped_storage().nbytes() for x in tensors)
+
+
+@pytest.mark.parametrize("what", ["optimizer", "all"])
+def test_offload_frees_the_state_and_the_round_trip_is_bit_exact_and_trains_like_a_trainer_never_offloaded(what):
+    t, twin = _trainer(dataclasses.replace(TRAIN, kl_coef=0.1)), _trainer(dataclasses.replace(TRAIN, kl_coef=0.1))
+    for tr in (t, twin):
+        tr.begin_train_step(0, LossConfig())
+        tr.train_microbatch(make_rows(6, 1))
+        tr.finish_train_step(0)
+    before, resident = _state(t), _resident(t)
+    params = sum(p.untyped_storage().nbytes() for p in t.policy.parameters())
+    moved = t.offload(what)
+    opt_bytes = resident - params
+    assert moved.num_bytes == (opt_bytes if what == "optimizer" else resident + params)  # + the KL reference's
+    assert _resident(t) == (params if what == "optimizer" else 0)  # the memory is gone, not copied
+    t.begin_train_step(1, LossConfig())  # needs the state: brings it back itself
+    assert t.implicit_onloads == 1 and _resident(t) == resident
+    with pytest.raises(TrainStepStateError):  # only between steps
+        t.offload(what)
+    t.abort_train_step(1)
+    assert t.onload().num_bytes == 0  # nothing out: a no-op
+    t.offload(what)
+    back = t.onload()
+    assert back.num_bytes == moved.num_bytes and _resident(t) == resident and not t.host.offloaded
+    _assert_bit_identical(_state(t), before)
+    for tr in (t, twin):  # the next step is the one a trainer that never offloaded takes
+        tr.begin_train_step(1, LossConfig())
+        tr.train_microbatch(make_rows(4, 4))
+        tr.finish_train_step(1)
+    _assert_bit_identical(_state(t), _state(twin))
+    assert t.implicit_onloads == 1

@@ -5,8 +5,10 @@ Every process gets every core (`threads_per_process`) and a node-local `flock` (
 who computes: trainer ranks hold it shared around each microbatch, finish and export (ranks meet in
 collectives, so they take the turn together); a generation worker holds it exclusive around each
 sampling batch or engine step. The pipeline and its staleness bounds are unchanged, nothing waits on
-a remote process while holding the lock, and it dies with its holder. CPU only: on a GPU a turn would
-also have to release the engine's memory (not built).
+a remote process while holding the lock, and it dies with its holder. That is the CPU's `shared`
+form; colocated on one GPU (`colocated_on_gpu`) there is no lock: `shared` runs both roles at once
+in their memory shares (`gpu_shares`), and `turns` (`single_controller/device_turns.py`, either
+device) hands the device over by whole phases, the engine asleep while the trainer steps.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from single_controller.config.schema import BackendConfig
+    from single_controller.config.schema import BackendConfig, Config
 
 TURNS_ENV = "SC_GRPO_TURNS"
 
@@ -90,3 +92,28 @@ def turns_path(run_id: str) -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"sc-grpo-turns-{run_id}")
+
+
+def generation_on_gpu(cfg: Config) -> bool:
+    return cfg.backend.generation == "vllm" and cfg.vllm.device == "cuda"
+
+
+def training_on_gpu(cfg: Config) -> bool:
+    if cfg.backend.trainer == "megatron":
+        return not cfg.megatron.cpu_emulation
+    return cfg.backend.trainer == "torch" and cfg.backend.trainer_device == "cuda"
+
+
+def colocated_on_gpu(cfg: Config) -> bool:
+    """Colocated with both roles on one GPU (the node-local CPU turn lock is then not used)."""
+    return cfg.backend.colocate and generation_on_gpu(cfg) and training_on_gpu(cfg)
+
+
+def gpu_shares(cfg: Config) -> tuple[float, float]:
+    """The GPU a generation worker and a trainer rank ask Ray for: a whole one each; colocated on one
+    GPU, the engine's memory share and the rest (Ray's bookkeeping: the memory itself is what
+    vLLM's `gpu_memory_utilization` and the trainer's `gpu_memory_fraction` hold each to)."""
+    if not colocated_on_gpu(cfg):
+        return (cfg.vllm.gpu_memory_utilization if cfg.pool.enabled else 1.0), 1.0
+    engine = cfg.vllm.gpu_memory_utilization
+    return engine, round(1.0 - engine, 6)

@@ -33,7 +33,7 @@ from single_controller.backends.common.rank_calls import (
     train_status_of,
 )
 from single_controller.protocols import TrainerFailed, TrainStepStateError
-from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
+from single_controller.types import LossConfig, OffloadRecord, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 
 @dataclass(frozen=True)
@@ -304,8 +304,24 @@ class RankTrainerGroup:
         self._finish.finished_last = None
         return await load_state_of(self.ranks, directory)
 
+    async def offload(self, what: str) -> OffloadRecord:
+        """`train.offload` on every rank, between steps: what they moved in all, and the slowest's time."""
+        return _summed(await rank_call(f"offload({what})", [r.offload.remote(what) for r in self.ranks]))
+
+    async def onload(self) -> OffloadRecord:
+        return _summed(await rank_call("onload", [r.onload.remote() for r in self.ranks]))
+
     async def shutdown(self) -> None:
         await stop_ranks(self.ranks, self.placement)
+
+
+def _summed(records: list[OffloadRecord]) -> OffloadRecord:
+    return OffloadRecord(
+        records[0].direction,
+        sum(r.num_bytes for r in records),
+        max(r.seconds for r in records),
+        max(r.device_allocated_bytes for r in records),
+    )
 
 
 def _check_lengths(chunk: TrainChunk) -> None:

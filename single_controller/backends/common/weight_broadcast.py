@@ -61,9 +61,10 @@ class SyncLink:
     timeout_s: float = 120.0
 
 
-def sync_link(trainer_device: str, generation_device: str, timeout_s: float) -> SyncLink:
-    """NCCL when both ends hold their weights on CUDA, else gloo (staged buckets live on the host)."""
-    both_cuda = trainer_device == "cuda" and generation_device == "cuda"
+def sync_link(trainer_device: str, generation_device: str, timeout_s: float, same_gpu: bool = False) -> SyncLink:
+    """NCCL when both ends hold their weights on CUDA, on GPUs of their own; else gloo (staged buckets
+    live on the host): NCCL refuses two ranks on one GPU (colocated), which then go through the host."""
+    both_cuda = trainer_device == "cuda" and generation_device == "cuda" and not same_gpu
     return SyncLink("nccl" if both_cuda else "gloo", timeout_s)
 
 

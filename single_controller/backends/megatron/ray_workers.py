@@ -27,7 +27,7 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, fetch_and_broadcast, with_advantages
 from replay.storage import Column, FieldSpec, LazyRowStorage, column_nbytes
 from single_controller.algorithm.logprobs import token_logprobs
-from single_controller.backends.common.colocation import threads_per_process, turns_from_env
+from single_controller.backends.common.colocation import gpu_shares, threads_per_process, turns_from_env
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     RANK_CONCURRENCY,
@@ -392,6 +392,7 @@ async def start_megatron_ranks(
     placement: str = "pack",
     transport: str = "object_store",
     dtype: str = "float32",
+    gpu_share: float = 1.0,
 ) -> RankTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
@@ -399,9 +400,9 @@ async def start_megatron_ranks(
     import ray
 
     opts = {"num_cpus": 0, **(actor_options or {})}
-    if not emulate_cpu:
-        opts.setdefault("num_gpus", 1)
-    where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": 1}, setup_timeout_s)
+    if not emulate_cpu:  # a GPU per rank (colocated with the engine on one GPU: the share left to it)
+        opts.setdefault("num_gpus", gpu_share)
+    where = await place_ranks(placement, num_ranks, CPU_BUNDLE if emulate_cpu else {"GPU": gpu_share}, setup_timeout_s)
     # Ray's overloads of remote() list task options only, not actor ones such as concurrency_groups
     cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(MegatronRankActor)  # type: ignore[call-overload]
     ranks = [
@@ -461,4 +462,5 @@ async def start_megatron_trainer(
         placement=cfg.backend.trainer_placement,
         transport=cfg.sync.transport,
         dtype=cfg.model.dtype,
+        gpu_share=gpu_shares(cfg)[1],
     )

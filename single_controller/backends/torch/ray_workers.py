@@ -18,7 +18,7 @@ import ray
 
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
-from single_controller.backends.common.colocation import threads_per_process
+from single_controller.backends.common.colocation import gpu_shares, threads_per_process
 from single_controller.backends.common.rank_calls import (
     CPU_BUNDLE,
     RANK_CONCURRENCY,
@@ -83,9 +83,10 @@ async def start_torch_trainer(
     # ray.remote's typed overloads omit the concurrency_groups option (it is accepted at run time)
     rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(TrainerRankActor)  # type: ignore[call-overload]
     cuda = cfg.backend.trainer_device == "cuda"
-    res = {"num_cpus": 0, "num_gpus": 1} if cuda else {"num_cpus": 0}
+    share = gpu_shares(cfg)[1]  # a GPU per rank, or colocated with the engine on one GPU the share left to it
+    res = {"num_cpus": 0, "num_gpus": share} if cuda else {"num_cpus": 0}
     placement = await place_ranks(
-        cfg.backend.trainer_placement, world, {"GPU": 1} if cuda else CPU_BUNDLE, cfg.timeouts.setup_s
+        cfg.backend.trainer_placement, world, {"GPU": share} if cuda else CPU_BUNDLE, cfg.timeouts.setup_s
     )
     ranks = [
         rank_cls.options(**{**res, **placement.options[r], **(options or {})}).remote(

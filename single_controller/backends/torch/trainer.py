@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from single_controller.backends.common.offload import HostOffload, optimizer_tensors
 from single_controller.backends.common.split_step import (
     OpenStep,
     SplitStep,
@@ -35,7 +36,7 @@ from single_controller.backends.torch.eager_optim import eager_adamw, eager_step
 from single_controller.backends.torch.model import enable_gradient_checkpointing, state_module
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed
-from single_controller.types import LossConfig
+from single_controller.types import LossConfig, OffloadRecord
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,37 @@ class TrainerCore:
         # Frozen copy of the initial weights for the KL penalty, only when it is enabled.
         self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
         self.steps = SplitStep(has_reference=self.reference is not None)
+        self.host = HostOffload()  # `train.offload`: what is in host memory while the engine has the device
+        self.implicit_onloads = 0  # a call that needed the state while it was offloaded brought it back
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(rank=self.rank, world_size=self.world_size, **self.steps.counts())
 
+    def offload(self, what: str) -> OffloadRecord:
+        """Move `what` (`optimizer`, or `all`: the parameters and the KL reference too) to host
+        memory, between steps (`train.offload`); anything that needs it back brings it back."""
+        self.steps.require_closed(f"offload({what})")
+        if what not in ("optimizer", "all"):
+            raise ValueError(f"offload: what must be 'optimizer' or 'all', got {what!r}")
+        self.optimizer.zero_grad(set_to_none=True)  # no gradient lives between steps
+        tensors = optimizer_tensors(self.optimizer)
+        if what == "all":
+            modules = [m for m in (self.policy, self.reference) if m is not None]
+            tensors += [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        return self.host.offload(tensors)
+
+    def onload(self) -> OffloadRecord:
+        """Everything `offload` moved, back on the device, bit-exact (nothing: a no-op)."""
+        return self.host.onload()
+
+    def ensure_on_device(self) -> None:
+        if self.host.offloaded:
+            self.implicit_onloads += 1
+            self.host.onload()
+
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)
+        self.ensure_on_device()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps.open_step(step, loss)
 
@@ -184,6 +210,7 @@ class TrainerCore:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs of this rank (between steps): policy, optimizer, RNG, next step."""
         self.steps.require_closed("state_dict")
+        self.ensure_on_device()
         return {
             "policy": {k: v.detach().clone() for k, v in self.policy.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -194,6 +221,7 @@ class TrainerCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.steps.require_closed("load_state_dict", loading=True)
+        self.ensure_on_device()
         self.policy.load_state_dict(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -202,8 +230,10 @@ class TrainerCore:
     def publish_weights(self, version: int, into: Sequence[torch.Tensor] | None = None) -> WeightSnapshot:
         """The policy as a snapshot in `compute_dtype`; `into`: spare buckets to pack into (`pack_weights`)."""
         self.steps.require_closed(f"publish_weights({version})")
+        self.ensure_on_device()
         return pack_weights(state_module(self.policy), version, self.bucket_bytes, dtype=self.compute_dtype, into=into)
 
     def load_weights(self, snapshot: WeightSnapshot) -> None:
         self.steps.require_closed("load_weights")
+        self.ensure_on_device()
         load_snapshot(state_module(self.policy), snapshot)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.common.colocation import threads_per_process, turns_from_env
+from single_controller.backends.common.offload import optimizer_tensors
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot
@@ -27,7 +28,7 @@ from single_controller.backends.torch.trainer import TrainerCore, TrainerStatist
 from single_controller.config.schema import Config
 from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import TrainStepStateError
-from single_controller.types import LossConfig
+from single_controller.types import LossConfig, OffloadRecord
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -76,6 +77,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
             )
             pg = dist.group.WORLD
         device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+        if device.type == "cuda" and self.cfg.train.gpu_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self.cfg.train.gpu_memory_fraction)
         policy = build_policy(self.cfg.model, load_tokenizer(self.cfg.model.path).vocab_size, seed=self.cfg.seed).to(
             device=device, dtype=self.dtype
         )
@@ -138,6 +141,7 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         core = self._trainer()
         if core.steps.is_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
+        core.ensure_on_device()
         return str(save_policy(core.policy, directory, self.cfg.model))
 
     def save_state(self, directory: str) -> None:
@@ -159,7 +163,21 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         core.load_state_dict(state)
         return core.steps.next_step
 
+    def offload(self, what: str) -> OffloadRecord:
+        """`train.offload`: this rank's optimizer state (and with `all` its parameters) to host memory."""
+        return self._trainer().offload(what)
+
+    def onload(self) -> OffloadRecord:
+        return self._trainer().onload()
+
+    def resident_bytes(self) -> int:
+        """Bytes of parameters and optimizer state held in this rank's device storages (for checks)."""
+        core = self._trainer()
+        tensors = [*core.policy.parameters(), *optimizer_tensors(core.optimizer)]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
     def get_weights(self) -> dict[str, Any]:
+        self._trainer().ensure_on_device()
         return {n: p.detach().cpu().clone().numpy() for n, p in state_module(self._trainer().policy).named_parameters()}
 
     def statistics(self) -> TrainerStatistics:

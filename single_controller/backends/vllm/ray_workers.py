@@ -17,6 +17,7 @@ import ray
 
 from single_controller.backends.common.actor_client import ActorGenerationClient, start_generation_clients
 from single_controller.backends.common.actors import kill_all
+from single_controller.backends.common.colocation import colocated_on_gpu, gpu_shares
 from single_controller.backends.common.weight_broadcast import sync_link
 from single_controller.config.schema import Config
 
@@ -49,15 +50,15 @@ async def start_vllm_generation(
         spawner,
         storage_ready,
         shielded_cancel=True,
-        sync=sync_link(cfg.backend.trainer_device, cfg.vllm.device, cfg.timeouts.weight_sync_s),
+        sync=sync_link(cfg.backend.trainer_device, cfg.vllm.device, cfg.timeouts.weight_sync_s, colocated_on_gpu(cfg)),
     )
 
 
 def gpu_share(cfg: Config) -> float:
-    """The GPU a worker asks Ray for: a whole one, or in a pool (where the pool, not Ray, time-shares
-    a slot between runs, each run's engine sleeping while another's works) the fraction of its
-    memory the engine may take (`vllm.gpu_memory_utilization`), so the runs' engines fit one GPU."""
-    return cfg.vllm.gpu_memory_utilization if cfg.pool.enabled else 1
+    """The GPU a worker asks Ray for: a whole one; in a pool (where the pool, not Ray, time-shares a
+    slot between runs, each run's engine sleeping while another's works) or colocated with the
+    trainer on one GPU, the fraction of its memory the engine may take (`vllm.gpu_memory_utilization`)."""
+    return gpu_shares(cfg)[0]
 
 
 async def shutdown_vllm_generation(clients: Sequence[ActorGenerationClient]) -> None:
