@@ -6,7 +6,9 @@ Before a train step begins (`StepHooks.before_train`) every generation worker is
 then asleep at `rollout.sleep_level`: vLLM frees its KV cache and weights) and the trainer takes
 back what `train.offload` moved to host memory. Once the step's weights are published
 (`StepHooks.after_sync`) the trainer offloads again and every worker is expanded: woken, given the
-published weights, version-checked, routed to.
+published weights, version-checked, routed to. A step that began under the turn before that (its
+groups were all ready already: the train pump selects a step whole) keeps the device for training:
+the handover waits for the next weights.
 
 Nothing else changes: the step selects its groups whole (as in a pool), the staleness bound, the
 ledger and the weight-sync policy are the run's own; a worker that dies asleep is restarted asleep.
@@ -36,6 +38,7 @@ class TurnsRecord:
     holder: str = "generate"  # who has the device now
     to_train: int = 0
     to_generate: int = 0
+    kept_for_training: int = 0  # weights published while a later step had begun: no handover then
     sleep_s: float = 0.0  # shrinking the workers (their sleep included)
     wake_s: float = 0.0  # expanding them (wake, weights, version check)
     offload_s: float = 0.0
@@ -47,6 +50,7 @@ class TurnsRecord:
         return {
             "turns/to_train": self.to_train,
             "turns/to_generate": self.to_generate,
+            "turns/kept_for_training": self.kept_for_training,
             "turns/sleep_s": self.sleep_s,
             "turns/wake_s": self.wake_s,
             "turns/offload_s": self.offload_s,
@@ -65,6 +69,7 @@ class DeviceTurns:
         self.offload = cfg.train.offload
         self.record = TurnsRecord()
         self._lock = asyncio.Lock()  # one switch at a time
+        self._last_begun = -1  # the newest step that began under the training turn
 
     def install(self) -> None:
         hooks = self.state.hooks
@@ -80,6 +85,7 @@ class DeviceTurns:
         """The device to the trainer, before `step` begins (a no-op while the trainer has it)."""
         st, rec = self.state, self.record
         async with self._lock:
+            self._last_begun = max(self._last_begun, step)
             if rec.holder == "train":
                 return
             t0 = st.clock()
@@ -97,10 +103,13 @@ class DeviceTurns:
 
     async def after_sync(self, version: int) -> None:
         """After weights `version` are published (no worker is in routing to apply them): the device
-        back to generation, the workers woken with those weights."""
+        back to generation, the workers woken with those weights; unless step `version` has begun."""
         st, rec = self.state, self.record
         async with self._lock:
             if rec.holder == "generate":
+                return
+            if self._last_begun >= version:  # step `version` (or later) is training already
+                rec.kept_for_training += 1
                 return
             if self.offload != "none":
                 what = f"trainer.offload({self.offload})"

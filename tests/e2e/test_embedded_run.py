@@ -64,12 +64,22 @@ def _cmd(tmp_path: Path, *overrides: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("colocate", [False, True], ids=["disaggregated", "colocated"])
-def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path, colocate):
-    """Both modes: colocated (`backend.colocate`), generation and training take turns at the cores."""
+MODES = {
+    "disaggregated": ["backend.colocate=false"],
+    "colocated": ["backend.colocate=true"],
+    "turns": ["backend.colocate=true", "backend.colocate_form=turns", "train.offload=all", "rollout.sleep_level=1"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path, mode):
+    """Every mode: colocated (`backend.colocate`), generation and training share the cores (a lock
+    per compute call); in turns the device alternates by phase (the workers asleep, the trainer's
+    state in a second host buffer between steps)."""
+    colocate = mode != "disaggregated"
     before = _ray_pids()
     proc = subprocess.run(
-        _cmd(tmp_path, "run.max_steps=60", "run.stop_at_success_rate=null", f"backend.colocate={colocate}".lower()),
+        _cmd(tmp_path, "run.max_steps=60", "run.stop_at_success_rate=null", *MODES[mode]),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -87,6 +97,11 @@ def test_embedded_run_learns_and_shuts_down_cleanly(tmp_path, colocate):
     assert max(r["train/staleness_max"] for r in records) <= 1
     # colocated: every step's finish (and its microbatches) took turns; disaggregated: no turns
     assert all((r.get("train/turns", 0) >= 2) == colocate for r in records), [r.get("train/turns") for r in records]
+    if mode == "turns":  # each step ended with every worker asleep; the trainer offloaded between turns
+        assert all(r["rollout/workers_routable"] == 0 and r["turns/to_train"] >= 1 for r in records)
+        last = records[-1]
+        assert last["turns/to_train"] + last["turns/kept_for_training"] >= 59
+        assert last["elastic/shrinks"] == last["turns/to_train"] and last["turns/offloaded_bytes"] > 0
     run_id = (run_dir / "run_id").read_text().strip()
     assert not Path(turns_path(run_id)).exists(), "the turns' lock file was left behind"
     for name in (

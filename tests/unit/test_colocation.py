@@ -1,6 +1,6 @@
 """Colocated turns (`backend.colocate`, `backends/common/colocation.py`): a generation worker's
 hold excludes every other hold on the node; trainer ranks hold together (they meet in collectives);
-and the config refuses colocation on GPUs by name."""
+and the config refuses, by name, the colocated settings that cannot work."""
 
 from __future__ import annotations
 
@@ -87,12 +87,51 @@ def test_threads_per_process_default_to_one_or_every_core_when_colocated():
     assert threads_per_process(BackendConfig(colocate=True, torch_threads=3)) == 3
 
 
-def test_colocation_on_a_gpu_is_refused_by_name():
+GPU = ["backend.colocate=true"]  # configs/vllm_gpu.yaml: vLLM on CUDA, the torch trainer on CUDA
+
+
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        ([*GPU, "vllm.device=cpu"], r"training on a GPU, generation on the CPU"),
+        (
+            [*GPU, "backend.num_trainer_ranks=2", "train.micro_batch_size=2"],
+            r"one generation worker and one trainer rank",
+        ),
+        ([*GPU, "backend.colocate_form=turns"], r"turns on a GPU needs rollout.sleep_level 1"),
+        ([*GPU, "train.gpu_memory_fraction=0.5", "vllm.gpu_memory_utilization=0.6"], r"= 1.1 is over 0.95"),
+        ([*GPU], r"set train.gpu_memory_fraction .* e.g. train.gpu_memory_fraction=0.45"),
+        ([*GPU, "vllm.gpu_memory_utilization=0.99"], r"leaves the trainer none"),
+        (["train.offload=optimizer"], r"without backend.colocate=true and backend.colocate_form=turns"),
+        (["train.gpu_memory_fraction=0.3"], r"limits the torch trainer on CUDA"),
+        (["backend.colocate=true", "backend.colocate_form=turns", "pool.enabled=true"], r"turns in a pool"),
+    ],
+)
+def test_colocation_settings_that_cannot_work_are_refused_by_name(overrides, refusal):
     from single_controller.config.problems import ConfigError
     from single_controller.preflight.loader import load_config
 
-    with pytest.raises(
-        ConfigError, match=r"(?s)backend.colocate=true runs generation and training .* on GPUs it is\s+not built yet"
-    ):
-        load_config("configs/embedded.yaml", ["backend.colocate=true", "backend.trainer_device=cuda"])
+    with pytest.raises(ConfigError, match="(?s)" + refusal.replace(" ", r"\s+")):
+        load_config(
+            "configs/vllm_gpu.yaml" if "backend.colocate=true" == overrides[0] else "configs/embedded.yaml", overrides
+        )
+
+
+def test_both_colocated_forms_validate_on_one_gpu_and_ask_ray_for_their_shares():
+    from single_controller.backends.common.colocation import colocated_on_gpu, gpu_shares
+    from single_controller.preflight.loader import load_config
+
     assert load_config("configs/embedded.yaml", ["backend.colocate=true"]).backend.colocate
+    assert load_config("configs/embedded.yaml", ["backend.colocate=true", "backend.colocate_form=turns"])
+    cfg = load_config(
+        "configs/embedded.yaml", ["backend.colocate=true", "backend.colocate_form=turns", "train.offload=all"]
+    )
+    assert not colocated_on_gpu(cfg) and gpu_shares(cfg) == (1.0, 1.0)
+    # on a GPU the rules pass (the model directory is the environment check's, not a rule's)
+    shared = [*GPU, "train.gpu_memory_fraction=0.4", "vllm.gpu_memory_utilization=0.5"]
+    turns = [*GPU, "backend.colocate_form=turns", "rollout.sleep_level=1", "train.offload=optimizer"]
+    assert colocated_on_gpu(load_config("configs/vllm_gpu.yaml", shared))
+    assert gpu_shares(load_config("configs/vllm_gpu.yaml", shared)) == (0.5, 0.5)
+    cfg = load_config("configs/vllm_gpu.yaml", [*turns, "vllm.gpu_memory_utilization=0.8"])
+    assert colocated_on_gpu(cfg) and gpu_shares(cfg) == (0.8, 0.2)
+    assert gpu_shares(load_config("configs/vllm_gpu.yaml")) == (1.0, 1.0)  # disaggregated: a GPU each

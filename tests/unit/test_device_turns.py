@@ -105,3 +105,18 @@ async def test_without_turns_generation_overlaps_training_and_the_checks_above_c
     ctl, gens, trainer, storage, summary, violations = await run_turns(cfg, gen_s=0.003, train_s=0.01)
     assert ctl.turns is None and summary.steps == 4
     assert any("awake" in v for v in violations) and any("is open" in v for v in violations)
+
+
+async def test_a_step_whose_groups_were_all_ready_trains_on_without_a_handover():
+    """Fast generation with a lookahead of one: the next step's groups are all ready as a step
+    ends, it begins before the weights go out, and the device stays with training until the next
+    weights (no sleep and wake in between); the turns still never overlap."""
+    cfg = turns_cfg(steps=8, L=1)
+    ctl, gens, trainer, storage, summary, violations = await run_turns(cfg, gen_s=0.0005, train_s=0.02)
+    assert violations == []
+    rec = ctl.turns.record
+    assert summary.steps == 8 and rec.kept_for_training > 0
+    assert rec.to_train + rec.kept_for_training == 8  # every step began under a turn: its own, or kept
+    assert trainer.implicit_onloads == 0
+    await assert_clean_end(ctl, trainer, storage)
+    assert max(r["train/staleness_max"] for r in summary.history) <= cfg.sampler.max_staleness_versions
