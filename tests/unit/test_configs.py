@@ -343,7 +343,7 @@ def test_loaded_config_is_frozen():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_to_yaml_round_trips(path: Path, tmp_path):
-    cfg = load_config(str(path), ["train.betas=[0.8, 0.9]", "buffer.capacity_groups=40"])
+    cfg = load_config(str(path), ["train.betas=[0.8, 0.9]", "buffer.capacity_groups=100"])
     dumped = tmp_path / "dumped.yaml"
     dumped.write_text(config_to_yaml(cfg))
     assert load_config(str(dumped), []) == cfg
