@@ -58,6 +58,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "single_controller.bench.runner:main_eval",
         "training throughput with held-out evaluation every N steps vs eval off",
     ),
+    "one-gpu": (
+        "single_controller.bench.one_gpu:main",
+        "one GPU: vLLM alone, sc-grpo colocated (shared, turns) and TRL's colocated GRPOTrainer, same model and data",
+    ),
     "pool": (
         "single_controller.bench.pool:main",
         "two runs sharing 4 slots (gap-ratio pool) against the static splits by run and by role (sim workers)",
