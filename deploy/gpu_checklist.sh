@@ -4,6 +4,7 @@
 #
 #   deploy/gpu_checklist.sh              # on the GPU machine (steps needing 2 GPUs skip, saying so, on 1)
 #   deploy/gpu_checklist.sh --dry-run    # on a CPU machine: each step's CPU twin, to prove the script
+#   deploy/gpu_checklist.sh --one-gpu [--dry-run]   # step 5 alone, then step 1 (one GPU: what fits it)
 #
 # Steps (each prints "== step: ..." and its figures; the summary is $OUT/gpu_checklist.md):
 #   1. the `gpu`-marked tests (skipped cleanly without CUDA)
@@ -11,11 +12,23 @@
 #   3. `sc-grpo bench sync` over NCCL (2+ GPUs: the sender and each worker a GPU of their own)
 #   4. a short bf16 run of a 0.4 B-parameter random-init Qwen2 (hidden 1024, 24 layers, tied) (vLLM + Megatron, one GPU each): tokens/s,
 #      step time, sync time from metrics.jsonl, peak GPU memory from nvidia-smi
-# Environment: OUT (default runs/gpu_checklist), STEPS (default 20, step 4's run.max_steps).
+#   5. one GPU (`sc-grpo bench one-gpu`, configs/one_gpu.yaml): vLLM alone, sc-grpo colocated on the
+#      GPU in both forms (shared, turns) and TRL's colocated GRPOTrainer, same model and settings:
+#      steps/s, the step's split, tokens/s per phase, MFU, peak memory, mismatch KL, the two ratios
+# Environment: OUT (default runs/gpu_checklist), STEPS (default 20, step 4's run.max_steps), STEPS_ONE
+# (step 5's --steps, default 6), ONLY (step 5's contenders, default all four), TESTS=0 (skip step 1).
+# On a machine with no network the packages travel first: deploy/gpu_carry.sh (docs/gpu.md).
 set -uo pipefail
 
 DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+ONE=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY=1 ;;
+    --one-gpu) ONE=1 ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,10 +51,29 @@ if [[ $GPUS -gt 0 ]]; then
 fi
 note "$($PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)')"
 
-step "1. gpu-marked tests"
-T0=$SECONDS
-$PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
-note "| gpu tests | $(tail -1 "$OUT/gpu_tests.log") ($((SECONDS - T0)) s) |"
+gpu_tests() {
+  step "1. gpu-marked tests"
+  T0=$SECONDS
+  $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  note "| gpu tests | $(tail -1 "$OUT/gpu_tests.log") ($((SECONDS - T0)) s) |"
+}
+
+if [[ $ONE == 1 ]]; then
+  step "5. one GPU: vLLM alone, sc-grpo shared and turns, TRL colocated (bench one-gpu)"
+  ARGS=(configs/one_gpu.yaml --steps "${STEPS_ONE:-6}" --out "$OUT/one_gpu")
+  [[ $DRY == 1 ]] && ARGS+=(--dry-run)
+  [[ -n "${ONLY:-}" ]] && ARGS+=(--only $ONLY)
+  T0=$SECONDS
+  PYTHONUNBUFFERED=1 $PY -m single_controller bench one-gpu "${ARGS[@]}" 2>&1 | tee "$OUT/one_gpu.log" | tail -25
+  RC=${PIPESTATUS[0]}
+  cat "$OUT/one_gpu/one_gpu.md" >> "$SUMMARY" 2> /dev/null || note "| bench one-gpu | no table: see $OUT/one_gpu.log |"
+  note "| bench one-gpu | exit $RC, $((SECONDS - T0)) s |"
+  [[ ${TESTS:-1} == 1 ]] && gpu_tests
+  echo; echo "summary: $SUMMARY"; cat "$SUMMARY"
+  exit $RC
+fi
+
+gpu_tests
 
 step "2. functional suite on 2 GPUs"
 if [[ $GPUS -ge 2 ]]; then
