@@ -7,7 +7,8 @@
 #                                                # (parts of 56 MiB by default)
 #   deploy/gpu_carry.sh status                   # there, after each carrying call: the parts present
 #   deploy/gpu_carry.sh install [SITE]           # there, on the last call: verify, unpack into SITE
-#                                                # (default /tmp/site); then: export PYTHONPATH=SITE
+#                                                # (default .gpu_carry/site, kept while the machine
+#                                                # is warm); then: export PYTHONPATH=SITE:$PWD
 #   deploy/gpu_carry.sh --dry-run                # here: prepare a small list, then status and install
 #                                                # from the parts into a scratch folder (proves the route)
 # The package list is deploy/gpu_carry.txt (name==version, one per line; `#` comments).
@@ -53,7 +54,7 @@ prepare() {
   du -sh "$DIR"/part* | sed 's/^/  /'
   echo "carry each in a call of its own, back to back (the machine keeps them while warm), e.g."
   echo "  run(command='deploy/gpu_carry.sh status', carry=['$DIR/part01'])  ... then the last part with"
-  echo "  run(command='deploy/gpu_carry.sh install && export PYTHONPATH=/tmp/site && ...', carry=['$DIR/partNN'])"
+  echo "  run(command='deploy/gpu_carry.sh install && export PYTHONPATH=\$PWD/$DIR/site:\$PWD && ...', carry=['$DIR/partNN'])"
 }
 
 status() {
@@ -68,7 +69,7 @@ status() {
 }
 
 install() {
-  local site=${1:-/tmp/site} sum
+  local site=${1:-$ROOT/$DIR/site} sum
   status || { echo "gpu_carry: parts are missing (a call between carried ones let the machine go back?)" >&2; exit 1; }
   sum=$(cut -d' ' -f1 "$(ls "$DIR"/part*/manifest | head -1)")
   mkdir -p "$site"
@@ -97,7 +98,7 @@ case "${1:-}" in
     rm -rf "$DIR" /tmp/gpu_carry_dry_site /tmp/gpu_carry_dry.txt
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac
