@@ -192,16 +192,11 @@ class Controller:
         self._last_checkpoint_t = self._t0
         self._last_checkpoint_step = first_step if resume is not None else None
         self._records_unwritten_from: int | None = None  # `records_written`; None: nobody confirms
-        if run_dir is not None and isinstance(workers.trainer, Checkpointable):
-            self.state.hooks.after_step = self._periodic_checkpoint
-            self.state.hooks.checkpoint_due = self._checkpoint_due
+        self._hook_checkpoints()
         self._resumed = resume is not None
         if resume is not None:
             self._restore(resume)
-        # `backend.colocate_form: turns`: the device goes to training before each step and back after it
-        self.turns = DeviceTurns(self.state) if cfg.backend.colocate and cfg.backend.colocate_form == "turns" else None
-        if self.turns is not None:
-            self.turns.install()
+        self.turns = DeviceTurns.of_run(self.state)  # colocated in turns: the device to training and back
         # Beside the pumps, in their TaskGroup (a failure ends the run as a pump's does): name -> a coroutine
         # function of the run state, returning once training is done (a pool member's: `pool/link.py`).
         self.companions: dict[str, Callable[[RunState], Coroutine[Any, Any, None]]] = {}
@@ -209,6 +204,12 @@ class Controller:
         self.on_eval = on_eval
         self.eval_history: list[dict] = []
         self.eval_tracker = EvalTracker(cfg.eval.num_samples) if cfg.eval.enabled else None
+
+    def _hook_checkpoints(self) -> None:
+        """Periodic checkpoints, where the run has a directory and its trainer can write one."""
+        if self.run_dir is not None and isinstance(self.state.workers.trainer, Checkpointable):
+            self.state.hooks.after_step = self._periodic_checkpoint
+            self.state.hooks.checkpoint_due = self._checkpoint_due
 
     async def run(self) -> RunSummary:
         """Setup, the pumps, teardown."""

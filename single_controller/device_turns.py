@@ -71,6 +71,16 @@ class DeviceTurns:
         self._lock = asyncio.Lock()  # one switch at a time
         self._last_begun = -1  # the newest step that began under the training turn
 
+    @classmethod
+    def of_run(cls, state: RunState) -> DeviceTurns | None:
+        """The run's turns, installed (`backend.colocate_form: turns`), or None."""
+        backend = state.cfg.backend
+        if not (backend.colocate and backend.colocate_form == "turns"):
+            return None
+        turns = cls(state)
+        turns.install()
+        return turns
+
     def install(self) -> None:
         hooks = self.state.hooks
         if hooks.before_train is not None or hooks.after_sync is not None:

@@ -417,7 +417,7 @@ def report(results: dict[str, dict[str, Any]], cfg: Any, gpu: str | None, dry_ru
             lines.append(f"| {who} | failed: {r['failed'].splitlines()[0]} |" + " |" * 11)
             continue
         mfu = 6 * n * r["train_tokens_per_s"] / peak if peak and "train_tokens_per_s" in r else None
-        step = r.get("step_s", r.get("batch_s"))
+        step = float(r.get("step_s", r.get("batch_s")) or "nan")
         lines.append(
             f"| {who} | {_f(1 / step if who != 'engine' else None)} | {_f(step)} | {_f(r.get('gen_s'))} "
             f"| {_f(r.get('train_s'))} | {_f(r.get('sync_s'))} | {_f(r.get('switch_s'))} "

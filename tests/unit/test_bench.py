@@ -343,3 +343,32 @@ def test_bench_trl_reads_both_summary_lines_and_reports_the_ratios():
     assert "whole command sc-grpo / TRL 0.80" in line
     with pytest.raises(RuntimeError, match=r"(?s)sc-grpo .tiny, seed 0. failed .exit 1.*boom"):
         trl._parse("sc-grpo", "tiny", 0, sp.CompletedProcess([], 1, stdout="", stderr="boom"), 1.0, 1.0)
+
+
+def test_bench_one_gpu_splits_each_step_into_its_phases_and_states_both_ratios():
+    from single_controller.bench.one_gpu import ratios, summarize
+
+    def rec(step_s, train_s, switch_total, gen_tokens=1000.0):
+        return {
+            "time/step_s": step_s,
+            "train/step_s": train_s,
+            "sync/admission_closed_s": 0.1,
+            "sync/last_s": 0.2,
+            "throughput/gen_tokens_per_s": gen_tokens / step_s,
+            "train/tokens": 2000.0,
+            "rollout/reward_mean": 0.5,
+            "turns/sleep_s": switch_total,
+        }
+
+    # turns: each step 4 s = 0.1 sync + 1 train + 0.4 switch + 2.5 generation (running totals of the switch)
+    records = [rec(4.0, 1.0, 0.4 * (i + 1)) for i in range(6)]
+    turns = summarize(records, "turns")
+    assert turns["switch_s"] == pytest.approx(0.4) and turns["gen_s"] == pytest.approx(2.5)
+    assert turns["gen_tokens_per_s"] == pytest.approx(1000 / 2.5) and turns["train_tokens_per_s"] == pytest.approx(2000)
+    # shared: generation runs beside training, so its phase is the step less the sync's closed admission
+    shared = summarize([rec(2.0, 1.5, 0.0) for _ in range(6)], "shared")
+    assert shared["gen_s"] == pytest.approx(1.9) and shared["switch_s"] == 0.0
+    lines = ratios({"engine": {"gen_tokens_per_s": 500.0}, "shared": shared, "turns": turns, "trl": {"step_s": 3.0}})
+    assert lines[0] == "- steps/s, sc-grpo (shared) over TRL colocated: **1.50x** (target >= 1.3)"
+    assert "sc-grpo turns over vLLM alone: **0.80**" in lines[2]
+    assert ratios({"trl": {"failed": "exit 1"}, "turns": turns}) == []

@@ -39,6 +39,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("preflight", "state"),
     # the pumps over the run state; elastic workers
     ("pumps", "elastic"),
+    ("device_turns",),  # colocated turns, over the elastic workers
     ("controller",),
     # runs sharing a pool of workers, a controller each
     ("pool",),
