@@ -27,7 +27,8 @@ download() {  # $1: folder; the list's wheels for CPython 3.12 on x86-64 Linux, 
   plats+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
   grep -Ev '^\s*(#|$)' "$LIST" | sed 's/\s*#.*//' | while read -r req; do
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --abi cp312 --abi abi3 --abi none "${plats[@]}" -d "$1" "$req" ||
+      --abi cp312 --abi abi3 --abi none "${plats[@]}" -d "$1" "$req" 2> /dev/null ||
+      "$PY" -m pip wheel -q --no-deps -w "$1" "$req" ||  # an sdist only (antlr4): a pure-Python wheel built here
       { echo "gpu_carry: no Python 3.12 x86-64 wheel for $req" >&2; exit 1; }
   done
 }
