@@ -38,6 +38,7 @@ prepare() {
   download "$DIR/wheels"
   for w in "$DIR"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$DIR/site"; done  # a wheel is a zip: unpacked as pip would
   rm -rf "$DIR"/site/ray/jars "$DIR"/site/ray/rllib  # ray's Java and RLlib: unused, 47 MB
+  rm -rf "$DIR"/site/xgrammar/include "$DIR"/site/xgrammar/lib/*.a  # a static library Python never loads: 30 MB
   find "$DIR/site" -name __pycache__ -prune -exec rm -rf {} +
   tar -C "$DIR/site" -cf - . | xz -T0 -6 > "$DIR/site.tar.xz"
   split -b "${MAX_KIB}k" -d -a 2 "$DIR/site.tar.xz" "$DIR/chunk"

@@ -40,6 +40,7 @@ FORMS = {
 # The dry run's CPU-sized twin of configs/one_gpu.yaml: same arch, options and data, small numbers.
 DRY_RUN = [
     "vllm.device=cpu",
+    "vllm.enforce_eager=true",  # no compile on the CPU
     "backend.trainer_device=cpu",
     "train.gpu_memory_fraction=null",
     "rollout.sleep_level=0",  # vLLM sleeps on CUDA only; the CPU turns keep its memory
@@ -228,6 +229,10 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from single_controller.data.files import read_records
 
     cfg = load(args)
+    if not args.dry_run:  # TRL's colocated engine, as sc-grpo's: without FlashInfer where it is missing
+        from single_controller.backends.vllm.engine_env import gpu_sampler_env
+
+        os.environ.update(gpu_sampler_env())
     rows = [rec for f in cfg.data.train_files for rec in read_records(f)]
     data = Dataset.from_list([{"prompt": rec[cfg.data.prompt_key], **_columns(rec, cfg)} for rec in rows])
     ends: list[float] = []
