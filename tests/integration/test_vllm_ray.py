@@ -111,9 +111,17 @@ def test_expired_request_leaves_no_key_and_shutdown_ends_the_engine(loop, model_
         finally:
             run(loop, client.shutdown())
         deadline = time.monotonic() + 20
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        while not _gone(pid):
             assert time.monotonic() < deadline, f"the engine's process {pid} outlived shutdown"
             time.sleep(0.2)  # test code, not the controller
+
+
+def _gone(pid: int) -> bool:
+    """Exited (or a zombie); a process that exits between the two checks is gone too."""
+    try:
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _as_vllm(trainer: dict) -> dict:
