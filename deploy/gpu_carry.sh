@@ -8,7 +8,7 @@
 #   deploy/gpu_carry.sh status                   # there, after each carrying call: the parts present
 #   deploy/gpu_carry.sh install [SITE]           # there, on the last call: verify, unpack into SITE
 #                                                # (default .gpu_carry/site, kept while the machine
-#                                                # is warm); then: export PYTHONPATH=SITE:$PWD
+#                                                # is warm); then: export PYTHONPATH=$PWD:SITE
 #   deploy/gpu_carry.sh --dry-run                # here: prepare a small list, then status and install
 #                                                # from the parts into a scratch folder (proves the route)
 # The package list is deploy/gpu_carry.txt (name==version, one per line; `#` comments).
@@ -20,6 +20,9 @@ DIR=.gpu_carry  # ignored (.gitignore): each part folder is named in one call's 
 LIST=${GPU_CARRY_LIST:-deploy/gpu_carry.txt}
 PY=${PYTHON:-python3}
 MAX_KIB=$((56 * 1024))
+# Top-level folders some wheels ship beside their package (TransferQueue's tests/, recipe/, ...): on
+# the path they would shadow the repository's own `tests` package.
+STRAY=(tests recipe tutorial scripts)
 
 download() {  # $1: folder; the list's wheels for CPython 3.12 on x86-64 Linux, no dependencies resolved
   local plats=() n
@@ -39,6 +42,7 @@ prepare() {
   for w in "$DIR"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$DIR/site"; done  # a wheel is a zip: unpacked as pip would
   rm -rf "$DIR"/site/ray/jars "$DIR"/site/ray/rllib  # ray's Java and RLlib: unused, 47 MB
   rm -rf "$DIR"/site/xgrammar/include "$DIR"/site/xgrammar/lib/*.a  # a static library Python never loads: 30 MB
+  rm -rf "${STRAY[@]/#/$DIR/site/}"
   find "$DIR/site" -name __pycache__ -prune -exec rm -rf {} +
   tar -C "$DIR/site" -cf - . | xz -T0 -6 > "$DIR/site.tar.xz"
   split -b "${MAX_KIB}k" -d -a 2 "$DIR/site.tar.xz" "$DIR/chunk"
@@ -56,7 +60,7 @@ prepare() {
   du -sh "$DIR"/part* | sed 's/^/  /'
   echo "carry each in a call of its own, back to back (the machine keeps them while warm), e.g."
   echo "  run(command='deploy/gpu_carry.sh status', carry=['$DIR/part01'])  ... then the last part with"
-  echo "  run(command='deploy/gpu_carry.sh install && export PYTHONPATH=\$PWD/$DIR/site:\$PWD && ...', carry=['$DIR/partNN'])"
+  echo "  run(command='deploy/gpu_carry.sh install && export PYTHONPATH=\$PWD:\$PWD/$DIR/site && ...', carry=['$DIR/partNN'])"
 }
 
 status() {
@@ -79,8 +83,17 @@ install() {
   [[ $(sha256sum /tmp/gpu_carry.tar.xz | cut -d' ' -f1) == "$sum" ]] ||
     { echo "gpu_carry: the joined parts do not match their checksum" >&2; exit 1; }
   xz -T0 -dc /tmp/gpu_carry.tar.xz | tar -C "$site" -xf -
+  rm -rf "${STRAY[@]/#/$site/}"
   rm -f /tmp/gpu_carry.tar.xz
-  echo "gpu_carry: unpacked into $site ($(du -sh "$site" | cut -f1)); export PYTHONPATH=$site"
+  echo "gpu_carry: unpacked into $site ($(du -sh "$site" | cut -f1)); export PYTHONPATH=$ROOT:$site"
+  # Subprocesses that set their own PYTHONPATH (some tests do) find it too: a .pth in the interpreter's
+  # site-packages puts it first on every sys.path, where that folder is writable (else PYTHONPATH only)
+  local purelib
+  purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [[ -w $purelib && ${GPU_CARRY_PTH:-1} == 1 ]]; then
+    echo "import sys; sys.path.insert(0, '$site')" > "$purelib/sc_grpo_gpu_carry.pth"
+    echo "gpu_carry: $purelib/sc_grpo_gpu_carry.pth puts it first for every process of $PY"
+  fi
 }
 
 case "${1:-}" in
@@ -95,7 +108,7 @@ case "${1:-}" in
     GPU_CARRY_LIST=/tmp/gpu_carry_dry.txt "$0" prepare --max-kib 24
     "$0" status
     rm -rf /tmp/gpu_carry_dry_site
-    "$0" install /tmp/gpu_carry_dry_site
+    GPU_CARRY_PTH=0 "$0" install /tmp/gpu_carry_dry_site  # (no .pth here: this machine's Python stays as it is)
     PYTHONPATH=/tmp/gpu_carry_dry_site "$PY" -c "import six, idna; print('gpu_carry dry run: imported six', six.__version__, 'and idna', idna.__version__)"
     rm -rf "$DIR" /tmp/gpu_carry_dry_site /tmp/gpu_carry_dry.txt
     ;;
