@@ -81,22 +81,26 @@ class TrainerCore:
         self.pg = process_group
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        # Frozen copy of the initial weights for the KL penalty, only when it is enabled (before any wrapping).
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
         self._ddp: nn.parallel.DistributedDataParallel | None = None
-        if process_group is not None:
-            # broadcast_buffers=False: buffers (e.g. HF rotary tables) are constants here, and a
-            # per-forward buffer broadcast would be a collective per microbatch.
-            self._ddp = nn.parallel.DistributedDataParallel(
-                policy, process_group=process_group, broadcast_buffers=False
-            )
-        self._forward: nn.Module = policy if self._ddp is None else self._ddp
+        self._forward: nn.Module = self._wrap(policy, process_group)
         self.params = [p for p in policy.parameters() if p.requires_grad]
         # never imports torch._dynamo (a start-up cost; nothing here is compiled)
         self.optimizer = eager_adamw(self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-        # Frozen copy of the initial weights for the KL penalty, only when it is enabled.
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
         self.steps = SplitStep(has_reference=self.reference is not None)
         self.host = HostOffload()  # `train.offload`: what is in host memory while the engine has the device
         self.implicit_onloads = 0  # a call that needed the state while it was offloaded brought it back
+
+    def _wrap(self, policy: nn.Module, process_group: dist.ProcessGroup | None) -> nn.Module:
+        """What the forward runs: the policy, or over several ranks its DDP wrapper (gradients are
+        all-reduced at finish, `_reduced_grads`; the backward runs under `no_sync`)."""
+        if process_group is None:
+            return policy
+        # broadcast_buffers=False: buffers (e.g. HF rotary tables) are constants here, and a
+        # per-forward buffer broadcast would be a collective per microbatch.
+        self._ddp = nn.parallel.DistributedDataParallel(policy, process_group=process_group, broadcast_buffers=False)
+        return self._ddp
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(rank=self.rank, world_size=self.world_size, **self.steps.counts())

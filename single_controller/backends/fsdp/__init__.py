@@ -1,0 +1,1 @@
+"""The FSDP2 (DTensor) trainer backend (issue #52, in progress): `trainer.FsdpTrainerCore`."""

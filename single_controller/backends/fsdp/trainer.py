@@ -1,0 +1,135 @@
+"""The FSDP2 trainer core (issue #52, in progress: this core and its equivalence tests; the rank actor,
+`backend.trainer: fsdp`, bucketed weight export and resharding checkpoints come next).
+
+`FsdpTrainerCore` is the torch trainer's split step (`backends/torch/trainer.py`: raw loss sums per
+microbatch, counts all-reduced once at finish, 1/N once, clip, one AdamW step) over a policy sharded
+with `fully_shard` on a one-dimensional `DeviceMesh` (gloo on the CPU, NCCL on CUDA): each repeated
+block (the largest `ModuleList`: an HF model's decoder layers, TinyGPT's blocks) is its own FSDP unit,
+the root holds the rest. Every rank keeps 1/N of each parameter, of its gradient and of the AdamW
+state; a block's full parameters exist only while it computes.
+
+Gradients are reduce-scattered as raw sums (no division: the step divides by the global count once).
+`reduce`: `microbatch` (default) reduce-scatters after each microbatch's backward, so gradients stay
+sharded; `finish` accumulates the unsharded gradients over the step and reduce-scatters them once, in
+`finish_train_step` (fewer collectives, a whole unsharded gradient per rank meanwhile). Both give the
+same step: a sum is a sum. Every rank runs a pass for every microbatch (an empty share runs one token
+at zero weight): FSDP's collectives pair up by forward and backward. Whole rows only (no shared-prompt
+passes) and no `train.micro_batch_tokens` yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from single_controller.backends.torch.trainer import TrainerCore
+
+Reduce = Literal["microbatch", "finish"]
+
+
+def repeated_blocks(module: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the `ModuleList` holding the most parameters."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(module).__name__} has no ModuleList of blocks to shard")
+    return max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+
+
+def shard_policy(policy: nn.Module, process_group: dist.ProcessGroup, device: str = "cpu") -> list[Any]:
+    """`fully_shard` each repeated block and then the root, in place; gradients reduce as raw sums.
+    Returns the FSDP modules, blocks first."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    ranks = dist.get_process_group_ranks(process_group)
+    mesh = DeviceMesh.from_group(process_group, device, mesh=torch.tensor(ranks))
+    units = [fully_shard(block, mesh=mesh) for block in repeated_blocks(policy)]
+    units.append(fully_shard(policy, mesh=mesh))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # raw sums: the step's 1/N is applied once, at finish
+    return units
+
+
+class FsdpTrainerCore(TrainerCore):
+    """One FSDP2 rank of the split step; `process_group`: the ranks that shard the policy."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        cfg: Any,
+        *,
+        process_group: dist.ProcessGroup,
+        reduce: Reduce = "microbatch",
+        **kwargs: Any,
+    ):
+        if cfg.micro_batch_tokens is not None:  # a rank's pass count must equal the others': not built yet
+            raise ValueError("the FSDP trainer does not split microbatches by train.micro_batch_tokens yet")
+        # Whole rows: the shared-prompt path runs the model's parts one by one, outside the root unit's
+        # forward, where FSDP gathers the root's parameters (the embeddings).
+        cfg = dataclasses.replace(cfg, share_prompt_prefix=False)
+        self.reduce: Reduce = reduce
+        self._units: list[Any] = []
+        super().__init__(policy, cfg, process_group=process_group, **kwargs)
+
+    def _wrap(self, policy: nn.Module, process_group: dist.ProcessGroup | None) -> nn.Module:
+        assert process_group is not None  # a sharded trainer has its ranks
+        self._units = shard_policy(policy, process_group)
+        self._units[-1].set_requires_gradient_sync(self.reduce == "microbatch")  # recurses into the blocks
+        return policy
+
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        """Each parameter's shard of the gradient summed over the ranks (reduce-scattered after each
+        microbatch, or now, once, with `reduce: finish`)."""
+        if self.reduce == "finish":
+            self._reduce_scatter_accumulated()
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+    def train_microbatch(self, rows: Any, bytes_read: int = 0) -> int:
+        """As the torch trainer's; a rank whose share of the chunk is empty still runs one pass (a
+        token whose loss is multiplied by 0): every rank must meet the others' all-gathers and
+        reduce-scatters, one set per forward and backward."""
+        if len(rows["prompt_ids"]) == 0:
+            self.steps.require_open("train_microbatch")
+            self._empty_pass()
+        return super().train_microbatch(rows, bytes_read)
+
+    def _empty_pass(self) -> None:
+        from single_controller.algorithm.logprobs import token_logprobs
+
+        one = torch.zeros(1, dtype=torch.long)
+        logprobs, _ = token_logprobs(self._forward, [one], [one], self.temperature)
+        (logprobs.sum() * 0.0).backward()
+
+    def begin_train_step(self, step: int, loss: Any) -> None:
+        super().begin_train_step(step, loss)
+        self._drop_accumulated()
+
+    def abort_train_step(self, step: int) -> None:
+        super().abort_train_step(step)
+        self._drop_accumulated()  # an aborted step's gradients are gone, the accumulated ones too
+
+    def _drop_accumulated(self) -> None:
+        """Forget the unsharded gradients accumulated for a deferred reduction (`reduce: finish`)."""
+        for unit in self._units:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param.unsharded_param.grad = None
+
+    def _reduce_scatter_accumulated(self) -> None:
+        """The deferred reduction: what FSDP's post-backward does when gradient sync is on, for the
+        gradients accumulated with it off (every rank calls it: it is a collective per unit)."""
+        for unit in self._units:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            group.reduce_grads = True
+            group.post_backward()
+            group.reduce_grads = False
+        root = self._units[-1]._get_fsdp_state()
+        root._root_post_backward_final_callback()
