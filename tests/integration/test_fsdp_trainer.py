@@ -1,8 +1,9 @@
 """The FSDP2 trainer core (`backends/fsdp/trainer.py`, issue #52) over 2 and 4 gloo ranks: each chunk
 split across the ranks by length equals one full-batch step (float64, 1e-10 relative), with the
-gradients reduce-scattered after each microbatch or once at finish; an aborted step leaves nothing
-behind."""
+gradients reduce-scattered after each microbatch or once at finish, in token-budget passes whose
+counts differ by rank, with gradient checkpointing; an aborted step leaves nothing behind."""
 
+import dataclasses
 import os
 
 import pytest
@@ -40,9 +41,16 @@ SCENARIOS = [
 ]
 
 
-def _core(reduce: str) -> FsdpTrainerCore:
+# Passes of at most this many tokens: the ranks' shares cut into different numbers of passes
+PASS_BUDGET = {"single-turn": 20, "multi-turn": 32}
+PASS_SCENARIOS = [
+    (kind, ckpt, reduce) for kind in ROW_KINDS for ckpt in (False, True) for reduce in ("microbatch", "finish")
+]
+
+
+def _core(reduce: str, cfg=TRAIN) -> FsdpTrainerCore:
     return FsdpTrainerCore(
-        TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, process_group=dist.group.WORLD, reduce=reduce
+        TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), cfg, process_group=dist.group.WORLD, reduce=reduce
     )
 
 
@@ -63,6 +71,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict = {}
     for kind, level, ci, reduce in SCENARIOS:
         results[(kind, level, ci, reduce)] = _step(_core(reduce), rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
+    for kind, ckpt, reduce in PASS_SCENARIOS:
+        cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET[kind], gradient_checkpointing=ckpt)
+        rows = ROW_KINDS[kind]()
+        results[("passes", kind, ckpt, reduce)] = _step(_core(reduce, cfg), rank, world, rows, CHUNKINGS[2], "token")
     for reduce in ("microbatch", "finish"):  # an aborted step, then the step again: as if never aborted
         core = _core(reduce)
         core.begin_train_step(0, LossConfig())
@@ -92,6 +104,20 @@ def test_fsdp_split_step_equals_full_batch(fsdp_results, kind, level, ci, reduce
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
         assert m["train/sequences"] == NUM_ROWS, rank
+
+
+@pytest.mark.parametrize("kind, ckpt, reduce", PASS_SCENARIOS)
+def test_fsdp_token_budget_passes_equal_the_full_batch_step(fsdp_results, kind, ckpt, reduce):
+    """Each share cut into passes by `train.micro_batch_tokens` (the ranks' counts differ: the others
+    pad), with and without gradient checkpointing: the full-batch step (1e-10)."""
+    want_grads, want_params = reference_step(ROW_KINDS[kind](), "token")
+    passes = []
+    for res in fsdp_results:
+        grads, params, m = res[("passes", kind, ckpt, reduce)]
+        assert_close_rel(grads, want_grads, 1e-10)
+        assert_close_rel(params, want_params, 1e-10)
+        passes.append(m["train/passes"])
+    assert len(set(passes)) > 1 or len(fsdp_results) == 4, passes  # the counts differ: padding was needed
 
 
 @pytest.mark.parametrize("reduce", ["microbatch", "finish"])

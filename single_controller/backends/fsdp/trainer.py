@@ -12,9 +12,9 @@ Gradients are reduce-scattered as raw sums (no division: the step divides by the
 `reduce`: `microbatch` (default) reduce-scatters after each microbatch's backward, so gradients stay
 sharded; `finish` accumulates the unsharded gradients over the step and reduce-scatters them once, in
 `finish_train_step` (fewer collectives, a whole unsharded gradient per rank meanwhile). Both give the
-same step: a sum is a sum. Every rank runs a pass for every microbatch (an empty share runs one token
-at zero weight): FSDP's collectives pair up by forward and backward. Whole rows only (no shared-prompt
-passes) and no `train.micro_batch_tokens` yet.
+same step: a sum is a sum. Every rank runs as many passes per microbatch as the rank with the most
+(`train.micro_batch_tokens`; the others pad with one token at zero weight): FSDP's collectives pair
+up by forward and backward. Whole rows only (no shared-prompt passes).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from single_controller.backends.common.split_step import token_passes
 from single_controller.backends.torch.trainer import TrainerCore
 
 Reduce = Literal["microbatch", "finish"]
@@ -66,8 +67,6 @@ class FsdpTrainerCore(TrainerCore):
         reduce: Reduce = "microbatch",
         **kwargs: Any,
     ):
-        if cfg.micro_batch_tokens is not None:  # a rank's pass count must equal the others': not built yet
-            raise ValueError("the FSDP trainer does not split microbatches by train.micro_batch_tokens yet")
         # Whole rows: the shared-prompt path runs the model's parts one by one, outside the root unit's
         # forward, where FSDP gathers the root's parameters (the embeddings).
         cfg = dataclasses.replace(cfg, share_prompt_prefix=False)
@@ -89,13 +88,19 @@ class FsdpTrainerCore(TrainerCore):
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
     def train_microbatch(self, rows: Any, bytes_read: int = 0) -> int:
-        """As the torch trainer's; a rank whose share of the chunk is empty still runs one pass (a
-        token whose loss is multiplied by 0): every rank must meet the others' all-gathers and
-        reduce-scatters, one set per forward and backward."""
-        if len(rows["prompt_ids"]) == 0:
-            self.steps.require_open("train_microbatch")
+        """As the torch trainer's, then as many zero-weight one-token passes as this rank ran fewer
+        than the rank with the most (`train.micro_batch_tokens` cuts each share by its own lengths; an
+        empty share runs none): FSDP's all-gathers and reduce-scatters pair up by forward and
+        backward, so every rank must run the same number."""
+        self.steps.require_open("train_microbatch")
+        lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+        mine = len(token_passes(lengths, self.cfg.micro_batch_tokens)) if lengths else 0
+        most = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.pg)
+        tokens = super().train_microbatch(rows, bytes_read)
+        for _ in range(int(most.item()) - mine):
             self._empty_pass()
-        return super().train_microbatch(rows, bytes_read)
+        return tokens
 
     def _empty_pass(self) -> None:
         from single_controller.algorithm.logprobs import token_logprobs
