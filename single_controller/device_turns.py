@@ -12,13 +12,14 @@ the handover waits for the next weights.
 
 Nothing else changes: the step selects its groups whole (as in a pool), the staleness bound, the
 ledger and the weight-sync policy are the run's own; a worker that dies asleep is restarted asleep.
-The train pump waits on `before_train` under its own name ("device turn"), so a switch that hangs
-surfaces like any other wait.
+The train pump waits on `before_train` under its own name ("train slots / device turn"), so a switch
+that hangs surfaces like any other wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass, field
 
@@ -44,7 +45,8 @@ class TurnsRecord:
     offload_s: float = 0.0
     onload_s: float = 0.0
     offloaded_bytes: int = 0  # the last offload's
-    events: list[tuple[str, int]] = field(default_factory=list)
+    # the newest switches (bounded: the controller's memory stays flat over a long run)
+    events: collections.deque[tuple[str, int]] = field(default_factory=lambda: collections.deque(maxlen=256))
 
     def step_record(self) -> dict[str, float]:
         return {

@@ -69,7 +69,7 @@ async def test_turns_put_the_engine_to_sleep_for_each_step_and_wake_it_with_the_
     want = []
     for s in range(6):
         want += [("sleep", s), ("onload", s), ("offload", s + 1), ("wake", s + 1)]
-    assert rec.events == want
+    assert list(rec.events) == want
     assert (rec.to_train, rec.to_generate) == (6, 6)
     moves = [("onload", 0)]
     for v in range(1, 7):

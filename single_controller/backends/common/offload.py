@@ -33,9 +33,6 @@ class HostOffload:
     def offloaded(self) -> bool:
         return bool(self._moved)
 
-    def offloaded_bytes(self) -> int:
-        return sum(host.numel() for _, host in self._moved)
-
     @torch.no_grad()
     def offload(self, tensors: Iterable[torch.Tensor]) -> OffloadRecord:
         """Move the storages of `tensors` to host memory (those already moved are skipped)."""

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.split_step import token_passes
 from single_controller.backends.torch.trainer import TrainerCore
 
@@ -103,8 +104,6 @@ class FsdpTrainerCore(TrainerCore):
         return tokens
 
     def _empty_pass(self) -> None:
-        from single_controller.algorithm.logprobs import token_logprobs
-
         one = torch.zeros(1, dtype=torch.long)
         logprobs, _ = token_logprobs(self._forward, [one], [one], self.temperature)
         (logprobs.sum() * 0.0).backward()

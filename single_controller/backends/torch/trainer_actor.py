@@ -18,7 +18,6 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.common.colocation import threads_per_process, turns_from_env
-from single_controller.backends.common.offload import optimizer_tensors
 from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot
@@ -169,12 +168,6 @@ class TrainerRankActor(RankStepCalls, WeightSender):
 
     def onload(self) -> OffloadRecord:
         return self._trainer().onload()
-
-    def resident_bytes(self) -> int:
-        """Bytes of parameters and optimizer state held in this rank's device storages (for checks)."""
-        core = self._trainer()
-        tensors = [*core.policy.parameters(), *optimizer_tensors(core.optimizer)]
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     def get_weights(self) -> dict[str, Any]:
         self._trainer().ensure_on_device()

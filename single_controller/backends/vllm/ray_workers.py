@@ -1,10 +1,11 @@
 """The vLLM generation backend on Ray: `start_vllm_generation` starts `VllmGenerationActor`s and
 returns an `ActorGenerationClient` over each.
 
-An actor asks Ray for no logical CPU on `vllm.device=cpu` and one GPU (or a pool's share,
-`gpu_share`) on `cuda`, and sets its own environment (`engine_env`) before importing vLLM. The client
-coalesces one loop tick's requests into one `generate_many`; a cancelled caller awaits the actor's
-`cancel` (`shielded_cancel`), so no row of the group is stored after it. A dead actor surfaces as
+An actor asks Ray for no logical CPU on `vllm.device=cpu` and one GPU on `cuda` (in a pool, or
+colocated with the trainer, its memory share: `colocation.gpu_shares`), and sets its own environment
+(`engine_env`) before importing vLLM. The client coalesces one loop tick's requests into one
+`generate_many`; a cancelled caller awaits the actor's `cancel` (`shielded_cancel`), so no row of
+the group is stored after it. A dead actor surfaces as
 `GenerationWorkerDied`, and `restart(weights)` replaces it.
 """
 
@@ -33,7 +34,7 @@ async def start_vllm_generation(
     beside the storage service's own start) and connect them to storage."""
     from single_controller.backends.vllm.worker import VllmGenerationActor
 
-    res = {"num_cpus": 0, "num_gpus": gpu_share(cfg)} if cfg.vllm.device == "cuda" else {"num_cpus": 0}
+    res = {"num_cpus": 0, "num_gpus": gpu_shares(cfg)[0]} if cfg.vllm.device == "cuda" else {"num_cpus": 0}
     actor_cls = ray.remote(VllmGenerationActor)
 
     def spawner(i: int) -> Callable[[], Any]:  # also what restarts a dead worker
@@ -52,13 +53,6 @@ async def start_vllm_generation(
         shielded_cancel=True,
         sync=sync_link(cfg.backend.trainer_device, cfg.vllm.device, cfg.timeouts.weight_sync_s, colocated_on_gpu(cfg)),
     )
-
-
-def gpu_share(cfg: Config) -> float:
-    """The GPU a worker asks Ray for: a whole one; in a pool (where the pool, not Ray, time-shares a
-    slot between runs, each run's engine sleeping while another's works) or colocated with the
-    trainer on one GPU, the fraction of its memory the engine may take (`vllm.gpu_memory_utilization`)."""
-    return gpu_shares(cfg)[0]
 
 
 async def shutdown_vllm_generation(clients: Sequence[ActorGenerationClient]) -> None:
