@@ -43,6 +43,9 @@ RESUMABLE_CHANGES = (
     "storage.attach",
     "storage.num_storage_units",
     "backend.num_generation_workers",
+    # the torch trainer's state is whole on every rank, the fsdp trainer's checkpoint reshards on load;
+    # Megatron's shards are its layout's (pinned below)
+    "backend.num_trainer_ranks",
     "backend.torch_threads",
     "sync.drain_timeout_s",
     "rollout.max_in_flight_groups",
@@ -209,6 +212,8 @@ def incompatible_keys(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any
     default = config_fingerprint(Config())  # a key newer than the checkpoint had its default then
     # a decaying lr schedule's horizon is run.max_steps: another one would change the lr of every later step
     pinned = {"run.max_steps"} if cfg.train.lr_schedule != "constant" else set()
+    if cfg.backend.trainer == "megatron":  # each rank's shard file is its tensor/data-parallel layout's
+        pinned.add("backend.num_trainer_ranks")
     out = []
     for key in sorted(set(saved) | set(now)):
         if key not in pinned and any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):

@@ -35,6 +35,7 @@ GENERATION_BACKENDS: dict[str, BackendEntry] = {
 }
 TRAINER_BACKENDS: dict[str, BackendEntry] = {
     "torch": BackendEntry("single_controller.backends.torch.ray_workers:start_torch_trainer"),
+    "fsdp": BackendEntry("single_controller.backends.fsdp.ray_workers:start_fsdp_trainer"),
     "megatron": BackendEntry(
         "single_controller.backends.megatron.ray_workers:start_megatron_trainer", ("megatron.core",), "megatron"
     ),

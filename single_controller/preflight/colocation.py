@@ -61,7 +61,7 @@ def turns_are_the_runs_own(cfg: Config) -> Problem | None:
 
 def offload_needs_turns(cfg: Config) -> Problem | None:
     """`train.offload` moves the trainer's state out of the engine's way during a turn; the torch
-    trainer does it (and the sim records it); Megatron's trainer keeps its state."""
+    and fsdp trainers do it (and the sim records it); Megatron's trainer keeps its state."""
     if cfg.train.offload == "none":
         return None
     paths = ("train.offload", "backend.colocate", "backend.colocate_form", "backend.trainer")
@@ -75,20 +75,22 @@ def offload_needs_turns(cfg: Config) -> Problem | None:
         return Problem(
             paths,
             f"train.offload={cfg.train.offload} with backend.trainer=megatron: Megatron's trainer does not offload "
-            "its state (the torch trainer does); use train.offload=none (the engine's sleep still frees its memory)",
+            "its state (the torch and fsdp trainers do); use train.offload=none (the engine's sleep still frees "
+            "its memory)",
         )
     return None
 
 
 def gpu_memory_shares_fit(cfg: Config) -> Problem | None:
-    """`train.gpu_memory_fraction` is the torch trainer's on CUDA; shared on one GPU, the engine's and
+    """`train.gpu_memory_fraction` is the torch and fsdp trainers' on CUDA; shared on one GPU, the engine's and
     the trainer's shares must both be set and fit together."""
     frac = cfg.train.gpu_memory_fraction
     paths = ("train.gpu_memory_fraction", "backend.trainer", "backend.trainer_device", "vllm.gpu_memory_utilization")
-    if frac is not None and not (cfg.backend.trainer == "torch" and cfg.backend.trainer_device == "cuda"):
+    if frac is not None and not (cfg.backend.trainer in ("torch", "fsdp") and cfg.backend.trainer_device == "cuda"):
         return Problem(
             paths,
-            "train.gpu_memory_fraction limits the torch trainer on CUDA: set backend.trainer_device=cuda or null it",
+            "train.gpu_memory_fraction limits the torch or fsdp trainer on CUDA: set backend.trainer_device=cuda "
+            "or null it",
         )
     if not colocated_on_gpu(cfg):
         return None
@@ -99,7 +101,7 @@ def gpu_memory_shares_fit(cfg: Config) -> Problem | None:
             f"vllm.gpu_memory_utilization={engine:g} with both roles colocated on one GPU leaves the trainer none; "
             f"keep it at most {SHARED_GPU_MEMORY:g}",
         )
-    if cfg.backend.colocate_form != "shared" or cfg.backend.trainer != "torch":
+    if cfg.backend.colocate_form != "shared" or cfg.backend.trainer not in ("torch", "fsdp"):
         return None
     if frac is None:
         return Problem(

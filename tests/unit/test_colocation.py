@@ -103,7 +103,7 @@ GPU = ["backend.colocate=true"]  # configs/vllm_gpu.yaml: vLLM on CUDA, the torc
         ([*GPU], r"set train.gpu_memory_fraction .* e.g. train.gpu_memory_fraction=0.45"),
         ([*GPU, "vllm.gpu_memory_utilization=0.99"], r"leaves the trainer none"),
         (["train.offload=optimizer"], r"without backend.colocate=true and backend.colocate_form=turns"),
-        (["train.gpu_memory_fraction=0.3"], r"limits the torch trainer on CUDA"),
+        (["train.gpu_memory_fraction=0.3"], r"limits the torch or fsdp trainer on CUDA"),
         (["backend.colocate=true", "backend.colocate_form=turns", "pool.enabled=true"], r"turns in a pool"),
     ],
 )

@@ -92,3 +92,16 @@ def test_a_resume_keeps_the_horizon_of_a_decaying_schedule_but_may_change_the_mi
     assert incompatible_keys(saved, cut) == []
     constant = config_fingerprint(load_config(None, ["run.max_steps=50"]))
     assert incompatible_keys(constant, load_config(None, ["run.max_steps=80"])) == []  # no horizon to keep
+
+
+def test_a_resume_may_change_the_trainer_ranks_but_not_megatrons():
+    """The torch trainer's state is whole on every rank and the fsdp trainer's checkpoint reshards,
+    so their resume may run on another number of ranks; Megatron's per-rank shards are its layout's."""
+    for trainer in ("torch", "fsdp"):
+        saved = config_fingerprint(load_config(None, [f"backend.trainer={trainer}", "backend.num_trainer_ranks=2"]))
+        fewer = load_config(None, [f"backend.trainer={trainer}", "backend.num_trainer_ranks=1"])
+        assert incompatible_keys(saved, fewer) == []
+    mg = ["backend.trainer=megatron", "megatron.cpu_emulation=true"]
+    saved = config_fingerprint(load_config(None, [*mg, "backend.num_trainer_ranks=2", "megatron.data_parallel_size=2"]))
+    fewer = load_config(None, [*mg, "backend.num_trainer_ranks=1"])
+    assert "backend.num_trainer_ranks" in [k for k, _, _ in incompatible_keys(saved, fewer)]

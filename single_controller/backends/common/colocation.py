@@ -101,7 +101,7 @@ def generation_on_gpu(cfg: Config) -> bool:
 def training_on_gpu(cfg: Config) -> bool:
     if cfg.backend.trainer == "megatron":
         return not cfg.megatron.cpu_emulation
-    return cfg.backend.trainer == "torch" and cfg.backend.trainer_device == "cuda"
+    return cfg.backend.trainer in ("torch", "fsdp") and cfg.backend.trainer_device == "cuda"
 
 
 def colocated_on_gpu(cfg: Config) -> bool:

@@ -87,10 +87,11 @@ def _named(tensors: nn.Module | Mapping[str, torch.Tensor]) -> list[tuple[str, t
     return list(tensors.named_parameters() if isinstance(tensors, nn.Module) else tensors.items())
 
 
-def _group(
+def bucket_groups(
     named: Iterable[tuple[str, torch.Tensor]], itemsize: int, bucket_bytes: int
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors, grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    """Consecutive tensors, grouped into buckets of at most `bucket_bytes` at `itemsize` bytes an
+    element (a larger tensor alone); a sharded tensor counts its whole size (`numel()` of a DTensor)."""
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     filled = 0
     for name, t in named:
@@ -100,6 +101,50 @@ def _group(
         groups[-1].append((name, t))
         filled += t.numel()
     return groups
+
+
+class SnapshotBuilder:
+    """A snapshot packed one bucket at a time (`pack_weights` packs all; a sharded trainer gathers
+    and packs bucket by bucket, so no rank ever holds more than one bucket of the whole policy).
+    `dtype`: the buckets' torch dtype."""
+
+    def __init__(self, version: int, dtype: torch.dtype):
+        self.version, self.dtype = version, dtype
+        self.entries: list[WeightEntry] = []
+        self.bucket_numels: list[int] = []
+
+    def add(
+        self,
+        group: Sequence[tuple[str, torch.Tensor]],
+        prefix: str = "",
+        into: torch.Tensor | None = None,
+        whole: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> Any:
+        """Pack `group` (named tensors) as the next bucket, each tensor cast while it is copied into
+        its slice (no full-width copy first); returns the bucket (`to_bucket`). `into`: a flat tensor
+        no one reads any more, packed into when its size and dtype fit (new memory is slow to fault in).
+        `whole`: what is copied, `group`'s tensors whole and in order, taken one at a time (a sharded
+        policy's, gathered as they are asked for); default: `group`'s own."""
+        b, numel = len(self.bucket_numels), sum(t.numel() for _, t in group)
+        flat = into
+        if flat is None or (flat.numel(), flat.dtype, flat.device.type) != (numel, self.dtype, "cpu"):
+            flat = torch.empty(numel, dtype=self.dtype)
+        offset = 0
+        with torch.no_grad():
+            for (name, _), (_, t) in zip(group, group if whole is None else whole):
+                self.entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
+                flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+                offset += t.numel()
+        self.bucket_numels.append(numel)
+        return to_bucket(flat)
+
+    def manifest(self) -> WeightManifest:
+        return WeightManifest(
+            version=self.version,
+            dtype=str(self.dtype).removeprefix("torch."),
+            entries=tuple(self.entries),
+            bucket_numels=tuple(self.bucket_numels),
+        )
 
 
 def pack_weights(
@@ -117,28 +162,11 @@ def pack_weights(
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(f"tensors mix dtypes {sorted(map(str, dtypes))}; one dtype per snapshot")
-    out_dtype = dtype or named[0][1].dtype
-    entries, buckets = [], []
-    with torch.no_grad():
-        for b, group in enumerate(_group(named, out_dtype.itemsize, bucket_bytes)):
-            # One pass: each tensor is cast while it is copied into its slice (no full-width copy first).
-            numel = sum(t.numel() for _, t in group)
-            flat = into[b] if into is not None and b < len(into) else None
-            if flat is None or (flat.numel(), flat.dtype, flat.device.type) != (numel, out_dtype, "cpu"):
-                flat = torch.empty(numel, dtype=out_dtype)
-            offset = 0
-            for name, t in group:
-                entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
-                flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
-                offset += t.numel()
-            buckets.append(to_bucket(flat))
-    manifest = WeightManifest(
-        version=version,
-        dtype=str(out_dtype).removeprefix("torch."),
-        entries=tuple(entries),
-        bucket_numels=tuple(len(b) for b in buckets),
-    )
-    return WeightSnapshot(manifest, buckets)
+    builder = SnapshotBuilder(version, dtype or named[0][1].dtype)
+    buckets = []
+    for b, group in enumerate(bucket_groups(named, builder.dtype.itemsize, bucket_bytes)):
+        buckets.append(builder.add(group, prefix, into[b] if into is not None and b < len(into) else None))
+    return WeightSnapshot(builder.manifest(), buckets)
 
 
 async def resolve_snapshot(snapshot: WeightSnapshot) -> WeightSnapshot:

@@ -1,5 +1,4 @@
-"""The FSDP2 trainer core (issue #52, in progress: this core and its equivalence tests; the rank actor,
-`backend.trainer: fsdp`, bucketed weight export and resharding checkpoints come next).
+"""The FSDP2 trainer core (`backend.trainer: fsdp`; its rank actor: `ray_workers.FsdpRankActor`).
 
 `FsdpTrainerCore` is the torch trainer's split step (`backends/torch/trainer.py`: raw loss sums per
 microbatch, counts all-reduced once at finish, 1/N once, clip, one AdamW step) over a policy sharded
@@ -15,11 +14,19 @@ sharded; `finish` accumulates the unsharded gradients over the step and reduce-s
 same step: a sum is a sum. Every rank runs as many passes per microbatch as the rank with the most
 (`train.micro_batch_tokens`; the others pad with one token at zero weight): FSDP's collectives pair
 up by forward and backward. Whole rows only (no shared-prompt passes).
+
+Mixed precision (`model.dtype` bfloat16 or float16): FSDP all-gathers the parameters in that dtype and
+reduce-scatters gradients in float32 into float32 shards (the master weights and AdamW state stay
+float32). The KL reference, when there is one, is sharded the same way. `gathered` yields the whole
+tensors one at a time (every rank takes part: an all-gather each), so a weight export or a saved
+policy never needs the whole model on one rank; `distributed_state` / `load_distributed_state` are
+what a torch distributed checkpoint saves and loads, on any number of ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,8 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from single_controller.algorithm.logprobs import token_logprobs
+from single_controller.backends.common.offload import optimizer_tensors
 from single_controller.backends.common.split_step import token_passes
 from single_controller.backends.torch.trainer import TrainerCore
+from single_controller.types import OffloadRecord
 
 Reduce = Literal["microbatch", "finish"]
 
@@ -41,18 +50,23 @@ def repeated_blocks(module: nn.Module) -> nn.ModuleList:
     return max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
 
 
-def shard_policy(policy: nn.Module, process_group: dist.ProcessGroup, device: str = "cpu") -> list[Any]:
+def shard_policy(
+    policy: nn.Module, process_group: dist.ProcessGroup, device: str = "cpu", compute_dtype: torch.dtype | None = None
+) -> list[Any]:
     """`fully_shard` each repeated block and then the root, in place; gradients reduce as raw sums.
-    Returns the FSDP modules, blocks first."""
+    `compute_dtype`: all-gather parameters in it, reduce gradients in float32 (None: the parameters'
+    dtype throughout). Returns the FSDP modules, blocks first."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ranks = dist.get_process_group_ranks(process_group)
     mesh = DeviceMesh.from_group(process_group, device, mesh=torch.tensor(ranks))
-    units = [fully_shard(block, mesh=mesh) for block in repeated_blocks(policy)]
-    units.append(fully_shard(policy, mesh=mesh))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+    units = [fully_shard(block, mesh=mesh, mp_policy=mp) for block in repeated_blocks(policy)]
+    units.append(fully_shard(policy, mesh=mesh, mp_policy=mp))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)  # raw sums: the step's 1/N is applied once, at finish
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM, even by 1)
     return units
 
 
@@ -66,20 +80,68 @@ class FsdpTrainerCore(TrainerCore):
         *,
         process_group: dist.ProcessGroup,
         reduce: Reduce = "microbatch",
+        device: str = "cpu",
         **kwargs: Any,
     ):
         # Whole rows: the shared-prompt path runs the model's parts one by one, outside the root unit's
         # forward, where FSDP gathers the root's parameters (the embeddings).
         cfg = dataclasses.replace(cfg, share_prompt_prefix=False)
         self.reduce: Reduce = reduce
+        self.device = device
         self._units: list[Any] = []
         super().__init__(policy, cfg, process_group=process_group, **kwargs)
 
     def _wrap(self, policy: nn.Module, process_group: dist.ProcessGroup | None) -> nn.Module:
         assert process_group is not None  # a sharded trainer has its ranks
-        self._units = shard_policy(policy, process_group)
+        self._units = shard_policy(policy, process_group, self.device, self.compute_dtype)
         self._units[-1].set_requires_gradient_sync(self.reduce == "microbatch")  # recurses into the blocks
+        if self.reference is not None:  # forward only: sharded like the policy, never a whole copy per rank
+            shard_policy(self.reference, process_group, self.device, self.compute_dtype)
         return policy
+
+    def offload(self, what: str) -> OffloadRecord:
+        """As the torch trainer's, for this rank's shards (each DTensor's local tensor)."""
+        self.steps.require_closed(f"offload({what})")
+        if what not in ("optimizer", "all"):
+            raise ValueError(f"offload: what must be 'optimizer' or 'all', got {what!r}")
+        self.optimizer.zero_grad(set_to_none=True)
+        tensors = optimizer_tensors(self.optimizer)
+        if what == "all":
+            modules = [m for m in (self.policy, self.reference) if m is not None]
+            tensors += [t for m in modules for t in (*m.parameters(), *m.buffers())]
+        return self.host.offload([local(t) for t in tensors])
+
+    def gathered(
+        self, named: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each of `named` whole, in `dtype` (cast on the shard, before the all-gather), one at a time:
+        a tensor is gathered when the previous one is let go. Every rank iterates (collectives)."""
+        self.steps.require_closed("gathered weights")
+        self.ensure_on_device()
+        for name, t in named:
+            with torch.no_grad():  # never around the yield: a generator left unfinished would keep it on
+                t = t.detach() if dtype is None else t.detach().to(dtype)
+                whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+            yield name, whole
+
+    def distributed_state(self) -> dict[str, Any]:
+        """This rank's shards of the policy and the AdamW state, as a torch distributed checkpoint
+        saves them (`torch.distributed.checkpoint.save`; loadable on any number of ranks)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.steps.require_closed("distributed_state")
+        self.ensure_on_device()
+        model, optim = get_state_dict(self.policy, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_distributed_state(self, state: Mapping[str, Any], next_step: int, steps_done: int) -> None:
+        """What `distributed_state` saved (loaded into its layout, `torch.distributed.checkpoint.load`)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        self.steps.require_closed("load_distributed_state", loading=True)
+        self.ensure_on_device()
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.steps.loaded(next_step, steps_done)
 
     def _reduced_grads(self) -> list[torch.Tensor]:
         """Each parameter's shard of the gradient summed over the ranks (reduce-scattered after each
@@ -137,3 +199,8 @@ class FsdpTrainerCore(TrainerCore):
             group.reduce_grads = False
         root = self._units[-1]._get_fsdp_state()
         root._root_post_backward_final_callback()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

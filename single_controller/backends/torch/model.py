@@ -268,12 +268,30 @@ def save_tinygpt(model: TinyGPT, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE))
+    write_tinygpt_config(model, directory)
+    return directory
+
+
+def write_tinygpt_config(model: TinyGPT, directory: str | Path) -> None:
+    """`config.json` of a saved TinyGPT: its ModelConfig fields and vocab_size."""
     meta = {"architecture": "TinyGPT", "vocab_size": model.vocab_size, **dataclasses.asdict(model.cfg)}
     meta["checkpoint"] = None
     for k in ("path", "create", "arch"):
         meta.pop(k, None)
-    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return directory
+    Path(directory, CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors file(s): `model.safetensors`, or the files
+    `model.safetensors.index.json` names."""
+    directory = Path(directory)
+    index = directory / f"{WEIGHTS_FILE}.index.json"
+    if not index.is_file():
+        return load_file(str(directory / WEIGHTS_FILE))
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        state.update(load_file(str(directory / name)))
+    return state
 
 
 def load_tinygpt(directory: str | Path) -> TinyGPT:
@@ -286,7 +304,7 @@ def load_tinygpt(directory: str | Path) -> TinyGPT:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in meta.items() if k in fields and k != "checkpoint"})
     model = TinyGPT(cfg, vocab_size, seed=None)
-    state = load_file(str(directory / WEIGHTS_FILE))
+    state = read_weights(directory)
     dtype = next(iter(state.values())).dtype
     model.to(dtype).load_state_dict(state, strict=True)
     return model

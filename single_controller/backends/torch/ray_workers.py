@@ -79,9 +79,26 @@ async def start_torch_trainer(
 ) -> RankTrainerGroup:
     """Start `backend.num_trainer_ranks` trainer ranks where `backend.trainer_placement` puts them,
     join their gloo group at rank 0's address and build the policy (the `registry` starter contract)."""
+    return await start_trainer_ranks(
+        cfg, storage_factory, TrainerRankActor, storage_ready=storage_ready, options=options, dtype=dtype
+    )
+
+
+async def start_trainer_ranks(
+    cfg: Config,
+    storage_factory: Callable[[], Any],
+    actor_cls: type,
+    *,
+    storage_ready: Awaitable[Any] | None = None,
+    options: dict | None = None,
+    dtype: str = "float32",
+    group_options: dict | None = None,
+) -> RankTrainerGroup:
+    """`start_torch_trainer` with rank actors of `actor_cls` (a `TrainerRankActor`); `group_options`:
+    what `RankTrainerGroup` takes besides the ranks and their placement."""
     world = cfg.backend.num_trainer_ranks
     # ray.remote's typed overloads omit the concurrency_groups option (it is accepted at run time)
-    rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(TrainerRankActor)  # type: ignore[call-overload]
+    rank_cls = ray.remote(concurrency_groups=RANK_CONCURRENCY)(actor_cls)  # type: ignore[call-overload]
     cuda = cfg.backend.trainer_device == "cuda"
     share = gpu_shares(cfg)[1]  # a GPU per rank, or colocated with the engine on one GPU the share left to it
     res = {"num_cpus": 0, "num_gpus": share} if cuda else {"num_cpus": 0}
@@ -94,7 +111,7 @@ async def start_torch_trainer(
         )
         for r in range(world)
     ]
-    group = RankTrainerGroup(ranks, placement=placement)
+    group = RankTrainerGroup(ranks, placement=placement, **(group_options or {}))
     try:
         # The group and the policy (torch, the optimizer's first use of Dynamo: seconds of CPU) are
         # built while the storage service is still starting; only the storage client waits for it.
@@ -155,5 +172,6 @@ __all__ = [
     "create_cpu_workers",
     "start_torch_generation",
     "start_torch_trainer",
+    "start_trainer_ranks",
     "shutdown_cpu_workers",
 ]

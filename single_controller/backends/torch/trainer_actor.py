@@ -36,6 +36,8 @@ class TrainerRankActor(RankStepCalls, WeightSender):
     """One trainer rank (run with `ray.remote(TrainerRankActor)`; its methods are synchronous and run
     one at a time in the actor's process)."""
 
+    ALWAYS_GROUPED = False  # a process group even for one rank (a sharded trainer's mesh needs one)
+
     def __init__(
         self, rank: int, world_size: int, cfg: Config, storage_factory: Callable[[], Any], dtype: str = "float32"
     ):
@@ -60,38 +62,53 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         return node_info()
 
     def setup(self, master_addr: str | None, master_port: int | None, timeout_s: float) -> int:
-        """Join the gloo group at rank 0's address (all ranks call this concurrently) and build the
+        """Join the rank group at rank 0's address (all ranks call this concurrently) and build the
         policy and optimizer; returns the parameter count. Needs no storage: it runs while the storage
         service is still starting (`connect_storage` follows once it is up)."""
-        pg = None
-        if self.world_size > 1:
-            assert master_addr is not None and master_port is not None  # rank 0's address, for a group
-            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
-            dist.init_process_group(
-                "gloo",
-                store=store,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
-            pg = dist.group.WORLD
-        device = torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+        pg = self._join(master_addr, master_port, timeout_s) if self.world_size > 1 or self.ALWAYS_GROUPED else None
+        device = self.device()
         if device.type == "cuda" and self.cfg.train.gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self.cfg.train.gpu_memory_fraction)
         policy = build_policy(self.cfg.model, load_tokenizer(self.cfg.model.path).vocab_size, seed=self.cfg.seed).to(
             device=device, dtype=self.dtype
         )
-        self.core = TrainerCore(
-            policy,
-            self.cfg.train,
+        self.core = self._build_core(policy, pg)
+        return sum(p.numel() for p in policy.parameters())
+
+    def device(self) -> torch.device:
+        return torch.device("cuda" if self.cfg.backend.trainer_device == "cuda" else "cpu")
+
+    def _join(
+        self, master_addr: str | None, master_port: int | None, timeout_s: float, backend: str = "gloo"
+    ) -> dist.ProcessGroup:
+        """The default group of every rank, met at rank 0's TCPStore (one rank: a store of its own)."""
+        if self.world_size == 1:
+            store: Any = dist.HashStore()
+        else:
+            assert master_addr is not None and master_port is not None  # rank 0's address, for a group
+            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        assert dist.group.WORLD is not None  # initialized just now
+        return dist.group.WORLD
+
+    def _core_options(self) -> dict[str, Any]:
+        """What every trainer core of a rank is built with, besides the policy and its group."""
+        return dict(
             temperature=self.cfg.rollout.temperature,
-            process_group=pg,
             bucket_bytes=int(self.cfg.sync.weight_bucket_mb * 2**20),
             max_steps=self.cfg.run.max_steps,
             # model.dtype float32: compute in the parameters' own dtype (float64 in equivalence tests)
             compute_dtype=None if self.cfg.model.dtype == "float32" else getattr(torch, self.cfg.model.dtype),
         )
-        return sum(p.numel() for p in policy.parameters())
+
+    def _build_core(self, policy: torch.nn.Module, pg: dist.ProcessGroup | None) -> TrainerCore:
+        return TrainerCore(policy, self.cfg.train, process_group=pg, **self._core_options())
 
     def connect_storage(self) -> None:
         """Build this rank's storage client now (not on its first read): a storage that is not up
