@@ -119,22 +119,34 @@ class SnapshotBuilder:
         prefix: str = "",
         into: torch.Tensor | None = None,
         whole: Iterable[tuple[str, torch.Tensor]] | None = None,
+        fresh: bool = False,
     ) -> Any:
         """Pack `group` (named tensors) as the next bucket, each tensor cast while it is copied into
         its slice (no full-width copy first); returns the bucket (`to_bucket`). `into`: a flat tensor
         no one reads any more, packed into when its size and dtype fit (new memory is slow to fault in).
         `whole`: what is copied, `group`'s tensors whole and in order, taken one at a time (a sharded
-        policy's, gathered as they are asked for); default: `group`'s own."""
+        policy's, gathered as they are asked for); default: `group`'s own. `fresh`: those are copies no
+        one else holds, so a tensor alone in its bucket, already of its dtype on the host, is the bucket."""
         b, numel = len(self.bucket_numels), sum(t.numel() for _, t in group)
+        source = iter(group if whole is None else whole)
+        if fresh and len(group) == 1 and into is None:
+            t = next(source)[1]
+            if (t.dtype, t.device.type) == (self.dtype, "cpu") and t.is_contiguous():
+                self.entries.append(WeightEntry(prefix + group[0][0], tuple(t.shape), b, 0, t.numel()))
+                self.bucket_numels.append(numel)
+                return to_bucket(t.detach().reshape(-1))
+            source = iter([(group[0][0], t)])
         flat = into
         if flat is None or (flat.numel(), flat.dtype, flat.device.type) != (numel, self.dtype, "cpu"):
             flat = torch.empty(numel, dtype=self.dtype)
         offset = 0
         with torch.no_grad():
-            for (name, _), (_, t) in zip(group, group if whole is None else whole):
+            for name, _ in group:
+                t = next(source)[1]  # not zip: it would hold the previous tensor while the next is made
                 self.entries.append(WeightEntry(prefix + name, tuple(t.shape), b, offset, t.numel()))
                 flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
                 offset += t.numel()
+                del t
         self.bucket_numels.append(numel)
         return to_bucket(flat)
 

@@ -113,3 +113,40 @@ def write_safetensors(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return names
+
+
+def save_policy_dir(
+    core: Any, directory: str | Path, *, shard_bytes: int, source: str | None, write: bool
+) -> str | None:
+    """Every rank: `core`'s (an `FsdpTrainerCore`) policy as a model directory loadable by
+    `transformers` and vLLM: an HF model's config and the tokenizer files of `source` (its model
+    directory), or a TinyGPT's own config; weights as safetensors (`write_safetensors`). The rank with
+    `write` writes it and returns its path, the others None."""
+    from single_controller.backends.torch.model import HFCausalLMPolicy, TinyGPT, state_module, write_tinygpt_config
+    from single_controller.data.hf_model import copy_tokenizer_files
+
+    named = state_tensors(state_module(core.policy))
+    itemsize = named[0][1].element_size()
+    write_safetensors(named, core.gathered(named), directory, shard_bytes=shard_bytes, itemsize=itemsize, write=write)
+    if not write:
+        return None
+    if isinstance(core.policy, HFCausalLMPolicy):
+        core.policy.model.config.save_pretrained(str(directory))
+        assert source is not None  # an HF policy is built from its model directory
+        copy_tokenizer_files(source, directory)
+    else:
+        assert isinstance(core.policy, TinyGPT)  # `build_policy`'s other kind
+        write_tinygpt_config(core.policy, directory)
+    return str(Path(directory))
+
+
+def state_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's saved tensors (parameters and persistent buffers), a tied one once, under its
+    first name (as `save_pretrained` writes them)."""
+    seen: set[int] = set()
+    out = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out

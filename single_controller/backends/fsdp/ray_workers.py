@@ -13,8 +13,7 @@ the survivors' collectives fail within `timeouts.setup_s` (the group's timeout) 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -22,14 +21,13 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.common.weight_broadcast import StagedWeights
-from single_controller.backends.common.weights import SnapshotBuilder, WeightSnapshot, bucket_groups
-from single_controller.backends.fsdp.checkpoint import load_distributed, save_distributed, write_safetensors
+from single_controller.backends.common.weights import WeightSnapshot
+from single_controller.backends.fsdp.checkpoint import load_distributed, save_distributed, save_policy_dir
 from single_controller.backends.fsdp.trainer import FsdpTrainerCore
-from single_controller.backends.torch.model import HFCausalLMPolicy, TinyGPT, state_module, write_tinygpt_config
+from single_controller.backends.torch.model import state_module
 from single_controller.backends.torch.ray_workers import start_trainer_ranks
 from single_controller.backends.torch.trainer_actor import TrainerRankActor
 from single_controller.config.schema import Config
-from single_controller.data.hf_model import copy_tokenizer_files
 from single_controller.protocols import TrainStepStateError
 
 
@@ -72,24 +70,12 @@ class FsdpRankActor(TrainerRankActor):
         core, transport = self._fsdp(), self.cfg.sync.transport
         lead = self.rank == 0
         spare = self.make_room() if lead and transport == "collective" else None
-        named = list(state_module(core.policy).named_parameters())
-        dtype = core.compute_dtype or named[0][1].dtype
-        builder = SnapshotBuilder(version, dtype)
-        buckets: list[Any] = []
         with self.turns.hold():
-            tensors = core.gathered(named, dtype)
-            for b, group in enumerate(bucket_groups(named, dtype.itemsize, core.bucket_bytes)):
-                whole = _take(tensors, len(group))
-                if not lead:
-                    for _ in whole:
-                        pass  # the all-gathers only
-                    continue
-                into = spare[b] if spare is not None and b < len(spare) else None
-                bucket = builder.add(group, into=into, whole=whole)
-                buckets.append(bucket if transport == "collective" else ray.put(bucket))
-        if not lead:
+            snap = core.publish_buckets(
+                version, lead=lead, put=ray.put if transport != "collective" else _kept, into=spare
+            )
+        if snap is None:
             return None
-        snap = WeightSnapshot(builder.manifest(), buckets)
         if transport == "collective":
             return self.stage_weights(snap, ray.get_runtime_context().current_actor)
         return snap
@@ -101,27 +87,10 @@ class FsdpRankActor(TrainerRankActor):
         core = self._fsdp()
         if core.steps.is_open:
             raise TrainStepStateError("save_checkpoint while a train step is open")
-        module = state_module(core.policy)
-        named = _state_tensors(module)
-        itemsize = named[0][1].element_size()
-        write_safetensors(
-            named,
-            core.gathered(named),
-            directory,
-            shard_bytes=self.cfg.fsdp.safetensors_shard_mb * 2**20,
-            itemsize=itemsize,
-            write=self.rank == 0,
+        shard_bytes = self.cfg.fsdp.safetensors_shard_mb * 2**20
+        return save_policy_dir(
+            core, directory, shard_bytes=shard_bytes, source=self.cfg.model.path, write=self.rank == 0
         )
-        if self.rank != 0:
-            return None
-        if isinstance(core.policy, HFCausalLMPolicy):
-            core.policy.model.config.save_pretrained(directory)
-            assert self.cfg.model.path is not None  # an HF policy is the model directory `model.path`
-            copy_tokenizer_files(self.cfg.model.path, directory)
-        else:
-            assert isinstance(core.policy, TinyGPT)  # `build_policy`'s other kind
-            write_tinygpt_config(core.policy, directory)
-        return str(Path(directory))
 
     def save_state(self, directory: str) -> None:
         """Every rank: its shards (a torch distributed checkpoint, reshardable) and RNG state; and the
@@ -150,22 +119,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return full() if full is not None else t
 
 
-def _take(it: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The next `n` items of `it`, lazily (each gathered when the previous one is let go)."""
-    for _ in range(n):
-        yield next(it)
-
-
-def _state_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The module's saved tensors (parameters and persistent buffers), a tied one once, under its
-    first name (as `save_pretrained` writes them)."""
-    seen: set[int] = set()
-    out = []
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((name, t))
-    return out
+def _kept(bucket: Any) -> Any:
+    return bucket  # staged in this process for a collective broadcast
 
 
 async def start_fsdp_trainer(

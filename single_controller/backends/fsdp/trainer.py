@@ -26,7 +26,7 @@ what a torch distributed checkpoint saves and loads, on any number of ranks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,6 +36,8 @@ from torch import nn
 from single_controller.algorithm.logprobs import token_logprobs
 from single_controller.backends.common.offload import optimizer_tensors
 from single_controller.backends.common.split_step import token_passes
+from single_controller.backends.common.weights import SnapshotBuilder, WeightSnapshot, bucket_groups
+from single_controller.backends.torch.model import state_module
 from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.types import OffloadRecord
 
@@ -123,6 +125,35 @@ class FsdpTrainerCore(TrainerCore):
                 t = t.detach() if dtype is None else t.detach().to(dtype)
                 whole = t.full_tensor() if hasattr(t, "full_tensor") else t
             yield name, whole
+            del whole  # before the next all-gather: one whole tensor at a time
+
+    def publish_buckets(
+        self,
+        version: int,
+        *,
+        lead: bool,
+        put: Callable[[Any], Any] = lambda bucket: bucket,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> WeightSnapshot | None:
+        """Every rank: the policy's parameters gathered a tensor at a time, in the compute dtype. The
+        `lead` rank packs them a bucket at a time (`bucket_bytes`) and hands each bucket to `put` (e.g.
+        `ray.put`; what it returns is what the snapshot holds) before packing the next, so no rank holds
+        more than one bucket and one gathered tensor of the whole policy. `into`: spare buckets to pack
+        into. The lead returns the snapshot, the others None."""
+        named = list(state_module(self.policy).named_parameters())
+        dtype = self.compute_dtype or named[0][1].dtype
+        builder = SnapshotBuilder(version, dtype)
+        buckets: list[Any] = []
+        tensors = self.gathered(named, dtype)
+        for b, group in enumerate(bucket_groups(named, dtype.itemsize, self.bucket_bytes)):
+            whole = (next(tensors) for _ in group)  # lazily: each gathered when the previous one is let go
+            if not lead:
+                for _ in whole:
+                    pass  # the all-gathers only
+                continue
+            spare = into[b] if into is not None and b < len(into) else None
+            buckets.append(put(builder.add(group, into=spare, whole=whole, fresh=True)))
+        return WeightSnapshot(builder.manifest(), buckets) if lead else None
 
     def distributed_state(self) -> dict[str, Any]:
         """This rank's shards of the policy and the AdamW state, as a torch distributed checkpoint
