@@ -42,9 +42,7 @@ SAVES = {"first": "ckpt2", "ckpt2": "ckpt1", "ckpt1": "ckpt2-again"}  # each pha
 
 def _core(path: str) -> FsdpTrainerCore:
     policy = load_hf_policy(path, dtype=torch.float64)
-    return FsdpTrainerCore(
-        policy, CFG, process_group=dist.group.WORLD, max_steps=MAX_STEPS, bucket_bytes=BUCKET_BYTES
-    )
+    return FsdpTrainerCore(policy, CFG, process_group=dist.group.WORLD, max_steps=MAX_STEPS, bucket_bytes=BUCKET_BYTES)
 
 
 def _step(core: FsdpTrainerCore, step: int, world: int, rank: int) -> float:

@@ -68,6 +68,12 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 ON_PURPOSE: tuple[type[Exception], ...] = (TrainerStateLost, TrainStepStateError)
 
 
+# How long a rank's failure waits for the other ranks' answers to say whether one of them died: a
+# surviving rank's collective fails at once (its peer's connection is reset) while Ray may take a moment
+# to report the death; the failure is then the dead rank's.
+PEER_DEATH_GRACE_S = 10.0
+
+
 async def rank_call(what: str, refs: list) -> list:
     results = []
     for rank, ref in enumerate(refs):
@@ -75,14 +81,54 @@ async def rank_call(what: str, refs: list) -> list:
             results.append(await ref)
         except ray.exceptions.ActorDiedError as e:
             raise TrainerRankDied(f"trainer rank {rank} died during {what}: {first_line(e)}") from e
-        except RETRYABLE as e:
-            raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}") from e
-        except ray.exceptions.RayTaskError as e:
-            cause = _cause(e)
-            if isinstance(cause, ON_PURPOSE):
-                raise type(cause)(f"trainer rank {rank}: {cause}") from e
-            raise
+        except Exception as e:
+            dead = await _dead_peer(refs, rank)
+            if dead is not None:
+                raise TrainerRankDied(
+                    f"trainer rank {dead[0]} died during {what}: {first_line(dead[1])} "
+                    f"(rank {rank} failed with it: {first_line(_cause(e))})"
+                ) from e
+            _raise_as_its_kind(what, rank, e)
     return results
+
+
+async def _dead_peer(refs: list, failed: int) -> tuple[int, BaseException] | None:
+    """(rank, its death) of a rank among `refs` (but `failed`) that died, as far as their answers tell
+    within `PEER_DEATH_GRACE_S`; None: none did."""
+    tasks = {asyncio.ensure_future(_answer(ref)): r for r, ref in enumerate(refs) if r != failed}
+    pending = set(tasks)
+    deadline = asyncio.get_running_loop().time() + PEER_DEATH_GRACE_S
+    try:
+        while pending:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                e = t.exception()
+                if isinstance(e, ray.exceptions.ActorDiedError):
+                    return tasks[t], e
+        return None
+    finally:
+        for t in pending:
+            t.cancel()
+
+
+async def _answer(ref: Any) -> Any:
+    return await ref
+
+
+def _raise_as_its_kind(what: str, rank: int, e: Exception) -> None:
+    """A rank's failure (no rank died) as what it is: retryable, on purpose, or a bug."""
+    try:
+        raise e
+    except RETRYABLE as e:
+        raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}") from e
+    except ray.exceptions.RayTaskError as e:
+        cause = _cause(e)
+        if isinstance(cause, ON_PURPOSE):
+            raise type(cause)(f"trainer rank {rank}: {cause}") from e
+        raise
 
 
 def _cause(e: BaseException) -> BaseException:
