@@ -16,7 +16,7 @@
 #      GPU in both forms (shared, turns) and TRL's colocated GRPOTrainer, same model and settings:
 #      steps/s, the step's split, tokens/s per phase, MFU, peak memory, mismatch KL, the two ratios
 # Environment: OUT (default runs/gpu_checklist), STEPS (default 20, step 4's run.max_steps), STEPS_ONE
-# (step 5's --steps, default 6), ONLY (step 5's contenders, default all four), TESTS=0 (skip step 1).
+# (step 5's --steps, default 6), ONLY (step 5's contenders, default all five), TESTS=0 (skip step 1).
 # On a machine with no network the packages travel first: deploy/gpu_carry.sh (docs/gpu.md).
 set -uo pipefail
 

@@ -1,5 +1,5 @@
 """`sc-grpo bench one-gpu`: one GPU, the same model, prompts, reward and settings
-(`configs/one_gpu.yaml`), four contenders one after the other, each in its own process:
+(`configs/one_gpu.yaml`), five contenders one after the other, each in its own process:
 
 - `engine`: vLLM alone, its offline `LLM.generate` on the step's batch (the config's prompts through
   its chat template, G completions each, its sampling settings and engine arguments): the ceiling
@@ -7,7 +7,9 @@
 - `shared` and `turns`: `sc-grpo run` in both colocated forms;
 - `trl`: TRL's `GRPOTrainer` with `use_vllm=True, vllm_mode="colocate"` (the `bench` extra), the
   same model directory, prompts, reward functions and weights, G, batch, completion length, learning
-  rate, clip range and precision, for the same number of steps.
+  rate, clip range and precision, for the same number of steps;
+- `fsdp`: `sc-grpo run` shared with `backend.trainer=fsdp` (the FSDP2 trainer, one rank), its step
+  time and peak memory beside the torch trainer's.
 
 Reported (markdown, to `--out`/one_gpu.md and stdout): per contender steps/s and the step split
 (generation / training / weight update / sleep and wake), generation and training tokens/s, the
@@ -32,11 +34,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CONTENDERS = ("engine", "shared", "turns", "trl")
+CONTENDERS = ("engine", "shared", "turns", "trl", "fsdp")
 FORMS = {
     "shared": ["backend.colocate_form=shared"],
     "turns": ["backend.colocate_form=turns", "train.offload=optimizer"],
+    # the FSDP2 trainer (one rank: nothing to shard, its step and memory beside the torch trainer's)
+    "fsdp": ["backend.colocate_form=shared", "backend.trainer=fsdp"],
 }
+TORCH_FORMS = ("shared", "turns")  # the forms the ratios compare (the torch trainer's)
 # The dry run's CPU-sized twin of configs/one_gpu.yaml: same arch, options and data, small numbers.
 DRY_RUN = [
     "vllm.device=cpu",
@@ -437,7 +442,7 @@ def report(results: dict[str, dict[str, Any]], cfg: Any, gpu: str | None, dry_ru
 
 def ratios(results: dict[str, dict[str, Any]]) -> list[str]:
     ok = {k: v for k, v in results.items() if "failed" not in v}
-    forms = [f for f in FORMS if f in ok]
+    forms = [f for f in TORCH_FORMS if f in ok]
     out = []
     if forms and "trl" in ok:
         best = min(forms, key=lambda f: ok[f]["step_s"])
@@ -447,6 +452,9 @@ def ratios(results: dict[str, dict[str, Any]]) -> list[str]:
         if "engine" in ok:
             gen = ok[f]["gen_tokens_per_s"] / ok["engine"]["gen_tokens_per_s"]
             out.append(f"- generation phase, sc-grpo {f} over vLLM alone: **{gen:.2f}** (target >= 0.8)")
+    if "fsdp" in ok and "shared" in ok:
+        train = ok["fsdp"]["train_s"] / ok["shared"]["train_s"]
+        out.append(f"- the fsdp trainer's step over the torch trainer's (both shared): **{train:.2f}x** the time")
     return out
 
 

@@ -62,6 +62,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "single_controller.bench.one_gpu:main",
         "one GPU: vLLM alone, sc-grpo colocated (shared, turns) and TRL's colocated GRPOTrainer, same model and data",
     ),
+    "fsdp-memory": (
+        "single_controller.bench.fsdp_memory:main",
+        "the FSDP2 trainer's memory per rank for one model on 1, 2 and 4 ranks, beside 1/N of one rank's",
+    ),
     "pool": (
         "single_controller.bench.pool:main",
         "two runs sharing 4 slots (gap-ratio pool) against the static splits by run and by role (sim workers)",

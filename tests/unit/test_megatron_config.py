@@ -233,3 +233,23 @@ def test_qwen_specs_read_their_attention_extras_and_refuse_what_they_do_not_buil
         ModelSpec.from_hf_config({**base, "model_type": "qwen2", "use_sliding_window": True})
     with pytest.raises(UnsupportedModel, match="attention_bias/mlp_bias are set"):
         ModelSpec.from_hf_config({**base, "model_type": "llama", "attention_bias": True})
+
+
+def test_a_llama3_rope_directory_is_refused_by_name_and_pointed_to_fsdp():
+    """Llama 3.1/3.2's RoPE scaling: Megatron's spec builds only the default RoPE; the refusal names it
+    and the trainer that takes it."""
+    from single_controller.backends.megatron.model import ModelSpec, UnsupportedModel
+
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "vocab_size": 19,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+    }
+    with pytest.raises(UnsupportedModel, match=r"rope type is 'llama3' \(only 'default'\)\. backend.trainer=fsdp"):
+        ModelSpec.from_hf_config(cfg)
+    with pytest.raises(UnsupportedModel, match=r"model_type is 'mistral'.*backend.trainer=fsdp"):
+        ModelSpec.from_hf_config({**cfg, "model_type": "mistral"})

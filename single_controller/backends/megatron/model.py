@@ -41,9 +41,13 @@ _GPT2_ACTIVATIONS = {
 }
 
 
+# What every refusal points to: the trainer that builds any causal LM transformers loads.
+USE_FSDP = "backend.trainer=fsdp trains any Hugging Face causal LM transformers loads (docs/fsdp.md)"
+
+
 def _refuse(problems: list[str]) -> None:
     if problems:
-        raise UnsupportedModel("the Megatron backend cannot build this HF model: " + "; ".join(problems))
+        raise UnsupportedModel(f"the Megatron backend cannot build this HF model: {'; '.join(problems)}. {USE_FSDP}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class ModelSpec:
             return cls._gpt2(cfg)
         raise UnsupportedModel(
             f"the Megatron backend cannot build this HF model: model_type is {model_type!r} "
-            f"(supported: {', '.join(ARCHS)})"
+            f"(supported: {', '.join(ARCHS)}). {USE_FSDP}"
         )
 
     @classmethod
