@@ -23,18 +23,18 @@ async def _answers(value, after_s: float = 0.0):
     return value
 
 
-def test_a_survivors_collective_error_is_the_dead_peers_death():
+async def test_a_survivors_collective_error_is_the_dead_peers_death():
     reset = RuntimeError("gloo: Read error: Connection reset by peer")
     refs = [_fails(reset), _fails(ray.exceptions.ActorDiedError(), after_s=0.2)]  # Ray reports the death later
     with pytest.raises(TrainerRankDied, match=r"trainer rank 1 died during finish_train_step\(3\).*Connection reset"):
-        asyncio.run(rank_call("finish_train_step(3)", refs))
+        await rank_call("finish_train_step(3)", refs)
 
 
-def test_an_error_with_every_peer_alive_is_raised_as_it_is(monkeypatch):
+async def test_an_error_with_every_peer_alive_is_raised_as_it_is(monkeypatch):
     monkeypatch.setattr(rank_calls, "PEER_DEATH_GRACE_S", 0.3)
     bug = TypeError("a bug in the loss")
     with pytest.raises(TypeError, match="a bug in the loss"):
-        asyncio.run(rank_call("train_microbatch", [_fails(bug), _answers(1)]))
+        await rank_call("train_microbatch", [_fails(bug), _answers(1)])
     # a peer still busy past the grace: the error is raised after the grace, as it is
     with pytest.raises(TypeError, match="a bug in the loss"):
-        asyncio.run(rank_call("train_microbatch", [_fails(bug), _answers(1, after_s=5.0)]))
+        await rank_call("train_microbatch", [_fails(bug), _answers(1, after_s=5.0)])
