@@ -212,6 +212,34 @@ def join_store(master_addr: str, master_port: int, rank: int, world_size: int, t
     return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
 
 
+def join_group(
+    master_addr: str | None,
+    master_port: int | None,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    backend: str = "gloo",
+) -> None:
+    """Initialize this process's default group at rank 0's store (`join_store`; one rank alone: a
+    store of its own); its collectives fail after `timeout_s` instead of waiting for a peer forever.
+    NCCL: on the one GPU Ray gave this actor."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if world_size == 1:
+        store: Any = dist.HashStore()
+    else:
+        assert master_addr is not None and master_port is not None  # rank 0's address, for a group
+        store = join_store(str(master_addr), int(master_port), rank, world_size, timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
 def node_info() -> dict[str, str]:
     """Where the calling actor runs: {"node_id", "node_ip"}."""
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip()}

@@ -40,9 +40,7 @@ class FsdpRankActor(TrainerRankActor):
     def _join(
         self, master_addr: str | None, master_port: int | None, timeout_s: float, backend: str = "gloo"
     ) -> dist.ProcessGroup:
-        if self.device().type == "cuda":
-            torch.cuda.set_device(0)  # Ray gives each rank its own GPU
-            backend = "nccl"
+        backend = "nccl" if self.device().type == "cuda" else backend  # on the GPU Ray gave each rank
         return super()._join(master_addr, master_port, timeout_s, backend)
 
     def _build_core(self, policy: torch.nn.Module, pg: dist.ProcessGroup | None) -> FsdpTrainerCore:

@@ -11,7 +11,6 @@ rank 0, so they never pass through the controller; checkpoints are HF model dire
 from __future__ import annotations
 
 import asyncio
-import datetime
 import gc
 import json
 import os
@@ -33,7 +32,7 @@ from single_controller.backends.common.rank_calls import (
     RANK_CONCURRENCY,
     RankPlacement,
     RankStepCalls,
-    join_store,
+    join_group,
     node_address,
     node_info,
     place_ranks,
@@ -130,16 +129,7 @@ class MegatronRankActor(RankStepCalls, WeightSender):
             self.storage.connect()
         if dist.is_initialized():
             return
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray gives each rank actor one GPU
-        store = join_store(master_addr, int(master_port), self.rank, self.world_size, timeout_s)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        join_group(master_addr, master_port, self.rank, self.world_size, timeout_s, backend)
 
     def build(
         self,

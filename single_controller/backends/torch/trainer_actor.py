@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,7 +17,7 @@ import torch.distributed as dist
 from replay.fetch import RowPrefetcher, with_advantages
 from replay.storage import LazyRowStorage, column_nbytes
 from single_controller.backends.common.colocation import threads_per_process, turns_from_env
-from single_controller.backends.common.rank_calls import RankStepCalls, join_store, node_address, node_info
+from single_controller.backends.common.rank_calls import RankStepCalls, join_group, node_address, node_info
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
 from single_controller.backends.common.weights import WeightSnapshot
 from single_controller.backends.common.worker_logs import redirect_output
@@ -82,18 +81,7 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         self, master_addr: str | None, master_port: int | None, timeout_s: float, backend: str = "gloo"
     ) -> dist.ProcessGroup:
         """The default group of every rank, met at rank 0's TCPStore (one rank: a store of its own)."""
-        if self.world_size == 1:
-            store: Any = dist.HashStore()
-        else:
-            assert master_addr is not None and master_port is not None  # rank 0's address, for a group
-            store = join_store(str(master_addr), int(master_port), self.rank, self.world_size, timeout_s)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        join_group(master_addr, master_port, self.rank, self.world_size, timeout_s, backend)
         assert dist.group.WORLD is not None  # initialized just now
         return dist.group.WORLD
 
