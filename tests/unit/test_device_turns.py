@@ -65,26 +65,32 @@ async def test_turns_put_the_engine_to_sleep_for_each_step_and_wake_it_with_the_
     assert violations == []
     assert summary.steps == trainer.optimizer_steps == 6 and ctl.state.versions.served == 6
     rec = ctl.turns.record
-    # per step: sleep and onload before it begins, offload and wake once its weights are published
-    want = []
-    for s in range(6):
-        want += [("sleep", s), ("onload", s), ("offload", s + 1), ("wake", s + 1)]
-    assert list(rec.events) == want
-    assert (rec.to_train, rec.to_generate) == (6, 6)
-    moves = [("onload", 0)]
-    for v in range(1, 7):
-        moves += [("offload", v), ("onload", v)]
-    assert trainer.moves == moves[:-1]  # after the last step: offloaded, the workers awake
+    # Handovers: sleep and onload before a step begins, offload and wake once its weights are
+    # published. Usually one per step; a step whose groups were all ready as the previous one ended
+    # begins before the weights go out and keeps the device (more so on a loaded machine; the last
+    # test pins that case), so the handovers are counted, not assumed.
+    events = list(rec.events)
+    cycles = [events[i : i + 4] for i in range(0, len(events), 4)]
+    assert len(events) % 4 == 0 and len(cycles) >= 2, events
+    starts = [0]
+    for (sleep, onload, offload, wake), begin in zip(cycles, starts):
+        assert (sleep, onload) == (("sleep", begin), ("onload", begin)), events
+        assert offload[0] == "offload" and wake == ("wake", offload[1]) and offload[1] > begin, events
+        starts.append(offload[1])  # the next handover is before the step that version trains
+    assert starts[-1] == 6, events
+    n = len(cycles)
+    assert (rec.to_train, rec.to_generate) == (n, n)
+    assert trainer.moves == [e for e in events if e[0] in ("onload", "offload")]  # after the last: offloaded
     assert trainer.implicit_onloads == 0  # the turns brought the state back before every begin
-    assert [g.sleeps for g in gens] == [[1] * 6, [1] * 6]
+    assert [g.sleeps for g in gens] == [[1] * n, [1] * n]
     assert all(g.asleep is None for g in gens)  # awake at the end, with the last weights
     assert [g.version for g in gens] == [6, 6]
     await assert_clean_end(ctl, trainer, storage)  # every prompt trained exactly once
     bound = cfg.sampler.max_staleness_versions
     assert max(r["train/staleness_max"] for r in summary.history) <= bound
     last = summary.history[-1]  # written as the last step ends, before its weights go out
-    assert (last["turns/to_train"], last["turns/to_generate"]) == (6, 5)
-    assert (ctl.state.elastic.shrinks, ctl.state.elastic.expands) == (12, 12)
+    assert (last["turns/to_train"], last["turns/to_generate"]) == (n, n - 1)
+    assert (ctl.state.elastic.shrinks, ctl.state.elastic.expands) == (2 * n, 2 * n)
 
 
 async def test_turns_at_sleep_level_2_without_offload_never_moves_the_trainer():
