@@ -7,7 +7,9 @@ directory with `llama3` RoPE scaling, float64, gloo ranks in processes of their 
 * a weight export gathers one tensor at a time into one bucket at a time: measured, no rank ever holds
   more than one bucket and one gathered tensor of the policy, and the snapshot is the policy;
 * the saved policy, in several safetensors files with an index, loads in `transformers` and equals
-  the trainer's parameters.
+  the trainer's parameters;
+* `train.offload: all` moves each rank's shards (parameters and AdamW state) to host memory and back
+  bit-exact: the step after it is the step the other runs take without one.
 """
 
 import dataclasses
@@ -114,6 +116,7 @@ def _worker(rank: int, world: int, port: int, path: str, out: str, phase: str) -
             core, os.path.join(out, "policy"), shard_bytes=SHARD_BYTES, source=path, write=rank == 0
         )
         res["saved"] = _state(core)
+        res["offload"] = _offload_round_trip(core)
     else:  # load what the other world saved, save it again from here, then the step after
         res["next_step"] = fsdp_checkpoint.load_distributed(core, os.path.join(out, phase), rank)
         res["loaded"] = _state(core)
@@ -122,6 +125,20 @@ def _worker(rank: int, world: int, port: int, path: str, out: str, phase: str) -
     res["after"] = _state(core)
     torch.save(res, os.path.join(out, f"{phase}-{world}-rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _offload_round_trip(core: FsdpTrainerCore) -> tuple:
+    """`offload("all")` then `onload()`: (bytes moved, local shard bytes left on the device while
+    offloaded, whether the state came back bit-exact)."""
+    from single_controller.backends.fsdp.trainer import local
+
+    before = _state(core)
+    moved = core.offload("all").num_bytes
+    shards = [local(p) for p in core.params] + [local(t) for s in core.optimizer.state.values() for t in s.values()]
+    left = sum(t.untyped_storage().nbytes() for t in shards)
+    core.onload()
+    after = _state(core)
+    return moved, left, all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def _spawn(world: int, path: str, out: str, phase: str) -> dict:
@@ -185,3 +202,12 @@ def test_the_saved_policy_is_sharded_safetensors_with_an_index_that_transformers
     assert loaded.keys() == {k.removeprefix("model.") for k in first["saved"] if "/" not in k}
     for name, p in loaded.items():
         assert torch.equal(p, first["saved"][f"model.{name}"]), name
+
+
+def test_offload_moves_each_ranks_shards_out_and_back_bit_exact(runs):
+    """The step after the round trip is the resumed runs' step (the test above compares them)."""
+    _, _, first, _, _ = runs
+    moved, left, exact = first["offload"]
+    params = sum(v.numel() * v.element_size() for k, v in first["saved"].items() if "/" not in k)
+    assert left == 0 and exact, (left, exact)
+    assert moved >= 1.5 * params  # this rank's shards of the parameters and both AdamW moments (2 ranks: 1/2 each)
