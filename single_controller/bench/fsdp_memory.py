@@ -42,7 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hidden", type=int, default=640, help="hidden size of the Llama written (default: 54 M parameters)"
     )
     p.add_argument("--layers", type=int, default=11)
-    p.add_argument("--rows", type=int, default=16, help="rows of the global batch (split over the ranks)")
+    p.add_argument("--rows", type=int, default=64, help="rows of the global batch (split over the ranks)")
     p.add_argument("--row-tokens", type=int, default=96, help="prompt + response tokens a row")
     p.add_argument("--out", default="bench_out/fsdp_memory")
     return p.parse_args(argv)
