@@ -208,6 +208,18 @@ def test_cancel_aborts_in_the_engine_and_stores_nothing(env, loop):
     assert run(loop, actor.cancel(req.group_id)) is False  # already gone
 
 
+def test_a_cancel_that_runs_before_its_request_arrives_leaves_no_row_behind(env, loop):
+    """An async Ray actor does not start calls in the order they were sent: `cancel(g)` can run
+    before the `generate_many` carrying g, which is then refused when it arrives (`EarlyCancels`)."""
+    actor, trainer, storage, state = env
+    early, other = digit_requests("early", 2)
+    assert run(loop, actor.cancel(early.group_id)) is False  # not arrived yet
+    res_early, res_other = run(loop, actor.generate_many([early, other]))
+    assert isinstance(res_early, GenerationFailed) and "cancelled" in str(res_early)
+    assert res_other.group_id == other.group_id and res_other.version_end == state["version"]
+    assert storage.keys_of(early.group_id) == [] and len(storage.keys_of(other.group_id)) == 4
+
+
 def test_a_reward_that_raises_or_is_nan_fails_its_own_group_and_spares_its_batch_mates(env, loop, monkeypatch):
     actor, trainer, storage, state = env
     reqs = digit_requests("rwd", 4)

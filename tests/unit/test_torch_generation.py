@@ -378,3 +378,20 @@ async def test_actor_reports_the_groups_of_the_batch_being_sampled_with_how_long
     await asyncio.wait_for(asyncio.gather(first, queued), 10)
     assert await actor.running() == {}
     await actor.close()
+
+
+async def test_a_cancel_that_runs_before_its_request_arrives_leaves_no_row_behind():
+    """An async Ray actor does not start calls in the order they were sent: the controller's
+    `cancel(g)` (after a shrink aborted g) can run before the `generate_many` carrying g. The group
+    is then refused when it arrives, and no row of it is written after its keys were cleared (seen
+    once as 16 rows left in storage after a pool run)."""
+    storage = InMemoryRowStorage()
+    actor = make_actor(storage)
+    await actor.update_weights(handle(0, seed=0))
+    assert await actor.cancel("grp1") is False  # not arrived yet
+    results = await actor.generate_many([request(1), request(2)])
+    assert isinstance(results[0], GenerationFailed) and "cancelled" in str(results[0])
+    assert results[1].group_id == "grp2"
+    stats = storage.statistics()
+    assert (stats.puts, stats.resident_rows) == (1, len(request(2).row_keys))  # grp2's rows only
+    await actor.close()

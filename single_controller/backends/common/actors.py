@@ -3,15 +3,41 @@
 * `kill_all(handles)` stops actors for good: each closes (loops stopped, process groups left), then
   exits by itself (queued behind its close), and `ray.kill` is the backstop.
 * `first_line(error)` is the one line of a (possibly multi-line, Ray-wrapped) error that messages quote.
+* `EarlyCancels`: on the actor's side, the groups whose `cancel` ran before their request arrived.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+
+
+class EarlyCancels:
+    """Groups a generation actor was told to cancel before it ever saw their request: an async Ray
+    actor does not start calls in the order they were sent, so the controller's `cancel(g)` can run
+    before the `generate_many` carrying `g`. The group is refused when it arrives (`take`), so no row
+    of it is written after the controller cleared its keys. Bounded (`limit`, oldest forgotten): a
+    cancel of a group already answered leaves an entry nothing will take."""
+
+    def __init__(self, limit: int = 4096):
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.limit = limit
+
+    def add(self, group_id: str) -> None:
+        self._ids[group_id] = None
+        while len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
+
+    def take(self, group_id: str) -> bool:
+        """Whether `group_id` was cancelled before it arrived (and forget it)."""
+        if group_id in self._ids:
+            del self._ids[group_id]
+            return True
+        return False
 
 
 def first_line(e: BaseException) -> str:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from replay.storage import LazyRowStorage
+from single_controller.backends.common.actors import EarlyCancels
 from single_controller.backends.common.colocation import turns_from_env
 from single_controller.backends.common.episodes import (
     Continuation,
@@ -382,6 +383,7 @@ class GenerationActor:
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # first
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
+        self._early_cancels = EarlyCancels()  # cancels that ran before their request arrived
         self._started: dict[str, float] = {}  # group id -> when its work started (`running`), while under way
         self._running, self._closed = 0, False
         # Created by _start() on first use: the event loop is running by then.
@@ -462,8 +464,12 @@ class GenerationActor:
         self._start()
         futs = []
         for req in requests:
-            fut = self._submit(req)
-            self._by_group[req.group_id] = fut
+            if self._early_cancels.take(req.group_id):  # its cancel ran first: nothing samples for nobody
+                fut = asyncio.get_running_loop().create_future()
+                fut.cancel()
+            else:
+                fut = self._submit(req)
+                self._by_group[req.group_id] = fut
             futs.append(fut)
         self._has_pending.set()
         try:
@@ -495,11 +501,14 @@ class GenerationActor:
         stored. Returns once no row of the group can be written any more; True if its rows were
         already stored (the caller clears them)."""
         written = False
-        if group_id in self._core.running_ids:  # waits out a write in progress, then blocks any later one
+        running = group_id in self._core.running_ids
+        if running:  # waits out a write in progress, then blocks any later one
             written = await asyncio.to_thread(self._core.cancel, group_id)
         fut = self._by_group.get(group_id)
         if fut is not None and not fut.done():
             fut.cancel()
+        elif fut is None and not running:
+            self._early_cancels.add(group_id)  # not arrived yet (or answered already): refused if it comes
         return written
 
     async def _episode_group(self, request: GenerationRequest) -> GenerationResult:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from replay.storage import Columns, LazyRowStorage
+from single_controller.backends.common.actors import EarlyCancels
 from single_controller.backends.common.colocation import threads_per_process, turns_from_env
 from single_controller.backends.common.episodes import (
     Continuation,
@@ -198,6 +199,7 @@ class VllmGenerationActor:
         self._wakes = 0
         self._receiver = WeightReceiver()  # this process's end of its weight-sync group (collective transport)
         self._groups: dict[str, _Group] = {}
+        self._early_cancels = EarlyCancels()  # cancels that ran before their request arrived
         self._counts = dict(
             engine_steps=0, groups=0, rows=0, tokens=0, cancelled=0, weight_updates=0, env_failures=0, cached_tokens=0
         )
@@ -337,6 +339,11 @@ class VllmGenerationActor:
         if live:
             async with self._engine_lock:
                 for g in live:
+                    if self._early_cancels.take(g.request.group_id):  # its cancel ran first (`EarlyCancels`)
+                        g.future.set_exception(
+                            GenerationFailed(f"{self.name}: group {g.request.group_id} was cancelled")
+                        )
+                        continue
                     self._groups[g.request.group_id] = g
                     if self._episodes is not None:
                         self._start_episodes(g)
@@ -375,7 +382,8 @@ class VllmGenerationActor:
         """Abort `group_id` in the engine. When this returns no row of the group is stored, and none
         will be. False if the group is unknown or already returned."""
         g = self._groups.get(group_id)
-        if g is None:  # unknown, or already answered
+        if g is None:  # unknown, or already answered: if it arrives after all, it is refused
+            self._early_cancels.add(group_id)
             return False
         g.cancelled = True  # an episode group that sees it writes nothing (`_episode_group`)
         if g.state == "held":  # never reached the engine
