@@ -383,9 +383,8 @@ class GenerationActor:
         self._eval_pending: collections.deque[tuple[GenerationRequest, asyncio.Future]] = collections.deque()  # first
         self._rollout_n = 1
         self._by_group: dict[str, asyncio.Future] = {}  # queued generate_many requests, for cancel()
-        self._early_cancels = EarlyCancels()  # cancels that ran before their request arrived
         self._started: dict[str, float] = {}  # group id -> when its work started (`running`), while under way
-        self._running, self._closed = 0, False
+        self._running, self._closed, self._early_cancels = 0, False, EarlyCancels()  # (cancels run before arrival)
         # Created by _start() on first use: the event loop is running by then.
         self._has_pending: asyncio.Event
         self._weights_lock: asyncio.Lock
