@@ -40,6 +40,7 @@ class HostOffload:
         seen = {s.data_ptr() for s, _ in self._moved}
         moved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard (FSDP): its own storage
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue

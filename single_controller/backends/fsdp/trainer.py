@@ -34,12 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from single_controller.algorithm.logprobs import token_logprobs
-from single_controller.backends.common.offload import optimizer_tensors
 from single_controller.backends.common.split_step import token_passes
 from single_controller.backends.common.weights import SnapshotBuilder, WeightSnapshot, bucket_groups
 from single_controller.backends.torch.model import state_module
 from single_controller.backends.torch.trainer import TrainerCore
-from single_controller.types import OffloadRecord
 
 Reduce = Literal["microbatch", "finish"]
 
@@ -100,18 +98,6 @@ class FsdpTrainerCore(TrainerCore):
         if self.reference is not None:  # forward only: sharded like the policy, never a whole copy per rank
             shard_policy(self.reference, process_group, self.device, self.compute_dtype)
         return policy
-
-    def offload(self, what: str) -> OffloadRecord:
-        """As the torch trainer's, for this rank's shards (each DTensor's local tensor)."""
-        self.steps.require_closed(f"offload({what})")
-        if what not in ("optimizer", "all"):
-            raise ValueError(f"offload: what must be 'optimizer' or 'all', got {what!r}")
-        self.optimizer.zero_grad(set_to_none=True)
-        tensors = optimizer_tensors(self.optimizer)
-        if what == "all":
-            modules = [m for m in (self.policy, self.reference) if m is not None]
-            tensors += [t for m in modules for t in (*m.parameters(), *m.buffers())]
-        return self.host.offload([local(t) for t in tensors])
 
     def gathered(
         self, named: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
