@@ -88,14 +88,17 @@ async def rank_call(what: str, refs: list) -> list:
                     f"trainer rank {dead[0]} died during {what}: {first_line(dead[1])} "
                     f"(rank {rank} failed with it: {first_line(_cause(e))})"
                 ) from e
-            _raise_as_its_kind(what, rank, e)
+            err = _as_its_kind(what, rank, e)
+            if err is e:
+                raise  # a bug: as it is
+            raise err from e
     return results
 
 
 async def _dead_peer(refs: list, failed: int) -> tuple[int, BaseException] | None:
     """(rank, its death) of a rank among `refs` (but `failed`) that died, as far as their answers tell
     within `PEER_DEATH_GRACE_S`; None: none did."""
-    tasks = {asyncio.ensure_future(_answer(ref)): r for r, ref in enumerate(refs) if r != failed}
+    tasks = {asyncio.ensure_future(ref): r for r, ref in enumerate(refs) if r != failed}
     pending = set(tasks)
     deadline = asyncio.get_running_loop().time() + PEER_DEATH_GRACE_S
     try:
@@ -114,21 +117,15 @@ async def _dead_peer(refs: list, failed: int) -> tuple[int, BaseException] | Non
             t.cancel()
 
 
-async def _answer(ref: Any) -> Any:
-    return await ref
-
-
-def _raise_as_its_kind(what: str, rank: int, e: Exception) -> None:
-    """A rank's failure (no rank died) as what it is: retryable, on purpose, or a bug."""
-    try:
-        raise e
-    except RETRYABLE as e:
-        raise TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}") from e
-    except ray.exceptions.RayTaskError as e:
-        cause = _cause(e)
-        if isinstance(cause, ON_PURPOSE):
-            raise type(cause)(f"trainer rank {rank}: {cause}") from e
-        raise
+def _as_its_kind(what: str, rank: int, e: Exception) -> Exception:
+    """A rank's failure (no rank died) as what it is: retryable (`TrainerFailed`), on purpose (its own
+    class, naming the rank), or a bug (`e` itself)."""
+    if isinstance(e, RETRYABLE):
+        return TrainerFailed(f"trainer {what} failed on rank {rank}: {first_line(_cause(e))}")
+    cause = _cause(e)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, ON_PURPOSE):
+        return type(cause)(f"trainer rank {rank}: {cause}")
+    return e
 
 
 def _cause(e: BaseException) -> BaseException:
