@@ -68,10 +68,9 @@ class FsdpRankActor(TrainerRankActor):
         core, transport = self._fsdp(), self.cfg.sync.transport
         lead = self.rank == 0
         spare = self.make_room() if lead and transport == "collective" else None
+        put = ray.put if transport != "collective" else None  # None: kept here, staged for the broadcast
         with self.turns.hold():
-            snap = core.publish_buckets(
-                version, lead=lead, put=ray.put if transport != "collective" else _kept, into=spare
-            )
+            snap = core.publish_buckets(version, lead=lead, put=put, into=spare)
         if snap is None:
             return None
         if transport == "collective":
@@ -115,10 +114,6 @@ class FsdpRankActor(TrainerRankActor):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     full = getattr(t, "full_tensor", None)  # a DTensor's: an all-gather
     return full() if full is not None else t
-
-
-def _kept(bucket: Any) -> Any:
-    return bucket  # staged in this process for a collective broadcast
 
 
 async def start_fsdp_trainer(

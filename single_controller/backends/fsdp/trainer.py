@@ -118,14 +118,14 @@ class FsdpTrainerCore(TrainerCore):
         version: int,
         *,
         lead: bool,
-        put: Callable[[Any], Any] = lambda bucket: bucket,
+        put: Callable[[Any], Any] | None = None,
         into: Sequence[torch.Tensor] | None = None,
     ) -> WeightSnapshot | None:
         """Every rank: the policy's parameters gathered a tensor at a time, in the compute dtype. The
         `lead` rank packs them a bucket at a time (`bucket_bytes`) and hands each bucket to `put` (e.g.
-        `ray.put`; what it returns is what the snapshot holds) before packing the next, so no rank holds
-        more than one bucket and one gathered tensor of the whole policy. `into`: spare buckets to pack
-        into. The lead returns the snapshot, the others None."""
+        `ray.put`; what it returns is what the snapshot holds; None: the bucket itself) before packing
+        the next, so no rank holds more than one bucket and one gathered tensor of the whole policy.
+        `into`: spare buckets to pack into. The lead returns the snapshot, the others None."""
         named = list(state_module(self.policy).named_parameters())
         dtype = self.compute_dtype or named[0][1].dtype
         builder = SnapshotBuilder(version, dtype)
@@ -138,7 +138,9 @@ class FsdpTrainerCore(TrainerCore):
                     pass  # the all-gathers only
                 continue
             spare = into[b] if into is not None and b < len(into) else None
-            buckets.append(put(builder.add(group, into=spare, whole=whole, fresh=True)))
+            bucket = builder.add(group, into=spare, whole=whole, fresh=True)
+            buckets.append(bucket if put is None else put(bucket))
+            del bucket  # before the next all-gather: one bucket at a time
         return WeightSnapshot(builder.manifest(), buckets) if lead else None
 
     def distributed_state(self) -> dict[str, Any]:
