@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState, ReadyKey
 from replay.storage import TRAIN_ROW_FIELDS
+from single_controller.algorithm import losses
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.protocols import FinishAndBegin, Prefetching, TrainerFailed, TrainerRankDied
 from single_controller.state import Finishing, RunState
-from single_controller.types import LossConfig, StepResult, TrainChunk, TrainStatus, WeightsHandle
+from single_controller.types import StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 PUMP = "train"
 
@@ -44,11 +45,6 @@ class StepReport:
     retries: int
     t_start: float  # when the step's first chunk was selected
     t_end: float  # when it finished and the trainer version was bumped (its rows clear in the background)
-
-
-def loss_config(state: RunState) -> LossConfig:
-    t = state.cfg.train
-    return LossConfig(t.loss_level, t.clip_eps, t.is_truncation, t.kl_coef)
 
 
 async def train_pump(state: RunState, weights: Channel[WeightsHandle], on_step: Callable[[StepReport], None]) -> None:
@@ -158,7 +154,8 @@ async def _send_next(state: RunState, cur: _Step) -> None:
     if not cur.is_open:
         if state.hooks.before_train is not None:  # in a pool the train slots, colocated in turns the device, first
             await state.waiting(state.hooks.before_train(step), PUMP, "train slots / device turn")
-        await _timed(state, trainer.begin_train_step(step, loss_config(state)), f"trainer.begin_train_step({step})")
+        begin = trainer.begin_train_step(step, losses.loss_config(state.cfg))
+        await _timed(state, begin, f"trainer.begin_train_step({step})")
         cur.is_open = True
     await _timed(
         state,
@@ -249,7 +246,7 @@ class StepOverlap:
                 await asyncio.sleep(0)  # the finish task's first step: its calls are sent
             if self.ahead is not None and not finish.done():
                 assert isinstance(trainer, FinishAndBegin)  # _may_begin checked the capability
-                behind = await trainer.begin_behind_finish(step + 1, loss_config(state), self.ahead.chunk)
+                behind = await trainer.begin_behind_finish(step + 1, losses.loss_config(state.cfg), self.ahead.chunk)
             result = await finish
         finally:
             for task in (finish, ready):

@@ -113,12 +113,22 @@ class TrainChunk:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Per-step loss settings handed to `begin_train_step`."""
+    """Per-step loss settings handed to `begin_train_step` (`algorithm/losses.py` has the formulas;
+    the run builds it from `train.*`, `pumps.train.loss_config`)."""
 
-    level: str = "token"  # "token": normalize by valid tokens; "sequence": by sequences
-    clip_eps: float = 0.2  # PPO-style ratio clip against the generation logprobs
-    is_truncation: float = 2.0  # truncated importance weight cap for stale samples (0 disables)
-    kl_coef: float = 0.0  # KL to the reference policy (0 disables)
+    agg: str = (
+        "token_mean"  # loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm
+    )
+    policy_loss: str = "ppo_clip"  # ppo_clip, gspo, cispo
+    clip_low: float = 0.2  # the ratio's clip range is [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    is_correction: str = "token_truncate"  # none, token_truncate, token_mask, sequence_truncate, sequence_mask
+    is_low: float = 0.0  # the mask corrections keep importance ratios in [is_low, is_high]
+    is_high: float = 2.0  # ... and the truncating ones cap them at is_high
+    ratio_to_gen: bool = False  # the ratio against the generation logprobs, not the step-start policy's
+    kl_coef: float = 0.0  # KL to the reference policy in the loss (0 disables)
+    kl_estimator: str = "k3"  # k1, k2, k3
+    norm_tokens: int = 0  # seq_mean_token_sum_norm's constant tokens per sequence
 
 
 @dataclass(frozen=True)

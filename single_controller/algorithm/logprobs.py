@@ -83,9 +83,27 @@ def token_logprobs(
     temperature: float = 1.0,
     share_prefixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs_entropy` without the entropy: (logprobs [B, R], valid [B, R])."""
+    logp, valid, _ = token_logprobs_entropy(
+        policy, prompt_ids, response_ids, temperature, share_prefixes, entropy=False
+    )
+    return logp, valid
+
+
+def token_logprobs_entropy(
+    policy: LogitsPolicy,
+    prompt_ids: Sequence[torch.Tensor],
+    response_ids: Sequence[torch.Tensor],
+    temperature: float = 1.0,
+    share_prefixes: bool = False,
+    *,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of each response token given its prompt and the response tokens before it.
 
-    Returns (logprobs [B, R], valid [B, R]) with R the longest response; `valid` is False on padding.
+    Returns (logprobs [B, R], valid [B, R], entropy [B, R] or None) with R the longest response;
+    `valid` is False on padding. `entropy`: also the policy's entropy at each response position,
+    -sum_v p_v log p_v of the same tempered distribution, detached (a statistic, never trained).
     The distribution is log_softmax(logits / temperature), exactly as `sampling.sample` reports it.
     `policy` may be a DDP wrapper: it is only called, never inspected.
 
@@ -99,7 +117,7 @@ def token_logprobs(
         raise ValueError("every row needs at least one prompt token")
     shared = shared_prefix_module(policy) if share_prefixes else None
     if shared is not None and _repeats(prompt_ids):
-        return _shared_prefix_logprobs(shared, prompt_ids, response_ids, temperature)
+        return _shared_prefix_logprobs(shared, prompt_ids, response_ids, temperature, entropy)
     device = next(policy.parameters()).device  # rows arrive on the CPU; the policy may be on a GPU
     n_response = [r.shape[0] for r in response_ids]
     lp = torch.tensor(n_prompt, device=device)  # [B]
@@ -118,7 +136,14 @@ def token_logprobs(
     picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
     out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
-    return out.masked_fill(~valid, 0.0), valid
+    ent = _entropy(logp).masked_fill(~valid, 0.0) if entropy else None
+    return out.masked_fill(~valid, 0.0), valid, ent
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """[..., V] log-distribution -> its entropy [...], detached."""
+    with torch.no_grad():
+        return -(logp.exp() * logp).sum(-1)
 
 
 def _repeats(prompt_ids: Sequence[torch.Tensor]) -> bool:
@@ -132,8 +157,9 @@ def _shared_prefix_logprobs(
     prompt_ids: Sequence[torch.Tensor],
     response_ids: Sequence[torch.Tensor],
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` with each distinct prompt run once, one forward per prompt length."""
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs_entropy` with each distinct prompt run once, one forward per prompt length."""
     device = next(policy.parameters()).device
     n_response = [r.shape[0] for r in response_ids]
     B, R = len(response_ids), max(n_response, default=0)
@@ -158,8 +184,14 @@ def _shared_prefix_logprobs(
         first = prefix_logits[:, -1].index_select(0, owner)[:, None]  # [n, 1, V]
         picked = first if suffix_logits is None else torch.cat([first, suffix_logits], dim=1)  # [n, S, V]
         logp = log_softmax_tempered(picked, temperature)
-        parts.append((rows, torch.gather(logp, 2, responses[:, :, None]).squeeze(2)))  # [n, S]
-    out = torch.zeros(B, R, device=device, dtype=parts[0][1].dtype if parts else torch.float32)
-    for rows, lp in parts:
-        out = out.index_put((torch.tensor(rows, device=device)[:, None], torch.arange(lp.shape[1], device=device)), lp)
-    return out.masked_fill(~valid, 0.0), valid
+        ent = _entropy(logp) if entropy else None  # [n, S]
+        parts.append((rows, torch.gather(logp, 2, responses[:, :, None]).squeeze(2), ent))  # [n, S]
+    dtype = parts[0][1].dtype if parts else torch.float32
+    out = torch.zeros(B, R, device=device, dtype=dtype)
+    ents = torch.zeros(B, R, device=device, dtype=dtype) if entropy else None
+    for rows, lp, ent in parts:
+        where = (torch.tensor(rows, device=device)[:, None], torch.arange(lp.shape[1], device=device))
+        out = out.index_put(where, lp)
+        if ents is not None and ent is not None:
+            ents = ents.index_put(where, ent)
+    return out.masked_fill(~valid, 0.0), valid, None if ents is None else ents.masked_fill(~valid, 0.0)

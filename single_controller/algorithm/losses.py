@@ -1,36 +1,166 @@
-"""The GRPO policy loss: a pure function returning a raw masked SUM (normalizer 1) plus counts.
+"""The GRPO loss: a pure function returning a raw masked SUM plus counts (docs/algorithms.md).
 
-The split train API needs sums: microbatches add d(sum)/dθ, the ranks all-reduce gradients and
-counts once, and the trainer scales by 1/N (global tokens or sequences, `level`); because the sum is
-linear, any chunking of a step gives the gradient of the full-batch mean. Per token, with advantage
-A, current logprobs `logp`, generation logprobs `gen`, step-start logprobs `old` (default
-`logp.detach()`: one optimizer step per RL step, so ratio == 1 in value):
+The split train API needs sums: microbatches add d(sum)/dtheta, the ranks all-reduce gradients and
+counts once, and the trainer divides by N = `loss_normalizer` once; every term below is local to a
+row, so any chunking of a step by rows gives the gradient of the full-batch loss. Per token, with
+current logprobs `logp`, generation logprobs `gen`, step-start logprobs `old` (default
+`logp.detach()`: the parameters the step began with, one optimizer step per RL step):
 
-  is_truncation > 0:  w = min(exp(old - gen), is_truncation) (detached),  ratio = exp(logp - old)
-  is_truncation == 0: w = 1,                                              ratio = exp(logp - gen)
-  pg   = -w * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
-  kl   = exp(ref - logp) - (ref - logp) - 1      (k3, only when kl_coef > 0)
-  loss = pg + kl_coef * kl;  summed over valid tokens ("token"), or per row divided by its tokens ("sequence")
+  1. correction (`corrections.py`): w, keep from log rho = old - gen        (`train.is_correction`)
+  2. surrogate (`policy_losses.py`): l_pg from r = pi / pi_base, with base = old, or gen when
+     `ratio_to_gen` (`train.recompute_old_logprobs: false`)                 (`train.policy_loss`)
+  3. l = l_pg + kl_coef * k(ref, logp), k one of                              (`train.kl_estimator`)
+       k1 = log pi - log pi_ref,  k2 = (log pi - log pi_ref)^2 / 2,  k3 = pi_ref/pi - log(pi_ref/pi) - 1
+  4. aggregation over the kept tokens                                         (`train.loss_agg`)
+       token_mean               sum_rows sum_t l    / tokens
+       seq_mean_token_mean      sum_rows mean_t l   / sequences
+       seq_mean_token_sum       sum_rows sum_t l    / sequences
+       seq_mean_token_sum_norm  sum_rows sum_t l    / (sequences * norm_tokens)   (Dr. GRPO)
+     where tokens and sequences are the step's kept ones over every rank and chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from single_controller.algorithm.corrections import CORRECTIONS, MASKING, Correction, correct
+from single_controller.algorithm.policy_losses import POLICY_LOSSES, Surrogate
+from single_controller.config.schema import Config, rollout_max_new_tokens
 from single_controller.types import LossConfig
 
-LOSS_LEVELS = ("token", "sequence")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def _k1(delta: torch.Tensor) -> torch.Tensor:
+    return -delta
+
+
+def _k2(delta: torch.Tensor) -> torch.Tensor:
+    return 0.5 * delta * delta
+
+
+def _k3(delta: torch.Tensor) -> torch.Tensor:
+    return torch.exp(delta) - delta - 1
+
+
+# delta = log pi_ref - log pi [B, T] -> the estimator of KL(pi || pi_ref) on tokens sampled from pi
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+# The config key of each LossConfig field, for messages (`loss_problems`) and preflight.
+FIELD_PATHS = {
+    "agg": "train.loss_agg",
+    "policy_loss": "train.policy_loss",
+    "clip_low": "train.clip_eps_low",
+    "clip_high": "train.clip_eps_high",
+    "is_correction": "train.is_correction",
+    "is_low": "train.is_threshold_low",
+    "is_high": "train.is_threshold",
+    "ratio_to_gen": "train.recompute_old_logprobs",
+    "kl_coef": "train.kl_coef",
+    "kl_estimator": "train.kl_estimator",
+    "norm_tokens": "rollout.max_new_tokens",
+}
 
 
 @dataclass(frozen=True)
 class LossOutput:
     loss_sum: torch.Tensor  # scalar, differentiable
-    num_tokens: int  # valid (masked-in) tokens
-    num_sequences: int  # rows with at least one valid token
-    # Sums over valid tokens (divide by num_tokens for means): clipped, is_weight, is_truncated, kl, gen_gap.
+    num_tokens: int  # kept tokens (valid, not dropped by a mask correction)
+    num_sequences: int  # rows with at least one kept token
+    # Sums over kept tokens (divide by num_tokens for means): clipped, clipped_low, clipped_high,
+    # is_weight, is_truncated, gen_gap, kl and kl_k1..3 (with a reference); is_masked counts valid
+    # tokens a mask correction dropped.
     token_stats: dict[str, float] = field(default_factory=dict)
+    maxes: dict[str, float] = field(default_factory=dict)  # is_ratio_max: the largest raw importance ratio
+
+
+def loss_config(cfg: Config) -> LossConfig:
+    """The loss a run's `train.*` settings name (what the train pump hands every `begin_train_step`)."""
+    t = cfg.train
+    return LossConfig(
+        agg=t.loss_agg,
+        policy_loss=t.policy_loss,
+        clip_low=t.clip_eps if t.clip_eps_low is None else t.clip_eps_low,
+        clip_high=t.clip_eps if t.clip_eps_high is None else t.clip_eps_high,
+        is_correction=t.is_correction,
+        is_low=t.is_threshold_low,
+        is_high=t.is_threshold,
+        ratio_to_gen=not t.recompute_old_logprobs,
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        norm_tokens=rollout_max_new_tokens(cfg) if t.loss_agg == "seq_mean_token_sum_norm" else 0,
+    )
+
+
+def loss_problems(cfg: LossConfig) -> list[tuple[tuple[str, ...], str]]:
+    """What is wrong with `cfg`: (its LossConfig fields, a message naming the config keys)."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    for name, choices in (
+        ("agg", LOSS_AGGS),
+        ("policy_loss", tuple(POLICY_LOSSES)),
+        ("is_correction", tuple(CORRECTIONS)),
+        ("kl_estimator", tuple(KL_ESTIMATORS)),
+    ):
+        if getattr(cfg, name) not in choices:
+            out.append(
+                ((name,), f"{FIELD_PATHS[name]} must be one of {', '.join(choices)}, got {getattr(cfg, name)!r}")
+            )
+    if cfg.clip_low <= 0 or cfg.clip_high <= 0:
+        out.append((("clip_low", "clip_high"), "train.clip_eps_low and train.clip_eps_high must be > 0"))
+    if cfg.ratio_to_gen and cfg.is_correction != "none":
+        out.append(
+            (
+                ("ratio_to_gen", "is_correction"),
+                f"train.is_correction={cfg.is_correction} needs train.recompute_old_logprobs=true: without the "
+                "step-start logprobs the ratio is taken against the generation ones, the importance ratio "
+                "pi_old / pi_gen is 1 and there is nothing to correct (use train.is_correction=none)",
+            )
+        )
+    out += _threshold_problems(cfg)
+    if (cfg.agg == "seq_mean_token_sum_norm") != (cfg.norm_tokens > 0):
+        out.append(
+            (("agg", "norm_tokens"), "train.loss_agg=seq_mean_token_sum_norm (alone) needs a constant token count > 0")
+        )
+    if cfg.kl_coef < 0:
+        out.append((("kl_coef",), f"train.kl_coef must be >= 0, got {cfg.kl_coef}"))
+    return out
+
+
+def _threshold_problems(cfg: LossConfig) -> list[tuple[tuple[str, ...], str]]:
+    if cfg.is_correction == "none":
+        return []
+    if cfg.is_high <= 0:
+        return [(("is_high",), f"train.is_threshold must be > 0 with train.is_correction={cfg.is_correction}")]
+    if cfg.is_correction in MASKING and not cfg.is_low < 1 < cfg.is_high:
+        return [
+            (
+                ("is_low", "is_high"),
+                f"train.is_correction={cfg.is_correction} keeps importance ratios in [train.is_threshold_low, "
+                f"train.is_threshold] = [{cfg.is_low}, {cfg.is_high}], which must hold 1 (an on-policy token)",
+            )
+        ]
+    if cfg.is_correction not in MASKING and cfg.is_low != 0:
+        return [
+            (
+                ("is_low", "is_correction"),
+                f"train.is_threshold_low ({cfg.is_low}) bounds only the mask corrections (token_mask, "
+                f"sequence_mask), not train.is_correction={cfg.is_correction}: leave it 0",
+            )
+        ]
+    return []
+
+
+def loss_normalizer(cfg: LossConfig, tokens: float, sequences: float) -> float:
+    """N, what a step's raw loss sum (and its gradient) is divided by: `tokens` and `sequences` are
+    the step's kept ones over every rank."""
+    if cfg.agg == "token_mean":
+        return tokens
+    if cfg.agg == "seq_mean_token_sum_norm":
+        return sequences * cfg.norm_tokens
+    return sequences
 
 
 def grpo_loss(
@@ -42,54 +172,74 @@ def grpo_loss(
     *,
     old_logprobs: torch.Tensor | None = None,  # [B, T] default: logprobs.detach()
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference policy, needed when kl_coef > 0
+    entropy: torch.Tensor | None = None,  # [B, T] the policy's entropy per position, summed as a statistic
 ) -> LossOutput:
-    if cfg.level not in LOSS_LEVELS:
-        raise ValueError(f"loss level must be one of {LOSS_LEVELS}, got {cfg.level!r}")
+    problems = loss_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(message for _, message in problems))
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     mask = mask.bool()
-    zeros = torch.zeros_like(logprobs)
     # Padding may hold anything: zero it before exp() so no inf * 0 = nan leaks into the sums.
-    logp = torch.where(mask, logprobs, zeros)  # [B, T]
-    gen = torch.where(mask, gen_logprobs.to(logp.dtype), zeros)  # [B, T]
-    old = logp.detach() if old_logprobs is None else torch.where(mask, old_logprobs.to(logp.dtype), zeros)
+    logp = torch.where(mask, logprobs, 0.0)  # [B, T]
+    gen = torch.where(mask, gen_logprobs.to(logp.dtype), 0.0)  # [B, T]
+    old = logp.detach() if old_logprobs is None else torch.where(mask, old_logprobs.to(logp.dtype), 0.0)
     adv = advantages.to(logp.dtype)[:, None]  # [B, 1]
 
-    if cfg.is_truncation > 0:
-        raw_w = torch.exp(old - gen)  # [B, T]
-        w = raw_w.clamp(max=cfg.is_truncation)
-        ratio = torch.exp(logp - old)
-    else:
-        raw_w = w = torch.ones_like(logp)
-        ratio = torch.exp(logp - gen)
-    clipped_ratio = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-    unclipped, clipped = ratio * adv, clipped_ratio * adv  # [B, T]
-    pg = -w * torch.minimum(unclipped, clipped)  # [B, T]
-    per_token = pg
-    kl = None
-    if cfg.kl_coef > 0:
-        assert ref_logprobs is not None  # checked on entry
-        delta = torch.where(mask, ref_logprobs.to(logp.dtype), zeros) - logp
-        kl = torch.exp(delta) - delta - 1  # [B, T]
-        per_token = per_token + cfg.kl_coef * kl
+    fix = correct(cfg.is_correction, old - gen, mask, cfg.is_low, cfg.is_high)
+    keep = fix.keep  # [B, T]
+    base = gen if cfg.ratio_to_gen else old
+    surrogate = POLICY_LOSSES[cfg.policy_loss](logp, base, adv, keep, cfg.clip_low, cfg.clip_high)
+    per_token = fix.weight * surrogate.per_token  # [B, T]
+    kls: dict[str, torch.Tensor] = {}
+    if ref_logprobs is not None:
+        delta = torch.where(keep, ref_logprobs.to(logp.dtype), 0.0) - torch.where(keep, logp, 0.0)  # [B, T]
+        kls = {name: k(delta) for name, k in KL_ESTIMATORS.items()}
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kls[cfg.kl_estimator]
 
-    maskf = mask.to(logp.dtype)
-    tokens_per_row = maskf.sum(1)  # [B]
-    row_sums = (per_token * maskf).sum(1)  # [B]
-    if cfg.level == "token":
-        loss_sum = row_sums.sum()
-    else:
+    keepf = keep.to(logp.dtype)
+    tokens_per_row = keepf.sum(1)  # [B]
+    row_sums = torch.where(keep, per_token, 0.0).sum(1)  # [B]
+    if cfg.agg == "seq_mean_token_mean":
         loss_sum = (row_sums / tokens_per_row.clamp(min=1)).sum()
+    else:
+        loss_sum = row_sums.sum()
+    stats = _token_stats(fix, surrogate, keep, mask, old - gen, kls, cfg)
+    if entropy is not None:
+        stats["entropy"] = float(torch.where(keep, entropy.detach().double(), 0.0).sum())
+    n_tokens, n_rows = int(tokens_per_row.sum()), int((tokens_per_row > 0).sum())
+    return LossOutput(loss_sum, n_tokens, n_rows, stats, {"is_ratio_max": fix.ratio_max})
 
+
+def _token_stats(
+    fix: Correction,
+    surrogate: Surrogate,
+    keep: torch.Tensor,
+    mask: torch.Tensor,
+    log_rho: torch.Tensor,
+    kls: dict[str, torch.Tensor],
+    cfg: LossConfig,
+) -> dict[str, float]:
+    """The loss's statistics, sums over kept tokens (see `LossOutput.token_stats`)."""
     with torch.no_grad():
+
+        def kept(x: torch.Tensor) -> float:
+            return float(torch.where(keep, x.detach().to(torch.float64), 0.0).sum())
+
         stats = {
-            "clipped": float(((clipped < unclipped) & mask).sum()),  # the clip bound the objective
-            "is_weight": float((w * maskf).sum()),
-            "is_truncated": float(((raw_w > w) & mask).sum()),
-            "gen_gap": float(((old - gen).abs() * maskf).sum()),  # |log pi_old - log pi_gen|
-            **({} if kl is None else {"kl": float((kl * maskf).sum())}),
+            "clipped": kept(surrogate.clipped_low | surrogate.clipped_high),
+            "clipped_low": kept(surrogate.clipped_low),
+            "clipped_high": kept(surrogate.clipped_high),
+            "is_weight": kept(fix.weight),
+            "is_truncated": kept(fix.capped),
+            "is_masked": float((mask & ~keep).sum()),
+            "gen_gap": kept(log_rho.abs()),  # |log pi_old - log pi_gen|
         }
-    return LossOutput(loss_sum, int(tokens_per_row.sum()), int((tokens_per_row > 0).sum()), stats)
+        if kls:
+            stats["kl"] = kept(kls[cfg.kl_estimator])
+            stats.update({f"kl_{name}": kept(k) for name, k in kls.items()})
+    return stats
 
 
 def mismatch_stats(

@@ -108,7 +108,7 @@ class _ReferenceLoop:
         self.rng = random.Random(seed)
         self.order: list = []
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
-        self.loss_cfg = LossConfig(level="token")
+        self.loss_cfg = LossConfig(agg="token_mean")
         self.sampling = SamplingParams(n=group_size, max_new_tokens=num_digits)
 
     def step(self, step: int) -> tuple[torch.Tensor, float, float, float]:

@@ -71,7 +71,7 @@ def grpo_config(args: argparse.Namespace, out: str) -> Any:
         warmup_steps=0,
         beta=0.0,
         epsilon=args.clip_eps,
-        loss_type="dapo",  # token-level: the sum over the batch's tokens / their count (sc-grpo's loss_level=token)
+        loss_type="dapo",  # token-level: the sum over the batch's tokens / their count (sc-grpo's loss_agg=token_mean)
         scale_rewards="group",
         max_steps=args.steps or args.max_steps,
         logging_steps=10_000,

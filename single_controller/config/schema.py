@@ -306,14 +306,46 @@ class TrainConfig:
     """AdamW weight decay."""
     grad_clip: NonNegative = 1.0
     """Clip the global gradient norm to this after 1/N scaling (0 disables)."""
-    loss_level: Literal["token", "sequence"] = "token"
-    """`token`: the step's loss is normalized by its valid tokens; `sequence`: by its sequences."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How a step's per-token losses become one number, over its kept tokens on every rank (docs/algorithms.md):
+    `token_mean` (their sum / the step's tokens: DAPO, TRL `dapo`, verl `token-mean`); `seq_mean_token_mean`
+    (each row's mean, averaged over rows: GRPO's paper, TRL `grpo`); `seq_mean_token_sum` (each row's sum,
+    averaged over rows); `seq_mean_token_sum_norm` (the sum / (rows x rollout.max_new_tokens): Dr. GRPO's
+    constant normaliser, TRL `dr_grpo`)."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """The surrogate each token's loss comes from (docs/algorithms.md): `ppo_clip` (PPO's clipped ratio),
+    `gspo` (the row's geometric-mean ratio, clipped per sequence: GSPO; give it clip_eps_low/high of about
+    3e-4/4e-4), `cispo` (the clipped ratio as a stop-gradient weight on the log-probability: CISPO)."""
     clip_eps: Positive = 0.2
-    """PPO-style clip of the ratio pi/pi_gen."""
-    is_truncation: NonNegative = 2.0
-    """Cap of the truncated importance weight pi_old/pi_gen for stale samples (0 disables the correction)."""
+    """The ratio's clip range [1 - clip_eps, 1 + clip_eps]: shorthand for equal `clip_eps_low` and `clip_eps_high`."""
+    clip_eps_low: Positive | None = None
+    """The clip range's lower side, 1 - clip_eps_low (null: `clip_eps`)."""
+    clip_eps_high: Positive | None = None
+    """The clip range's upper side, 1 + clip_eps_high (null: `clip_eps`); above clip_eps_low it is DAPO's clip-higher
+    (e.g. 0.2 / 0.28)."""
+    is_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "token_truncate"
+    )
+    """Off-policy correction by the importance ratio rho = pi_old / pi_gen of the step-start policy to the one that
+    sampled (docs/algorithms.md): `token_truncate` (each token weighted by min(rho, is_threshold): TIS), `token_mask`
+    (tokens with rho outside [is_threshold_low, is_threshold] dropped, the rest weighted by rho: MIS / IcePop),
+    `sequence_truncate` / `sequence_mask` (the same with the row's product of ratios), `none`."""
+    is_threshold: Positive = 2.0
+    """The importance ratio's cap (truncating corrections) or upper bound (mask corrections)."""
+    is_threshold_low: NonNegative = 0.0
+    """The mask corrections' lower bound on the importance ratio (e.g. 0.5); 0 with the others."""
+    recompute_old_logprobs: bool = True
+    """The ratio is taken against the policy at the step's start (its logprobs recomputed by the trainer; free with one
+    update per step, where they are the forward's own), and the correction weighs that policy against the sampler's.
+    false: the ratio is taken against the generation logprobs themselves (the clip then also bounds staleness) and
+    `is_correction` must be `none`."""
     kl_coef: NonNegative = 0.0
-    """Weight of the KL penalty to the initial (reference) policy; 0 disables it."""
+    """Weight of the KL penalty to the initial (reference) policy in the loss; 0 disables it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token estimator of KL(pi || pi_ref) the penalty uses: `k1` (log pi - log pi_ref), `k2`
+    ((log pi - log pi_ref)^2 / 2), `k3` (pi_ref/pi - log(pi_ref/pi) - 1: unbiased, >= 0). All three are reported."""
     max_step_retries: Count = 2
     """Times a train step is aborted and retried after a trainer error before the run fails."""
     pipeline_steps: bool = True
@@ -717,6 +749,16 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+
+
+# Keys a config may no longer use, each with what replaced it (the loader names it instead of "unknown key").
+RETIRED_KEYS: dict[str, str] = {
+    "train.loss_level": "replaced by train.loss_agg: token -> token_mean, sequence -> seq_mean_token_mean",
+    "train.is_truncation": (
+        "replaced by train.is_correction and train.is_threshold: is_truncation=C > 0 -> is_correction=token_truncate "
+        "is_threshold=C; is_truncation=0 -> is_correction=none recompute_old_logprobs=false"
+    ),
+}
 
 
 def env_enabled(env: EnvConfig) -> bool:

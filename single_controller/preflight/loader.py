@@ -34,7 +34,7 @@ from single_controller.config.reference import (
     replace_readme_reference,
     write_readme_reference,
 )
-from single_controller.config.schema import Config
+from single_controller.config.schema import RETIRED_KEYS, Config
 from single_controller.preflight.environment import check_environment, environment_problems
 from single_controller.preflight.rules import DIGIT_TASKS, rule_problems
 
@@ -211,6 +211,8 @@ def _unknown_item_keys(items: list, cls: type, path: str, source: str, problems:
 
 
 def _unknown_key_message(path: str, cls: type, prefix: str) -> str:
+    if path in RETIRED_KEYS:
+        return f"{path}: no longer a key; {RETIRED_KEYS[path]}"
     key = path.rsplit(".", 1)[-1]
     section = prefix.rstrip(".")
     where = f"in section '{section}'" if section else "at the top level"

@@ -23,7 +23,7 @@ from single_controller.config.schema import (
     required_capacity,
     rollout_max_new_tokens,
 )
-from single_controller.preflight import colocation
+from single_controller.preflight import algorithm, colocation
 
 __all__ = ["DIGIT_TASKS", "RULES", "Rule", "rule_problems"]
 
@@ -579,6 +579,7 @@ RULES: tuple[Rule, ...] = (
     megatron_layout_is_the_rank_count,
     megatron_has_no_float16,
     *colocation.RULES,
+    *algorithm.RULES,
     distributed_optimizer_needs_data_parallel,
     tensor_parallel_divides_the_heads_created,
     pass_at_k_needs_sampling,

@@ -7,7 +7,7 @@ import random
 import torch
 
 from single_controller.algorithm.logprobs import pad_right, token_logprobs
-from single_controller.algorithm.losses import grpo_loss
+from single_controller.algorithm.losses import grpo_loss, loss_normalizer
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import ModelConfig, TrainConfig
 from single_controller.data.tasks import TOKENIZER
@@ -50,22 +50,61 @@ def seq_lengths(rows: dict) -> list[int]:
 
 
 TRAIN = dataclasses.replace(TrainConfig(), lr=1e-2, grad_clip=0.05)  # a clip that binds: checks scale-then-clip
+TRAIN_KL = dataclasses.replace(TRAIN, kl_coef=0.05)  # a trainer that keeps a reference policy
+
+# Every option of the loss menu (`algorithm/losses.py`), each once. With the default ratio (against the step's
+# own start, 1 in value) no clip binds, so the clipping losses take theirs against the generation logprobs; the
+# random rows' rho spans about [0.1, 4] per token, so the masks keep some tokens and rows and drop others.
+LOSS_VARIANTS: dict[str, LossConfig] = {
+    "token_mean": LossConfig(),
+    "seq_mean_token_mean": LossConfig(agg="seq_mean_token_mean"),
+    "seq_mean_token_sum": LossConfig(agg="seq_mean_token_sum"),
+    "seq_mean_token_sum_norm": LossConfig(agg="seq_mean_token_sum_norm", norm_tokens=8),
+    "clip_higher": LossConfig(clip_low=0.1, clip_high=0.3, is_correction="none", ratio_to_gen=True),
+    "gspo": LossConfig(policy_loss="gspo", agg="seq_mean_token_mean", is_correction="none", ratio_to_gen=True),
+    "cispo": LossConfig(policy_loss="cispo", clip_low=0.5, clip_high=0.3, is_correction="none", ratio_to_gen=True),
+    "no_correction": LossConfig(is_correction="none"),
+    "token_mask": LossConfig(is_correction="token_mask", is_low=0.5, is_high=2.0),
+    "sequence_truncate": LossConfig(is_correction="sequence_truncate", is_high=2.0),
+    "sequence_mask": LossConfig(is_correction="sequence_mask", is_low=0.1, is_high=10.0),
+    "kl_k1": LossConfig(kl_coef=0.05, kl_estimator="k1"),
+    "kl_k3": LossConfig(kl_coef=0.05, kl_estimator="k3"),
+}
 
 
-def reference_step(rows: dict, level: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Single process, full batch, written out plainly: mean loss over the batch, backward, clip, AdamW."""
+def train_config_for(loss: LossConfig, base: TrainConfig = TRAIN) -> TrainConfig:
+    """`base`, keeping a reference policy when `loss` has a KL penalty."""
+    return dataclasses.replace(base, kl_coef=loss.kl_coef) if loss.kl_coef > 0 else base
+
+
+def reference_step(rows: dict, loss: LossConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Single process, full batch, written out plainly: mean loss over the batch, backward, clip, AdamW.
+    The KL reference is the initial model, so its logprobs are the step's own, detached."""
     model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN.lr, betas=TRAIN.betas, weight_decay=TRAIN.weight_decay)
     logp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"])
     mask = pad_right(rows["response_mask"], False, torch.bool) & valid
     gen = pad_right([g.double() for g in rows["gen_logprobs"]], 0.0, torch.float64)
-    out = grpo_loss(logp, gen, rows["advantage"], mask, LossConfig(level=level))
-    n = out.num_tokens if level == "token" else out.num_sequences
+    ref = logp.detach() if loss.kl_coef > 0 else None
+    out = grpo_loss(logp, gen, rows["advantage"], mask, loss, ref_logprobs=ref)
+    n = loss_normalizer(loss, out.num_tokens, out.num_sequences)
+    assert out.num_tokens > 0 and out.token_stats["is_masked"] < masked_in(rows), "a variant must keep some tokens"
     (out.loss_sum / n).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)
     grads = [p.grad.clone() for p in model.parameters()]
     opt.step()
     return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def reference_counts(rows: dict, loss: LossConfig) -> tuple[int, int]:
+    """(kept tokens, kept sequences) of `rows`' full-batch step under `loss`."""
+    model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
+    with torch.no_grad():
+        logp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"])
+    mask = pad_right(rows["response_mask"], False, torch.bool) & valid
+    gen = pad_right([g.double() for g in rows["gen_logprobs"]], 0.0, torch.float64)
+    out = grpo_loss(logp, gen, rows["advantage"], mask, loss, ref_logprobs=logp if loss.kl_coef > 0 else None)
+    return out.num_tokens, out.num_sequences
 
 
 def assert_close_rel(got: list[torch.Tensor], want: list[torch.Tensor], rtol: float) -> None:

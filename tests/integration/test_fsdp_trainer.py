@@ -18,7 +18,18 @@ from single_controller.data.tasks import TOKENIZER
 from single_controller.types import LossConfig
 from tests.helpers.free_ports import free_port
 from tests.helpers.multi_turn_rows import multi_turn_rows
-from tests.helpers.trainer_rows import SMALL, TRAIN, assert_close_rel, make_rows, reference_step, seq_lengths, take
+from tests.helpers.trainer_rows import (
+    LOSS_VARIANTS,
+    SMALL,
+    TRAIN,
+    assert_close_rel,
+    make_rows,
+    reference_counts,
+    reference_step,
+    seq_lengths,
+    take,
+    train_config_for,
+)
 
 torch.set_num_threads(1)
 
@@ -32,12 +43,15 @@ ROW_KINDS = {
     "single-turn": lambda: make_rows(NUM_ROWS, 11),
     "multi-turn": lambda: multi_turn_rows(3, 4, 11, TOKENIZER.vocab_size),
 }
+# Every option of the loss menu in every chunking, gradients reduce-scattered per microbatch; two of them
+# with the reduction deferred to finish too.
 SCENARIOS = [
     (kind, level, ci, reduce)
     for kind in ROW_KINDS
-    for level in ("token", "sequence")
+    for level in LOSS_VARIANTS
     for ci in range(len(CHUNKINGS))
     for reduce in ("microbatch", "finish")
+    if reduce == "microbatch" or level in ("token_mean", "seq_mean_token_mean")
 ]
 
 
@@ -55,7 +69,7 @@ def _core(reduce: str, cfg=TRAIN) -> FsdpTrainerCore:
 
 
 def _step(core, rank: int, world: int, rows: dict, chunking, level: str, step: int = 0) -> tuple:
-    core.begin_train_step(step, LossConfig(level=level))
+    core.begin_train_step(step, LOSS_VARIANTS[level])
     for chunk in chunking:
         sub = take(rows, chunk)
         core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]))
@@ -70,17 +84,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for kind, level, ci, reduce in SCENARIOS:
-        results[(kind, level, ci, reduce)] = _step(_core(reduce), rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
+        core = _core(reduce, train_config_for(LOSS_VARIANTS[level]))
+        results[(kind, level, ci, reduce)] = _step(core, rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
     for kind, ckpt, reduce in PASS_SCENARIOS:
         cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET[kind], gradient_checkpointing=ckpt)
         rows = ROW_KINDS[kind]()
-        results[("passes", kind, ckpt, reduce)] = _step(_core(reduce, cfg), rank, world, rows, CHUNKINGS[2], "token")
+        results[("passes", kind, ckpt, reduce)] = _step(
+            _core(reduce, cfg), rank, world, rows, CHUNKINGS[2], "token_mean"
+        )
     for reduce in ("microbatch", "finish"):  # an aborted step, then the step again: as if never aborted
         core = _core(reduce)
         core.begin_train_step(0, LossConfig())
         core.train_microbatch(take(make_rows(6, 5), balanced_partition(seq_lengths(make_rows(6, 5)), world)[rank]))
         core.abort_train_step(0)
-        results[("abort", reduce)] = _step(core, rank, world, ROW_KINDS["single-turn"](), CHUNKINGS[1], "token")
+        results[("abort", reduce)] = _step(core, rank, world, ROW_KINDS["single-turn"](), CHUNKINGS[1], "token_mean")
     shard = [p.to_local().numel() for p in _core("microbatch").params]
     results["shard_numel"] = sum(shard)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -98,19 +115,19 @@ def fsdp_results(request, tmp_path_factory):
 @pytest.mark.parametrize("kind, level, ci, reduce", SCENARIOS)
 def test_fsdp_split_step_equals_full_batch(fsdp_results, kind, level, ci, reduce):
     rows = ROW_KINDS[kind]()
-    want_grads, want_params = reference_step(rows, level)
+    want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     for rank, res in enumerate(fsdp_results):
         grads, params, m = res[(kind, level, ci, reduce)]
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
-        assert m["train/sequences"] == NUM_ROWS, rank
+        assert (m["train/tokens"], m["train/sequences"]) == reference_counts(rows, LOSS_VARIANTS[level]), rank
 
 
 @pytest.mark.parametrize("kind, ckpt, reduce", PASS_SCENARIOS)
 def test_fsdp_token_budget_passes_equal_the_full_batch_step(fsdp_results, kind, ckpt, reduce):
     """Each share cut into passes by `train.micro_batch_tokens` (the ranks' counts differ: the others
     pad), with and without gradient checkpointing: the full-batch step (1e-10)."""
-    want_grads, want_params = reference_step(ROW_KINDS[kind](), "token")
+    want_grads, want_params = reference_step(ROW_KINDS[kind](), LOSS_VARIANTS["token_mean"])
     passes = []
     for res in fsdp_results:
         grads, params, m = res[("passes", kind, ckpt, reduce)]
@@ -122,7 +139,7 @@ def test_fsdp_token_budget_passes_equal_the_full_batch_step(fsdp_results, kind, 
 
 @pytest.mark.parametrize("reduce", ["microbatch", "finish"])
 def test_an_aborted_fsdp_step_leaves_no_gradient_behind(fsdp_results, reduce):
-    want_grads, want_params = reference_step(ROW_KINDS["single-turn"](), "token")
+    want_grads, want_params = reference_step(ROW_KINDS["single-turn"](), LOSS_VARIANTS["token_mean"])
     for res in fsdp_results:
         grads, params, _ = res[("abort", reduce)]
         assert_close_rel(grads, want_grads, 1e-10)

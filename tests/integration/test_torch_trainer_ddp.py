@@ -23,15 +23,18 @@ from single_controller.types import LossConfig
 from tests.helpers.free_ports import free_port
 from tests.helpers.multi_turn_rows import multi_turn_rows
 from tests.helpers.trainer_rows import (
+    LOSS_VARIANTS,
     SMALL,
     TRAIN,
     assert_close_rel,
     bad_rows,
     make_rows,
     masked_in,
+    reference_counts,
     reference_step,
     seq_lengths,
     take,
+    train_config_for,
 )
 
 torch.set_num_threads(1)
@@ -61,8 +64,9 @@ ROW_KINDS = {
     "single-turn": lambda: make_rows(NUM_ROWS, 11),
     "multi-turn": lambda: multi_turn_rows(3, 4, 11, TOKENIZER.vocab_size),
 }
-LEVELS = ("token", "sequence")
-SCENARIOS = [(kind, level, ci) for kind in ROW_KINDS for level in LEVELS for ci in range(len(CHUNKINGS))]
+# Every option of the loss menu (`LOSS_VARIANTS`), every chunking, both kinds of rows.
+SCENARIOS = [(kind, level, ci) for kind in ROW_KINDS for level in LOSS_VARIANTS for ci in range(len(CHUNKINGS))]
+LEVELS = ("token_mean", "seq_mean_token_mean", "sequence_mask")
 # One chunk of the 12 rows (6 per rank) in passes of at most DDP_PASS_BUDGET[kind] tokens: 4 passes on each
 # rank, some packing two rows (of the multi-turn rows: on rank 0 two of one prompt, which then runs once);
 # with and without gradient checkpointing.
@@ -85,11 +89,13 @@ def _counting_shared_prefix(policy: TinyGPT) -> list[int]:
 
 def _ddp_step(rank: int, world: int, rows: dict, chunking, level: str, cfg: TrainConfig = TRAIN) -> tuple:
     """One step of `rows` in `chunking` on this rank, each chunk split across the ranks by length (what
-    RankTrainerGroup does): (applied gradient, parameters after, metrics, shared-prefix forwards)."""
+    RankTrainerGroup does), with the loss `LOSS_VARIANTS[level]`: (applied gradient, parameters after,
+    metrics, shared-prefix forwards)."""
     policy = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
     shared = _counting_shared_prefix(policy)
-    core = TrainerCore(policy, cfg, process_group=dist.group.WORLD)
-    core.begin_train_step(0, LossConfig(level=level))
+    loss = LOSS_VARIANTS[level]
+    core = TrainerCore(policy, train_config_for(loss, cfg), process_group=dist.group.WORLD)
+    core.begin_train_step(0, loss)
     for chunk in chunking:
         sub = take(rows, chunk)
         core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]))
@@ -145,12 +151,14 @@ def test_ddp_split_step_equals_full_batch(ddp_results, kind, level, ci):
     normalizer (local instead of global N, or a per-microbatch mean) is off by O(1). The step counts
     exactly the masked-in tokens, over both ranks."""
     rows = ROW_KINDS[kind]()
-    want_grads, want_params = reference_step(rows, level)
+    want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     for rank in range(2):
         grads, params, m, shared = ddp_results[rank][(kind, level, ci)]
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
-        assert (m["train/tokens"], m["train/sequences"]) == (masked_in(rows), NUM_ROWS)
+        assert (m["train/tokens"], m["train/sequences"]) == reference_counts(rows, LOSS_VARIANTS[level])
+        if "mask" not in level:
+            assert (m["train/tokens"], m["train/sequences"]) == (masked_in(rows), NUM_ROWS)
         if kind == "multi-turn" and ci == 0:  # 6 rows of 3 prompts on a rank: a prompt ran once for two rows
             assert shared > 0, rank
 
@@ -160,7 +168,7 @@ def test_ddp_token_budget_passes_equal_the_full_batch_step(ddp_results, kind, le
     """2 gloo ranks, each microbatch cut into >= 3 passes by `train.micro_batch_tokens` (with and
     without gradient checkpointing): gradients and parameters equal the full-batch step (1e-10, as above)."""
     rows = ROW_KINDS[kind]()
-    want_grads, want_params = reference_step(rows, level)
+    want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     shared_passes = 0
     for rank in range(2):
         grads, params, m, shared = ddp_results[rank][("passes", kind, level, ckpt)]
@@ -168,7 +176,7 @@ def test_ddp_token_budget_passes_equal_the_full_batch_step(ddp_results, kind, le
         assert m["train/passes"] == len(split_step.token_passes(mine, DDP_PASS_BUDGET[kind])) >= 3
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
-        assert m["train/tokens"] == masked_in(rows)
+        assert m["train/tokens"] == reference_counts(rows, LOSS_VARIANTS[level])[0]
         shared_passes += shared
     # gradient checkpointing runs whole rows; else the multi-turn rows' packed pair of one prompt shares it
     assert shared_passes == (1 if kind == "multi-turn" and not ckpt else 0)

@@ -310,7 +310,7 @@ def test_bench_trl_gives_both_sides_the_same_settings_and_a_valid_sc_grpo_config
         assert cfg.train.clip_eps == theirs.clip_eps and cfg.train.grad_clip == theirs.grad_clip
         assert cfg.rollout.max_new_tokens == theirs.num_digits and cfg.rollout.stop_at_eos
         assert cfg.run.success_window == theirs.window and cfg.model.dtype == "float32"
-        assert cfg.train.kl_coef == 0 and not cfg.train.gradient_checkpointing and cfg.train.loss_level == "token"
+        assert cfg.train.kl_coef == 0 and not cfg.train.gradient_checkpointing and cfg.train.loss_agg == "token_mean"
         if steps is None:
             assert cfg.run.stop_at_success_rate == theirs.target and theirs.steps is None
         else:

@@ -21,15 +21,18 @@ from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainSt
 from single_controller.types import LossConfig
 from tests.helpers.multi_turn_rows import multi_turn_rows
 from tests.helpers.trainer_rows import (
+    LOSS_VARIANTS,
     SMALL,
     TRAIN,
     assert_close_rel,
     bad_rows,
     make_rows,
     masked_in,
+    reference_counts,
     reference_step,
     seq_lengths,
     take,
+    train_config_for,
 )
 
 torch.set_num_threads(1)
@@ -208,14 +211,17 @@ def test_a_failed_microbatch_leaves_a_step_only_abort_can_close():
     assert t.finish_train_step(0)["train/sequences"] == 6
 
 
-def test_chunking_does_not_change_the_single_process_step():
-    rows = make_rows(10, 7)
-    want_grads, want_params = reference_step(rows, "token")
-    t = _trainer()
-    t.begin_train_step(0, LossConfig())
+@pytest.mark.parametrize("variant", LOSS_VARIANTS)
+def test_chunking_does_not_change_the_single_process_step(variant):
+    """Every option of the loss menu: microbatches of 3, 0, 1 and 6 rows give the full-batch step."""
+    rows, loss = make_rows(10, 7), LOSS_VARIANTS[variant]
+    want_grads, want_params = reference_step(rows, loss)
+    t = _trainer(train_config_for(loss))
+    t.begin_train_step(0, loss)
     for idx in ([0, 1, 2], [], [3], [4, 5, 6, 7, 8, 9]):
         t.train_microbatch(take(rows, idx))
     m = t.finish_train_step(0)
+    assert (m["train/tokens"], m["train/sequences"]) == reference_counts(rows, loss)
     assert m["train/grad_norm"] > TRAIN.grad_clip  # the clip bound
     # float64, same ops in a different summation order: agreement to ~1e-15; 1e-10 leaves margin.
     assert_close_rel([p.grad for p in t.params], want_grads, 1e-10)
@@ -228,7 +234,7 @@ def test_chunking_does_not_change_the_single_process_step():
 def _step_of(rows: dict, level: str) -> tuple[list[torch.Tensor], list, dict]:
     """(applied gradient, parameters after, metrics) of one step of `rows` in two microbatches."""
     t = _trainer()
-    t.begin_train_step(0, LossConfig(level=level))
+    t.begin_train_step(0, LOSS_VARIANTS[level])
     t.train_microbatch(take(rows, range(5)))
     t.train_microbatch(take(rows, range(5, len(rows["prompt_ids"]))))
     m = t.finish_train_step(0)
@@ -239,7 +245,7 @@ def _without_timing(m: dict) -> dict:
     return {k: v for k, v in m.items() if k != "train/step_s"}
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token_mean", "seq_mean_token_mean"])
 def test_observation_tokens_are_context_only_and_the_step_counts_only_policy_tokens(level):
     """Multi-turn rows: the gen_logprobs and token_versions of observation tokens (masked out) and the ids of
     a trailing observation block (nothing after it reads them) change nothing, bit for bit: gradients,
@@ -289,9 +295,9 @@ def test_a_mask_bit_flipped_onto_an_observation_token_trains_that_token():
     obs = int((~rows["response_mask"][2]).nonzero()[0])
     flipped["response_mask"][2][obs] = True
     flipped["gen_logprobs"][2][obs] = -2.0  # a policy token carries its logprob
-    want_grads, _ = reference_step(rows, "token")
-    flip_grads, flip_params = reference_step(flipped, "token")
-    grads, params, m = _step_of(flipped, "token")
+    want_grads, _ = reference_step(rows, LOSS_VARIANTS["token_mean"])
+    flip_grads, flip_params = reference_step(flipped, LOSS_VARIANTS["token_mean"])
+    grads, params, m = _step_of(flipped, "token_mean")
     assert m["train/tokens"] == masked_in(rows) + 1
     assert_close_rel(grads, flip_grads, 1e-10)
     assert_close_rel(params, flip_params, 1e-10)
@@ -342,7 +348,7 @@ def _counting_forwards(modules) -> list[int]:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored-activations", "gradient-checkpointing"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token_mean", "seq_mean_token_mean", "gspo", "sequence_mask"])
 def test_token_budget_passes_and_checkpointing_do_not_change_the_single_process_step(level, checkpointing):
     """`train.micro_batch_tokens` cuts every chunk into >= 3 forward/backward passes (one packing two
     rows), `train.gradient_checkpointing` recomputes every block in backward: the applied gradient and
@@ -351,11 +357,11 @@ def test_token_budget_passes_and_checkpointing_do_not_change_the_single_process_
     lengths = seq_lengths(rows)
     passes = [split_step.token_passes([lengths[i] for i in c], PASS_BUDGET) for c in PASS_CHUNKS]
     assert all(len(p) >= 3 for p in passes) and any(len(x) > 1 for p in passes for x in p)
-    want_grads, want_params = reference_step(rows, level)
+    want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=checkpointing)
     t = _trainer(cfg)
     calls = _counting_forwards(t.policy.blocks)
-    t.begin_train_step(0, LossConfig(level=level))
+    t.begin_train_step(0, LOSS_VARIANTS[level])
     for idx in PASS_CHUNKS:
         t.train_microbatch(take(rows, idx))
     m = t.finish_train_step(0)

@@ -20,16 +20,33 @@ from typing import Any, TypedDict
 
 import torch
 
-from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs
-from single_controller.algorithm.losses import LOSS_LEVELS, LossOutput, grpo_loss, mismatch_stats
+from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs, token_logprobs_entropy
+from single_controller.algorithm.losses import LossOutput, grpo_loss, loss_normalizer, loss_problems, mismatch_stats
 from single_controller.algorithm.schedules import LrSchedule, lr_at
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
 
-# Statistics summed over a step's valid tokens (loss statistics, then the engines' mismatch), in the
-# order they travel in the finish's all-reduce.
-STAT_KEYS = ("clipped", "is_weight", "is_truncated", "gen_gap", "kl", "mm_abs", "mm_kl", "mm_tokens")
+# Statistics summed over a step's kept tokens (loss statistics, then the engines' mismatch), in the
+# order they travel in the finish's all-reduce; then those whose step value is the ranks' largest.
+STAT_KEYS = (
+    "clipped",
+    "clipped_low",
+    "clipped_high",
+    "is_weight",
+    "is_truncated",
+    "is_masked",
+    "gen_gap",
+    "kl",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "entropy",
+    "mm_abs",
+    "mm_kl",
+    "mm_tokens",
+)
+MAX_KEYS = ("is_ratio_max",)
 
 
 class StepCounts(TypedDict):
@@ -53,6 +70,7 @@ class OpenStep:
     passes: int = 0  # forward/backward passes (a microbatch is cut into several by train.micro_batch_tokens)
     loss_sum: float = 0.0
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAT_KEYS, 0.0))
+    maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MAX_KEYS, 0.0))
     bytes_read: int = 0
     failed: str | None = None  # why a microbatch of this step failed: the step can then only be aborted
 
@@ -78,10 +96,16 @@ class OpenStep:
         self.loss_sum += float(out.loss_sum.detach())
         for k, v in {**out.token_stats, **mismatch}.items():
             self.stats[k] += v
+        for k, v in out.maxes.items():
+            self.maxes[k] = max(self.maxes[k], v)
 
     def sums(self) -> list[float]:
-        """What the finish all-reduces: [tokens, sequences, loss sum, *STAT_KEYS]."""
+        """What the finish all-reduces (a sum): [tokens, sequences, loss sum, *STAT_KEYS]."""
         return [self.tokens, self.sequences, self.loss_sum, *(self.stats[k] for k in STAT_KEYS)]
+
+    def max_values(self) -> list[float]:
+        """What the finish all-reduces with MAX: MAX_KEYS."""
+        return [self.maxes[k] for k in MAX_KEYS]
 
 
 @dataclass(frozen=True)
@@ -92,19 +116,24 @@ class StepSums:
     sequences: float
     loss_sum: float
     stats: dict[str, float]
+    maxes: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> StepSums:
+    def of(cls, values: Sequence[float], maxes: Sequence[float] = ()) -> StepSums:
         tokens, sequences, loss_sum = (float(x) for x in values[:3])
-        return cls(tokens, sequences, loss_sum, dict(zip(STAT_KEYS, (float(x) for x in values[3:]))))
+        stats = dict(zip(STAT_KEYS, (float(x) for x in values[3:])))
+        return cls(tokens, sequences, loss_sum, stats, dict(zip(MAX_KEYS, (float(x) for x in maxes))))
 
     def normalizer(self, st: OpenStep) -> float:
-        """N, what the raw gradient sums are divided by: global valid tokens (token-level loss) or
-        sequences; raises when there is none."""
-        n = self.tokens if st.loss.level == "token" else self.sequences
-        if n <= 0:
-            raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
-        return n
+        """N, what the raw gradient sums are divided by (`loss_normalizer` of the step's kept tokens
+        and sequences over every rank). A step whose every token a mask correction dropped has a
+        zero gradient: N = 1. Raises when the step had no valid token at all."""
+        n = loss_normalizer(st.loss, self.tokens, self.sequences)
+        if n > 0:
+            return n
+        if self.stats.get("is_masked", 0.0) > 0:
+            return 1.0
+        raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
 
 
 class SplitStep:
@@ -161,8 +190,9 @@ class SplitStep:
             raise TrainStepStateError(f"begin_train_step({step}): step {self.open.step} is still open")
         if step != self.next_step:
             raise TrainStepStateError(f"begin_train_step({step}): the trainer's next step is {self.next_step}")
-        if loss.level not in LOSS_LEVELS:
-            raise ValueError(f"loss level must be one of {LOSS_LEVELS}, got {loss.level!r}")
+        problems = loss_problems(loss)
+        if problems:
+            raise ValueError(f"begin_train_step({step}): " + "; ".join(message for _, message in problems))
         if loss.kl_coef > 0 and not self.has_reference:
             raise ValueError("loss.kl_coef > 0 but the trainer was built with train.kl_coef == 0 (no reference policy)")
 
@@ -349,7 +379,9 @@ def rows_loss(
     parameters keep their dtype; logprobs (upcast before the log-softmax), the loss and the backward's
     start are float32 or `dtype`, outside autocast (its documented use)."""
     with _autocast(policy, autocast):
-        logp, valid = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
+        logp, valid, entropy = token_logprobs_entropy(
+            policy, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes
+        )
     logp = logp.to(dtype)
     dev = valid.device
     mask = pad_right(rows["response_mask"], False, torch.bool).to(dev) & valid  # [B, R]
@@ -360,7 +392,8 @@ def rows_loss(
         with torch.no_grad(), _autocast(reference, autocast):
             ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
         ref = ref.to(dtype)
-    out = grpo_loss(logp, gen, torch.as_tensor(rows["advantage"]).to(dev), mask, st.loss, ref_logprobs=ref)
+    adv = torch.as_tensor(rows["advantage"]).to(dev)
+    out = grpo_loss(logp, gen, adv, mask, st.loss, ref_logprobs=ref, entropy=entropy)
     out.loss_sum.backward()
     mismatch: dict[str, float] = {}
     if rows.get("token_versions") is not None:
@@ -371,6 +404,22 @@ def rows_loss(
         fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
         mismatch = mismatch_stats(logp, gen, mask & fresh[:, None])
     return out, mismatch
+
+
+def reduce_sums(st: OpenStep, group: Any, what: str, extra: Sequence[float] = ()) -> tuple[StepSums, list[float]]:
+    """`st`'s sums over the ranks of `group` (None: this rank alone): one SUM all-reduce of
+    `st.sums()` plus `extra` (flags every rank must learn, returned summed), one MAX of `st.max_values()`."""
+    sums = torch.tensor([*st.sums(), *extra], dtype=torch.float64)
+    maxes = torch.tensor(st.max_values(), dtype=torch.float64)
+    if group is not None:
+        import torch.distributed as dist
+
+        with collective(what):
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    values = sums.tolist()
+    n = len(values) - len(extra)
+    return StepSums.of(values[:n], maxes.tolist()), values[n:]
 
 
 def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> dict[str, float]:
@@ -385,8 +434,13 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
         "train/microbatches": float(st.microbatches),
         "train/passes": float(st.passes),  # local forward/backward passes of this rank
         "train/clip_frac": stats["clipped"] / tokens,
+        "train/clip_frac_low": stats["clipped_low"] / tokens,
+        "train/clip_frac_high": stats["clipped_high"] / tokens,
         "train/is_weight_mean": stats["is_weight"] / tokens,
+        "train/is_weight_max": sums.maxes.get("is_ratio_max", 0.0),  # the raw ratio, before truncation or mask
         "train/is_truncated_frac": stats["is_truncated"] / tokens,
+        "train/is_masked_frac": stats["is_masked"] / max(sums.tokens + stats["is_masked"], 1),
+        "train/entropy": stats["entropy"] / tokens,
         "train/gen_logprob_gap": stats["gen_gap"] / tokens,
         "train/lr": lr,
         "train/step_s": time.perf_counter() - st.started,
@@ -394,6 +448,7 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
     }
     if st.loss.kl_coef > 0:
         metrics["train/kl"] = stats["kl"] / tokens
+        metrics.update({f"train/kl_{k}": stats[f"kl_{k}"] / tokens for k in ("k1", "k2", "k3")})
     mm_tokens = stats["mm_tokens"]
     metrics["train/mismatch_tokens"] = mm_tokens
     if mm_tokens > 0:  # only measurable on tokens sampled with this step's weights

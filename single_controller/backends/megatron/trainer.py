@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from single_controller.backends.common.split_step import (
     SplitStep,
-    StepSums,
     collective,
     lr_schedule,
+    reduce_sums,
     set_lr,
     train_rows,
 )
@@ -326,10 +326,7 @@ class MegatronTrainerCore:
         st = self.steps.finishing(step)
         with self.on_device():
             # Every rank of a TP group trained the same rows: sum over the DP group only.
-            sums = torch.tensor(st.sums(), dtype=torch.float64)
-            with collective(f"finish_train_step({step})"):
-                dist.all_reduce(sums, group=mps.get_data_parallel_group())
-            totals = StepSums.of(sums.tolist())
+            totals, _ = reduce_sums(st, mps.get_data_parallel_group(), f"finish_train_step({step})")
             n = totals.normalizer(st)
             with collective(f"finish_train_step({step})"):
                 finalize_model_grads([self.model])  # DDP: sum (or reduce-scatter) the raw gradients once

@@ -25,9 +25,9 @@ from single_controller.backends.common.offload import HostOffload, optimizer_ten
 from single_controller.backends.common.split_step import (
     OpenStep,
     SplitStep,
-    StepSums,
     collective,
     lr_schedule,
+    reduce_sums,
     set_lr,
     train_rows,
 )
@@ -164,14 +164,11 @@ class TrainerCore:
         if retried is not None:
             return retried  # the step was applied once already
         st = self.steps.finishing(step)
-        sums = torch.tensor([*st.sums(), float(st.failed is not None)], dtype=torch.float64)
-        if self.pg is not None:
-            with collective(f"finish_train_step({step})"):
-                dist.all_reduce(sums, group=self.pg)  # first: every rank learns whether one had a failed microbatch
-        self._refuse_partial(st, int(sums[-1]))
+        # first: every rank learns whether one had a failed microbatch
+        totals, (failed,) = reduce_sums(st, self.pg, f"finish_train_step({step})", [float(st.failed is not None)])
+        self._refuse_partial(st, int(failed))
         with collective(f"finish_train_step({step})"):
             grads = self._reduced_grads()
-        totals = StepSums.of(sums[:-1].tolist())
         n = totals.normalizer(st)
         for p, g in zip(self.params, grads):
             p.grad = g.mul_(1.0 / n)
