@@ -185,8 +185,13 @@ class FsdpTrainerCore(TrainerCore):
         return tokens
 
     def _empty_pass(self) -> None:
+        """A pass that changes nothing but runs every collective a real one runs: the reference's
+        all-gathers too when the step's loss has a KL penalty (each real pass runs its forward)."""
         one = torch.zeros(1, dtype=torch.long)
         logprobs, _ = token_logprobs(self._forward, [one], [one], self.temperature)
+        if self.steps.require_open("train_microbatch").loss.kl_coef > 0 and self.reference is not None:
+            with torch.no_grad():  # in a real pass's order: the policy's forward, the reference's, the backward
+                token_logprobs(self.reference, [one], [one], self.temperature)
         (logprobs.sum() * 0.0).backward()
 
     def begin_train_step(self, step: int, loss: Any) -> None:
