@@ -59,6 +59,7 @@ from tests.helpers.megatron_fixtures import (  # noqa: E402
     rel_err,
     take,
 )
+from tests.helpers.trainer_rows import LOSS_VARIANTS  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.megatron]
 
@@ -67,6 +68,7 @@ N_ROWS = 12
 STORED_SEED = 7  # rows the rank actors' storage holds (keys r0..r11)
 CHUNKINGS = ([12], [4, 4, 4], [1, 5, 6])  # rows per train_microbatch call
 GRAD_RTOL = 1e-5
+AGG = {"token": "token_mean", "sequence": "seq_mean_token_mean"}
 PARAM_ATOL = 1e-6  # 0.1% of lr; see check_params
 
 
@@ -353,7 +355,7 @@ def test_streamed_split_api_matches_full_batch(
 
     hf_dir = hf_dirs[arch]
     rows = arch_rows[arch] if kind == "single-turn" else multi_turn_rows
-    loss = LossConfig(level=level, clip_eps=0.2, is_truncation=1.5)
+    loss = LossConfig(agg=AGG[level], clip_low=0.2, clip_high=0.2, is_high=1.5)
     tag = f"{arch}-rows" if kind == "single-turn" else f"{arch}-{kind}-rows"
     ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=tag)
     assert ref_metrics["train/is_truncated_frac"] > 0  # the truncation path is exercised
@@ -376,6 +378,32 @@ def test_streamed_split_api_matches_full_batch(
         )
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+@pytest.mark.parametrize("variant", LOSS_VARIANTS)
+def test_every_loss_option_matches_full_batch(pair, single, hf_dir, rows, variant, tp):
+    """Every option of the loss menu (`LOSS_VARIANTS`: aggregations, policy losses, clip-higher,
+    corrections, KL estimators), every chunking, over DP=2 and TP=2: the full-batch step's gradients,
+    parameters and counts (the same float32 tolerances as above)."""
+    import ray
+
+    # These rows' importance ratios are the model's own times e^(0.3 noise): narrower masks drop some.
+    narrow = {"token_mask": dict(is_low=0.8, is_high=1.25), "sequence_mask": dict(is_low=0.7, is_high=1.4)}
+    loss = dataclasses.replace(LOSS_VARIANTS[variant], **narrow.get(variant, {}))
+    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
+    valid = sum(int(m.sum()) for m in rows["response_mask"])
+    assert 0 < ref_metrics["train/tokens"] <= valid and (ref_metrics["train/tokens"] < valid) == ("mask" in variant)
+    for chunking in CHUNKINGS:
+        layouts = build(pair, hf_dir, tp=tp)
+        for m in run_step(pair, layouts, rows, chunking, loss):
+            assert m["train/loss"] == pytest.approx(ref_metrics["train/loss"], rel=0, abs=1e-6), chunking
+            for k in ("train/grad_norm", "train/tokens", "train/sequences", "train/clip_frac", "train/entropy"):
+                assert m[k] == pytest.approx(ref_metrics[k], rel=1e-6), (chunking, k)
+        grads = ray.get([r.hf_grads.remote() for r in pair])[0]
+        assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL, chunking
+        for params in ray.get([r.hf_weights.remote() for r in pair]):
+            check_params(params, ref_params, ref_grads)
+
+
 PASS_BUDGET = 10  # tokens per pass (rows of 3..9 tokens): 3..5 passes per rank and chunk, some packing two rows
 
 
@@ -393,7 +421,7 @@ def test_token_budget_passes_and_recompute_match_full_batch(pair, single, hf_dir
 
     from single_controller.backends.common.split_step import token_passes
 
-    loss = LossConfig(level="token")
+    loss = LossConfig()
     ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
     train = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=recompute)
     layouts = build(pair, hf_dir, tp=tp, train=train)
@@ -421,7 +449,7 @@ def test_token_budget_passes_and_recompute_match_full_batch(pair, single, hf_dir
 def test_recompute_runs_every_layer_again_in_backward_with_the_same_gradients(single, hf_dir, rows):
     """`train.gradient_checkpointing` on Megatron is real: each transformer layer runs twice per pass
     (forward, then its recompute in backward), and the gradients are the full-batch ones."""
-    loss = LossConfig(level="sequence")
+    loss = LossConfig(agg="seq_mean_token_mean")
     ref_grads, _, _ = reference(single, hf_dir, rows, loss)
     train = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET, gradient_checkpointing=True)
     layout = single.build(str(hf_dir), train, tensor_parallel_size=1, emulate_cpu=True)
@@ -478,7 +506,7 @@ def test_each_optimizer_step_uses_the_scheduled_lr_and_a_resume_continues_it(sin
 def test_kl_option_matches_full_batch(pair, single, hf_dir, rows):
     import ray
 
-    loss = LossConfig(level="token", kl_coef=0.1)
+    loss = LossConfig(kl_coef=0.1)
     ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
     layouts = build(pair, hf_dir, tp=1)
     # The KL of a policy to itself is 0 at the first step: train one step first so it is not.
@@ -491,7 +519,7 @@ def test_kl_option_matches_full_batch(pair, single, hf_dir, rows):
 def test_distributed_optimizer_dp2_matches_full_batch(pair, single, hf_dir, rows):
     import ray
 
-    loss = LossConfig(level="token")
+    loss = LossConfig()
     ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
     layouts = build(pair, hf_dir, tp=1, distributed_optimizer=True)
     metrics = run_step(pair, layouts, rows, [4, 4, 4], loss)
@@ -511,7 +539,7 @@ async def test_group_ranks_read_their_rows_by_key(pair, single, hf_dir, tp):
     from single_controller.types import TrainChunk
 
     stored = make_rows(N_ROWS, STORED_SEED)
-    loss = LossConfig(level="sequence")
+    loss = LossConfig(agg="seq_mean_token_mean")
     ref_grads, _, ref_metrics = reference(single, hf_dir, stored, loss, tag="stored")
     group = megatron_trainer_group(pair, build(pair, hf_dir, tp=tp))
     lengths = [len(p) + len(r) for p, r in zip(stored["prompt_ids"], stored["response_ids"])]
@@ -542,13 +570,13 @@ def test_abort_restores_params_and_optimizer_state_bit_exactly(pair, hf_dir, row
     layouts = build(pair, hf_dir, tp=tp, distributed_optimizer=distributed, dtype=dtype)
     run_step(pair, layouts, rows, [6, 6], LossConfig(), step=0)  # optimizer state is not empty now
     before = ray.get([r.state_fingerprint.remote() for r in pair])
-    ray.get([r.begin_train_step.remote(1, LossConfig(level="sequence")) for r in pair])
+    ray.get([r.begin_train_step.remote(1, LossConfig(agg="seq_mean_token_mean")) for r in pair])
     for k in range(2):  # abort after k = 2 microbatches
         ray.get([r.train_microbatch_rows.remote(take(rows, range(3 * k, 3 * k + 3))) for r in pair])
     ray.get([r.abort_train_step.remote(1) for r in pair])
     assert ray.get([r.same_state.remote(b) for r, b in zip(pair, before)]) == [True, True]
     # The same step trains again after the abort and lands where an uninterrupted step does.
-    again = run_step(pair, layouts, rows, [12], LossConfig(level="sequence"), step=1)
+    again = run_step(pair, layouts, rows, [12], LossConfig(agg="seq_mean_token_mean"), step=1)
     assert again[0]["train/sequences"] == N_ROWS
 
 
@@ -595,13 +623,13 @@ async def test_save_state_and_load_state_resume_exactly(pair, hf_dir, rows, tmp_
     run_step(pair, layouts, rows, [6, 6], LossConfig(), step=0)
     saved = ray.get([r.state_fingerprint.remote() for r in pair])
     await group.save_state(str(tmp_path / "ckpt"))
-    first = run_step(pair, layouts, rows, [12], LossConfig(level="sequence"), step=1)
+    first = run_step(pair, layouts, rows, [12], LossConfig(agg="seq_mean_token_mean"), step=1)
     after_first = ray.get([r.hf_weights.remote() for r in pair])[0]
     assert not all(ray.get([r.same_state.remote(b) for r, b in zip(pair, saved)]))
     assert await group.load_state(str(tmp_path / "ckpt")) == 1
     assert ray.get([r.same_state.remote(b) for r, b in zip(pair, saved)]) == [True, True]
     assert ray.get(pair[0].train_status.remote())["next_step"] == 1
-    again = run_step(pair, layouts, rows, [12], LossConfig(level="sequence"), step=1)
+    again = run_step(pair, layouts, rows, [12], LossConfig(agg="seq_mean_token_mean"), step=1)
     assert again[0]["train/grad_norm"] == first[0]["train/grad_norm"]
     after_again = ray.get([r.hf_weights.remote() for r in pair])[0]
     assert all(np.array_equal(after_first[k], after_again[k]) for k in after_first)
@@ -728,7 +756,7 @@ BF16_GRAD_NORM_RTOL = 2e-4  # measured 9.2e-5 (DP=2), 5.6e-5 (TP=2)
 def test_bfloat16_streamed_split_api_matches_a_one_chunk_bfloat16_step(pair, hf_dir, rows, tp, chunking):
     import ray
 
-    loss = LossConfig(clip_eps=0.2, is_truncation=1.5)
+    loss = LossConfig(is_high=1.5)
     layouts = build(pair, hf_dir, tp=tp, dtype="bfloat16")
     (full, _) = run_step(pair, layouts, rows, [N_ROWS], loss)
     ref_grads = ray.get([r.hf_grads.remote() for r in pair])[0]
