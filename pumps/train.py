@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from replay.ledger import GroupRecord, GroupState, ReadyKey
 from replay.storage import TRAIN_ROW_FIELDS
-from single_controller.algorithm import losses
 from single_controller.channels import Channel
 from single_controller.deadlines import DeadlineExceeded, within
+from single_controller.preflight.algorithm import loss_config
 from single_controller.protocols import FinishAndBegin, Prefetching, TrainerFailed, TrainerRankDied
 from single_controller.state import Finishing, RunState
 from single_controller.types import StepResult, TrainChunk, TrainStatus, WeightsHandle
@@ -154,7 +154,7 @@ async def _send_next(state: RunState, cur: _Step) -> None:
     if not cur.is_open:
         if state.hooks.before_train is not None:  # in a pool the train slots, colocated in turns the device, first
             await state.waiting(state.hooks.before_train(step), PUMP, "train slots / device turn")
-        begin = trainer.begin_train_step(step, losses.loss_config(state.cfg))
+        begin = trainer.begin_train_step(step, loss_config(state.cfg))
         await _timed(state, begin, f"trainer.begin_train_step({step})")
         cur.is_open = True
     await _timed(
@@ -246,7 +246,7 @@ class StepOverlap:
                 await asyncio.sleep(0)  # the finish task's first step: its calls are sent
             if self.ahead is not None and not finish.done():
                 assert isinstance(trainer, FinishAndBegin)  # _may_begin checked the capability
-                behind = await trainer.begin_behind_finish(step + 1, losses.loss_config(state.cfg), self.ahead.chunk)
+                behind = await trainer.begin_behind_finish(step + 1, loss_config(state.cfg), self.ahead.chunk)
             result = await finish
         finally:
             for task in (finish, ready):

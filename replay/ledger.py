@@ -77,6 +77,7 @@ class GroupRecord:
     sample: tuple[str, str, float] | None = None  # one completion as text, for the logs
     episode_stats: Mapping[str, float] = field(default_factory=dict)  # multi-turn: sums over its episodes
     response_lengths: tuple[int, ...] = ()
+    truncated: tuple[bool, ...] = ()  # [G] rows cut short (`GenerationResult.truncated`; () when not told)
     prompt_length: int = 0
     seq_lengths: tuple[int, ...] = ()  # prompt + response tokens per row (set at commit)
     advantages: tuple[float, ...] = ()
@@ -211,6 +212,7 @@ class GroupLedger:
             )
         rec.t_committed = now
         rec.rewards, rec.response_lengths = tuple(result.rewards), tuple(result.response_lengths)
+        rec.truncated = tuple(result.truncated)
         rec.reward_parts, rec.sample, rec.episode_stats = result.reward_parts, result.sample, result.episode_stats
         rec.prompt_length = result.prompt_length
         rec.seq_lengths = tuple(result.prompt_length + n for n in rec.response_lengths)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import math
 import statistics as pystats
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class ControllerStatistics:
     # tokens sampled with its own weights; empty before the first) and its configured bound.
     mismatch: dict[str, float] = field(default_factory=dict)
     mismatch_kl_bound: float = 0.0
+    # The last step's loss and completion statistics (`ALGORITHM_METRICS` of its record; empty before the first).
+    algorithm: dict[str, float] = field(default_factory=dict)
     eval: EvalStatistics | None = None  # None when eval is off
 
 
@@ -127,6 +130,43 @@ HISTORY_KEPT = 1000
 # parameters, a master copy and two optimizer moments, each up to twice as wide as the snapshot's
 # dtype. A generous guess: the deadline only has to catch a write that hangs, never a big model's.
 CHECKPOINT_BYTES_PER_WEIGHT_BYTE = 8
+
+
+# What an operator watches of the algorithm, the last step's value of each (Prometheus gauges, the dashboard).
+ALGORITHM_METRICS = {
+    "rollout/completion_len_mean": "Mean completion length (tokens) of the last step's rows.",
+    "rollout/completion_len_max": "Longest completion (tokens) of the last step's rows.",
+    "rollout/truncated_rate": "Share of the last step's completions cut at max_new_tokens (or env.max_turns).",
+    "rollout/advantage_std": "Std of the last step's advantages (0: no learning signal).",
+    "train/entropy": "Mean policy entropy over the last step's trained tokens (nats).",
+    "train/clip_frac_low": "Share of the last step's tokens where the lower clip bound bound the objective.",
+    "train/clip_frac_high": "Share of the last step's tokens where the upper clip bound bound the objective.",
+    "train/is_weight_max": "Largest importance ratio pi_old / pi_gen of the last step (before truncation or mask).",
+    "train/is_truncated_frac": "Share of the last step's tokens whose importance weight was truncated.",
+    "train/is_masked_frac": "Share of the last step's valid tokens a mask correction dropped.",
+    "train/kl": "Mean KL to the reference policy of the last step (the penalty's estimator; with train.kl_coef).",
+}
+
+
+def completion_records(groups: Sequence[GroupRecord]) -> dict[str, float]:
+    """A step's completions: their lengths (mean, min, max; tokens generated, the stop token
+    included), the share cut short (`GenerationResult.truncated`), and their advantages' mean and std."""
+    lengths = [n for g in groups for n in g.response_lengths]
+    advantages = [a for g in groups for a in g.advantages]
+    if not lengths:
+        return {}
+    n_adv = max(len(advantages), 1)
+    mean_adv = math.fsum(advantages) / n_adv
+    return {
+        "rollout/completion_len_mean": sum(lengths) / len(lengths),
+        "rollout/completion_len_min": float(min(lengths)),
+        "rollout/completion_len_max": float(max(lengths)),
+        "rollout/truncated_rate": sum(t for g in groups for t in g.truncated) / len(lengths),
+        "rollout/advantage_mean": mean_adv,
+        "rollout/advantage_std": math.sqrt(
+            math.fsum((a - mean_adv) ** 2 for a in advantages) / max(len(advantages), 1)
+        ),
+    }
 
 
 def _latency_max(groups: Sequence[GroupRecord]) -> float:
@@ -178,6 +218,7 @@ class Controller:
         # to metrics.jsonl): the controller's memory stays flat over a long run.
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY_KEPT)
         self._mismatch: dict[str, float] = {}
+        self._algorithm: dict[str, float] = {}
         self._success: collections.deque[float] = collections.deque(maxlen=cfg.run.success_window)
         self._tokens_trained = 0
         self._env_totals: dict[str, float] = {}  # multi-turn: sums of the trained episodes' stats
@@ -555,6 +596,7 @@ class Controller:
         if self.turns is not None:
             rec.update(self.turns.record.step_record())
         rec.update({k: float(v) for k, v in report.result.metrics.items()})
+        rec.update(completion_records(report.groups))
         self._add_rewards(rec, report)
         self._add_moved_bytes(rec)
         now = st.clock()
@@ -565,6 +607,7 @@ class Controller:
         self.history.append(rec)
         if "train/mismatch_kl" in rec:
             self._mismatch = {k: rec[k] for k in ("train/mismatch_kl", "train/mismatch_abs_logprob") if k in rec}
+        self._algorithm = {k: float(rec[k]) for k in ALGORITHM_METRICS if k in rec}
         if self.on_step is not None:
             self.on_step(rec)
         target = cfg.run.stop_at_success_rate
@@ -711,6 +754,7 @@ class Controller:
             checkpoints_written=st.counters.checkpoints_written,
             last_checkpoint_s=st.counters.last_checkpoint_s,
             mismatch=dict(self._mismatch),
+            algorithm=dict(self._algorithm),
             mismatch_kl_bound=self.cfg.metrics.mismatch_kl_bound,
             eval=self.eval_tracker.statistics() if self.eval_tracker is not None else None,
         )

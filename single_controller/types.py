@@ -82,6 +82,16 @@ class GenerationResult:
     # `episode_stats`: episodes, turns, tool_calls, env_s, policy_tokens, observation_tokens,
     # truncated, retries); empty for single-turn generation.
     episode_stats: Mapping[str, float] = field(default_factory=dict)
+    # [G] rows cut short: a completion that reached `max_new_tokens` without one of the request's stop
+    # tokens, an episode that ended at `env.max_turns` or the context; () from a worker that does not
+    # tell (none counts as cut). A request without stop tokens has completions of a fixed length: never cut.
+    truncated: tuple[bool, ...] = ()
+
+
+def cut_by_length(ids: Sequence[int], stop_token_ids: Sequence[int]) -> bool:
+    """Whether a single-turn completion `ids` ended at its length limit, not at a stop token (with no
+    stop tokens every completion has its fixed length and none is cut)."""
+    return bool(stop_token_ids) and (not ids or ids[-1] not in stop_token_ids)
 
 
 @dataclass(frozen=True)

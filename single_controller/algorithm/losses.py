@@ -28,7 +28,6 @@ import torch
 
 from single_controller.algorithm.corrections import CORRECTIONS, MASKING, Correction, correct
 from single_controller.algorithm.policy_losses import POLICY_LOSSES, Surrogate
-from single_controller.config.schema import Config, rollout_max_new_tokens
 from single_controller.types import LossConfig
 
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -75,24 +74,6 @@ class LossOutput:
     # tokens a mask correction dropped.
     token_stats: dict[str, float] = field(default_factory=dict)
     maxes: dict[str, float] = field(default_factory=dict)  # is_ratio_max: the largest raw importance ratio
-
-
-def loss_config(cfg: Config) -> LossConfig:
-    """The loss a run's `train.*` settings name (what the train pump hands every `begin_train_step`)."""
-    t = cfg.train
-    return LossConfig(
-        agg=t.loss_agg,
-        policy_loss=t.policy_loss,
-        clip_low=t.clip_eps if t.clip_eps_low is None else t.clip_eps_low,
-        clip_high=t.clip_eps if t.clip_eps_high is None else t.clip_eps_high,
-        is_correction=t.is_correction,
-        is_low=t.is_threshold_low,
-        is_high=t.is_threshold,
-        ratio_to_gen=not t.recompute_old_logprobs,
-        kl_coef=t.kl_coef,
-        kl_estimator=t.kl_estimator,
-        norm_tokens=rollout_max_new_tokens(cfg) if t.loss_agg == "seq_mean_token_sum_norm" else 0,
-    )
 
 
 def loss_problems(cfg: LossConfig) -> list[tuple[tuple[str, ...], str]]:

@@ -1,12 +1,31 @@
-"""Rules for the loss (`train.loss_agg`, `policy_loss`, `is_correction`, thresholds, KL): the same
-checks a trainer makes at `begin_train_step` (`algorithm.losses.loss_problems`), made before start-up
-and named by config key. Each `rule(cfg) -> Problem | None`, in `rules.RULES`."""
+"""The loss a config names (`loss_config`: what the train pump hands every `begin_train_step`) and
+its rule: the checks a trainer makes at `begin_train_step` (`algorithm.losses.loss_problems`), made
+before start-up and named by config key. Each `rule(cfg) -> Problem | None`, in `rules.RULES`."""
 
 from __future__ import annotations
 
-from single_controller.algorithm.losses import FIELD_PATHS, loss_config, loss_problems
+from single_controller.algorithm.losses import FIELD_PATHS, loss_problems
 from single_controller.config.problems import Problem
-from single_controller.config.schema import Config
+from single_controller.config.schema import Config, rollout_max_new_tokens
+from single_controller.types import LossConfig
+
+
+def loss_config(cfg: Config) -> LossConfig:
+    """The loss a run's `train.*` settings name (what the train pump hands every `begin_train_step`)."""
+    t = cfg.train
+    return LossConfig(
+        agg=t.loss_agg,
+        policy_loss=t.policy_loss,
+        clip_low=t.clip_eps if t.clip_eps_low is None else t.clip_eps_low,
+        clip_high=t.clip_eps if t.clip_eps_high is None else t.clip_eps_high,
+        is_correction=t.is_correction,
+        is_low=t.is_threshold_low,
+        is_high=t.is_threshold,
+        ratio_to_gen=not t.recompute_old_logprobs,
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        norm_tokens=rollout_max_new_tokens(cfg) if t.loss_agg == "seq_mean_token_sum_norm" else 0,
+    )
 
 
 def loss_settings_agree(cfg: Config) -> Problem | None:
@@ -31,4 +50,24 @@ def _path(cfg: Config, field: str) -> str:
     return FIELD_PATHS[field]
 
 
-RULES = (loss_settings_agree,)
+def the_ratio_can_move(cfg: Config) -> Problem | None:
+    """With one optimizer step per RL step and the ratio taken against the step's start, the ratio is
+    1 in value: no clip binds, and gspo and cispo have ppo_clip's gradient. A setting that only acts
+    through the ratio would change nothing; refused rather than silently ignored."""
+    t = cfg.train
+    if not t.recompute_old_logprobs:
+        return None
+    acting = [f"train.policy_loss={t.policy_loss}"] if t.policy_loss != "ppo_clip" else []
+    acting += [f"train.{k}" for k in ("clip_eps_low", "clip_eps_high") if getattr(t, k) is not None]
+    if not acting:
+        return None
+    return Problem(
+        ("train.recompute_old_logprobs", "train.policy_loss", "train.clip_eps_low", "train.clip_eps_high"),
+        f"{', '.join(acting)} acts through the ratio pi / pi_base, which is 1 in value here: with one update per "
+        "step the ratio is taken against the step's own start (train.recompute_old_logprobs=true), so no clip "
+        "binds and gspo and cispo have ppo_clip's gradient. Take the ratio against the generation logprobs "
+        "(train.recompute_old_logprobs=false train.is_correction=none), or leave the setting out",
+    )
+
+
+RULES = (loss_settings_agree, the_ratio_can_move)

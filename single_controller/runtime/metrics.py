@@ -33,7 +33,7 @@ from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from single_controller.config.schema import MetricsConfig
-from single_controller.controller import ControllerStatistics
+from single_controller.controller import ALGORITHM_METRICS, ControllerStatistics
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ def families(s: ControllerStatistics) -> list[Metric]:
         _step_families,
         _elastic_families,
         _mismatch_families,
+        _algorithm_families,
         _eval_families,
         _storage_families,
     ):
@@ -390,6 +391,13 @@ def _elastic_families(f: _Families, s: ControllerStatistics) -> None:
 def _episode_counters(f: _Families, totals: dict[str, float]) -> None:
     for key, name, doc, unit in _EPISODE_COUNTERS:
         f.counter(name, doc, totals.get(key, 0.0), unit=unit or "")
+
+
+def _algorithm_families(f: _Families, s: ControllerStatistics) -> None:
+    """The last step's loss and completion statistics (NaN before the first step, or when the run
+    does not compute one, e.g. `train_kl` without a KL penalty)."""
+    for key, doc in ALGORITHM_METRICS.items():
+        f.gauge("last_step_" + key.replace("/", "_"), doc, s.algorithm.get(key, math.nan))
 
 
 def _mismatch_families(f: _Families, s: ControllerStatistics) -> None:

@@ -22,6 +22,7 @@ from single_controller.preflight.loader import (
     load_config,
     readme_reference,
 )
+from single_controller.types import LossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -203,7 +204,16 @@ def test_several_problems_are_all_listed_in_one_error(tmp_path):
     [
         (["rollout.group_size=1"], "rollout.group_size"),
         (["rollout.on_failure=ignore"], "rollout.on_failure"),
-        (["train.loss_level=batch"], "train.loss_level"),
+        (["train.loss_agg=batch"], "train.loss_agg"),
+        (["train.loss_level=token"], "train.loss_level"),  # retired: named with its replacement
+        (["train.is_truncation=2.0"], "train.is_truncation"),
+        (["train.policy_loss=grpo"], "train.policy_loss"),
+        (["train.is_correction=token_truncate", "train.recompute_old_logprobs=false"], "train.recompute_old_logprobs"),
+        (["train.is_correction=token_mask", "train.is_threshold_low=1.5"], "train.is_threshold_low"),
+        (["train.is_threshold_low=0.5"], "train.is_threshold_low"),  # only the mask corrections have one
+        (["train.kl_estimator=k4"], "train.kl_estimator"),
+        (["train.policy_loss=gspo"], "train.recompute_old_logprobs"),  # the ratio is 1: gspo == ppo_clip
+        (["train.clip_eps_high=0.28"], "train.recompute_old_logprobs"),  # ... and no clip binds
         (["sampler.order=lifo"], "sampler.order"),
         (["sync.drain_policy=wait"], "sync.drain_policy"),
         (["backend.generation=gpu"], "backend.generation"),
@@ -474,3 +484,40 @@ def test_a_mapping_valued_field_is_replaced_by_a_later_layer_not_merged(tmp_path
     assert load_config(str(f), []).data.reasoning_gym.config == {"min_word_len": 3, "max_word_len": 4}
     assert load_config(str(f), ["data.reasoning_gym.config={}"]).data.reasoning_gym.config == {}
     assert load_config(str(f), ["data.reasoning_gym.config={size: 5}"]).data.reasoning_gym.config == {"size": 5}
+
+
+@pytest.mark.parametrize(
+    "key, replacement",
+    [("train.loss_level=sequence", "seq_mean_token_mean"), ("train.is_truncation=0", "recompute_old_logprobs=false")],
+)
+def test_a_retired_key_is_refused_naming_what_replaced_it(key, replacement):
+    text = flat(problems_of(None, [key]))
+    assert "no longer a key" in text and replacement in text
+
+
+def test_the_loss_menu_is_read_from_the_config():
+    from single_controller.preflight.algorithm import loss_config
+
+    cfg = load_config(
+        None,
+        [
+            "train.loss_agg=seq_mean_token_sum_norm",
+            "rollout.max_new_tokens=7",
+            "train.policy_loss=gspo",
+            "train.clip_eps=0.2",
+            "train.clip_eps_high=0.28",
+            "train.recompute_old_logprobs=false",
+            "train.is_correction=none",
+            "train.kl_coef=0.01",
+            "train.kl_estimator=k2",
+        ],
+    )
+    loss = loss_config(cfg)
+    assert (loss.agg, loss.norm_tokens, loss.policy_loss) == ("seq_mean_token_sum_norm", 7, "gspo")
+    assert (loss.clip_low, loss.clip_high, loss.ratio_to_gen, loss.is_correction) == (0.2, 0.28, True, "none")
+    assert (loss.kl_coef, loss.kl_estimator) == (0.01, "k2")
+    masked = ["train.is_correction=sequence_mask", "train.is_threshold_low=0.5", "train.is_threshold=3"]
+    loss = loss_config(load_config(None, masked))
+    assert (loss.is_correction, loss.is_low, loss.is_high, loss.ratio_to_gen) == ("sequence_mask", 0.5, 3.0, False)
+    # the defaults are the loss before the menu: token mean, PPO clip 0.2, TIS at 2, no KL
+    assert loss_config(load_config(None, [])) == LossConfig()

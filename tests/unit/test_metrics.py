@@ -586,3 +586,29 @@ def test_status_bar_scales_states_to_capacity():
     assert status._bar({"reserved": 3, "ready": 4, "selected": 2}, 16) == "gggggg" + "rrrrrrrr" + "tttt" + "." * 14
     assert status.metrics_url("localhost:9464") == "http://localhost:9464/metrics"
     assert status.metrics_url("http://h:1/custom") == "http://h:1/custom"
+
+
+def test_completion_records_by_hand():
+    """Two groups of two: lengths 3, 5 | 4, 8 -> mean 5, min 3, max 8; one row of four cut short;
+    advantages 1, -1, 0.5, -0.5 -> mean 0, std sqrt((1 + 1 + .25 + .25) / 4) = sqrt(0.625)."""
+    import math
+
+    from replay.ledger import GroupRecord
+    from single_controller.controller import completion_records
+    from single_controller.types import Prompt
+
+    def group(lengths, truncated, advantages):
+        rec = GroupRecord("g", Prompt("p", (1,)), 0, 0, 0, 0, 0.0)
+        rec.response_lengths, rec.truncated, rec.advantages = lengths, truncated, advantages
+        return rec
+
+    got = completion_records([group((3, 5), (False, False), (1.0, -1.0)), group((4, 8), (False, True), (0.5, -0.5))])
+    assert got == {
+        "rollout/completion_len_mean": 5.0,
+        "rollout/completion_len_min": 3.0,
+        "rollout/completion_len_max": 8.0,
+        "rollout/truncated_rate": 0.25,
+        "rollout/advantage_mean": 0.0,
+        "rollout/advantage_std": math.sqrt(0.625),
+    }
+    assert completion_records([group((2, 2), (), (0.0, 0.0))])["rollout/truncated_rate"] == 0.0  # not told: none cut

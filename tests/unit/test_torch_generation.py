@@ -54,6 +54,10 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
             if stop and len(ids) < req.sampling.max_new_tokens:
                 assert ids[-1] in stop and not any(t in stop for t in ids[:-1].tolist())
             text = TOKENIZER.decode(ids[:-1] if stop and ids[-1] in stop else ids)
+            # cut short: stop tokens were asked for and the completion ends without one
+            cut = res.truncated[req.row_keys.index(k)]
+            assert cut == (bool(stop) and int(ids[-1]) not in stop)
+            assert not cut or len(ids) == req.sampling.max_new_tokens
             assert storage.tags(k) == {}  # provenance is in the row itself: its key and token_versions
             assert (rows["token_versions"][req.row_keys.index(k)] == 3).all()
             assert positional_match_reward(req.prompt, text) == pytest.approx(
@@ -63,6 +67,23 @@ def test_core_generates_scores_and_stores_a_batch_in_one_put():
         tlp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"], req.sampling.temperature)
         assert (tlp[valid] - torch.cat(rows["gen_logprobs"])).abs().max() < 1e-5
     assert core.statistics().batches == 1 and core.statistics().groups == 4
+    assert not any(t for res in results[:3] for t in res.truncated)  # no stop token: a fixed length, never cut
+    assert len(results[3].truncated) == 5
+
+
+def test_a_completion_that_reaches_its_length_before_a_stop_token_is_reported_cut():
+    """Two tokens for a three-digit answer and its stop token: every completion is cut; with room for
+    more, those that stop are not (`GenerationResult.truncated`, the `rollout/truncated_rate` of a step)."""
+    core = GenerationCore(trained_like_model(), InMemoryRowStorage(), REWARD, seed=0, version=0)
+    short, room = core.generate(
+        [
+            request(0, n=4, max_new_tokens=2, stop_token_ids=(TOKENIZER.eos_id,)),
+            request(1, n=4, max_new_tokens=6, stop_token_ids=(TOKENIZER.eos_id,)),
+        ]
+    )
+    assert short.truncated == (True,) * 4 and short.response_lengths == (2,) * 4
+    assert not all(room.truncated)  # some stopped with room left (the others ran to 6 tokens)
+    assert all(n == 6 for n, cut in zip(room.response_lengths, room.truncated) if cut)
 
 
 def _picky_reward(prompt, text):

@@ -349,6 +349,7 @@ def episode_result(
         version_end=max(versions),
         sample=(tokenizer.decode(episodes[0].prompt_ids), transcript(tokenizer, episodes[0]), rewards[0]),
         episode_stats=episode_stats(episodes),
+        truncated=tuple(e.truncated for e in episodes),
     )
 
 

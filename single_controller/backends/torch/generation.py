@@ -47,7 +47,7 @@ from single_controller.config.schema import EnvConfig, ModelConfig, RewardConfig
 from single_controller.data.tasks import TOKENIZER
 from single_controller.data.tokenizer import RunTokenizer, load_tokenizer
 from single_controller.protocols import EnvironmentFailed, GenerationFailed, RewardFailed
-from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle, cut_by_length
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ def _result(r: GenerationRequest, rows: list[_Row], scored: Scored, version: int
         version_end=version,
         reward_parts=scored.parts,
         sample=scored.sample,
+        truncated=tuple(cut_by_length(ids[-1:].tolist(), r.sampling.stop_token_ids) for ids, *_ in rows),
     )
 
 

@@ -47,7 +47,7 @@ from single_controller.backends.vllm.sleep import SleepRecord, sleep_engine, wak
 from single_controller.config.schema import Config, env_enabled, rollout_max_new_tokens, run_reward
 from single_controller.data.tokenizer import load_tokenizer
 from single_controller.protocols import EnvironmentFailed, GenerationFailed
-from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle
+from single_controller.types import GenerationRequest, GenerationResult, WeightsHandle, cut_by_length
 
 log = logging.getLogger(__name__)
 
@@ -524,6 +524,7 @@ class VllmGenerationActor:
             version_end=max(all_versions),
             reward_parts=scored.parts,
             sample=scored.sample,
+            truncated=tuple(cut_by_length(ids[-1:].tolist(), stop) for ids in cols["response_ids"]),
         )
         return cols, result
 
