@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import uuid
+from fractions import Fraction
 from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -362,7 +363,8 @@ def test_a_rank_takes_read_ahead_hints_while_a_microbatch_runs(cluster, loop, tm
 
 
 def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, loop):
-    """A bug in the loss (here a `str` where the loss computes `1 - clip_eps`) raises its own error
+    """A bug in the loss (here a `Fraction`, which passes the settings' checks, where the loss clamps
+    the ratio to `1 + clip_high`) raises its own error
     on every call that reports it, with the rank's traceback: never the `TrainerFailed` the train pump
     aborts and retries (`rank_calls.RETRYABLE`). The step stays open until it is aborted."""
     storage, gens, group = workers
@@ -376,13 +378,13 @@ def test_a_type_error_in_a_ranks_loss_fails_at_once_and_is_not_retried(workers, 
     step = run(loop, group.train_status()).next_step
 
     async def step_with_a_bug_in_the_loss():
-        await group.begin_train_step(step, LossConfig(clip_eps="0.2"))
+        await group.begin_train_step(step, LossConfig(clip_high=Fraction(1, 5)))
         await group.train_microbatch(
             TrainChunk(step, 0, tuple(keys), lengths, TRAIN_ROW_FIELDS, (1.0, -1.0, 0.5, -0.5))
         )
         await group.finish_train_step(step)
 
-    with pytest.raises(TypeError, match="unsupported operand") as info:
+    with pytest.raises(TypeError, match="invalid combination of arguments") as info:
         run(loop, step_with_a_bug_in_the_loss())
     assert not isinstance(info.value, TrainerFailed)
     assert "grpo_loss" in str(info.value)  # the rank's traceback comes with it
