@@ -570,6 +570,17 @@ def _drop_outcome(task: asyncio.Task) -> None:
         task.exception()
 
 
+SIM_LOSS_STATISTICS = (
+    "train/entropy",
+    "train/clip_frac",
+    "train/clip_frac_low",
+    "train/clip_frac_high",
+    "train/is_weight_max",
+    "train/is_truncated_frac",
+    "train/is_masked_frac",
+)
+
+
 class SimTrainerGroup:
     """Like a Ray actor, every call runs to completion on the "remote" side even if the caller
     stops waiting (a deadline): calls execute one at a time as tasks the caller only awaits
@@ -761,8 +772,11 @@ class SimTrainerGroup:
         self._open = self._step = None
         self.version += 1
         self.optimizer_steps += 1
+        # No policy, no loss: the statistics every real trainer reports (`split_step.step_metrics`) are 0.
+        stats = dict.fromkeys(SIM_LOSS_STATISTICS, 0.0)
         self._last = StepResult(
-            step, {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read)}
+            step,
+            {"train/loss": 0.0, "train/rows": float(len(keys)), "train/bytes_read": float(self.bytes_read), **stats},
         )
         return self._last
 
