@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import torch
+import torch.distributed as dist
 
 from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs, token_logprobs_entropy
 from single_controller.algorithm.losses import LossOutput, grpo_loss, loss_normalizer, loss_problems, mismatch_stats
@@ -412,8 +413,6 @@ def reduce_sums(st: OpenStep, group: Any, what: str, extra: Sequence[float] = ()
     sums = torch.tensor([*st.sums(), *extra], dtype=torch.float64)
     maxes = torch.tensor(st.max_values(), dtype=torch.float64)
     if group is not None:
-        import torch.distributed as dist
-
         with collective(what):
             dist.all_reduce(sums, group=group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
