@@ -28,7 +28,7 @@ class Correction:
     weight: torch.Tensor  # [B, T] detached; 0 where not kept
     keep: torch.Tensor  # [B, T] bool: valid tokens that keep a loss
     capped: torch.Tensor  # [B, T] bool: kept tokens whose weight was truncated
-    ratio_max: float  # the largest raw importance ratio (token or sequence level) among valid tokens
+    ratio_max: torch.Tensor  # 0-d: the largest raw importance ratio (token or sequence level) among valid tokens
 
 
 CorrectionFn = Callable[[torch.Tensor, torch.Tensor, float, float], Correction]
@@ -72,8 +72,9 @@ def _sequence_rho(log_rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.where(mask, log_rho.detach(), 0.0).sum(1, keepdim=True))
 
 
-def _max(rho: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(torch.where(mask, rho, 0.0).max()) if mask.any() else 0.0
+def _max(rho: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-d, 0 without a valid token; stays on the device (read with the loss's other statistics)."""
+    return torch.cat([torch.where(mask, rho, 0.0).reshape(-1), rho.new_zeros(1)]).max()
 
 
 CORRECTIONS: dict[str, CorrectionFn] = {

@@ -186,11 +186,9 @@ def grpo_loss(
         loss_sum = (row_sums / tokens_per_row.clamp(min=1)).sum()
     else:
         loss_sum = row_sums.sum()
-    stats = _token_stats(fix, surrogate, keep, mask, old - gen, kls, cfg)
-    if entropy is not None:
-        stats["entropy"] = float(torch.where(keep, entropy.detach().double(), 0.0).sum())
-    n_tokens, n_rows = int(tokens_per_row.sum()), int((tokens_per_row > 0).sum())
-    return LossOutput(loss_sum, n_tokens, n_rows, stats, {"is_ratio_max": fix.ratio_max})
+    stats = _token_stats(fix, surrogate, keep, mask, old - gen, kls, cfg, entropy)
+    n_tokens, n_rows, ratio_max = int(stats.pop("tokens")), int(stats.pop("rows")), stats.pop("ratio_max")
+    return LossOutput(loss_sum, n_tokens, n_rows, stats, {"is_ratio_max": ratio_max})
 
 
 def _token_stats(
@@ -201,26 +199,34 @@ def _token_stats(
     log_rho: torch.Tensor,
     kls: dict[str, torch.Tensor],
     cfg: LossConfig,
+    entropy: torch.Tensor | None,
 ) -> dict[str, float]:
-    """The loss's statistics, sums over kept tokens (see `LossOutput.token_stats`)."""
+    """The loss's statistics, sums over kept tokens (see `LossOutput.token_stats`), plus the kept
+    `tokens` and `rows` and the `ratio_max`: read from the device in one transfer (one sync a pass)."""
     with torch.no_grad():
 
-        def kept(x: torch.Tensor) -> float:
-            return float(torch.where(keep, x.detach().to(torch.float64), 0.0).sum())
+        def kept(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep, x.detach().to(torch.float64), 0.0).sum()
 
-        stats = {
+        sums = {
             "clipped": kept(surrogate.clipped_low | surrogate.clipped_high),
             "clipped_low": kept(surrogate.clipped_low),
             "clipped_high": kept(surrogate.clipped_high),
             "is_weight": kept(fix.weight),
             "is_truncated": kept(fix.capped),
-            "is_masked": float((mask & ~keep).sum()),
+            "is_masked": (mask & ~keep).sum(),
             "gen_gap": kept(log_rho.abs()),  # |log pi_old - log pi_gen|
+            "tokens": keep.sum(),
+            "rows": keep.any(dim=1).sum(),
+            "ratio_max": fix.ratio_max,
         }
+        if entropy is not None:
+            sums["entropy"] = kept(entropy)
         if kls:
-            stats["kl"] = kept(kls[cfg.kl_estimator])
-            stats.update({f"kl_{name}": kept(k) for name, k in kls.items()})
-    return stats
+            sums["kl"] = kept(kls[cfg.kl_estimator])
+            sums.update({f"kl_{name}": kept(k) for name, k in kls.items()})
+        values = torch.stack([v.to(torch.float64) for v in sums.values()]).tolist()
+    return dict(zip(sums, values))
 
 
 def mismatch_stats(
