@@ -4,7 +4,9 @@ Group-normalized advantages are computed from the rewards the controller already
 the group records: they reach the trainer inside its train chunks (one float per row), never through
 storage. Zero-variance groups are counted and, with `advantage.drop_zero_variance`, dropped and
 refilled for their step (at most `advantage.max_zero_variance_drops_per_step` per step). A group
-with non-finite rewards is dropped alone with reason `reward_failed`; the run goes on. Optional
+with non-finite rewards is dropped alone with reason `reward_failed`; the run goes on. With
+`reward.overlong_buffer`, DAPO's overlong punishment of each row's length is added to its reward
+first (`shaped_rewards`; the group record keeps the rewards as scored). Optional
 `LogprobPass` objects (e.g. reference logprobs for a KL term) write their columns before `ready`.
 """
 
@@ -15,7 +17,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from replay.ledger import GroupRecord, GroupState
-from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance
+from single_controller.algorithm.advantages import grpo_advantages, is_zero_variance, overlong_penalty
+from single_controller.config.schema import Config, rollout_max_new_tokens
 from single_controller.state import RunState
 
 PUMP = "advantage"
@@ -55,14 +58,15 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
     t0 = state.clock()
     keep: list[tuple[GroupRecord, tuple[float, ...]]] = []
     for rec in batch:
-        advs = _advantages(rec.rewards, cfg)
+        rewards = shaped_rewards(rec, state.cfg)
+        advs = _advantages(rewards, cfg)
         if advs is None:
             await _drop_reward_failed(state, rec)
             continue
         state.counters.reward_failed_in_a_row = 0  # a group scored
         state.counters.env_failed_in_a_row = 0
         state.counters.context_full_in_a_row = 0
-        if is_zero_variance(rec.rewards):
+        if is_zero_variance(rewards):
             state.counters.zero_variance_groups += 1
             if cfg.drop_zero_variance and not state.stop.requested:
                 dropped = state.counters.zero_variance_drops[rec.target_step]
@@ -82,6 +86,19 @@ async def _step(state: RunState, batch: list[GroupRecord], logprob_passes, cfg) 
             state.ledger.mark_ready(rec.group_id, advs, now)
     clk.busy_s += state.clock() - t0
     state.notify()
+
+
+def shaped_rewards(rec: GroupRecord, cfg: Config) -> tuple[float, ...]:
+    """The rewards a group's advantages are taken from: as scored, plus the overlong punishment of
+    each row's length (`reward.overlong_buffer`; none when it is 0)."""
+    r = cfg.reward
+    if r.overlong_buffer == 0:
+        return rec.rewards
+    budget = rollout_max_new_tokens(cfg)
+    return tuple(
+        x + overlong_penalty(n, budget, r.overlong_buffer, r.overlong_penalty)
+        for x, n in zip(rec.rewards, rec.response_lengths, strict=True)
+    )
 
 
 def _advantages(rewards: tuple[float, ...], cfg) -> tuple[float, ...] | None:

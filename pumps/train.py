@@ -23,7 +23,7 @@ from single_controller.deadlines import DeadlineExceeded, within
 from single_controller.preflight.algorithm import loss_config
 from single_controller.protocols import FinishAndBegin, Prefetching, TrainerFailed, TrainerRankDied
 from single_controller.state import Finishing, RunState
-from single_controller.types import StepResult, TrainChunk, TrainStatus, WeightsHandle
+from single_controller.types import NO_LOSS, StepResult, TrainChunk, TrainStatus, WeightsHandle
 
 PUMP = "train"
 
@@ -332,10 +332,16 @@ def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) ->
     keys: list[str] = []
     lengths: list[int] = []
     advantages: list[float] = []
+    no_loss = state.cfg.train.mask_truncated
     for g in groups:
         keys += g.keys
         lengths += g.seq_lengths
         advantages += g.advantages  # computed by the advantage pump, never stored
+        if no_loss and any(g.truncated):  # rows cut short carry no loss (train.mask_truncated)
+            cut = len(advantages) - len(g.advantages)
+            for i, t in enumerate(g.truncated):
+                if t:
+                    advantages[cut + i] = NO_LOSS
     return TrainChunk(step, index, tuple(keys), tuple(lengths), TRAIN_ROW_FIELDS, tuple(advantages))
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pumps.advantage import advantage_pump
+from pumps.advantage import advantage_pump, shaped_rewards
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
@@ -633,6 +633,9 @@ class Controller:
         `reward.functions`); every `run.sample_every_steps` steps one trained completion as text
         (`sample`: prompt, completion, reward), for the loggers."""
         rec.update(reward_part_means((g.reward_parts for g in report.groups), ""))
+        if self.cfg.reward.overlong_buffer and report.groups:  # DAPO's overlong punishment, as added to the rewards
+            shaping = [s - r for g in report.groups for s, r in zip(shaped_rewards(g, self.cfg), g.rewards)]
+            rec["reward/overlong_penalty_mean"] = math.fsum(shaping) / max(len(shaping), 1)
         rec.update(self._episode_records(report))
         every = self.cfg.run.sample_every_steps
         if every and report.step % every == 0:

@@ -94,6 +94,11 @@ def cut_by_length(ids: Sequence[int], stop_token_ids: Sequence[int]) -> bool:
     return bool(stop_token_ids) and (not ids or ids[-1] not in stop_token_ids)
 
 
+NO_LOSS = float("nan")
+"""The advantage a train chunk carries for a row that gets no loss (`train.mask_truncated`): the
+trainer neither trains nor counts its tokens."""
+
+
 @dataclass(frozen=True)
 class TrainChunk:
     """Metadata for one `train_microbatch` call: the trainer group fetches these rows itself."""
@@ -105,6 +110,7 @@ class TrainChunk:
     fields: tuple[str, ...]  # fields each rank must read for these rows
     # Per row (aligned with row_keys): the rows' advantages, which the controller computed and carries
     # here, so ranks read only the bulk fields. Empty: the rows' `advantage` field is read from storage.
+    # `NO_LOSS` (NaN, never an advantage: the advantage pump drops non-finite ones): the row carries no loss.
     advantages: tuple[float, ...] = ()
 
     def rank_advantages(self, keys: Sequence[str]) -> list[float] | None:

@@ -168,6 +168,12 @@ class RewardConfig:
     serves the calls after it."""
     max_workers: PositiveInt = 4
     """Threads of a generation worker's reward pool (calls of groups and functions run side by side)."""
+    overlong_buffer: Count = 0
+    """DAPO's soft overlong punishment: a completion of L tokens longer than rollout.max_new_tokens - overlong_buffer
+    gets overlong_penalty x (max_new_tokens - overlong_buffer - L) / overlong_buffer added to its reward (from 0 at
+    the buffer's start to -overlong_penalty at max_new_tokens), before advantages. 0: off. Single-turn only."""
+    overlong_penalty: NonNegative = 1.0
+    """The overlong punishment's size at max_new_tokens (see `overlong_buffer`)."""
 
 
 @dataclass(frozen=True)
@@ -341,6 +347,11 @@ class TrainConfig:
     update per step, where they are the forward's own), and the correction weighs that policy against the sampler's.
     false: the ratio is taken against the generation logprobs themselves (the clip then also bounds staleness) and
     `is_correction` must be `none`."""
+    mask_truncated: bool = False
+    """A completion cut short (it reached `rollout.max_new_tokens` without a stop token, or an episode was cut at
+    `env.max_turns` or the context) carries no loss: its tokens are neither trained nor counted (DAPO's overlong
+    filtering). Its reward still counts in its group's baseline. A step whose every row was cut applies a zero
+    gradient. Reported as `train/truncated_masked_frac`."""
     kl_coef: NonNegative = 0.0
     """Weight of the KL penalty to the initial (reference) policy in the loss; 0 disables it."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -70,4 +70,26 @@ def the_ratio_can_move(cfg: Config) -> Problem | None:
     )
 
 
-RULES = (loss_settings_agree, the_ratio_can_move)
+def overlong_penalty_fits(cfg: Config) -> Problem | None:
+    """DAPO's overlong buffer lies inside the completion budget, and only single-turn completions have
+    the length it is defined on (an episode's length also counts the environment's tokens)."""
+    buffer = cfg.reward.overlong_buffer
+    if buffer == 0:
+        return None
+    if cfg.env.fn is not None or cfg.env.url is not None:
+        return Problem(
+            ("reward.overlong_buffer", "env.fn", "env.url"),
+            "reward.overlong_buffer is defined on a single completion's length (rollout.max_new_tokens); an "
+            "episode's length also counts the environment's tokens. Use train.mask_truncated for episodes cut short",
+        )
+    budget = rollout_max_new_tokens(cfg)
+    if buffer >= budget:
+        return Problem(
+            ("reward.overlong_buffer", "rollout.max_new_tokens"),
+            f"reward.overlong_buffer={buffer} must be below rollout.max_new_tokens={budget}: the punishment "
+            "ramps over the buffer's last tokens of the budget",
+        )
+    return None
+
+
+RULES = (loss_settings_agree, the_ratio_can_move, overlong_penalty_fits)

@@ -2,6 +2,7 @@
 full-batch step they are compared with. Not a test module."""
 
 import dataclasses
+import math
 import random
 
 import torch
@@ -11,7 +12,7 @@ from single_controller.algorithm.losses import grpo_loss, loss_normalizer
 from single_controller.backends.torch.model import TinyGPT
 from single_controller.config.schema import ModelConfig, TrainConfig
 from single_controller.data.tasks import TOKENIZER
-from single_controller.types import LossConfig
+from single_controller.types import NO_LOSS, LossConfig
 
 SMALL = ModelConfig(d_model=32, n_heads=2, n_layers=2)
 
@@ -69,7 +70,24 @@ LOSS_VARIANTS: dict[str, LossConfig] = {
     "sequence_mask": LossConfig(is_correction="sequence_mask", is_low=0.1, is_high=10.0),
     "kl_k1": LossConfig(kl_coef=0.05, kl_estimator="k1"),
     "kl_k3": LossConfig(kl_coef=0.05, kl_estimator="k3"),
+    # train.mask_truncated: the loss is the default; `rows_for` gives some rows no loss (NO_LOSS advantages)
+    "mask_truncated": LossConfig(),
 }
+NO_LOSS_ROWS = (1, 5)  # the rows `rows_for` marks in the mask_truncated variant
+
+
+def rows_for(variant: str, rows: dict) -> dict:
+    """`rows` as the variant trains them: for `mask_truncated`, rows NO_LOSS_ROWS carry no loss."""
+    if variant != "mask_truncated":
+        return rows
+    adv = rows["advantage"].clone()
+    adv[list(NO_LOSS_ROWS)] = NO_LOSS
+    return {**rows, "advantage": adv}
+
+
+def _with_loss(rows: dict) -> dict:
+    """The rows of `rows` that carry a loss (a NO_LOSS advantage: none), as the plain full batch sees them."""
+    return take(rows, [i for i, a in enumerate(rows["advantage"].tolist()) if not math.isnan(a)])
 
 
 def train_config_for(loss: LossConfig, base: TrainConfig = TRAIN) -> TrainConfig:
@@ -79,7 +97,9 @@ def train_config_for(loss: LossConfig, base: TrainConfig = TRAIN) -> TrainConfig
 
 def reference_step(rows: dict, loss: LossConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Single process, full batch, written out plainly: mean loss over the batch, backward, clip, AdamW.
-    The KL reference is the initial model, so its logprobs are the step's own, detached."""
+    The KL reference is the initial model, so its logprobs are the step's own, detached. Rows without
+    loss (NO_LOSS) are left out of the batch."""
+    rows = _with_loss(rows)
     model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN.lr, betas=TRAIN.betas, weight_decay=TRAIN.weight_decay)
     logp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"])
@@ -98,6 +118,7 @@ def reference_step(rows: dict, loss: LossConfig) -> tuple[list[torch.Tensor], li
 
 def reference_counts(rows: dict, loss: LossConfig) -> tuple[int, int]:
     """(kept tokens, kept sequences) of `rows`' full-batch step under `loss`."""
+    rows = _with_loss(rows)
     model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
     with torch.no_grad():
         logp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"])

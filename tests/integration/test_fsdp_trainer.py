@@ -26,6 +26,7 @@ from tests.helpers.trainer_rows import (
     make_rows,
     reference_counts,
     reference_step,
+    rows_for,
     seq_lengths,
     take,
     train_config_for,
@@ -85,7 +86,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict = {}
     for kind, level, ci, reduce in SCENARIOS:
         core = _core(reduce, train_config_for(LOSS_VARIANTS[level]))
-        results[(kind, level, ci, reduce)] = _step(core, rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
+        rows = rows_for(level, ROW_KINDS[kind]())
+        results[(kind, level, ci, reduce)] = _step(core, rank, world, rows, CHUNKINGS[ci], level)
     for kind, ckpt, reduce in PASS_SCENARIOS:
         cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET[kind], gradient_checkpointing=ckpt)
         rows = ROW_KINDS[kind]()
@@ -114,7 +116,7 @@ def fsdp_results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("kind, level, ci, reduce", SCENARIOS)
 def test_fsdp_split_step_equals_full_batch(fsdp_results, kind, level, ci, reduce):
-    rows = ROW_KINDS[kind]()
+    rows = rows_for(level, ROW_KINDS[kind]())
     want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     for rank, res in enumerate(fsdp_results):
         grads, params, m = res[(kind, level, ci, reduce)]

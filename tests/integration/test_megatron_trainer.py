@@ -59,7 +59,7 @@ from tests.helpers.megatron_fixtures import (  # noqa: E402
     rel_err,
     take,
 )
-from tests.helpers.trainer_rows import LOSS_VARIANTS  # noqa: E402
+from tests.helpers.trainer_rows import LOSS_VARIANTS, rows_for  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.megatron]
 
@@ -389,7 +389,8 @@ def test_every_loss_option_matches_full_batch(pair, single, hf_dir, rows, varian
     # These rows' importance ratios are the model's own times e^(0.3 noise): narrower masks drop some.
     narrow = {"token_mask": dict(is_low=0.8, is_high=1.25), "sequence_mask": dict(is_low=0.7, is_high=1.4)}
     loss = dataclasses.replace(LOSS_VARIANTS[variant], **narrow.get(variant, {}))
-    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss)
+    rows = rows_for(variant, rows)  # mask_truncated: some rows carry no loss (their own reference)
+    ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=f"llama-rows-{variant}")
     valid = sum(int(m.sum()) for m in rows["response_mask"])
     assert 0 < ref_metrics["train/tokens"] <= valid and (ref_metrics["train/tokens"] < valid) == ("mask" in variant)
     for chunking in CHUNKINGS:

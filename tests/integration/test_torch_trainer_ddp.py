@@ -32,6 +32,7 @@ from tests.helpers.trainer_rows import (
     masked_in,
     reference_counts,
     reference_step,
+    rows_for,
     seq_lengths,
     take,
     train_config_for,
@@ -109,7 +110,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for kind, level, ci in SCENARIOS:
-        results[(kind, level, ci)] = _ddp_step(rank, world, ROW_KINDS[kind](), CHUNKINGS[ci], level)
+        results[(kind, level, ci)] = _ddp_step(rank, world, rows_for(level, ROW_KINDS[kind]()), CHUNKINGS[ci], level)
     for kind, level, ckpt in PASS_SCENARIOS:
         cfg = dataclasses.replace(TRAIN, micro_batch_tokens=DDP_PASS_BUDGET[kind], gradient_checkpointing=ckpt)
         results[("passes", kind, level, ckpt)] = _ddp_step(
@@ -150,7 +151,7 @@ def test_ddp_split_step_equals_full_batch(ddp_results, kind, level, ci):
     differences are summation orders (~1e-15 relative); 1e-10 is tight and still robust. A wrong
     normalizer (local instead of global N, or a per-microbatch mean) is off by O(1). The step counts
     exactly the masked-in tokens, over both ranks."""
-    rows = ROW_KINDS[kind]()
+    rows = rows_for(level, ROW_KINDS[kind]())
     want_grads, want_params = reference_step(rows, LOSS_VARIANTS[level])
     for rank in range(2):
         grads, params, m, shared = ddp_results[rank][(kind, level, ci)]

@@ -289,3 +289,36 @@ async def test_the_ledger_forgets_finished_steps():
         dict(led._live_by_step),
         dict(led._open_by_step),
     )
+
+
+def test_rows_cut_short_travel_without_loss_and_overlong_rows_are_punished_before_advantages():
+    """train.mask_truncated: a truncated row's advantage travels as NO_LOSS (the trainer drops the
+    row); reward.overlong_buffer: DAPO's punishment of each row's length joins its reward before
+    the group's advantages, and the record keeps the rewards as scored."""
+    import math
+    from types import SimpleNamespace
+
+    from pumps.advantage import shaped_rewards
+    from pumps.train import _chunk
+    from replay.ledger import GroupRecord
+    from single_controller.algorithm.advantages import grpo_advantages
+    from single_controller.types import Prompt
+
+    cfg = make_cfg(
+        train={"mask_truncated": True},
+        rollout={"max_new_tokens": 8},
+        reward={"overlong_buffer": 4, "overlong_penalty": 1.0},
+    )
+    rec = GroupRecord("g", Prompt("p", (1, 2)), 0, 0, 0, 0, 0.0, keys=("g_0", "g_1", "g_2"))
+    rec.rewards, rec.response_lengths, rec.truncated = (1.0, 1.0, 0.0), (3, 6, 8), (False, False, True)
+    rec.seq_lengths, rec.advantages = (5, 8, 10), (0.5, 0.25, -0.75)
+    # lengths 3, 6, 8 against 8 new tokens with a buffer of 4: 0, (4 - 6) / 4 = -0.5, -1
+    assert shaped_rewards(rec, cfg) == (1.0, 0.5, -1.0)
+    assert rec.rewards == (1.0, 1.0, 0.0)
+    assert grpo_advantages(shaped_rewards(rec, cfg), normalize_std=True, eps=1e-6) != grpo_advantages(
+        rec.rewards, normalize_std=True, eps=1e-6
+    )
+    chunk = _chunk(SimpleNamespace(cfg=cfg), 0, 0, [rec])
+    assert chunk.advantages[:2] == (0.5, 0.25) and math.isnan(chunk.advantages[2])
+    plain = _chunk(SimpleNamespace(cfg=make_cfg()), 0, 0, [rec])
+    assert plain.advantages == rec.advantages

@@ -236,3 +236,21 @@ def test_mismatch_stats_by_hand():
     assert got["mm_abs"] == pytest.approx(0.75)
     # k3 = e^d - 1 - d: (e^0.5 - 1.5) + 0 + (e^-0.25 - 0.75) = 0.148721 + 0.028801
     assert got["mm_kl"] == pytest.approx(math.exp(0.5) - 1.5 + math.exp(-0.25) - 0.75, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "length, want",
+    [
+        (10, 0.0),  # well inside the budget
+        (12, 0.0),  # the buffer's start: max_new_tokens 16 - buffer 4
+        (13, -0.5 * 1 / 4),  # penalty 0.5 x (12 - 13) / 4
+        (15, -0.5 * 3 / 4),
+        (16, -0.5),  # the budget itself: the whole penalty
+        (17, -0.5),  # past it (an episode's context): no more than the whole penalty
+    ],
+)
+def test_overlong_penalty_ramps_over_the_buffer(length, want):
+    from single_controller.algorithm.advantages import overlong_penalty
+
+    assert overlong_penalty(length, 16, 4, 0.5) == pytest.approx(want, abs=1e-15)
+    assert overlong_penalty(length, 16, 0, 0.5) == 0.0  # buffer 0: off

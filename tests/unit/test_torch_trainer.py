@@ -18,7 +18,7 @@ from single_controller.backends.torch.trainer import TrainerCore
 from single_controller.config.schema import ModelConfig
 from single_controller.data.tasks import TOKENIZER
 from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
-from single_controller.types import LossConfig
+from single_controller.types import NO_LOSS, LossConfig
 from tests.helpers.multi_turn_rows import multi_turn_rows
 from tests.helpers.trainer_rows import (
     LOSS_VARIANTS,
@@ -30,6 +30,7 @@ from tests.helpers.trainer_rows import (
     masked_in,
     reference_counts,
     reference_step,
+    rows_for,
     seq_lengths,
     take,
     train_config_for,
@@ -214,7 +215,7 @@ def test_a_failed_microbatch_leaves_a_step_only_abort_can_close():
 @pytest.mark.parametrize("variant", LOSS_VARIANTS)
 def test_chunking_does_not_change_the_single_process_step(variant):
     """Every option of the loss menu: microbatches of 3, 0, 1 and 6 rows give the full-batch step."""
-    rows, loss = make_rows(10, 7), LOSS_VARIANTS[variant]
+    rows, loss = rows_for(variant, make_rows(10, 7)), LOSS_VARIANTS[variant]
     want_grads, want_params = reference_step(rows, loss)
     t = _trainer(train_config_for(loss))
     t.begin_train_step(0, loss)
@@ -517,3 +518,17 @@ def test_offload_frees_the_state_and_the_round_trip_is_bit_exact_and_trains_like
         tr.finish_train_step(1)
     _assert_bit_identical(_state(t), _state(twin))
     assert t.implicit_onloads == 1
+
+
+def test_a_step_whose_every_row_carries_no_loss_applies_a_zero_gradient():
+    """train.mask_truncated: when every row of a step was cut short, the step is not an error (it
+    trained nothing): zero gradient, parameters unchanged, every token reported as masked."""
+    rows = make_rows(4, 3)
+    rows["advantage"] = torch.full((4,), NO_LOSS, dtype=torch.float64)
+    t = _trainer()
+    before = [p.detach().clone() for p in t.params]
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(rows)
+    m = t.finish_train_step(0)
+    assert m["train/tokens"] == 0 and m["train/truncated_masked_frac"] == 1.0 and m["train/grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(t.params, before))

@@ -28,7 +28,7 @@ from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
 
-# Statistics summed over a step's kept tokens (loss statistics, then the engines' mismatch), in the
+# Statistics summed over a step's tokens (the loss's, the rows without loss, then the engines' mismatch), in the
 # order they travel in the finish's all-reduce; then those whose step value is the ranks' largest.
 STAT_KEYS = (
     "clipped",
@@ -43,6 +43,7 @@ STAT_KEYS = (
     "kl_k2",
     "kl_k3",
     "entropy",
+    "no_loss",
     "mm_abs",
     "mm_kl",
     "mm_tokens",
@@ -90,12 +91,12 @@ class OpenStep:
             raise ValueError(f"rows {bad[:5]}: response_ids, gen_logprobs and response_mask lengths differ")
         return True
 
-    def add(self, out: LossOutput, mismatch: Mapping[str, float]) -> None:
+    def add(self, out: LossOutput, extra: Mapping[str, float]) -> None:
         self.passes += 1
         self.tokens += out.num_tokens
         self.sequences += out.num_sequences
         self.loss_sum += float(out.loss_sum.detach())
-        for k, v in {**out.token_stats, **mismatch}.items():
+        for k, v in {**out.token_stats, **extra}.items():
             self.stats[k] += v
         for k, v in out.maxes.items():
             self.maxes[k] = max(self.maxes[k], v)
@@ -128,11 +129,12 @@ class StepSums:
     def normalizer(self, st: OpenStep) -> float:
         """N, what the raw gradient sums are divided by (`loss_normalizer` of the step's kept tokens
         and sequences over every rank). A step whose every token a mask correction dropped has a
-        zero gradient: N = 1. Raises when the step had no valid token at all."""
+        zero gradient: N = 1, as has one whose every row carries no loss (`train.mask_truncated`).
+        Raises when the step had no valid token at all."""
         n = loss_normalizer(st.loss, self.tokens, self.sequences)
         if n > 0:
             return n
-        if self.stats.get("is_masked", 0.0) > 0:
+        if self.stats.get("is_masked", 0.0) + self.stats.get("no_loss", 0.0) > 0:
             return 1.0
         raise TrainerFailed(f"step {st.step}: no valid tokens on any rank ({st.microbatches} local microbatches)")
 
@@ -375,7 +377,9 @@ def rows_loss(
     share_prefixes: bool = False,
 ) -> tuple[LossOutput, dict[str, float]]:
     """Forward, the raw GRPO loss sum and its backward for one microbatch of `st`; returns the loss
-    output and the engine-mismatch sums (empty without `token_versions`). `autocast` (a 16-bit
+    output and the other sums of `STAT_KEYS` it made: the tokens of rows that carry no loss (an
+    advantage of `types.NO_LOSS`: they are dropped before the loss) and the engine mismatch (without
+    `token_versions`, none). `autocast` (a 16-bit
     dtype): the policy's and the reference's forwards run under `torch.autocast` in it, the master
     parameters keep their dtype; logprobs (upcast before the log-softmax), the loss and the backward's
     start are float32 or `dtype`, outside autocast (its documented use)."""
@@ -393,18 +397,23 @@ def rows_loss(
         with torch.no_grad(), _autocast(reference, autocast):
             ref, _ = token_logprobs(reference, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
         ref = ref.to(dtype)
-    adv = torch.as_tensor(rows["advantage"]).to(dev)
-    out = grpo_loss(logp, gen, adv, mask, st.loss, ref_logprobs=ref, entropy=entropy)
+    adv = torch.as_tensor(rows["advantage"])
+    extra: dict[str, float] = {}
+    loss_mask, no_loss = mask, torch.isnan(adv)  # on the host: the chunk carried them
+    if bool(no_loss.any()):  # (the engine mismatch is still measured on those rows)
+        keep = ~no_loss.to(dev)
+        extra["no_loss"] = float((mask & ~keep[:, None]).sum())
+        loss_mask, adv = mask & keep[:, None], torch.where(no_loss, 0.0, adv)
+    out = grpo_loss(logp, gen, adv.to(dev), loss_mask, st.loss, ref_logprobs=ref, entropy=entropy)
     out.loss_sum.backward()
-    mismatch: dict[str, float] = {}
     if rows.get("token_versions") is not None:
         # Rows whose every token was sampled with the weights this step trains (version == step;
         # then the prompt's and earlier tokens' KV cache came from them too, which a row resumed
         # across a `keep` sync lacks): their logprob gap is the engine's mismatch, free of staleness.
         versions = pad_right(rows["token_versions"], -1, torch.long).to(dev)  # [B, R]
         fresh = ((versions == st.step) | ~mask).all(dim=1) & mask.any(dim=1)  # [B]
-        mismatch = mismatch_stats(logp, gen, mask & fresh[:, None])
-    return out, mismatch
+        extra.update(mismatch_stats(logp, gen, mask & fresh[:, None]))
+    return out, extra
 
 
 def reduce_sums(st: OpenStep, group: Any, what: str, extra: Sequence[float] = ()) -> tuple[StepSums, list[float]]:
@@ -439,6 +448,7 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
         "train/is_weight_max": sums.maxes.get("is_ratio_max", 0.0),  # the raw ratio, before truncation or mask
         "train/is_truncated_frac": stats["is_truncated"] / tokens,
         "train/is_masked_frac": stats["is_masked"] / max(sums.tokens + stats["is_masked"], 1),
+        "train/truncated_masked_frac": stats["no_loss"] / max(sums.tokens + stats["is_masked"] + stats["no_loss"], 1),
         "train/entropy": stats["entropy"] / tokens,
         "train/gen_logprob_gap": stats["gen_gap"] / tokens,
         "train/lr": lr,
