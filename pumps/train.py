@@ -1,4 +1,4 @@
-"""Train pump: one iteration = one RL step = one optimizer step.
+"""Train pump: one iteration = one RL step = one optimizer step (or `train.updates_per_step`).
 
 Select ready groups -> lazy `begin_train_step` -> `train_microbatch(chunk)` as groups become ready
 -> `finish_train_step` -> clear the step's rows (slots free once cleared) -> version + 1 -> publish
@@ -7,6 +7,9 @@ the generation workers). Chunks carry keys and advantages, never tensors: ranks 
 A trainer error first asks `train_status` (a finish may have landed: never a second optimizer
 step); otherwise the step is aborted and replayed, up to `train.max_step_retries`. A storage that
 stays down stops the run with `StorageFailed`; a slot is released only once its rows are gone.
+With several updates per step, a chunk never spans two updates: each carries its update's index
+(groups in selection order, groups_per_step / updates_per_step to an update), and the trainer
+applies an update when the next one's first chunk arrives; the step stays one split-API step.
 """
 
 from __future__ import annotations
@@ -137,11 +140,12 @@ async def _fill(state: RunState, cur: _Step) -> bool:
         elif len(cur.groups) >= need:
             return True
         else:
-            picked = await _wait_selectable(state, cur.number, need - len(cur.groups))
+            update, room = _update_of(state, len(cur.groups))
+            picked = await _wait_selectable(state, cur.number, room)
             if not picked:
                 return bool(cur.chunks) and not state.stop.abandon_open_step
             if not state.stop.abandon_open_step:
-                groups, chunk, now = _select(state, cur.number, len(cur.chunks), picked)
+                groups, chunk, now = _select(state, cur.number, len(cur.chunks), picked, update)
                 cur.t_start = now if cur.t_start is None else cur.t_start
                 cur.groups += groups
                 cur.chunks.append(chunk)
@@ -282,11 +286,12 @@ class StepOverlap:
         )
 
     async def _ready(self, step: int) -> list[GroupRecord]:
-        """Wait until all of `step`'s groups are selectable (never evicts: with evictable groups the
-        train pump's own selection goes first); returns them, or [] when they cannot all come now.
-        Only a whole step goes out ahead: taking part of it early would leave the rest to trickle in
-        as small chunks behind bursts of commits (more calls, later selections) for no gain."""
-        state, want = self.state, self.state.cfg.train.groups_per_step
+        """Wait until all of `step`'s groups (of its first update) are selectable (never evicts: with
+        evictable groups the train pump's own selection goes first); returns them, or [] when they
+        cannot all come now. Only a whole step (update) goes out ahead: taking part of it early would
+        leave the rest to trickle in as small chunks behind bursts of commits (more calls, later
+        selections) for no gain."""
+        state, want = self.state, _update_of(self.state, 0)[1]
         ready = state.ledger.ready_index()
 
         def chunk_ready() -> bool:
@@ -298,15 +303,22 @@ class StepOverlap:
         return state.sampler.select_from(ready, step, want)
 
 
+def _update_of(state: RunState, selected: int) -> tuple[int, int]:
+    """With `selected` groups of a step selected: (the update the next ones belong to, how many more
+    it takes). One update per step: (0, the rest of the step)."""
+    per_update = state.cfg.train.groups_per_step // state.cfg.train.updates_per_step
+    return selected // per_update, per_update - selected % per_update
+
+
 def _select(
-    state: RunState, step: int, index: int, picked: list[GroupRecord]
+    state: RunState, step: int, index: int, picked: list[GroupRecord], update: int = 0
 ) -> tuple[list[GroupRecord], TrainChunk, float]:
-    """Select `picked` for `step` as its chunk `index`: the groups, the chunk, and when."""
+    """Select `picked` for `step` as its chunk `index` (of update `update`): the groups, the chunk, and when."""
     now = state.clock()
     groups = state.ledger.select([g.group_id for g in picked], step, now)
     state.sampler.record_selected(groups, step)
     state.notify()
-    return groups, _chunk(state, step, index, groups), now
+    return groups, _chunk(state, step, index, groups, update), now
 
 
 async def _where_trainer_stands(state: RunState, step: int, error: Exception) -> TrainStatus:
@@ -328,7 +340,7 @@ async def _where_trainer_stands(state: RunState, step: int, error: Exception) ->
     raise AssertionError("unreachable")
 
 
-def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) -> TrainChunk:
+def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord], update: int = 0) -> TrainChunk:
     keys: list[str] = []
     lengths: list[int] = []
     advantages: list[float] = []
@@ -342,7 +354,7 @@ def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord]) ->
             for i, t in enumerate(g.truncated):
                 if t:
                     advantages[cut + i] = NO_LOSS
-    return TrainChunk(step, index, tuple(keys), tuple(lengths), TRAIN_ROW_FIELDS, tuple(advantages))
+    return TrainChunk(step, index, tuple(keys), tuple(lengths), TRAIN_ROW_FIELDS, tuple(advantages), update)
 
 
 async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:

@@ -112,6 +112,9 @@ class TrainChunk:
     # here, so ranks read only the bulk fields. Empty: the rows' `advantage` field is read from storage.
     # `NO_LOSS` (NaN, never an advantage: the advantage pump drops non-finite ones): the row carries no loss.
     advantages: tuple[float, ...] = ()
+    # Which of the step's updates its rows belong to (`train.updates_per_step`; 0..M-1, in order): the
+    # first chunk of update j + 1 makes the trainer apply update j's optimizer step first.
+    update: int = 0
 
     def rank_advantages(self, keys: Sequence[str]) -> list[float] | None:
         """The advantages of `keys` (a rank's share of this chunk), or None when the chunk carries none."""

@@ -610,6 +610,8 @@ class SimTrainerGroup:
         self.moves: list[tuple[str, int]] = []  # ("offload" | "onload", version then)
         self.implicit_onloads = 0
         self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
+        self.updates: dict[int, list[tuple[str, ...]]] = {}  # step -> its updates' row keys (the last attempt)
+        self._update = 0  # the open step's update under way (`train.updates_per_step`)
         self.attempts: dict[int, int] = {}
         self.aborts = 0
         self._open: list[str] | None = None
@@ -695,7 +697,9 @@ class SimTrainerGroup:
             raise RuntimeError(f"begin_train_step({step}) while step {self._step} is open")
         if step != self.version:
             raise RuntimeError(f"begin_train_step({step}) but the trainer's next step is {self.version}")
-        self._open, self._step, self.bytes_read, self._failed = [], step, 0, None
+        self._open, self._step, self.bytes_read, self._failed, self._update = [], step, 0, None, 0
+        if self.keep_logs:
+            self.updates[step] = [()]
         if not self.keep_logs:
             self.attempts.pop(step - 1, None)  # only the open step's attempts matter
         self.attempts[step] = self.attempts.get(step, -1) + 1
@@ -708,6 +712,12 @@ class SimTrainerGroup:
             raise RuntimeError("train_microbatch with no step open")
         if chunk.step != self._step:
             raise RuntimeError(f"chunk of step {chunk.step} in step {self._step}")
+        if chunk.update not in (self._update, self._update + 1):  # as a real rank refuses it
+            raise RuntimeError(f"chunk of update {chunk.update} while update {self._update} is under way")
+        if chunk.update != self._update:
+            self._update = chunk.update
+            if self.keep_logs:
+                self.updates[chunk.step].append(())
         try:
             await self._accumulate(chunk)
         except BaseException as e:
@@ -730,6 +740,8 @@ class SimTrainerGroup:
             raise TrainerFailed(f"injected trainer failure in step {chunk.step} chunk {chunk.chunk_index}")
         assert self._open is not None  # `_microbatch` checked it, and calls run one at a time (`_send`)
         self._open.extend(chunk.row_keys)
+        if self.keep_logs:
+            self.updates[chunk.step][-1] += chunk.row_keys
 
     async def finish_train_step(self, step: int) -> StepResult:
         finish = self._send(self._finish_step(step))

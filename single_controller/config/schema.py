@@ -301,7 +301,14 @@ class AdvantageConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     groups_per_step: PositiveInt = 16
-    """Prompt groups per RL step (one optimizer step)."""
+    """Prompt groups per RL step (one optimizer step, or `updates_per_step` of them)."""
+    updates_per_step: PositiveInt = 1
+    """Optimizer steps per RL step (PPO's mini-batches; verl `ppo_mini_batch_size` = groups_per_step / this): a
+    step's groups, in the order they are selected, train in this many updates of groups_per_step / updates_per_step
+    groups each (it must divide groups_per_step), all at the step's lr, then one weight sync; the policy version
+    advances once. With `recompute_old_logprobs` each update's ratio is taken against the policy at the step's start
+    (the trainer keeps a copy of it, and of the optimizer state, while the step is open: the parameters and the
+    AdamW moments once more), else against the generation logprobs. An aborted step is put back to its start."""
     min_groups_per_chunk: PositiveInt = 4
     """The train pump sends a microbatch as soon as this many groups of the step are ready (streaming)."""
     lr: Positive = 1e-3

@@ -53,9 +53,10 @@ def _path(cfg: Config, field: str) -> str:
 def the_ratio_can_move(cfg: Config) -> Problem | None:
     """With one optimizer step per RL step and the ratio taken against the step's start, the ratio is
     1 in value: no clip binds, and gspo and cispo have ppo_clip's gradient. A setting that only acts
-    through the ratio would change nothing; refused rather than silently ignored."""
+    through the ratio would change nothing; refused rather than silently ignored. With several
+    updates per step the later ones' ratio moves."""
     t = cfg.train
-    if not t.recompute_old_logprobs:
+    if not t.recompute_old_logprobs or t.updates_per_step > 1:
         return None
     acting = [f"train.policy_loss={t.policy_loss}"] if t.policy_loss != "ppo_clip" else []
     acting += [f"train.{k}" for k in ("clip_eps_low", "clip_eps_high") if getattr(t, k) is not None]
@@ -66,7 +67,8 @@ def the_ratio_can_move(cfg: Config) -> Problem | None:
         f"{', '.join(acting)} acts through the ratio pi / pi_base, which is 1 in value here: with one update per "
         "step the ratio is taken against the step's own start (train.recompute_old_logprobs=true), so no clip "
         "binds and gspo and cispo have ppo_clip's gradient. Take the ratio against the generation logprobs "
-        "(train.recompute_old_logprobs=false train.is_correction=none), or leave the setting out",
+        "(train.recompute_old_logprobs=false train.is_correction=none), train in several updates per step "
+        "(train.updates_per_step), or leave the setting out",
     )
 
 
@@ -92,4 +94,16 @@ def overlong_penalty_fits(cfg: Config) -> Problem | None:
     return None
 
 
-RULES = (loss_settings_agree, the_ratio_can_move, overlong_penalty_fits)
+def updates_divide_the_step(cfg: Config) -> Problem | None:
+    """A step's groups split evenly into its updates."""
+    t = cfg.train
+    if t.groups_per_step % t.updates_per_step == 0:
+        return None
+    return Problem(
+        ("train.updates_per_step", "train.groups_per_step"),
+        f"train.updates_per_step={t.updates_per_step} must divide train.groups_per_step={t.groups_per_step}: "
+        "each update trains groups_per_step / updates_per_step groups",
+    )
+
+
+RULES = (loss_settings_agree, the_ratio_can_move, overlong_penalty_fits, updates_divide_the_step)

@@ -1,6 +1,7 @@
 """Random training rows for the torch trainer tests (unit and the 2-rank DDP ones) and the plain single-process
 full-batch step they are compared with. Not a test module."""
 
+import copy
 import dataclasses
 import math
 import random
@@ -76,6 +77,18 @@ LOSS_VARIANTS: dict[str, LossConfig] = {
 NO_LOSS_ROWS = (1, 5)  # the rows `rows_for` marks in the mask_truncated variant
 
 
+# train.updates_per_step over 12 rows: updates (in order), each a list of chunks (row indices)
+UPDATE_SPLITS_12 = {
+    "2 updates": [[[0, 1], [2, 3, 4, 5]], [[6], [7], [8, 9, 10, 11]]],
+    "3 updates": [[[0, 1, 2, 3]], [[4], [5, 6, 7]], [[8, 9, 10, 11]]],
+}
+
+
+def update_rows(updates) -> list[list[int]]:
+    """The rows of each update of `updates` (each a list of chunks)."""
+    return [[i for chunk in update for i in chunk] for update in updates]
+
+
 def rows_for(variant: str, rows: dict) -> dict:
     """`rows` as the variant trains them: for `mask_truncated`, rows NO_LOSS_ROWS carry no loss."""
     if variant != "mask_truncated":
@@ -99,20 +112,36 @@ def reference_step(rows: dict, loss: LossConfig) -> tuple[list[torch.Tensor], li
     """Single process, full batch, written out plainly: mean loss over the batch, backward, clip, AdamW.
     The KL reference is the initial model, so its logprobs are the step's own, detached. Rows without
     loss (NO_LOSS) are left out of the batch."""
-    rows = _with_loss(rows)
+    kept = _with_loss(rows)
+    assert reference_counts(rows, loss)[0] > 0, "a variant must keep some tokens"
+    assert reference_counts(rows, loss)[0] < masked_in(kept) or "mask" not in loss.is_correction
+    return reference_updates(rows, loss, [range(len(rows["prompt_ids"]))])
+
+
+def reference_updates(rows: dict, loss: LossConfig, updates) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`train.updates_per_step`, written out plainly: one full-batch step (as `reference_step`) of each of
+    `updates` (row indices) in turn, each update's ratio taken against the model as it was before the
+    first (its logprobs from a frozen copy) unless the loss takes it against the generation. Returns
+    the last update's applied gradient and the parameters after the last."""
     model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
+    start = copy.deepcopy(model).requires_grad_(False)  # the step's start, and the KL reference
     opt = torch.optim.AdamW(model.parameters(), lr=TRAIN.lr, betas=TRAIN.betas, weight_decay=TRAIN.weight_decay)
-    logp, valid = token_logprobs(model, rows["prompt_ids"], rows["response_ids"])
-    mask = pad_right(rows["response_mask"], False, torch.bool) & valid
-    gen = pad_right([g.double() for g in rows["gen_logprobs"]], 0.0, torch.float64)
-    ref = logp.detach() if loss.kl_coef > 0 else None
-    out = grpo_loss(logp, gen, rows["advantage"], mask, loss, ref_logprobs=ref)
-    n = loss_normalizer(loss, out.num_tokens, out.num_sequences)
-    assert out.num_tokens > 0 and out.token_stats["is_masked"] < masked_in(rows), "a variant must keep some tokens"
-    (out.loss_sum / n).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)
-    grads = [p.grad.clone() for p in model.parameters()]
-    opt.step()
+    for j, idx in enumerate(updates):
+        part = _with_loss(take(rows, list(idx)))
+        logp, valid = token_logprobs(model, part["prompt_ids"], part["response_ids"])
+        with torch.no_grad():
+            at_start, _ = token_logprobs(start, part["prompt_ids"], part["response_ids"])
+        mask = pad_right(part["response_mask"], False, torch.bool) & valid
+        gen = pad_right([g.double() for g in part["gen_logprobs"]], 0.0, torch.float64)
+        old = at_start if j > 0 and not loss.ratio_to_gen else None
+        ref = at_start if loss.kl_coef > 0 else None
+        out = grpo_loss(logp, gen, part["advantage"], mask, loss, old_logprobs=old, ref_logprobs=ref)
+        n = loss_normalizer(loss, out.num_tokens, out.num_sequences)
+        opt.zero_grad(set_to_none=True)
+        (out.loss_sum / (n if n > 0 else 1.0)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
     return grads, [p.detach().clone() for p in model.parameters()]
 
 

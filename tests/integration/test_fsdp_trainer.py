@@ -22,14 +22,17 @@ from tests.helpers.trainer_rows import (
     LOSS_VARIANTS,
     SMALL,
     TRAIN,
+    UPDATE_SPLITS_12,
     assert_close_rel,
     make_rows,
     reference_counts,
     reference_step,
+    reference_updates,
     rows_for,
     seq_lengths,
     take,
     train_config_for,
+    update_rows,
 )
 
 torch.set_num_threads(1)
@@ -56,6 +59,17 @@ SCENARIOS = [
 ]
 
 
+# train.updates_per_step: every option of the loss menu in 2 updates, and two of them in 3 with the
+# reduction deferred too.
+UPDATE_SCENARIOS = [
+    (kind, level, split, reduce)
+    for kind in ROW_KINDS
+    for level in LOSS_VARIANTS
+    for split in UPDATE_SPLITS_12
+    for reduce in ("microbatch", "finish")
+    if (split == "2 updates" and reduce == "microbatch") or level in ("token_mean", "kl_k3")
+]
+
 # Passes of at most this many tokens: the ranks' shares cut into different numbers of passes
 PASS_BUDGET = {"single-turn": 20, "multi-turn": 32}
 PASS_SCENARIOS = [
@@ -69,11 +83,13 @@ def _core(reduce: str, cfg=TRAIN) -> FsdpTrainerCore:
     )
 
 
-def _step(core, rank: int, world: int, rows: dict, chunking, level: str, step: int = 0) -> tuple:
+def _step(core, rank: int, world: int, rows: dict, chunking, level: str, step: int = 0, updates=None) -> tuple:
+    """One step of `rows` in `chunking` (or in `updates`, each a chunking), each chunk split across the ranks."""
     core.begin_train_step(step, LOSS_VARIANTS[level])
-    for chunk in chunking:
-        sub = take(rows, chunk)
-        core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]))
+    for update, chunks in enumerate(updates or [chunking]):
+        for chunk in chunks:
+            sub = take(rows, chunk)
+            core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]), update=update)
     m = core.finish_train_step(step)
     grads = [p.grad.full_tensor().clone() for p in core.params]
     return grads, [p.full_tensor().clone() for p in core.params], m
@@ -88,6 +104,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         core = _core(reduce, train_config_for(LOSS_VARIANTS[level]))
         rows = rows_for(level, ROW_KINDS[kind]())
         results[(kind, level, ci, reduce)] = _step(core, rank, world, rows, CHUNKINGS[ci], level)
+    for kind, level, split, reduce in UPDATE_SCENARIOS:
+        core = _core(reduce, train_config_for(LOSS_VARIANTS[level]))
+        rows = rows_for(level, ROW_KINDS[kind]())
+        updates = UPDATE_SPLITS_12[split]
+        results[("updates", kind, level, split, reduce)] = _step(core, rank, world, rows, None, level, updates=updates)
     for kind, ckpt, reduce in PASS_SCENARIOS:
         cfg = dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET[kind], gradient_checkpointing=ckpt)
         rows = ROW_KINDS[kind]()
@@ -152,3 +173,17 @@ def test_each_rank_holds_its_share_of_the_parameters(fsdp_results):
     whole = sum(p.numel() for p in TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).parameters())
     shards = [res["shard_numel"] for res in fsdp_results]
     assert sum(shards) >= whole and max(shards) <= whole / len(fsdp_results) * 1.15 + 64, (shards, whole)
+
+
+@pytest.mark.parametrize("kind, level, split, reduce", UPDATE_SCENARIOS)
+def test_fsdp_several_updates_equal_as_many_sequential_full_batch_steps(fsdp_results, kind, level, split, reduce):
+    """train.updates_per_step, sharded: one step in 2 or 3 updates (the later ones' old logprobs from the
+    step's start swapped into the shards, every whole parameter FSDP kept let go) equals that many
+    plain full-batch steps in sequence (float64, 1e-10)."""
+    rows = rows_for(level, ROW_KINDS[kind]())
+    want_grads, want_params = reference_updates(rows, LOSS_VARIANTS[level], update_rows(UPDATE_SPLITS_12[split]))
+    for rank, res in enumerate(fsdp_results):
+        grads, params, m = res[("updates", kind, level, split, reduce)]
+        assert m["train/updates"] == len(UPDATE_SPLITS_12[split]), rank
+        assert_close_rel(grads, want_grads, 1e-10)
+        assert_close_rel(params, want_params, 1e-10)

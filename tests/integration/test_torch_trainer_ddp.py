@@ -26,16 +26,19 @@ from tests.helpers.trainer_rows import (
     LOSS_VARIANTS,
     SMALL,
     TRAIN,
+    UPDATE_SPLITS_12,
     assert_close_rel,
     bad_rows,
     make_rows,
     masked_in,
     reference_counts,
     reference_step,
+    reference_updates,
     rows_for,
     seq_lengths,
     take,
     train_config_for,
+    update_rows,
 )
 
 torch.set_num_threads(1)
@@ -73,6 +76,8 @@ LEVELS = ("token_mean", "seq_mean_token_mean", "sequence_mask")
 # with and without gradient checkpointing.
 DDP_PASS_BUDGET = {"single-turn": 20, "multi-turn": 32}
 PASS_SCENARIOS = [(kind, level, ckpt) for kind in ROW_KINDS for level in LEVELS for ckpt in (False, True)]
+# train.updates_per_step: every option of the loss menu in 2 and 3 updates, each in several chunks.
+UPDATE_SCENARIOS = [(kind, level, split) for kind in ROW_KINDS for level in LOSS_VARIANTS for split in UPDATE_SPLITS_12]
 
 
 def _counting_shared_prefix(policy: TinyGPT) -> list[int]:
@@ -88,18 +93,19 @@ def _counting_shared_prefix(policy: TinyGPT) -> list[int]:
     return calls
 
 
-def _ddp_step(rank: int, world: int, rows: dict, chunking, level: str, cfg: TrainConfig = TRAIN) -> tuple:
+def _ddp_step(rank: int, world: int, rows: dict, chunking, level: str, cfg: TrainConfig = TRAIN, updates=None) -> tuple:
     """One step of `rows` in `chunking` on this rank, each chunk split across the ranks by length (what
     RankTrainerGroup does), with the loss `LOSS_VARIANTS[level]`: (applied gradient, parameters after,
-    metrics, shared-prefix forwards)."""
+    metrics, shared-prefix forwards). `updates` (instead of `chunking`): the step's updates' chunkings."""
     policy = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
-    shared = _counting_shared_prefix(policy)
     loss = LOSS_VARIANTS[level]
     core = TrainerCore(policy, train_config_for(loss, cfg), process_group=dist.group.WORLD)
+    shared = _counting_shared_prefix(policy)  # after the trainer copied its KL reference: not into that copy
     core.begin_train_step(0, loss)
-    for chunk in chunking:
-        sub = take(rows, chunk)
-        core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]))
+    for update, chunks in enumerate(updates or [chunking]):
+        for chunk in chunks:
+            sub = take(rows, chunk)
+            core.train_microbatch(take(sub, balanced_partition(seq_lengths(sub), world)[rank]), update=update)
     m = core.finish_train_step(0)
     return [p.grad.clone() for p in core.params], [p.detach().clone() for p in core.params], m, shared[0]
 
@@ -111,6 +117,11 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict = {}
     for kind, level, ci in SCENARIOS:
         results[(kind, level, ci)] = _ddp_step(rank, world, rows_for(level, ROW_KINDS[kind]()), CHUNKINGS[ci], level)
+    for kind, level, split in UPDATE_SCENARIOS:
+        rows = rows_for(level, ROW_KINDS[kind]())
+        results[("updates", kind, level, split)] = _ddp_step(
+            rank, world, rows, None, level, updates=UPDATE_SPLITS_12[split]
+        )
     for kind, level, ckpt in PASS_SCENARIOS:
         cfg = dataclasses.replace(TRAIN, micro_batch_tokens=DDP_PASS_BUDGET[kind], gradient_checkpointing=ckpt)
         results[("passes", kind, level, ckpt)] = _ddp_step(
@@ -231,3 +242,17 @@ def test_the_trainer_never_imports_dynamo_and_steps_exactly_like_torch_adamw():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind, level, split", UPDATE_SCENARIOS)
+def test_ddp_several_updates_equal_as_many_sequential_full_batch_steps(ddp_results, kind, level, split):
+    """train.updates_per_step on 2 gloo ranks: one step in 2 or 3 updates (each chunk split across the
+    ranks) equals that many plain full-batch steps in sequence, each later update's ratio against the
+    step's start (float64, 1e-10)."""
+    rows = rows_for(level, ROW_KINDS[kind]())
+    want_grads, want_params = reference_updates(rows, LOSS_VARIANTS[level], update_rows(UPDATE_SPLITS_12[split]))
+    for rank in range(2):
+        grads, params, m, _ = ddp_results[rank][("updates", kind, level, split)]
+        assert m["train/updates"] == len(UPDATE_SPLITS_12[split])
+        assert_close_rel(grads, want_grads, 1e-10)
+        assert_close_rel(params, want_params, 1e-10)

@@ -322,3 +322,23 @@ def test_rows_cut_short_travel_without_loss_and_overlong_rows_are_punished_befor
     assert chunk.advantages[:2] == (0.5, 0.25) and math.isnan(chunk.advantages[2])
     plain = _chunk(SimpleNamespace(cfg=make_cfg()), 0, 0, [rec])
     assert plain.advantages == rec.advantages
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+async def test_several_updates_per_step_never_split_a_chunk_across_updates(chunk):
+    """train.updates_per_step: a step's groups go in its updates in selection order, groups_per_step /
+    updates_per_step groups each, a chunk never spanning two (the sim trainer refuses an update out of
+    order, as a rank does); one weight sync per step; a retried step sends its updates again;
+    exactly-once holds. The last step is partial (the data runs out): fewer updates."""
+    P, G, M = 6, 2, 3
+    cfg = make_cfg(steps=5, P=P, G=G, L=1, chunk=chunk, train={"updates_per_step": M, "max_step_retries": 2})
+    ctl, trainer, storage, summary, err = await run_sim(cfg, Faults(train_fail={(2, 1, 0)}), prompts=sim_prompts(26))
+    assert err is None and summary.steps == 5
+    for step, updates in trainer.updates.items():
+        groups = [sorted({k.rsplit("_g", 1)[0] for k in keys}) for keys in updates]
+        want = [P // M] * M if step < 4 else [2]  # 26 prompts: 4 whole steps, then 2 groups
+        assert [len(g) for g in groups] == want, (step, groups)
+        assert [k for keys in updates for k in keys] == trainer.trained[step]
+    assert trainer.attempts[2] == 1  # step 2 failed once and ran again, all its updates
+    assert ctl.state.versions.trained == 5
+    await assert_clean_end(ctl, trainer, storage)

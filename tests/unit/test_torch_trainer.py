@@ -30,6 +30,7 @@ from tests.helpers.trainer_rows import (
     masked_in,
     reference_counts,
     reference_step,
+    reference_updates,
     rows_for,
     seq_lengths,
     take,
@@ -532,3 +533,60 @@ def test_a_step_whose_every_row_carries_no_loss_applies_a_zero_gradient():
     m = t.finish_train_step(0)
     assert m["train/tokens"] == 0 and m["train/truncated_masked_frac"] == 1.0 and m["train/grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(t.params, before))
+
+
+# train.updates_per_step: a step's rows in updates (row indices), each update sent in chunks
+UPDATE_SPLITS = {
+    "2 updates": [[[0, 1], [2, 3, 4]], [[5], [6, 7, 8, 9]]],
+    "3 updates": [[[0, 1, 2]], [[3], [], [4, 5, 6]], [[7, 8, 9]]],
+}
+
+
+@pytest.mark.parametrize("split", UPDATE_SPLITS)
+@pytest.mark.parametrize("variant", LOSS_VARIANTS)
+def test_several_updates_equal_as_many_sequential_full_batch_steps(variant, split):
+    """train.updates_per_step: one split-API step whose chunks carry updates 0..M-1 equals M
+    sequential full-batch steps, each later update's ratio taken against the policy at the step's
+    start (every option of the loss menu, float64, 1e-10)."""
+    rows, loss = rows_for(variant, make_rows(10, 7)), LOSS_VARIANTS[variant]
+    updates = UPDATE_SPLITS[split]
+    want_grads, want_params = reference_updates(rows, loss, [sum(u, []) for u in updates])
+    t = _trainer(train_config_for(loss))
+    t.begin_train_step(0, loss)
+    for j, chunks in enumerate(updates):
+        for idx in chunks:
+            t.train_microbatch(take(rows, idx), update=j)
+    m = t.finish_train_step(0)
+    assert m["train/updates"] == len(updates)
+    assert m["train/sequences"] == sum(reference_counts(take(rows, sum(u, [])), loss)[1] for u in updates)
+    assert_close_rel([p.grad for p in t.params], want_grads, 1e-10)
+    assert_close_rel(t.params, want_params, 1e-10)
+
+
+def test_an_abort_after_updates_were_applied_restores_the_steps_start_bit_exactly():
+    """An abort of a step of several updates, after one was applied: parameters and AdamW state
+    exactly as before the begin; the step then runs again to the same result as if never aborted."""
+    t = _trainer()
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    t.finish_train_step(0)  # AdamW has state: the restore must put it back, not clear it
+    before = _state(t)
+    t.begin_train_step(1, LossConfig())
+    t.train_microbatch(make_rows(4, 2), update=0)
+    t.train_microbatch(make_rows(4, 3), update=1)  # update 0 applied here
+    assert not all(torch.equal(a, b) for a, b in zip(t.params, before[0]))
+    with pytest.raises(TrainStepStateError, match="in order"):
+        t.train_microbatch(make_rows(2, 4), update=0)
+    t.abort_train_step(1)
+    _assert_bit_identical(_state(t), before)
+    t.begin_train_step(1, LossConfig())
+    t.train_microbatch(make_rows(4, 2), update=0)
+    t.train_microbatch(make_rows(4, 3), update=1)
+    again = t.finish_train_step(1)
+    u = _trainer()
+    for step, parts in enumerate([[make_rows(6, 1)], [make_rows(4, 2), make_rows(4, 3)]]):
+        u.begin_train_step(step, LossConfig())
+        for j, rows in enumerate(parts):
+            u.train_microbatch(rows, update=j)
+        m = u.finish_train_step(step)
+    assert all(torch.equal(a, b) for a, b in zip(t.params, u.params)) and again["train/loss"] == m["train/loss"]

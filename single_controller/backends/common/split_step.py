@@ -24,6 +24,7 @@ import torch.distributed as dist
 from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs, token_logprobs_entropy
 from single_controller.algorithm.losses import LossOutput, grpo_loss, loss_normalizer, loss_problems, mismatch_stats
 from single_controller.algorithm.schedules import LrSchedule, lr_at
+from single_controller.backends.common.step_start import StepStart
 from single_controller.config.schema import TrainConfig
 from single_controller.protocols import TrainerFailed, TrainerStateLost, TrainStepStateError
 from single_controller.types import LossConfig
@@ -66,6 +67,11 @@ class OpenStep:
     step: int
     loss: LossConfig
     started: float = field(default_factory=time.perf_counter)
+    # Several updates (`train.updates_per_step`): the one under way, the metrics of those applied,
+    # and what the step started from (taken before its first optimizer step; None with one update).
+    update: int = 0
+    applied: list[dict[str, float]] = field(default_factory=list)
+    start: StepStart | None = None
     tokens: int = 0
     sequences: int = 0
     microbatches: int = 0
@@ -108,6 +114,19 @@ class OpenStep:
     def max_values(self) -> list[float]:
         """What the finish all-reduces with MAX: MAX_KEYS."""
         return [self.maxes[k] for k in MAX_KEYS]
+
+    def next_update(self, metrics: dict[str, float]) -> None:
+        """The update under way was applied (`metrics`): the next one starts from zero sums."""
+        self.applied.append(metrics)
+        self.update += 1
+        self.tokens = self.sequences = self.microbatches = self.passes = self.bytes_read = 0
+        self.loss_sum = 0.0
+        self.stats, self.maxes = dict.fromkeys(STAT_KEYS, 0.0), dict.fromkeys(MAX_KEYS, 0.0)
+
+    @property
+    def ratio_to_start(self) -> bool:
+        """This update's ratio is taken against the policy at the step's start, which it no longer is."""
+        return self.update > 0 and not self.loss.ratio_to_gen
 
 
 @dataclass(frozen=True)
@@ -235,9 +254,31 @@ class SplitStep:
             raise TrainStepStateError(f"finish_train_step({step}): the open step is {st.step}")
         return st
 
+    def starts_update(self, st: OpenStep, update: int) -> bool:
+        """Whether a microbatch of update `update` of `st` must first apply the update under way.
+        Updates go in order, each once, none skipped."""
+        if update == st.update:
+            return False
+        if update != st.update + 1:
+            raise TrainStepStateError(
+                f"train_microbatch: update {update} of step {st.step} while update {st.update} is under way "
+                "(a step's updates go in order, each once)"
+            )
+        if st.failed is not None:
+            raise TrainerFailed(
+                f"step {st.step}: a microbatch of update {st.update} failed ({st.failed}); no optimizer step: "
+                "abort the step"
+            )
+        return True
+
+    def update_applied(self, st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> None:
+        """`st`'s update under way took its optimizer step (not the last: the step stays open)."""
+        st.next_update(step_metrics(st, sums, grad_norm, lr=lr))
+
     def finished(self, st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> dict[str, float]:
-        """Close `st` after its optimizer step; returns (and records) its metrics."""
-        metrics = step_metrics(st, sums, grad_norm, lr=lr)
+        """Close `st` after its (last update's) optimizer step; returns (and records) its metrics."""
+        metrics = of_updates([*st.applied, step_metrics(st, sums, grad_norm, lr=lr)])
+        st.start = None  # the copy of the step's start is no longer needed
         self.open = None
         self.steps_done += 1
         self.next_step = st.step + 1
@@ -383,6 +424,11 @@ def rows_loss(
     dtype): the policy's and the reference's forwards run under `torch.autocast` in it, the master
     parameters keep their dtype; logprobs (upcast before the log-softmax), the loss and the backward's
     start are float32 or `dtype`, outside autocast (its documented use)."""
+    old = None
+    if st.ratio_to_start:  # before the policy's own forward: the parameters are swapped in place meanwhile
+        assert st.start is not None  # taken before the step's first optimizer step
+        with torch.no_grad(), st.start.policy_at_start(), _autocast(policy, autocast):
+            old, _ = token_logprobs(policy, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes)
     with _autocast(policy, autocast):
         logp, valid, entropy = token_logprobs_entropy(
             policy, rows["prompt_ids"], rows["response_ids"], temperature, share_prefixes
@@ -404,7 +450,8 @@ def rows_loss(
         keep = ~no_loss.to(dev)
         extra["no_loss"] = float((mask & ~keep[:, None]).sum())
         loss_mask, adv = mask & keep[:, None], torch.where(no_loss, 0.0, adv)
-    out = grpo_loss(logp, gen, adv.to(dev), loss_mask, st.loss, ref_logprobs=ref, entropy=entropy)
+    old = None if old is None else old.to(dtype)
+    out = grpo_loss(logp, gen, adv.to(dev), loss_mask, st.loss, old_logprobs=old, ref_logprobs=ref, entropy=entropy)
     out.loss_sum.backward()
     if rows.get("token_versions") is not None:
         # Rows whose every token was sampled with the weights this step trains (version == step;
@@ -464,3 +511,27 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
         metrics["train/mismatch_abs_logprob"] = stats["mm_abs"] / mm_tokens
         metrics["train/mismatch_kl"] = stats["mm_kl"] / mm_tokens
     return metrics
+
+
+# A step of several updates reports these summed over its updates, these as their largest, the rest
+# (loss, grad norm, fractions, means) as their mean over the updates.
+_SUMMED = ("train/tokens", "train/sequences", "train/microbatches", "train/passes", "train/bytes_read")
+_LARGEST = ("train/is_weight_max", "train/step_s")  # step_s: each update's is counted from the step's begin
+
+
+def of_updates(updates: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A step's metrics from its updates' (`step_metrics` each); one update: its own. With several,
+    `train/updates` says how many and the mismatch is summed over them like a count."""
+    if len(updates) == 1:
+        return dict(updates[0])
+    out: dict[str, float] = {}
+    for k in updates[0]:
+        values = [u[k] for u in updates if k in u]
+        if k in _SUMMED or k == "train/mismatch_tokens":
+            out[k] = float(sum(values))
+        elif k in _LARGEST:
+            out[k] = max(values)
+        else:
+            out[k] = sum(values) / len(values)
+    out["train/updates"] = float(len(updates))
+    return out

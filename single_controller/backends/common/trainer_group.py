@@ -193,7 +193,9 @@ class RankTrainerGroup:
         for r, d in zip(self.ranks, self.data_ranks):
             keys = split.rank_keys(d)
             refs.append(
-                r.train_microbatch_keys.remote(chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys))
+                r.train_microbatch_keys.remote(
+                    chunk.step, keys, list(chunk.fields), chunk.rank_advantages(keys), chunk.update
+                )
             )
         return _SentCall(
             "microbatch", f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs

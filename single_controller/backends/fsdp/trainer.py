@@ -169,7 +169,7 @@ class FsdpTrainerCore(TrainerCore):
             self._reduce_scatter_accumulated()
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
 
-    def train_microbatch(self, rows: Any, bytes_read: int = 0) -> int:
+    def train_microbatch(self, rows: Any, bytes_read: int = 0, update: int = 0) -> int:
         """As the torch trainer's, then as many zero-weight one-token passes as this rank ran fewer
         than the rank with the most (`train.micro_batch_tokens` cuts each share by its own lengths; an
         empty share runs none): FSDP's all-gathers and reduce-scatters pair up by forward and
@@ -179,28 +179,35 @@ class FsdpTrainerCore(TrainerCore):
         mine = len(token_passes(lengths, self.cfg.micro_batch_tokens)) if lengths else 0
         most = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.pg)
-        tokens = super().train_microbatch(rows, bytes_read)
+        tokens = super().train_microbatch(rows, bytes_read, update)
         for _ in range(int(most.item()) - mine):
             self._empty_pass()
         return tokens
 
     def _empty_pass(self) -> None:
-        """A pass that changes nothing but runs every collective a real one runs: the reference's
-        all-gathers too when the step's loss has a KL penalty (each real pass runs its forward)."""
+        """A pass that changes nothing but runs every collective a real one runs, in a real pass's
+        order: the forward at the step's start (a later update's old logprobs), the policy's, the
+        reference's when the loss has a KL penalty, the backward."""
         one = torch.zeros(1, dtype=torch.long)
+        st = self.steps.require_open("train_microbatch")
+        if st.ratio_to_start and st.start is not None:
+            with torch.no_grad(), st.start.policy_at_start():
+                token_logprobs(self._forward, [one], [one], self.temperature)
         logprobs, _ = token_logprobs(self._forward, [one], [one], self.temperature)
-        if self.steps.require_open("train_microbatch").loss.kl_coef > 0 and self.reference is not None:
+        if st.loss.kl_coef > 0 and self.reference is not None:
             with torch.no_grad():  # in a real pass's order: the policy's forward, the reference's, the backward
                 token_logprobs(self.reference, [one], [one], self.temperature)
         (logprobs.sum() * 0.0).backward()
 
-    def begin_train_step(self, step: int, loss: Any) -> None:
-        super().begin_train_step(step, loss)
-        self._drop_accumulated()
+    def _zero_grads(self) -> None:
+        super()._zero_grads()
+        self._drop_accumulated()  # the unsharded gradients accumulated for a deferred reduction too
 
-    def abort_train_step(self, step: int) -> None:
-        super().abort_train_step(step)
-        self._drop_accumulated()  # an aborted step's gradients are gone, the accumulated ones too
+    def _settle(self) -> None:
+        """The sharded parameters changed in place (`StepStart`): no unit may keep whole parameters
+        gathered from the old shards (the root keeps its own after a forward)."""
+        for unit in self._units:
+            unit.reshard()
 
     def _drop_accumulated(self) -> None:
         """Forget the unsharded gradients accumulated for a deferred reduction (`reduce: finish`)."""

@@ -195,18 +195,23 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         self._core.begin_train_step(step, loss)
 
     def train_microbatch_keys(
-        self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
+        self,
+        step: int,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        advantages: Sequence[float] | None = None,
+        update: int = 0,
     ) -> int:
         """Read this rank's rows (TP leader reads, broadcasts to its TP group) and accumulate their
-        gradients into step `step` (refused unless it is the open one); returns the bytes this rank
-        read from storage."""
+        gradients into step `step` (refused unless it is the open one), in its update `update`;
+        returns the bytes this rank read from storage."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage or a collective
         rows: Mapping[str, Any] = {"prompt_ids": []}
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(step, list(keys), list(fields), advantages))
         with self.turns.hold():
-            self._core.train_microbatch(rows, bytes_read=nbytes)
+            self._core.train_microbatch(rows, bytes_read=nbytes, update=update)
         return nbytes
 
     def _fetch(
@@ -234,9 +239,9 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
         return with_advantages(rows, advantages), nbytes  # every rank of a TP group got the same ones
 
-    def train_microbatch_rows(self, rows: Mapping[str, Any]) -> int:
+    def train_microbatch_rows(self, rows: Mapping[str, Any], update: int = 0) -> int:
         """Accumulate gradients of rows given directly (tests; no storage)."""
-        return self._core.train_microbatch(rows)
+        return self._core.train_microbatch(rows, update=update)
 
     def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         """Start reading rows this rank will probably train soon (TP leaders only read)."""

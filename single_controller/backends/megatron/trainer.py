@@ -20,13 +20,16 @@ import torch
 import torch.distributed as dist
 
 from single_controller.backends.common.split_step import (
+    OpenStep,
     SplitStep,
+    StepSums,
     collective,
     lr_schedule,
     reduce_sums,
     set_lr,
     train_rows,
 )
+from single_controller.backends.common.step_start import StateCopy, StepStart
 from single_controller.backends.megatron.cpu_emulation import cpu_emulation, manual_seed
 from single_controller.backends.megatron.model import (
     MegatronPolicy,
@@ -75,78 +78,8 @@ def _main_params(optimizer) -> list[tuple[torch.Tensor, torch.Tensor, slice]]:
     return out
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    """Everything an optimizer step changes: model parameters, each inner optimizer's main
-    parameters (the model's own for FP32Optimizer, fp32 shards for the distributed optimizer), its
-    per-parameter state and its group hyperparameters."""
-
-    params: tuple[torch.Tensor, ...]
-    main_params: tuple[tuple[torch.Tensor, ...], ...]  # [optimizer][param]
-    states: tuple[dict[int, dict[str, Any]], ...]  # [optimizer] param index -> state
-    groups: tuple[tuple[dict[str, Any], ...], ...]  # [optimizer][group] without "params"
-
-    @staticmethod
-    def _main(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return [p for g in opt.param_groups for p in g["params"]]
-
-    @classmethod
-    def take(cls, params: list[torch.Tensor], optimizer) -> _Snapshot:
-        opts = _inner_optimizers(optimizer)
-
-        def clone(v: Any) -> Any:
-            return v.detach().clone() if torch.is_tensor(v) else v
-
-        states = []
-        for opt in opts:
-            index = {p: i for i, p in enumerate(cls._main(opt))}
-            states.append({index[p]: {k: clone(v) for k, v in s.items()} for p, s in opt.state.items()})
-        return cls(
-            params=tuple(p.detach().clone() for p in params),
-            main_params=tuple(tuple(p.detach().clone() for p in cls._main(o)) for o in opts),
-            states=tuple(states),
-            groups=tuple(
-                tuple({k: clone(v) for k, v in g.items() if k != "params"} for g in o.param_groups) for o in opts
-            ),
-        )
-
-    @torch.no_grad()
-    def restore(self, params: list[torch.Tensor], optimizer) -> None:
-        for p, saved in zip(params, self.params):
-            p.copy_(saved)
-        for opt, mains, state, groups in zip(_inner_optimizers(optimizer), self.main_params, self.states, self.groups):
-            ps = self._main(opt)
-            for p, saved in zip(ps, mains):
-                p.copy_(saved)
-            opt.state.clear()
-            for i, s in state.items():
-                opt.state[ps[i]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-            for g, saved_group in zip(opt.param_groups, groups):
-                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in saved_group.items()})
-
-    def equals(self, other: _Snapshot) -> bool:
-        """Bit-identical (for tests)."""
-
-        def same(a: Any, b: Any) -> bool:
-            if torch.is_tensor(a) or torch.is_tensor(b):
-                return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-            return a == b
-
-        return (
-            len(self.params) == len(other.params)
-            and all(same(a, b) for a, b in zip(self.params, other.params))
-            and all(same(a, b) for x, y in zip(self.main_params, other.main_params) for a, b in zip(x, y))
-            and all(
-                x.keys() == y.keys()
-                and all(x[i].keys() == y[i].keys() and all(same(x[i][k], y[i][k]) for k in x[i]) for i in x)
-                for x, y in zip(self.states, other.states)
-            )
-            and all(
-                g.keys() == h.keys() and all(same(g[k], h[k]) for k in g)
-                for x, y in zip(self.groups, other.groups)
-                for g, h in zip(x, y)
-            )
-        )
+# Saved trainer states pickled this class under its old name.
+_Snapshot = StateCopy
 
 
 class MegatronTrainerCore:
@@ -294,14 +227,21 @@ class MegatronTrainerCore:
 
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)
+        self._zero_grads()
+        self.steps.open_step(step, loss)
+
+    def _zero_grads(self) -> None:
         with self._mc():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        self.steps.open_step(step, loss)
 
-    def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0) -> int:
-        """Accumulate the gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid tokens."""
+    def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0, update: int = 0) -> int:
+        """Accumulate the gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid
+        tokens. The first microbatch of the step's next `update` first applies the one under way (as
+        the torch trainer's)."""
         st = self.steps.require_open("train_microbatch")
+        if self.steps.starts_update(st, update):
+            self._next_update(st)
         if not st.take_rows(rows, bytes_read):
             return 0
         rows = self._rows_to_device(rows)
@@ -317,18 +257,36 @@ class MegatronTrainerCore:
             )
 
     def finish_train_step(self, step: int) -> dict[str, float]:
-        from megatron.core import parallel_state as mps
-        from megatron.core.distributed import finalize_model_grads
-
         retried = self.steps.retried_finish(step)
         if retried is not None:
             return retried  # applied once already
         st = self.steps.finishing(step)
+        totals, grad_norm, lr = self._apply(st, f"finish_train_step({step})")
+        return self.steps.finished(st, totals, grad_norm, lr=lr)
+
+    def _next_update(self, st: OpenStep) -> None:
+        """Apply the update under way of a step with several (a copy of the step's start first)."""
+        try:
+            if st.start is None:
+                with self._mc():
+                    st.start = StepStart(self.params, self.params, _inner_optimizers(self.optimizer))
+            totals, grad_norm, lr = self._apply(st, f"update {st.update} of step {st.step}")
+        except BaseException as e:
+            self.steps.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+        self.steps.update_applied(st, totals, grad_norm, lr=lr)
+        self._zero_grads()
+
+    def _apply(self, st: OpenStep, what: str) -> tuple[StepSums, float, float]:
+        """The optimizer step of `st`'s update under way: (its sums over the ranks, grad norm, lr)."""
+        from megatron.core import parallel_state as mps
+        from megatron.core.distributed import finalize_model_grads
+
         with self.on_device():
             # Every rank of a TP group trained the same rows: sum over the DP group only.
-            totals, _ = reduce_sums(st, mps.get_data_parallel_group(), f"finish_train_step({step})")
+            totals, _ = reduce_sums(st, mps.get_data_parallel_group(), what)
             n = totals.normalizer(st)
-            with collective(f"finish_train_step({step})"):
+            with collective(what):
                 finalize_model_grads([self.model])  # DDP: sum (or reduce-scatter) the raw gradients once
             self.model.scale_gradients(1.0 / n)
             self.optimizer.prepare_grads()
@@ -339,16 +297,16 @@ class MegatronTrainerCore:
             with self.steps.applying(st):
                 set_lr((g for o in _inner_optimizers(self.optimizer) for g in o.param_groups), st.step, self.schedule)
                 self.optimizer.step_with_ready_grads()  # distributed optimizer: also all-gathers params
-        lr = float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
-        return self.steps.finished(st, totals, grad_norm, lr=lr)
+        return totals, grad_norm, float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
 
     def abort_train_step(self, step: int) -> None:
         st = self.steps.aborting(step)
         if st is None:
             return  # nothing of this step is open: an abort never undoes a finished step
-        with self._mc():  # nothing but the gradients changed before the optimizer step
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
+        if st.start is not None:  # updates were applied: back to the step's start, bit-exactly
+            with self._mc():
+                st.start.restore()
+        self._zero_grads()  # with one update, nothing but the gradients changed before the optimizer step
         self.steps.aborted()
 
     def layout(self) -> dict[str, Any]:
@@ -365,11 +323,11 @@ class MegatronTrainerCore:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resume state between steps: its parameter shard and optimizer state (a
-        `_Snapshot`: everything an optimizer step changes), RNG, next step."""
+        `StateCopy`: everything an optimizer step changes), RNG, next step."""
         self.steps.require_closed("state_dict")
         return {
             "layout": self.layout(),
-            "snapshot": _Snapshot.take(self.params, self.optimizer),
+            "snapshot": StateCopy.take(self.params, _inner_optimizers(self.optimizer)),
             "rng": torch.get_rng_state(),
             "next_step": self.steps.next_step,
             "steps_done": self.steps.steps_done,
@@ -381,7 +339,7 @@ class MegatronTrainerCore:
         if saved != self.layout():
             raise ValueError(f"saved trainer state has layout {saved}, this rank is {self.layout()}")
         with self._mc():
-            state["snapshot"].restore(self.params, self.optimizer)
+            state["snapshot"].restore(self.params, _inner_optimizers(self.optimizer))
         torch.set_rng_state(state["rng"])
         self.steps.loaded(state["next_step"], state["steps_done"])
 
@@ -425,6 +383,6 @@ class MegatronTrainerCore:
         grads = {n: p.main_grad.detach().clone() for n, p in self._gpt().named_parameters()}
         return {k: v.cpu() for k, v in megatron_to_hf(self.gather_tp(grads), self.spec).items()}
 
-    def snapshot(self) -> _Snapshot:
+    def snapshot(self) -> StateCopy:
         """Parameters + optimizer state now (for checks)."""
-        return _Snapshot.take(self.params, self.optimizer)
+        return StateCopy.take(self.params, _inner_optimizers(self.optimizer))

@@ -25,12 +25,14 @@ from single_controller.backends.common.offload import HostOffload, optimizer_ten
 from single_controller.backends.common.split_step import (
     OpenStep,
     SplitStep,
+    StepSums,
     collective,
     lr_schedule,
     reduce_sums,
     set_lr,
     train_rows,
 )
+from single_controller.backends.common.step_start import StepStart
 from single_controller.backends.common.weights import WeightSnapshot, load_snapshot, pack_weights
 from single_controller.backends.torch.eager_optim import eager_adamw, eager_step
 from single_controller.backends.torch.model import enable_gradient_checkpointing, state_module
@@ -130,15 +132,22 @@ class TrainerCore:
     def begin_train_step(self, step: int, loss: LossConfig) -> None:
         self.steps.check_begin(step, loss)
         self.ensure_on_device()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         self.steps.open_step(step, loss)
 
-    def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0) -> int:
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_microbatch(self, rows: Mapping[str, Any], bytes_read: int = 0, update: int = 0) -> int:
         """Accumulate gradients of one microbatch (columns of TRAIN_FIELDS); returns its valid tokens.
         A microbatch that fails leaves partial gradients: the step's finish then refuses (on every
         rank: the flag travels in the finish's all-reduce) and only an abort closes it, so calls can
-        be pipelined behind a microbatch."""
+        be pipelined behind a microbatch. `update` (`train.updates_per_step`): the first microbatch of
+        the step's next update first applies the update under way (every rank gets every microbatch
+        call, so every rank takes that optimizer step together)."""
         st = self.steps.require_open("train_microbatch")
+        if self.steps.starts_update(st, update):
+            self._next_update(st)
         try:
             if not st.take_rows(rows, bytes_read):
                 return 0
@@ -164,10 +173,31 @@ class TrainerCore:
         if retried is not None:
             return retried  # the step was applied once already
         st = self.steps.finishing(step)
+        totals, grad_norm, lr = self._apply(st, f"finish_train_step({step})")
+        return self.steps.finished(st, totals, grad_norm, lr=lr)
+
+    def _next_update(self, st: OpenStep) -> None:
+        """Apply the update under way of a step with several: a copy of the step's start first (once),
+        then its optimizer step; the next update accumulates from zero gradients."""
+        try:
+            if st.start is None:
+                st.start = StepStart(self.params, (), [self.optimizer], settle=self._settle)
+            totals, grad_norm, lr = self._apply(st, f"update {st.update} of step {st.step}")
+        except BaseException as e:
+            self.steps.mark_failed(f"{type(e).__name__}: {e}")
+            raise
+        self.steps.update_applied(st, totals, grad_norm, lr=lr)
+        self._zero_grads()
+
+    def _settle(self) -> None:
+        """After the parameters changed in place outside an optimizer step (`StepStart`): nothing here."""
+
+    def _apply(self, st: OpenStep, what: str) -> tuple[StepSums, float, float]:
+        """The optimizer step of `st`'s update under way: (its sums over the ranks, grad norm, lr)."""
         # first: every rank learns whether one had a failed microbatch
-        totals, (failed,) = reduce_sums(st, self.pg, f"finish_train_step({step})", [float(st.failed is not None)])
+        totals, (failed,) = reduce_sums(st, self.pg, what, [float(st.failed is not None)])
         self._refuse_partial(st, int(failed))
-        with collective(f"finish_train_step({step})"):
+        with collective(what):
             grads = self._reduced_grads()
         n = totals.normalizer(st)
         for p, g in zip(self.params, grads):
@@ -179,7 +209,7 @@ class TrainerCore:
         with self.steps.applying(st):
             set_lr(self.optimizer.param_groups, st.step, self.schedule)
             eager_step(self.optimizer)
-        return self.steps.finished(st, totals, grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]))
+        return totals, grad_norm, float(self.optimizer.param_groups[0]["lr"])
 
     @staticmethod
     def _refuse_partial(st: OpenStep, failed_ranks: int) -> None:
@@ -205,7 +235,9 @@ class TrainerCore:
         st = self.steps.aborting(step)
         if st is None:
             return  # nothing of this step is open: an abort never undoes a finished step
-        self.optimizer.zero_grad(set_to_none=True)  # nothing else changed before the optimizer step
+        if st.start is not None:  # updates were applied: back to the step's start, bit-exactly
+            st.start.restore()
+        self._zero_grads()  # with one update, nothing else changed before the optimizer step
         self.steps.aborted()
 
     def state_dict(self) -> dict[str, Any]:

@@ -107,18 +107,23 @@ class TrainerRankActor(RankStepCalls, WeightSender):
         self._trainer().begin_train_step(step, loss)
 
     def train_microbatch_keys(
-        self, step: int, keys: Sequence[str], fields: Sequence[str], advantages: Sequence[float] | None = None
+        self,
+        step: int,
+        keys: Sequence[str],
+        fields: Sequence[str],
+        advantages: Sequence[float] | None = None,
+        update: int = 0,
     ) -> int:
         """Fetch this rank's rows and accumulate their gradients into step `step` (refused unless it is
-        the open one); returns the bytes read. `advantages` (one per key) come with the call; None: the
-        rows' `advantage` field is among `fields`."""
+        the open one), in its update `update`; returns the bytes read. `advantages` (one per key) come
+        with the call; None: the rows' `advantage` field is among `fields`."""
         self._refuse_other_step(step, "train_microbatch")  # before touching storage
         rows: Mapping[str, Any] = {"prompt_ids": []}
         nbytes = 0
         if keys:
             rows, nbytes = self._read_rows(step, lambda: self._fetch(keys, fields, advantages))
         with self.turns.hold():
-            self._trainer().train_microbatch(rows, bytes_read=nbytes)
+            self._trainer().train_microbatch(rows, bytes_read=nbytes, update=update)
         return nbytes
 
     def _fetch(
