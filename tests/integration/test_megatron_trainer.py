@@ -156,9 +156,10 @@ def build(ranks, hf_dir, tp, distributed_optimizer=False, train=TRAIN, max_steps
     )
 
 
-def run_step(ranks, layouts, rows, chunking, loss, step=0):
+def run_step(ranks, layouts, rows, chunking, loss, step=0, updates=None):
     """One streamed step: each chunk is split over DP ranks by tokens (like the group), every rank of a
-    TP group gets its DP rank's rows. Works for the in-process rank too (ranks=[local])."""
+    TP group gets its DP rank's rows. Works for the in-process rank too (ranks=[local]). `updates`
+    (instead of `chunking`): the chunk sizes of each of the step's updates, in order."""
     import ray
 
     remote = not hasattr(ranks[0], "core")
@@ -172,18 +173,19 @@ def run_step(ranks, layouts, rows, chunking, loss, step=0):
     dp = layouts[0]["dp"]
     wait([call(r, "begin_train_step", step, loss) for r in ranks])
     start = 0
-    for size in chunking:
-        idx = list(range(start, start + size))
-        start += size
-        lengths = [len(rows["prompt_ids"][i]) + len(rows["response_ids"][i]) for i in idx]
-        parts = balanced_partition(lengths, dp)
-        wait(
-            [
-                call(r, "train_microbatch_rows", take(rows, [idx[j] for j in parts[lay["dp_rank"]]]))
-                for r, lay in zip(ranks, layouts)
-            ]
-        )
-    assert start == N_ROWS
+    for update, sizes in enumerate(updates or [chunking]):
+        for size in sizes:
+            idx = list(range(start, start + size))
+            start += size
+            lengths = [len(rows["prompt_ids"][i]) + len(rows["response_ids"][i]) for i in idx]
+            parts = balanced_partition(lengths, dp)
+            wait(
+                [
+                    call(r, "train_microbatch_rows", take(rows, [idx[j] for j in parts[lay["dp_rank"]]]), update)
+                    for r, lay in zip(ranks, layouts)
+                ]
+            )
+    assert start == len(rows["prompt_ids"])
     return wait([call(r, "finish_train_step", step) for r in ranks])
 
 
@@ -378,6 +380,10 @@ def test_streamed_split_api_matches_full_batch(
         )
 
 
+# These rows' importance ratios are the model's own times e^(0.3 noise): narrower masks drop some.
+NARROW = {"token_mask": dict(is_low=0.8, is_high=1.25), "sequence_mask": dict(is_low=0.7, is_high=1.4)}
+
+
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 @pytest.mark.parametrize("variant", LOSS_VARIANTS)
 def test_every_loss_option_matches_full_batch(pair, single, hf_dir, rows, variant, tp):
@@ -386,9 +392,7 @@ def test_every_loss_option_matches_full_batch(pair, single, hf_dir, rows, varian
     parameters and counts (the same float32 tolerances as above)."""
     import ray
 
-    # These rows' importance ratios are the model's own times e^(0.3 noise): narrower masks drop some.
-    narrow = {"token_mask": dict(is_low=0.8, is_high=1.25), "sequence_mask": dict(is_low=0.7, is_high=1.4)}
-    loss = dataclasses.replace(LOSS_VARIANTS[variant], **narrow.get(variant, {}))
+    loss = dataclasses.replace(LOSS_VARIANTS[variant], **NARROW.get(variant, {}))
     rows = rows_for(variant, rows)  # mask_truncated: some rows carry no loss (their own reference)
     ref_grads, ref_params, ref_metrics = reference(single, hf_dir, rows, loss, tag=f"llama-rows-{variant}")
     valid = sum(int(m.sum()) for m in rows["response_mask"])
@@ -403,6 +407,74 @@ def test_every_loss_option_matches_full_batch(pair, single, hf_dir, rows, varian
         assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL, chunking
         for params in ray.get([r.hf_weights.remote() for r in pair]):
             check_params(params, ref_params, ref_grads)
+
+
+UPDATES = ([4, 2], [1, 5])  # train.updates_per_step: the chunk sizes of a step's 2 updates over the 12 rows
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+@pytest.mark.parametrize("variant", ["token_mean", "gspo", "token_mask", "kl_k3", "mask_truncated"])
+def test_several_updates_match_the_one_rank_step(pair, single, hf_dir, rows, variant, tp):
+    """train.updates_per_step over DP=2 and TP=2: a step of 2 updates in several chunks (the second
+    update's old logprobs from the step's start, swapped into the model) equals the one-rank step of
+    the same 2 updates: the last update's gradient, the parameters after both, the counts."""
+    import ray
+
+    loss = dataclasses.replace(LOSS_VARIANTS[variant], **NARROW.get(variant, {}))
+    rows = rows_for(variant, rows)
+    layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    (want,) = run_step([single], [layout], rows, None, loss, updates=[[6], [6]])
+    ref_grads, ref_params = single.hf_grads(), single.hf_weights()
+    layouts = build(pair, hf_dir, tp=tp)
+    for m in run_step(pair, layouts, rows, None, loss, updates=UPDATES):
+        assert m["train/updates"] == 2 and m["train/loss"] == pytest.approx(want["train/loss"], rel=0, abs=1e-6)
+        assert (m["train/tokens"], m["train/sequences"]) == (want["train/tokens"], want["train/sequences"])
+    grads = ray.get([r.hf_grads.remote() for r in pair])[0]
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) <= GRAD_RTOL
+    for params in ray.get([r.hf_weights.remote() for r in pair]):
+        worst = max(float(np.abs(params[k] - ref_params[k]).max()) for k in ref_params)
+        print(f"{variant} tp={tp}: parameters after 2 updates differ by at most {worst:.1e}")
+        assert worst <= 2 * TRAIN.lr * 0.05  # two Adam steps, float32 sums in another order
+
+
+def test_a_later_update_forwards_with_the_steps_start_and_an_abort_restores_it(single, hf_dir, rows):
+    """What the DP/TP comparison above cannot see (its one-rank reference runs the same code): inside
+    `policy_at_start`, Megatron's forward computes the step's start (the Hugging Face model's logits),
+    after it the trained weights again; an abort after an applied update brings the start back."""
+    layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    assert layout["dp"] == 1
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = load_hf(hf_dir)(input_ids=ids).logits
+
+    def close(a, b):
+        return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+    assert close(single.logits(ids), want)
+    single.begin_train_step(0, LossConfig())
+    single.train_microbatch_rows(take(rows, range(6)), 0)
+    single.train_microbatch_rows(take(rows, range(6, N_ROWS)), 1)  # applies update 0
+    trained = single.logits(ids)
+    assert not close(trained, want)
+    with single.core.steps.open.start.policy_at_start():
+        assert close(single.logits(ids), want)
+    assert torch.equal(single.logits(ids), trained)
+    single.abort_train_step(0)
+    assert close(single.logits(ids), want)
+
+
+def test_updates_against_the_generation_equal_as_many_steps(single, hf_dir, rows):
+    """With the ratio taken against the generation logprobs, a step of 2 updates is bit-exactly 2
+    steps of one update each (the same lr: a constant schedule)."""
+    loss = LOSS_VARIANTS["clip_higher"]
+    layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    run_step([single], [layout], rows, None, loss, updates=[[6], [6]])
+    updates = single.hf_weights()
+    layout = single.build(str(hf_dir), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    run_step([single], [layout], take(rows, range(6)), [6], loss, step=0)
+    run_step([single], [layout], take(rows, range(6, N_ROWS)), [6], loss, step=1)
+    steps = single.hf_weights()
+    assert all(np.array_equal(updates[k], steps[k]) for k in steps)
 
 
 PASS_BUDGET = 10  # tokens per pass (rows of 3..9 tokens): 3..5 passes per rank and chunk, some packing two rows

@@ -5,7 +5,9 @@ abort by step id and records each finished step's metrics, while the engine make
 (zeroing gradients, collectives, the optimizer step). `train_rows` cuts a microbatch into passes of
 at most `train.micro_batch_tokens` tokens and `rows_loss` runs forward, the GRPO loss and backward.
 A finish of the step finished last returns its recorded metrics (never a second optimizer step); an
-abort drops the gradients, bit-exactly what was there before the begin (no copy is kept). An
+abort drops the gradients, bit-exactly what was there before the begin (no copy is kept), unless the
+step has several updates (`train.updates_per_step`) and one was applied: then the engine restores
+the copy of the step's start it took first (`step_start.StepStart`). An
 optimizer step that fails inside `steps.applying` leaves the rank refusing everything but a
 checkpoint load (`TrainerStateLost`).
 """

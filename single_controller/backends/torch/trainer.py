@@ -3,7 +3,9 @@
 `TrainerCore` follows `protocols.TrainerGroup` with `backends.common.split_step.SplitStep`'s
 bookkeeping: microbatches add the raw loss sum's gradient under DDP `no_sync()` (no communication);
 finish all-reduces counts, sums and the flattened gradients once, scales by 1/N, clips and takes one
-AdamW step at `lr_at(step)`; an abort drops the gradients. Parameters and AdamW state keep their
+AdamW step at `lr_at(step)`; an abort drops the gradients. A step of several updates
+(`train.updates_per_step`) applies each but the last when the next one's first microbatch arrives
+(`_next_update`), all at `lr_at(step)`; its abort restores the step's start. Parameters and AdamW state keep their
 build dtype; `compute_dtype` (`model.dtype`) runs forwards under `torch.autocast` (logprobs and loss
 in float32) and is the dtype snapshots are published in.
 """
