@@ -81,6 +81,7 @@ class GroupRecord:
     prompt_length: int = 0
     seq_lengths: tuple[int, ...] = ()  # prompt + response tokens per row (set at commit)
     advantages: tuple[float, ...] = ()
+    reward_kl: tuple[float, ...] = ()  # [G] each row's KL to the reference (`reward.kl_coef`; () without)
     trained_step: int | None = None
     reason: str | None = None
     abort_reason: str | None = None  # set before cancelling an in-flight attempt on purpose

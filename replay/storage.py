@@ -45,6 +45,8 @@ GENERATION_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mas
 TRAIN_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask", "token_versions", "advantage")
 # What a trainer rank reads from storage when the chunk carries the advantages (`TrainChunk.advantages`).
 TRAIN_ROW_FIELDS = tuple(f for f in TRAIN_FIELDS if f != "advantage")
+# What a trainer rank reads to measure a row's KL to the reference for the reward (`reward.kl_coef`).
+REWARD_KL_FIELDS = ("prompt_ids", "response_ids", "gen_logprobs", "response_mask")
 BULK_FIELDS = frozenset(f.name for f in ROLLOUT_FIELDS if f.bulk)
 
 

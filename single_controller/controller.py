@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pumps.advantage import advantage_pump, shaped_rewards
+from pumps.advantage import RewardKlPass, advantage_pump, shaped_rewards
 from pumps.eval import EvalPoint, EvalStatistics, EvalTracker, eval_pump, reward_part_means
 from pumps.rollout import rollout_pump
 from pumps.train import StepReport, prefetch_pump, record_landed_finish, train_pump
@@ -278,7 +278,8 @@ class Controller:
         try:
             async with asyncio.TaskGroup() as pumps:
                 tasks["rollout"] = pumps.create_task(rollout_pump(st, stop_token_ids=self.stop_token_ids))
-                tasks["advantage"] = pumps.create_task(advantage_pump(st))
+                passes = [RewardKlPass(st)] if self.cfg.reward.kl_coef > 0 else []
+                tasks["advantage"] = pumps.create_task(advantage_pump(st, passes))
                 tasks["train"] = pumps.create_task(train_pump(st, weights, self._record_step))
                 tasks["weight_sync"] = pumps.create_task(weight_sync_pump(st, weights))
                 tasks["prefetch"] = pumps.create_task(prefetch_pump(st))
@@ -633,9 +634,7 @@ class Controller:
         `reward.functions`); every `run.sample_every_steps` steps one trained completion as text
         (`sample`: prompt, completion, reward), for the loggers."""
         rec.update(reward_part_means((g.reward_parts for g in report.groups), ""))
-        if self.cfg.reward.overlong_buffer and report.groups:  # DAPO's overlong punishment, as added to the rewards
-            shaping = [s - r for g in report.groups for s, r in zip(shaped_rewards(g, self.cfg), g.rewards)]
-            rec["reward/overlong_penalty_mean"] = math.fsum(shaping) / max(len(shaping), 1)
+        rec.update(self._shaping_records(report))
         rec.update(self._episode_records(report))
         every = self.cfg.run.sample_every_steps
         if every and report.step % every == 0:
@@ -643,6 +642,20 @@ class Controller:
             if sample is not None:
                 prompt, completion, reward = sample
                 rec["sample"] = {"prompt": prompt, "completion": completion, "reward": reward}
+
+    def _shaping_records(self, report: StepReport) -> dict[str, float]:
+        """What shaped the step's rewards before advantages: DAPO's overlong punishment
+        (`reward/overlong_penalty_mean`) and the KL penalty (`reward/kl_mean`, per row, and
+        `reward/kl_penalty_mean`); nothing when neither is on."""
+        r, groups, out = self.cfg.reward, report.groups, {}
+        n = max(sum(len(g.rewards) for g in groups), 1)
+        if r.kl_coef:
+            out["reward/kl_mean"] = math.fsum(kl for g in groups for kl in g.reward_kl) / n
+            out["reward/kl_penalty_mean"] = -r.kl_coef * out["reward/kl_mean"]
+        if r.overlong_buffer:
+            shaping = math.fsum(s - x for g in groups for s, x in zip(shaped_rewards(g, self.cfg), g.rewards))
+            out["reward/overlong_penalty_mean"] = shaping / n - out.get("reward/kl_penalty_mean", 0.0)
+        return out
 
     def _episode_records(self, report: StepReport) -> dict[str, float]:
         """Multi-turn (`env`): the step's episodes, per episode (turns, tool calls, tokens), per

@@ -11,7 +11,7 @@ returns).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from single_controller.types import (
@@ -221,6 +221,18 @@ class Prefetching(Protocol):
     async def prefetch(self, chunk: TrainChunk) -> None:
         """These rows will probably be trained soon; start reading them. Must return without
         waiting for the read, and must not change what a later `train_microbatch` computes."""
+        ...
+
+
+@runtime_checkable
+class RewardKl(Protocol):
+    """Optional capability of a TrainerGroup that keeps a reference policy: measure rows' KL to it,
+    for a KL penalty in the reward (`reward.kl_coef`)."""
+
+    async def reward_kl(self, keys: Sequence[str], seq_lengths: Sequence[int], estimator: str) -> tuple[float, ...]:
+        """For each stored row of `keys` (prompt + response lengths `seq_lengths`), the sum over its
+        policy tokens of `estimator` (k1 / k2 / k3) of KL(pi_gen || pi_ref), in `keys` order. May run
+        while a train step is open; changes nothing a train step computes."""
         ...
 
 

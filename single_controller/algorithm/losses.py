@@ -250,3 +250,17 @@ def mismatch_stats(
             "mm_kl": float((torch.expm1(d) - d).sum()),
             "mm_tokens": float(m.sum()),
         }
+
+
+def row_kl_sums(
+    ref_logprobs: torch.Tensor,  # [B, T] the reference policy's logprobs of the sampled tokens
+    gen_logprobs: torch.Tensor,  # [B, T] the sampling policy's (the engine's)
+    mask: torch.Tensor,  # [B, T] bool: the row's policy tokens
+    estimator: str,
+) -> torch.Tensor:
+    """Each row's KL to the reference for a penalty in its reward (`reward.kl_coef`): the sum over its
+    policy tokens of the estimator `KL_ESTIMATORS[estimator]` of KL(pi_gen || pi_ref), with
+    delta = log pi_ref - log pi_gen (tokens sampled from pi_gen). Returns [B] in float64."""
+    m = mask.bool()
+    delta = torch.where(m, ref_logprobs.double() - gen_logprobs.double(), torch.zeros((), dtype=torch.float64))
+    return torch.where(m, KL_ESTIMATORS[estimator](delta), 0.0).sum(dim=1)

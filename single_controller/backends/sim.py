@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -581,6 +582,11 @@ SIM_LOSS_STATISTICS = (
 )
 
 
+def sim_reward_kl(key: str) -> float:
+    """The sim trainer's KL to the reference of the row `key`: a fixed value in [0, 0.6], by key."""
+    return (zlib.crc32(key.encode()) % 7) / 10
+
+
 class SimTrainerGroup:
     """Like a Ray actor, every call runs to completion on the "remote" side even if the caller
     stops waiting (a deadline): calls execute one at a time as tasks the caller only awaits
@@ -612,6 +618,7 @@ class SimTrainerGroup:
         self.trained: dict[int, list[str]] = {}  # step -> row keys, recorded at finish only
         self.updates: dict[int, list[tuple[str, ...]]] = {}  # step -> its updates' row keys (the last attempt)
         self._update = 0  # the open step's update under way (`train.updates_per_step`)
+        self.reward_kl_calls: list[tuple[str, ...]] = []  # `reward_kl`'s keys, call by call
         self.attempts: dict[int, int] = {}
         self.aborts = 0
         self._open: list[str] | None = None
@@ -703,6 +710,14 @@ class SimTrainerGroup:
         if not self.keep_logs:
             self.attempts.pop(step - 1, None)  # only the open step's attempts matter
         self.attempts[step] = self.attempts.get(step, -1) + 1
+
+    async def reward_kl(self, keys: Sequence[str], seq_lengths: Sequence[int], estimator: str) -> tuple[float, ...]:
+        """A made-up KL per row (`sim_reward_kl`); fails when the storage no longer holds a row, as a
+        rank's read would."""
+        if self.fetch_rows:
+            await self.storage.get_rows(list(keys), ["response_ids"])
+        self.reward_kl_calls.append(tuple(keys))
+        return tuple(sim_reward_kl(k) for k in keys)
 
     async def train_microbatch(self, chunk: TrainChunk) -> None:
         await self._call(self._microbatch(chunk))

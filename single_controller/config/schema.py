@@ -174,6 +174,14 @@ class RewardConfig:
     the buffer's start to -overlong_penalty at max_new_tokens), before advantages. 0: off. Single-turn only."""
     overlong_penalty: NonNegative = 1.0
     """The overlong punishment's size at max_new_tokens (see `overlong_buffer`)."""
+    kl_coef: NonNegative = 0.0
+    """KL to the initial (reference) policy as a penalty in the reward (InstructGPT, verl `use_kl_in_reward`): each
+    completion's reward loses kl_coef x the sum over its tokens of `kl_estimator` of KL(pi_gen || pi_ref), before
+    advantages. The trainer computes the reference's logprobs of each committed group (a no-grad forward, beside
+    training). 0: off. For the KL in the loss, see train.kl_coef."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """The per-token estimator the reward's KL penalty sums (docs/algorithms.md): `k1` (log pi_gen - log pi_ref, the
+    classic penalty), `k2`, `k3`."""
 
 
 @dataclass(frozen=True)

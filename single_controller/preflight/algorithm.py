@@ -106,4 +106,28 @@ def updates_divide_the_step(cfg: Config) -> Problem | None:
     )
 
 
-RULES = (loss_settings_agree, the_ratio_can_move, overlong_penalty_fits, updates_divide_the_step)
+def reward_kl_can_be_measured(cfg: Config) -> Problem | None:
+    """The KL in the reward is measured by the trainer beside training, before a step's groups are
+    ready; where the trainer computes only in its turn on the device (colocated in turns, or in a
+    pool), it would wait for a turn that comes only once those groups are ready."""
+    if cfg.reward.kl_coef == 0:
+        return None
+    turns = cfg.backend.colocate and cfg.backend.colocate_form == "turns"
+    if not (turns or cfg.pool.enabled):
+        return None
+    where = "backend.colocate_form=turns" if turns else "pool.enabled"
+    return Problem(
+        ("reward.kl_coef", "backend.colocate_form" if turns else "pool.enabled"),
+        f"reward.kl_coef is measured by the trainer while generation runs, which {where} does not allow (the "
+        "trainer computes only in its turn, and that turn waits for these groups). Use train.kl_coef (the KL in "
+        "the loss) there",
+    )
+
+
+RULES = (
+    loss_settings_agree,
+    the_ratio_can_move,
+    overlong_penalty_fits,
+    updates_divide_the_step,
+    reward_kl_can_be_measured,
+)

@@ -121,6 +121,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         core.train_microbatch(take(make_rows(6, 5), balanced_partition(seq_lengths(make_rows(6, 5)), world)[rank]))
         core.abort_train_step(0)
         results[("abort", reduce)] = _step(core, rank, world, ROW_KINDS["single-turn"](), CHUNKINGS[1], "token_mean")
+    # reward.kl_coef: each rank's share of the rows in passes of its own count (the sharded reference's
+    # forwards padded to the rank with the most), beside an open step
+    core = FsdpTrainerCore(
+        TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(),
+        dataclasses.replace(TRAIN, micro_batch_tokens=PASS_BUDGET["single-turn"]),
+        process_group=dist.group.WORLD,
+        keep_reference=True,
+    )
+    kl_rows = make_rows(NUM_ROWS, 4)
+    mine = balanced_partition(seq_lengths(kl_rows), world)[rank] if rank else []  # rank 0: none at all
+    core.begin_train_step(0, LossConfig())
+    results["reward_kl"] = (mine, core.reward_kl(take(kl_rows, mine), "k3"))
+    core.abort_train_step(0)
     shard = [p.to_local().numel() for p in _core("microbatch").params]
     results["shard_numel"] = sum(shard)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -187,3 +200,19 @@ def test_fsdp_several_updates_equal_as_many_sequential_full_batch_steps(fsdp_res
         assert m["train/updates"] == len(UPDATE_SPLITS_12[split]), rank
         assert_close_rel(grads, want_grads, 1e-10)
         assert_close_rel(params, want_params, 1e-10)
+
+
+def test_fsdp_reward_kl_equals_the_single_process_one(fsdp_results):
+    """reward.kl_coef on the sharded reference: every rank's rows (one rank none at all, the others in
+    different numbers of passes) get the KL a single unsharded trainer computes."""
+    from single_controller.backends.torch.trainer import TrainerCore
+
+    rows = make_rows(NUM_ROWS, 4)
+    plain = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, keep_reference=True)
+    want = plain.reward_kl(rows, "k3")
+    seen = []
+    for res in fsdp_results:
+        mine, got = res["reward_kl"]
+        assert got == pytest.approx([want[i] for i in mine], rel=1e-12)
+        seen += mine
+    assert fsdp_results[0]["reward_kl"][0] == [] and len(seen) > 0  # rank 0 ran padding forwards only

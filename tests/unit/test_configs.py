@@ -215,6 +215,7 @@ def test_several_problems_are_all_listed_in_one_error(tmp_path):
         (["train.policy_loss=gspo"], "train.recompute_old_logprobs"),  # the ratio is 1: gspo == ppo_clip
         (["train.clip_eps_high=0.28"], "train.recompute_old_logprobs"),  # ... and no clip binds
         (["train.updates_per_step=3"], "train.updates_per_step"),  # 16 groups do not split in 3
+        (["reward.kl_coef=0.1", "backend.colocate=true", "backend.colocate_form=turns"], "reward.kl_coef"),
         (["reward.overlong_buffer=3"], "reward.overlong_buffer"),  # the embedded task's 3 new tokens: none left
         (["reward.overlong_buffer=1", "env.fn=guess"], "reward.overlong_buffer"),  # an episode's length differs
         (["sampler.order=lifo"], "sampler.order"),
@@ -272,6 +273,7 @@ def test_each_check_rejects_its_violation(overrides, paths):
         ["run.stop_at_success_rate=1.0"],
         ["reward.overlong_buffer=2", "reward.overlong_penalty=0.5", "train.mask_truncated=true"],
         ["train.updates_per_step=4", "train.policy_loss=gspo", "train.clip_eps_high=0.28"],  # the ratio moves
+        ["reward.kl_coef=0.05", "reward.kl_estimator=k3"],
     ],
 )
 def test_boundary_values_pass(overrides):

@@ -342,3 +342,27 @@ async def test_several_updates_per_step_never_split_a_chunk_across_updates(chunk
     assert trainer.attempts[2] == 1  # step 2 failed once and ran again, all its updates
     assert ctl.state.versions.trained == 5
     await assert_clean_end(ctl, trainer, storage)
+
+
+async def test_the_kl_in_the_reward_is_measured_for_every_committed_group_before_its_advantages():
+    """reward.kl_coef: the trainer measures each committed group's KL to the reference before its
+    advantages, which are then the group's rewards minus kl_coef x that KL; the step records report
+    the KL and its penalty."""
+    from single_controller.algorithm.advantages import grpo_advantages
+    from single_controller.backends.sim import sim_reward_kl
+
+    cfg = make_cfg(steps=3, reward={"kl_coef": 0.5})
+    ctl, trainer, storage, summary, err = await run_sim(cfg)
+    assert err is None and summary.steps == 3
+    measured = {k for keys in trainer.reward_kl_calls for k in keys}
+    adv = ctl.cfg.advantage
+    for keys in trainer.trained.values():
+        assert set(keys) <= measured
+        for group_id in {k.rsplit("_g", 1)[0] for k in keys}:
+            rec = ctl.state.ledger[group_id]
+            assert rec.reward_kl == tuple(sim_reward_kl(k) for k in rec.keys)
+            shaped = [r - 0.5 * sim_reward_kl(k) for r, k in zip(rec.rewards, rec.keys)]
+            assert rec.advantages == grpo_advantages(shaped, normalize_std=adv.normalize_std, eps=adv.eps)
+    records = [r for r in ctl.history if "reward/kl_mean" in r]
+    assert len(records) == 3 and all(r["reward/kl_penalty_mean"] == -0.5 * r["reward/kl_mean"] for r in records)
+    await assert_clean_end(ctl, trainer, storage)

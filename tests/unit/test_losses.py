@@ -254,3 +254,18 @@ def test_overlong_penalty_ramps_over_the_buffer(length, want):
 
     assert overlong_penalty(length, 16, 4, 0.5) == pytest.approx(want, abs=1e-15)
     assert overlong_penalty(length, 16, 0, 0.5) == 0.0  # buffer 0: off
+
+
+def test_row_kl_sums_by_hand():
+    """reward.kl_coef's per-row KL: sum over the row's policy tokens of the estimator, with
+    d = log pi_ref - log pi_gen; masked tokens and padding count nothing."""
+    from single_controller.algorithm.losses import row_kl_sums
+
+    ref = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    gen = torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -1.5, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    # d: row 0: 0.5, -1.0; row 1: 0.0, 1.0
+    assert row_kl_sums(ref, gen, mask, "k1").tolist() == pytest.approx([-0.5 + 1.0, 0.0 - 1.0])
+    assert row_kl_sums(ref, gen, mask, "k2").tolist() == pytest.approx([0.125 + 0.5, 0.0 + 0.5])
+    k3 = [math.exp(0.5) - 0.5 - 1 + math.exp(-1.0) + 1.0 - 1, 0.0 + math.exp(1.0) - 1.0 - 1]
+    assert row_kl_sums(ref, gen, mask, "k3").tolist() == pytest.approx(k3)

@@ -590,3 +590,28 @@ def test_an_abort_after_updates_were_applied_restores_the_steps_start_bit_exactl
             u.train_microbatch(rows, update=j)
         m = u.finish_train_step(step)
     assert all(torch.equal(a, b) for a, b in zip(t.params, u.params)) and again["train/loss"] == m["train/loss"]
+
+
+def test_reward_kl_is_each_rows_kl_of_the_sampler_to_the_initial_policy():
+    """reward.kl_coef: `reward_kl` is, per row, the sum over its policy tokens of the estimator of
+    KL(pi_gen || pi_ref) with the initial policy as pi_ref (written out here), whatever was trained
+    since and however the rows are cut into passes; a trainer without a reference refuses."""
+    rows = make_rows(6, 2)
+    model = TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double()
+    want = []
+    with torch.no_grad():
+        for p, r, g, m in zip(rows["prompt_ids"], rows["response_ids"], rows["gen_logprobs"], rows["response_mask"]):
+            logits = model(torch.cat([p, r])[None])[0, len(p) - 1 : -1].double()
+            ref = torch.log_softmax(logits, -1).gather(1, r[:, None])[:, 0]
+            d = (ref - g.double())[m]
+            want.append(float((torch.exp(d) - d - 1).sum()))
+    t = _trainer(dataclasses.replace(TRAIN, micro_batch_tokens=16))
+    with pytest.raises(ValueError, match="no reference"):
+        t.reward_kl(rows, "k3")
+    t = TrainerCore(TinyGPT(SMALL, TOKENIZER.vocab_size, seed=0).double(), TRAIN, keep_reference=True)
+    t.begin_train_step(0, LossConfig())
+    t.train_microbatch(make_rows(6, 1))
+    t.finish_train_step(0)  # the policy moved; the reference did not
+    assert t.reward_kl(rows, "k3") == pytest.approx(want, rel=1e-12)
+    t.cfg = dataclasses.replace(TRAIN, micro_batch_tokens=12)  # passes of at most 12 tokens
+    assert t.reward_kl(rows, "k3") == pytest.approx(want, rel=1e-12)

@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from single_controller.algorithm.logprobs import LogitsPolicy, pad_right, token_logprobs, token_logprobs_entropy
-from single_controller.algorithm.losses import LossOutput, grpo_loss, loss_normalizer, loss_problems, mismatch_stats
+from single_controller.algorithm.losses import (
+    LossOutput,
+    grpo_loss,
+    loss_normalizer,
+    loss_problems,
+    mismatch_stats,
+    row_kl_sums,
+)
 from single_controller.algorithm.schedules import LrSchedule, lr_at
 from single_controller.backends.common.step_start import StepStart
 from single_controller.config.schema import TrainConfig
@@ -399,6 +406,33 @@ def train_rows(
         st.add(out, mismatch)
         tokens += out.num_tokens
     return tokens
+
+
+def reference_kl_rows(
+    reference: LogitsPolicy,
+    rows: Mapping[str, Any],
+    estimator: str,
+    *,
+    temperature: float,
+    micro_batch_tokens: int | None,
+    autocast: torch.dtype | None = None,
+    share_prefixes: bool = False,
+) -> list[float]:
+    """Each row's KL to the reference (`algorithm.losses.row_kl_sums`, for `reward.kl_coef`), by
+    no-grad forwards of the reference in passes of at most `micro_batch_tokens`; in row order."""
+    lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+    out = [0.0] * len(lengths)
+    for idx in token_passes(lengths, micro_batch_tokens):
+        part = select_rows(rows, idx)
+        with torch.no_grad(), _autocast(reference, autocast):
+            ref, valid = token_logprobs(
+                reference, part["prompt_ids"], part["response_ids"], temperature, share_prefixes
+            )
+        mask = pad_right(part["response_mask"], False, torch.bool).to(valid.device) & valid
+        gen = pad_right(part["gen_logprobs"], 0.0, torch.float64).to(valid.device)
+        for i, kl in zip(idx, row_kl_sums(ref, gen, mask, estimator).tolist()):
+            out[i] = kl
+    return out
 
 
 def _autocast(policy: LogitsPolicy, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

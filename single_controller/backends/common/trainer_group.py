@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from single_controller.algorithm.dp_split import split_chunk
+from replay.storage import REWARD_KL_FIELDS
+from single_controller.algorithm.dp_split import dp_split, split_chunk
 from single_controller.backends.common.behind_finish import BehindFinish
 from single_controller.backends.common.rank_calls import (
     PREFETCH_GROUP,
@@ -200,6 +201,19 @@ class RankTrainerGroup:
         return _SentCall(
             "microbatch", f"train_microbatch(step={chunk.step}, chunk={chunk.chunk_index})", chunk.step, refs
         )
+
+    async def reward_kl(self, keys: Sequence[str], seq_lengths: Sequence[int], estimator: str) -> tuple[float, ...]:
+        """Each row's KL to the reference policy (`reward.kl_coef`), in `keys` order: the rows split
+        over the data-parallel ranks by tokens (as a chunk's), every rank called in the order of the
+        other calls (beside an open step: the reference never trains)."""
+        split = dp_split(tuple(keys), tuple(seq_lengths), self.dp)
+        shares = [split.rank_keys(d) for d in self.data_ranks]
+        refs = [r.reward_kl_keys.remote(mine, list(REWARD_KL_FIELDS), estimator) for r, mine in zip(self.ranks, shares)]
+        per_rank = await rank_call(f"reward_kl({len(keys)} rows)", refs)
+        kl: dict[str, float] = {}
+        for mine, values in zip(shares, per_rank):
+            kl.update(zip(mine, values, strict=True))
+        return tuple(kl[k] for k in keys)
 
     async def prefetch(self, chunk: TrainChunk) -> None:
         """Each rank starts reading the rows it would get for this chunk (a hint; never blocks on the read)."""

@@ -199,6 +199,21 @@ class FsdpTrainerCore(TrainerCore):
                 token_logprobs(self.reference, [one], [one], self.temperature)
         (logprobs.sum() * 0.0).backward()
 
+    def reward_kl(self, rows: Any, estimator: str) -> list[float]:
+        """As the torch trainer's, the sharded reference's forwards padded to the rank with the most
+        passes (each all-gathers: every rank runs as many)."""
+        lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+        mine = len(token_passes(lengths, self.cfg.micro_batch_tokens)) if lengths else 0
+        most = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.pg)
+        out = super().reward_kl(rows, estimator)
+        one = torch.zeros(1, dtype=torch.long)
+        for _ in range(int(most.item()) - mine):
+            with torch.no_grad():
+                assert self.reference is not None  # super() refused a trainer without one
+                token_logprobs(self.reference, [one], [one], self.temperature)
+        return out
+
     def _zero_grads(self) -> None:
         super()._zero_grads()
         self._drop_accumulated()  # the unsharded gradients accumulated for a deferred reduction too

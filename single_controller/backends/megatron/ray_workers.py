@@ -143,11 +143,13 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         seed: int = 0,
         max_steps: int | None = None,
         dtype: str = "float32",
+        keep_reference: bool = False,
     ) -> dict[str, int]:
         """(Re)build the model-parallel layout and the trainer from the HF model directory; returns
         {"dp_rank", "tp_rank", "dp", "tp", "params"} (params: this rank's parameter count).
         `max_steps`: the run's steps, the horizon of a decaying `train.lr_schedule`. `dtype`
-        (`model.dtype`): float32, or bfloat16 (bfloat16 model over float32 main parameters)."""
+        (`model.dtype`): float32, or bfloat16 (bfloat16 model over float32 main parameters).
+        `keep_reference`: keep the initial weights for a KL in the reward (train.kl_coef > 0 keeps them too)."""
         from megatron.core import parallel_state as mps
 
         from single_controller.backends.megatron.cpu_emulation import check_version, cpu_emulation
@@ -173,6 +175,7 @@ class MegatronRankActor(RankStepCalls, WeightSender):
             seed=seed,
             max_steps=max_steps,
             dtype=getattr(torch, dtype),
+            keep_reference=keep_reference,
         )
         c = self.core
         return {
@@ -238,6 +241,15 @@ class MegatronRankActor(RankStepCalls, WeightSender):
             )
         nbytes = sum(column_nbytes(c) for c in rows.values()) if leader else 0
         return with_advantages(rows, advantages), nbytes  # every rank of a TP group got the same ones
+
+    def reward_kl_keys(self, keys: Sequence[str], fields: Sequence[str], estimator: str) -> list[float]:
+        """Read these rows (the TP leader, for its TP group) and return each one's KL to the reference
+        policy (`reward.kl_coef`), in key order."""
+        rows: Mapping[str, Any] = {"prompt_ids": []}
+        if keys:
+            rows, _ = self._fetch(-1, list(keys), list(fields), None)
+        with self.turns.hold():
+            return self._core.reward_kl(rows, estimator)
 
     def train_microbatch_rows(self, rows: Mapping[str, Any], update: int = 0) -> int:
         """Accumulate gradients of rows given directly (tests; no storage)."""
@@ -373,25 +385,21 @@ async def start_megatron_ranks(
     model_dir: str,
     train: TrainConfig,
     *,
-    tensor_parallel_size: int,
-    distributed_optimizer: bool,
     emulate_cpu: bool,
-    temperature: float,
-    seed: int,
     setup_timeout_s: float,
-    max_steps: int | None = None,
     torch_threads: int = 1,
     actor_options: dict | None = None,
     storage_ready: Any = None,
     weight_prefix: str = "",
     placement: str = "pack",
     transport: str = "object_store",
-    dtype: str = "float32",
     gpu_share: float = 1.0,
+    **build: Any,
 ) -> RankTrainerGroup:
     """Start `num_ranks` rank actors where `placement` puts them (`rank_calls.place_ranks`), join
     them into one world at rank 0's address (gloo when emulating CPU, else NCCL with one GPU per
-    rank) and build the trainer; returns the group."""
+    rank) and build the trainer (`MegatronRankActor.build` with `build`: tensor_parallel_size and
+    the rest); returns the group."""
     import ray
 
     opts = {"num_cpus": 0, **(actor_options or {})}
@@ -411,15 +419,7 @@ async def start_megatron_ranks(
         backend = "gloo" if emulate_cpu else "nccl"
         await rank_call("join", [r.join.remote(addr, port, setup_timeout_s, backend) for r in ranks])
         rank_nodes = await rank_call("node_info", [r.node_info.remote() for r in ranks])
-        build = dict(
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_optimizer=distributed_optimizer,
-            emulate_cpu=emulate_cpu,
-            temperature=temperature,
-            seed=seed,
-            max_steps=max_steps,
-            dtype=dtype,
-        )
+        build = {**build, "emulate_cpu": emulate_cpu}
         layout = await rank_call("build", [r.build.remote(model_dir, train, **build) for r in ranks])
     except BaseException:
         await asyncio.shield(stop_ranks(ranks, where))
@@ -458,4 +458,5 @@ async def start_megatron_trainer(
         transport=cfg.sync.transport,
         dtype=cfg.model.dtype,
         gpu_share=gpu_shares(cfg)[1],
+        keep_reference=cfg.reward.kl_coef > 0,
     )

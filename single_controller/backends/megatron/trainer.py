@@ -26,6 +26,7 @@ from single_controller.backends.common.split_step import (
     collective,
     lr_schedule,
     reduce_sums,
+    reference_kl_rows,
     set_lr,
     train_rows,
 )
@@ -97,6 +98,7 @@ class MegatronTrainerCore:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         max_steps: int | None = None,
+        keep_reference: bool = False,
     ):
         from megatron.core import parallel_state as mps
 
@@ -120,7 +122,7 @@ class MegatronTrainerCore:
             self.optimizer = self._build_optimizer(distributed_optimizer)
             self._load_hf_mains(hf_state)
             self.reference = None
-            if cfg.kl_coef > 0:  # frozen initial weights for the KL penalty
+            if cfg.kl_coef > 0 or keep_reference:  # frozen initial weights for a KL penalty (loss or reward)
                 self.reference = self._build_gpt(hf_state)
                 self.reference.requires_grad_(False)
         self.params = [p for p in self.model.module.parameters() if p.requires_grad]
@@ -308,6 +310,22 @@ class MegatronTrainerCore:
                 st.start.restore()
         self._zero_grads()  # with one update, nothing but the gradients changed before the optimizer step
         self.steps.aborted()
+
+    def reward_kl(self, rows: Mapping[str, Any], estimator: str) -> list[float]:
+        """Each row's KL to the reference policy (`reward.kl_coef`), in row order (every rank of a TP
+        group gets the same rows and takes part in its forwards)."""
+        if self.reference_policy is None:
+            raise ValueError("reward_kl: this trainer keeps no reference policy (no KL in the loss or the reward)")
+        if len(rows["prompt_ids"]) == 0:
+            return []
+        with self.on_device():
+            return reference_kl_rows(
+                self.reference_policy,
+                self._rows_to_device(rows),
+                estimator,
+                temperature=self.temperature,
+                micro_batch_tokens=self.cfg.micro_batch_tokens,
+            )
 
     def layout(self) -> dict[str, Any]:
         """What a saved state must match to be loaded here (shards differ by layout)."""

@@ -31,6 +31,7 @@ from single_controller.backends.common.split_step import (
     collective,
     lr_schedule,
     reduce_sums,
+    reference_kl_rows,
     set_lr,
     train_rows,
 )
@@ -69,6 +70,7 @@ class TrainerCore:
         bucket_bytes: int = 4 << 20,
         max_steps: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        keep_reference: bool | None = None,
     ):
         self.policy = policy
         p0 = next(policy.parameters())
@@ -85,8 +87,10 @@ class TrainerCore:
         self.pg = process_group
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
-        # Frozen copy of the initial weights for the KL penalty, only when it is enabled (before any wrapping).
-        self.reference = copy.deepcopy(policy).requires_grad_(False) if cfg.kl_coef > 0 else None
+        # Frozen copy of the initial weights for a KL penalty (in the loss: train.kl_coef; in the reward:
+        # `keep_reference`), only when there is one (before any wrapping).
+        keep = cfg.kl_coef > 0 if keep_reference is None else keep_reference or cfg.kl_coef > 0
+        self.reference = copy.deepcopy(policy).requires_grad_(False) if keep else None
         self._ddp: nn.parallel.DistributedDataParallel | None = None
         self._forward: nn.Module = self._wrap(policy, process_group)
         self.params = [p for p in policy.parameters() if p.requires_grad]
@@ -241,6 +245,24 @@ class TrainerCore:
             st.start.restore()
         self._zero_grads()  # with one update, nothing else changed before the optimizer step
         self.steps.aborted()
+
+    def reward_kl(self, rows: Mapping[str, Any], estimator: str) -> list[float]:
+        """Each row's KL to the reference policy (`reward.kl_coef`: `split_step.reference_kl_rows`), in
+        row order. Runs beside an open step (the reference never trains)."""
+        if self.reference is None:
+            raise ValueError("reward_kl: this trainer keeps no reference policy (no KL in the loss or the reward)")
+        self.ensure_on_device()
+        if len(rows["prompt_ids"]) == 0:
+            return []
+        return reference_kl_rows(
+            self.reference,
+            rows,
+            estimator,
+            temperature=self.temperature,
+            micro_batch_tokens=self.cfg.micro_batch_tokens,
+            autocast=self.compute_dtype,
+            share_prefixes=self.cfg.share_prompt_prefix,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs of this rank (between steps): policy, optimizer, RNG, next step."""

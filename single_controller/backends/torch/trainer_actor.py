@@ -93,6 +93,7 @@ class TrainerRankActor(RankStepCalls, WeightSender):
             max_steps=self.cfg.run.max_steps,
             # model.dtype float32: compute in the parameters' own dtype (float64 in equivalence tests)
             compute_dtype=None if self.cfg.model.dtype == "float32" else getattr(torch, self.cfg.model.dtype),
+            keep_reference=self.cfg.train.kl_coef > 0 or self.cfg.reward.kl_coef > 0,
         )
 
     def _build_core(self, policy: torch.nn.Module, pg: dist.ProcessGroup | None) -> TrainerCore:
@@ -131,6 +132,15 @@ class TrainerRankActor(RankStepCalls, WeightSender):
     ) -> tuple[Mapping[str, Any], int]:
         rows = self.prefetcher.fetch(list(keys), list(fields))
         return with_advantages(rows, advantages), sum(column_nbytes(c) for c in rows.values())
+
+    def reward_kl_keys(self, keys: Sequence[str], fields: Sequence[str], estimator: str) -> list[float]:
+        """Read these rows and return each one's KL to the reference policy (`reward.kl_coef`), in key
+        order; every rank is called (a sharded reference's forwards are collectives)."""
+        rows: Mapping[str, Any] = {"prompt_ids": [], "response_ids": []}
+        if keys:
+            rows = self.prefetcher.fetch(list(keys), list(fields))
+        with self.turns.hold():
+            return self._trainer().reward_kl(rows, estimator)
 
     def prefetch_keys(self, keys: Sequence[str], fields: Sequence[str]) -> None:
         """Start reading rows this rank will probably train soon, on a background thread; returns at once."""
