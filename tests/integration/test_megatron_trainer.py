@@ -463,6 +463,28 @@ def test_a_later_update_forwards_with_the_steps_start_and_an_abort_restores_it(s
     assert close(single.logits(ids), want)
 
 
+def test_reward_kl_is_the_samplers_kl_to_the_hugging_face_model(single, hf_dir, rows):
+    """reward.kl_coef on Megatron: with `keep_reference`, each row's k1 sum of log pi_gen - log pi_ref
+    over its policy tokens, pi_ref the Hugging Face model (the initial weights, also after a step)."""
+    from single_controller.algorithm.logprobs import token_logprobs
+    from single_controller.backends.torch.model import HFCausalLMPolicy
+
+    with torch.no_grad():
+        ref, _ = token_logprobs(HFCausalLMPolicy(load_hf(hf_dir)), rows["prompt_ids"], rows["response_ids"])
+    want = [
+        float((g.double() - ref[i, : len(g)].double())[m].sum())
+        for i, (g, m) in enumerate(zip(rows["gen_logprobs"], rows["response_mask"]))
+    ]
+    train = dataclasses.replace(TRAIN, kl_coef=0.0)  # the reference is kept for the reward alone
+    layout = single.build(str(hf_dir), train, tensor_parallel_size=1, emulate_cpu=True, keep_reference=True)
+    run_step([single], [layout], rows, [N_ROWS], LossConfig())  # the policy moves, the reference does not
+    got = single.core.reward_kl(rows, "k1")
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    single.build(str(hf_dir), train, tensor_parallel_size=1, emulate_cpu=True)
+    with pytest.raises(ValueError, match="no reference"):
+        single.core.reward_kl(rows, "k1")
+
+
 def test_updates_against_the_generation_equal_as_many_steps(single, hf_dir, rows):
     """With the ratio taken against the generation logprobs, a step of 2 updates is bit-exactly 2
     steps of one update each (the same lr: a constant schedule)."""

@@ -552,3 +552,37 @@ def test_a_worker_whose_sync_group_cannot_form_says_so_and_gets_its_weights_thro
         assert caplog.text.count("no weight-sync group") == 1
     finally:
         run(loop, shutdown_cpu_workers(gens, group), 60)
+
+
+def test_the_trainer_group_measures_each_rows_kl_to_the_reference_for_the_reward(cluster, loop):
+    """reward.kl_coef: the group splits the rows over its 2 ranks by tokens, each reads its share from
+    storage, and the answers come back in the keys' order, equal to one plain trainer's."""
+    from replay.transferqueue.storage import TQRowStorage
+    from single_controller.backends.torch.ray_workers import create_cpu_workers, shutdown_cpu_workers
+    from single_controller.config.schema import RewardConfig
+
+    cfg = dataclasses.replace(CFG, reward=RewardConfig(kl_coef=0.1))
+    partition = f"kl-{uuid.uuid4().hex[:8]}"
+    storage = TQRowStorage(partition, timeout_s=30.0)
+    factory = functools.partial(TQRowStorage.attach, partition, timeout_s=30.0)
+    gens, group = run(loop, create_cpu_workers(cfg, factory), 120)
+    try:
+        sampling = SamplingParams(n=4, max_new_tokens=3)
+        reqs = [
+            GenerationRequest(f"k{i}", p, sampling, row_keys(f"k{i}", 4))
+            for i, p in enumerate(reverse_digits(3, 3, seed=1))
+        ]
+        run(loop, gather(*(gens[0].generate(r) for r in reqs)))
+        keys = [k for r in reqs for k in r.row_keys]
+        stored = dict(run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS))))
+        stored["gen_logprobs"] = [g - 0.05 * (i + 1) for i, g in enumerate(stored["gen_logprobs"])]  # KLs differ
+        run(loop, storage.put_rows(keys, stored))
+        keys = keys[::-1]  # not the stored order
+        rows = run(loop, storage.get_rows(keys, list(TRAIN_ROW_FIELDS)))
+        lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+        got = run(loop, group.reward_kl(keys, lengths, "k3"))
+        plain = TrainerCore(TinyGPT(cfg.model, TOKENIZER.vocab_size, seed=cfg.seed), cfg.train, keep_reference=True)
+        assert got == pytest.approx(plain.reward_kl(rows, "k3"), rel=1e-6, abs=1e-9)
+        assert len({round(x, 6) for x in got}) == 12
+    finally:
+        run(loop, shutdown_cpu_workers(gens, group), 60)
