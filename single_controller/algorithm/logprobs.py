@@ -5,6 +5,12 @@
 `token_logprobs(policy, prompts, responses, temperature)` the logprobs [B, R] of each response token
 with its validity mask (`policy`: any module mapping ids [B, L] to logits [B, L, V]); `pad_right`
 stacks 1-D rows into [B, max_len]. Pure torch: no engine, no Ray, no asyncio.
+
+The float32 log-distribution of the response tokens is never whole: `picked_logprobs` computes it a
+chunk of tokens at a time (at most `CHUNK_BYTES`), forward and backward (which recomputes each
+chunk's), so a 151,936-token vocabulary costs a chunk's worth of float32 beside the logits, not
+four [tokens, vocab] float32 tensors. Each chunk's backward is torch's own (its forward recomputed
+under autograd): equal values, bit-equal gradients.
 """
 
 from __future__ import annotations
@@ -66,6 +72,57 @@ def log_softmax_tempered(logits: torch.Tensor, temperature: float) -> torch.Tens
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+# The float32 log-distribution of at most this many bytes exists at once (a chunk of tokens x vocabulary).
+CHUNK_BYTES = 1 << 26
+
+
+class _PickedLogprobs(torch.autograd.Function):
+    """log_softmax(logits[rows] / temperature) at `targets` (and, without gradient, its entropy), for
+    the `rows` of a [M, V] view of the logits, a chunk of rows at a time (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, flat, rows, targets, temperature, chunk, entropy):
+        work = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+        out = torch.empty(rows.shape[0], dtype=work, device=flat.device)
+        ent = torch.empty_like(out) if entropy else None
+        for s in range(0, rows.shape[0], chunk):
+            logp = log_softmax_tempered(flat.index_select(0, rows[s : s + chunk]), temperature)  # [c, V]
+            out[s : s + chunk] = logp.gather(1, targets[s : s + chunk, None])[:, 0]
+            if ent is not None:
+                ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(flat, rows, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if ent is None:
+            return out, torch.zeros(0, dtype=work, device=flat.device)
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_ent):
+        flat, rows, targets = ctx.saved_tensors
+        grad = torch.zeros_like(flat)
+        for s in range(0, rows.shape[0], ctx.chunk):
+            r, t = rows[s : s + ctx.chunk], targets[s : s + ctx.chunk]
+            with torch.enable_grad():  # the chunk's forward again, differentiated by torch's own backward
+                x = flat.index_select(0, r).detach().requires_grad_(True)
+                picked = log_softmax_tempered(x, ctx.temperature).gather(1, t[:, None])[:, 0]
+                (part,) = torch.autograd.grad(picked, x, grad_out[s : s + ctx.chunk])
+            grad.index_add_(0, r, part)
+        return grad, None, None, None, None, None
+
+
+def picked_logprobs(
+    logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For each of `rows` (indices into logits viewed [M, V]): the log-probability of its target under
+    log_softmax(logits / temperature), and (detached, if asked) the distribution's entropy; [N] each,
+    in float32 (float64 logits: float64). Chunked: see the module docstring."""
+    vocab = logits.shape[-1]
+    chunk = max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+    out, ent = _PickedLogprobs.apply(logits.reshape(-1, vocab), rows, targets, temperature, chunk, entropy)
+    return out, ent if entropy else None
 
 
 def shared_prefix_module(policy: LogitsPolicy) -> SharedPrefixPolicy | None:
@@ -133,17 +190,15 @@ def token_logprobs_entropy(
     pos = (lp[:, None] + j[None, :] - 1).clamp(max=input_ids.shape[1] - 1)  # [B, R]
     targets = torch.gather(input_ids, 1, (pos + 1).clamp(max=input_ids.shape[1] - 1))  # [B, R]
     logits = policy(input_ids)  # [B, L, V]
-    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
-    logp = log_softmax_tempered(picked, temperature)  # [B, R, V]
-    out = torch.gather(logp, 2, targets[:, :, None]).squeeze(2)  # [B, R]
-    ent = _entropy(logp).masked_fill(~valid, 0.0) if entropy else None
-    return out.masked_fill(~valid, 0.0), valid, ent
+    rows = (torch.arange(len(n_prompt), device=device)[:, None] * input_ids.shape[1] + pos)[valid]  # [N]
+    logp, ent = picked_logprobs(logits, rows, targets[valid], temperature, entropy)
+    return _scatter_valid(logp, valid), valid, None if ent is None else _scatter_valid(ent, valid)
 
 
-def _entropy(logp: torch.Tensor) -> torch.Tensor:
-    """[..., V] log-distribution -> its entropy [...], detached."""
-    with torch.no_grad():
-        return -(logp.exp() * logp).sum(-1)
+def _scatter_valid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N] values of the valid positions (row-major) -> [B, R], zero elsewhere (differentiable)."""
+    out = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
+    return out.masked_scatter(valid, values)
 
 
 def _repeats(prompt_ids: Sequence[torch.Tensor]) -> bool:
@@ -183,9 +238,9 @@ def _shared_prefix_logprobs(
         # Response token 0 is predicted by the prompt's last position, token j by the response's j - 1.
         first = prefix_logits[:, -1].index_select(0, owner)[:, None]  # [n, 1, V]
         picked = first if suffix_logits is None else torch.cat([first, suffix_logits], dim=1)  # [n, S, V]
-        logp = log_softmax_tempered(picked, temperature)
-        ent = _entropy(logp) if entropy else None  # [n, S]
-        parts.append((rows, torch.gather(logp, 2, responses[:, :, None]).squeeze(2), ent))  # [n, S]
+        flat = torch.arange(picked.shape[0] * S, device=device)  # every position: padding is masked later
+        lp, ent = picked_logprobs(picked, flat, responses.reshape(-1), temperature, entropy)
+        parts.append((rows, lp.view(-1, S), None if ent is None else ent.view(-1, S)))  # [n, S]
     dtype = parts[0][1].dtype if parts else torch.float32
     out = torch.zeros(B, R, device=device, dtype=dtype)
     ents = torch.zeros(B, R, device=device, dtype=dtype) if entropy else None

@@ -66,6 +66,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "single_controller.bench.fsdp_memory:main",
         "the FSDP2 trainer's memory per rank for one model on 1, 2 and 4 ranks, beside 1/N of one rank's",
     ),
+    "logprob-memory": (
+        "single_controller.bench.logprob_memory:main",
+        "the trainer's peak memory for response-token log-probabilities at a 151,936 vocabulary, chunked vs whole",
+    ),
     "pool": (
         "single_controller.bench.pool:main",
         "two runs sharing 4 slots (gap-ratio pool) against the static splits by run and by role (sim workers)",

@@ -372,3 +372,17 @@ def test_bench_one_gpu_splits_each_step_into_its_phases_and_states_both_ratios()
     assert lines[0] == "- steps/s, sc-grpo (shared) over TRL colocated: **1.50x** (target >= 1.3)"
     assert "sc-grpo turns over vLLM alone: **0.80**" in lines[2]
     assert ratios({"trl": {"failed": "exit 1"}, "turns": turns}) == []
+
+
+def test_bench_logprob_memory_runs_both_formulas_each_in_its_own_process(tmp_path, capsys):
+    """`sc-grpo bench logprob-memory` at a small vocabulary: both sides run, give the same logprobs,
+    and the table is written."""
+    from single_controller.bench import logprob_memory
+
+    argv = ["--vocab", "2000", "--rows", "2", "--prompt", "4", "--response", "8", "--out", str(tmp_path)]
+    assert logprob_memory.main(argv) == 0
+    text = (tmp_path / "logprob_memory.md").read_text()
+    assert "| chunked (`picked_logprobs`) |" in text and "ratio chunked / whole" in text
+    sums = text.rsplit("logprob sums: ", 1)[1]
+    whole, chunked = (float(part.split()[-1].rstrip(",")) for part in sums.split(", "))
+    assert whole == pytest.approx(chunked, rel=1e-5)
