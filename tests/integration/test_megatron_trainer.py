@@ -962,3 +962,38 @@ async def test_bfloat16_snapshot_is_the_bfloat16_model_and_generation_logprobs_m
     assert diff.max().item() <= BF16_LOGPROB_MAX and diff.mean().item() <= BF16_LOGPROB_MEAN, (diff.max(), diff.mean())
     assert d32.max().item() <= BF16_LOGPROB_MAX and d32.mean().item() <= BF16_LOGPROB_MEAN, (d32.max(), d32.mean())
     assert d32.max().item() > 1e-3  # the trainer really computes in bfloat16 (float32: ~1e-6)
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 40_000], ids=["one file", "several files"])
+def test_the_saved_policy_of_a_sharded_source_loads_and_its_index_names_its_own_files(
+    single, hf_dir, tmp_path, monkeypatch, shard_bytes
+):
+    """Issue #54 trap 7: a source model saved in several safetensors files with an index. The saved
+    policy copies the source's config and tokenizer but never its weight index; its own files (one,
+    or several with their own index) load with `transformers` to the trainer's weights."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from single_controller.backends.megatron import ray_workers
+
+    source = tmp_path / "sharded-source"
+    load_hf(hf_dir).save_pretrained(str(source), max_shard_size="30KB")
+    assert (source / "model.safetensors.index.json").is_file()
+    for f in Path(hf_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (source / f.name).write_bytes(f.read_bytes())
+    if shard_bytes is not None:
+        monkeypatch.setattr(ray_workers, "SAVE_SHARD_BYTES", shard_bytes)
+    single.build(str(source), TRAIN, tensor_parallel_size=1, emulate_cpu=True)
+    out = Path(single.save_checkpoint(str(tmp_path / "saved")))
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    index = out / "model.safetensors.index.json"
+    if shard_bytes is None:
+        assert files == ["model.safetensors"] and not index.exists()
+    else:
+        assert len(files) > 1 and sorted(set(json.loads(index.read_text())["weight_map"].values())) == files
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    for k, v in single.hf_weights().items():
+        assert np.array_equal(loaded[k].numpy(), v), k

@@ -5,28 +5,25 @@ as Hugging Face safetensors, without ever holding the whole model on one rank.
   (`torch.distributed.checkpoint`, directory `dcp/`) and a load reshards them onto however many ranks
   load them; rank 0 writes `fsdp.json` (the next step, the steps done, the world size it was saved
   with), every rank its RNG state (`rank{r}_rng.pt`; a rank that did not exist takes its own).
-* `write_safetensors`: tensors arrive one at a time (gathered whole by every rank); rank 0 writes them
-  in files of at most `shard_bytes` (`model.safetensors`, or past one file
-  `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`), holding one file's
-  tensors at most.
+* `save_policy_dir`: tensors arrive one at a time (gathered whole by every rank); rank 0 writes them
+  (`common.safetensors_files.write_safetensors`) holding one file's tensors at most.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from single_controller.backends.common.weights import bucket_groups
+from single_controller.backends.common.safetensors_files import INDEX_FILE, write_safetensors
+
+__all__ = ["INDEX_FILE", "load_distributed", "save_distributed", "save_policy_dir", "write_safetensors"]
 
 DCP_DIR = "dcp"
 META_FILE = "fsdp.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 def _rng_file(directory: str, rank: int) -> str:
@@ -64,55 +61,6 @@ def load_distributed(core: Any, directory: str, rank: int) -> int:
     if os.path.exists(rng):
         torch.set_rng_state(torch.load(rng)["rng"])
     return int(meta["next_step"])
-
-
-def safetensors_names(count: int) -> list[str]:
-    """The file names Hugging Face gives `count` weight files."""
-    if count == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
-def write_safetensors(
-    planned: Sequence[tuple[str, torch.Tensor]],
-    gathered: Iterable[tuple[str, torch.Tensor]],
-    directory: str | Path,
-    *,
-    shard_bytes: int,
-    itemsize: int,
-    write: bool,
-) -> list[str]:
-    """Write `gathered` (the tensors of `planned`, whole, in its order, one at a time) into safetensors
-    files of at most `shard_bytes` (`itemsize`: bytes an element). Every rank consumes `gathered` (its
-    all-gathers are collectives); only the rank with `write` writes. Returns the file names."""
-    from safetensors.torch import save_file
-
-    plan = bucket_groups(planned, itemsize, shard_bytes)
-    names = safetensors_names(len(plan))
-    out = Path(directory)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-            stale.unlink(missing_ok=True)  # a policy written over: no file of the old one may be read with it
-    it = iter(gathered)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file_name, group in zip(names, plan):
-        tensors = {}
-        for want, _ in group:
-            name, t = next(it)
-            assert name == want  # gathered in the planned order
-            if write:
-                tensors[name] = t.detach().cpu().contiguous()
-                weight_map[name] = file_name
-                total += t.numel() * t.element_size()
-        if write:
-            save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-        del tensors
-    if write and len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return names
 
 
 def save_policy_dir(

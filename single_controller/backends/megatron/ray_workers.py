@@ -40,6 +40,7 @@ from single_controller.backends.common.rank_calls import (
     rendezvous,
     stop_ranks,
 )
+from single_controller.backends.common.safetensors_files import WEIGHT_FILE_SUFFIXES, write_safetensors
 from single_controller.backends.common.split_step import collective
 from single_controller.backends.common.trainer_group import RankTrainerGroup
 from single_controller.backends.common.weight_broadcast import StagedWeights, WeightSender
@@ -98,6 +99,10 @@ class _PrefetchedReader:
 
     def get_rows_sync(self, keys: Sequence[str], fields: Sequence[str]) -> dict[str, Column]:
         return self.prefetcher.fetch(keys, fields)
+
+
+# The saved policy's safetensors files are at most this large (Hugging Face's own default shard size).
+SAVE_SHARD_BYTES = 5 << 30
 
 
 class MegatronRankActor(RankStepCalls, WeightSender):
@@ -282,10 +287,9 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         return WeightSnapshot(snap.manifest, [ray.put(b) for b in snap.buckets])
 
     def save_checkpoint(self, directory: str) -> str | None:
-        """Every rank calls this; rank 0 writes an HF model directory (config.json and tokenizer
-        files copied from the source directory, weights as model.safetensors)."""
-        from safetensors.torch import save_file
-
+        """Every rank calls this; rank 0 writes an HF model directory: the source directory's other
+        files (config.json, the tokenizer's) copied, never its weight files or their index; the
+        weights in safetensors files of at most `SAVE_SHARD_BYTES` (with their own index past one)."""
         hf = self._core.hf_state_dict()
         if self.rank != 0:
             return None
@@ -293,9 +297,11 @@ class MegatronRankActor(RankStepCalls, WeightSender):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         for f in Path(self.model_dir).iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".bin"):
+            if f.is_file() and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
                 shutil.copy2(f, out / f.name)
-        save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        named = sorted(hf.items())
+        itemsize = named[0][1].element_size()
+        write_safetensors(named, iter(named), out, shard_bytes=SAVE_SHARD_BYTES, itemsize=itemsize, write=True)
         return str(out)
 
     def save_state(self, directory: str) -> None:
