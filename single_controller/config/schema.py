@@ -133,6 +133,11 @@ class DataConfig:
     overlong_prompts: Literal["filter", "error"] = "filter"
     """A prompt over `max_prompt_tokens`: `filter` drops it (counted in the run's start record and
     `summary.json` as `data_prompts_too_long`), `error` refuses the dataset, naming the row."""
+    map: str | None = None
+    """A row transform applied to every row of `train_files` and `eval_files` once, as they load (before
+    the columns are read and ids checked; a resume loads and maps them again): a built-in (`gsm8k`: the
+    `question` becomes the prompt, the number after `####` in `answer` the answer, the worked solution
+    stays as column `solution`) or `module:function`, called as fn(row: dict) -> dict."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ column; prompts over `data.max_prompt_tokens` are dropped and counted, or refuse
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,17 +119,66 @@ def _row_prompt(
     return Prompt(pid, tuple(ids), answer if isinstance(answer, str) else json.dumps(answer), raw, columns)
 
 
+def gsm8k_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """GSM8K's row (`question`, `answer`: the worked solution ending in `#### 72`) as a prompt row:
+    `prompt` (the question), `answer` (the final number, thousands separators dropped: `72`),
+    `solution` (the worked solution); other columns kept."""
+    solution = str(_column(row, "answer", "gsm8k map"))
+    head, sep, final = solution.rpartition("####")
+    if not sep or not final.strip():
+        raise DatasetError(f"gsm8k map: the answer {solution[-60:]!r} does not end in '#### <number>'")
+    rest = {k: v for k, v in row.items() if k not in ("question", "answer")}
+    return {
+        **rest,
+        "prompt": _column(row, "question", "gsm8k map"),
+        "answer": final.strip().replace(",", ""),
+        "solution": head.strip(),
+    }
+
+
+ROW_MAPS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {"gsm8k": gsm8k_row}
+
+
+def row_map(spec: str | None) -> Callable[[Mapping[str, Any]], Mapping[str, Any]] | None:
+    """`data.map`: a built-in (`ROW_MAPS`) or `module:function`; None: rows as read."""
+    if spec is None:
+        return None
+    if spec in ROW_MAPS:
+        return ROW_MAPS[spec]
+    from single_controller.data.tasks import load_callable
+
+    try:
+        return load_callable(spec)
+    except (ImportError, TypeError, ValueError) as e:
+        raise DatasetError(f"data.map: {e} (built-ins: {', '.join(ROW_MAPS)})") from None
+
+
+def _mapped(fn, row: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    try:
+        out = fn(dict(row))
+    except DatasetError as e:
+        raise DatasetError(f"{where}: {e}") from None
+    except Exception as e:
+        raise DatasetError(f"{where}: data.map failed on this row: {type(e).__name__}: {e}") from e
+    if not isinstance(out, Mapping):
+        raise DatasetError(f"{where}: data.map returned a {type(out).__name__}, not a row (a dict of columns)")
+    return out
+
+
 def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None, what: str) -> LoadedPrompts:
-    """The prompts of `files` in order (ids unique over all of them), overlong ones dropped or refused.
-    `tokenizer=None` checks the rows (columns, prompt shapes, ids) without rendering them."""
+    """The prompts of `files` in order (ids unique over all of them), overlong ones dropped or refused,
+    each row through `data.map` first. `tokenizer=None` checks the rows (columns, prompt shapes, ids)
+    without rendering them."""
     from single_controller.data.tasks import check_unique_prompt_ids
 
     prompts: list[Prompt] = []
     too_long = 0
     limit = data_cfg.max_prompt_tokens
+    fn = row_map(data_cfg.map)
     for f in files:
-        for n, row in enumerate(read_records(f), 1):
+        for n, record in enumerate(read_records(f), 1):
             where = f"{what} {f}, row {n}"
+            row = record if fn is None else _mapped(fn, record, where)
             p = _row_prompt(row, data_cfg, tokenizer, where, f"{Path(f).stem}-{n:06d}")
             if limit is not None and len(p.token_ids) > limit:
                 if data_cfg.overlong_prompts == "error":

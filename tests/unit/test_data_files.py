@@ -226,3 +226,42 @@ def test_a_resumed_prompt_comes_back_whole_from_the_source_and_a_changed_source_
         PromptStream(cfg2).resolve(unsettled)
     assert f"not in the prompt source (1: {taken[5].prompt_id})" in str(e.value)
     assert f"changed in it (1: {taken[6].prompt_id})" in str(e.value)
+
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+    {"question": "A farm sells 1,200 eggs a day. How many in 2 days?", "answer": "1200*2=2400\n#### 2,400"},
+]
+
+
+def test_the_gsm8k_map_makes_prompts_of_questions_and_answers_of_the_final_number(tmp_path, bpe):
+    """data.map=gsm8k (issue #54 trap 2): GSM8K's answer column is a worked solution ending in
+    `#### N`; the map makes N (thousands separators dropped) the answer a verifier compares with,
+    the question the prompt, and keeps the solution as a column. A row without `####` is refused."""
+    f = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    a, b = file_prompts([f], DataConfig(map="gsm8k"), bpe, "data.train_files").prompts
+    assert (a.answer, a.raw_prompt) == ("7", GSM8K_ROWS[0]["question"])
+    assert a.columns["solution"] == "3 + 4 = <<3+4=7>>7" and b.answer == "2400"
+    with pytest.raises(DatasetError, match="no column 'prompt'"):
+        file_prompts([f], DataConfig(), bpe, "data.train_files")  # unmapped: GSM8K has no prompt column
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "no final line"}])
+    with pytest.raises(DatasetError, match=r"bad.jsonl, row 1: .*does not end in '#### <number>'"):
+        file_prompts([bad], DataConfig(map="gsm8k"), bpe, "data.train_files")
+
+
+def upper_prompt(row):
+    return {**row, "prompt": row["prompt"].upper(), "answer": str(row["answer"])}
+
+
+def test_a_user_map_runs_on_every_row_before_ids_are_checked_and_its_errors_name_the_row(tmp_path, bpe):
+    rows = [{"prompt": "ab", "answer": 1, "id": "x"}, {"prompt": "cd", "answer": 2, "id": "x"}]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    here = "tests.unit.test_data_files"
+    with pytest.raises(DatasetError, match="duplicated prompt id"):  # the map kept the ids: still caught
+        file_prompts([f], DataConfig(map=f"{here}:upper_prompt", id_key="id"), bpe, "data.train_files")
+    a, _ = file_prompts([f], DataConfig(map=f"{here}:upper_prompt"), bpe, "data.train_files").prompts
+    assert a.raw_prompt == "AB" and a.answer == "1"
+    with pytest.raises(DatasetError, match=r"data.map: .*built-ins: gsm8k"):
+        file_prompts([f], DataConfig(map="no_such_module:fn"), bpe, "data.train_files")
+    with pytest.raises(DatasetError, match=r"row 1: data.map failed on this row: TypeError"):
+        file_prompts([f], DataConfig(map=f"{here}:GSM8K_ROWS.__getitem__"), bpe, "data.train_files")
