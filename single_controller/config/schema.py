@@ -214,7 +214,12 @@ class ModelConfig:
     """Load initial weights from this directory (safetensors + config.json) instead of random init."""
     path: str | None = None
     """A Hugging Face model directory (config.json, safetensors, tokenizer files) that every backend
-    loads, trains and generates with; null: the embedded TinyGPT built from the fields above."""
+    loads, trains and generates with, or a Hub repo id (`Qwen/Qwen2.5-1.5B-Instruct`) found in the
+    local Hugging Face cache (`HF_HUB_CACHE` / `HF_HOME`; offline: nothing is downloaded, a missing one
+    is refused naming the command that downloads it); null: the embedded TinyGPT built from the fields
+    above."""
+    revision: str | None = None
+    """With a repo id in `path`: the branch, tag or commit of it to use from the cache (null: `main`)."""
     create: bool = False
     """When `path` does not exist yet, write a random-init tiny model there first (as `sc-grpo
     init-model` does): architecture `arch`, hidden size `d_model`, `n_layers` layers, `n_heads` heads

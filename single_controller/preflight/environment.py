@@ -10,6 +10,7 @@ not, so every shipped config loads anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from single_controller.backends import registry
 from single_controller.backends.common.colocation import generation_on_gpu, training_on_gpu
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config, env_enabled, prompts_from_data, rollout_max_new_tokens
-from single_controller.data import hf_model
+from single_controller.data import hf_model, hub
 from single_controller.preflight.rules import DIGIT_TASKS
 
 __all__ = ["CHECKS", "MEGATRON_CHECKS", "check_environment", "environment_problems"]
@@ -106,11 +107,33 @@ def logger_packages(cfg: Config) -> list[Problem]:
 # ---------------------------------------------------------------- the model directory
 
 
+def with_cached_model(cfg: Config) -> Config:
+    """`cfg` with a Hub repo id in `model.path` replaced by its snapshot directory in the local
+    Hugging Face cache (`data.hub`); raises `ConfigError` when the cache does not hold it."""
+    m = cfg.model
+    if m.path is None or m.create or not hub.is_repo_id(m.path):
+        return cfg
+    try:
+        snapshot = hub.resolve_repo(m.path, m.revision)
+    except hub.HubNameError as e:
+        raise ConfigError(
+            [Problem(("model.path", "model.revision"), str(e))], "configuration for this machine"
+        ) from None
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, path=str(snapshot)))
+
+
 def model_directory(cfg: Config) -> list[Problem]:
-    """`model.path` is a usable model directory, or one `model.create` will write."""
+    """`model.path` is a usable model directory, or one `model.create` will write (a Hub repo id is
+    resolved first: `with_cached_model`)."""
     m = cfg.model
     if m.path is None:
         return []
+    if not m.create and hub.is_repo_id(m.path):
+        try:
+            hub.resolve_repo(m.path, m.revision)
+        except hub.HubNameError as e:
+            return [Problem(("model.path", "model.revision"), str(e))]
+        return []  # checked once resolved (a run resolves it before these checks)
     vllm_cpu = cfg.backend.generation == "vllm" and cfg.vllm.device == "cpu"
     out: list[Problem] = []
     if importlib.util.find_spec("transformers") is None:

@@ -47,8 +47,10 @@ RECORDS_LINGER_S = 0.25
 
 def run_from_config(cfg: Config, resume_dir: str | None = None) -> int:
     """Raises `ConfigError` (before anything starts) when this machine cannot run `cfg`."""
+    from single_controller.preflight.environment import with_cached_model
     from single_controller.preflight.loader import check_environment
 
+    cfg = with_cached_model(cfg)
     check_environment(cfg)
     if cfg.pool.enabled and not cfg.pool.attach:
         raise ConfigError(
