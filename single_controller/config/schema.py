@@ -107,12 +107,22 @@ class ReasoningGymConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Training prompts from dataset files (`.jsonl`, `.json`, `.parquet`), in place of `task.name`;
-    empty: the task's generated prompts. Each row has a prompt column (`prompt_key`: a string, or a
-    list of `{role, content}` messages), an answer column (`answer_key`) and optionally an id column;
-    every other column is passed to the reward functions by name."""
+    """Training prompts from datasets, in place of `task.name`; empty: the task's generated prompts. Each is a
+    file (`.jsonl`, `.json`, `.parquet`), a `datasets` `save_to_disk` directory (its `split`), or a Hub dataset
+    repo id (`openai/gsm8k`) in the local Hugging Face cache (its `subset` and `split` files; offline, as
+    `model.path`). Each row has a prompt column (`prompt_key`: a string, or a list of `{role, content}` messages),
+    an answer column (`answer_key`) and optionally an id column; every other column is passed to the reward
+    functions by name. `map` transforms rows first."""
     eval_files: list[str] = field(default_factory=list)
-    """Held-out prompts for the eval pump from dataset files (same columns), in place of `eval.dataset`."""
+    """Held-out prompts for the eval pump (the same kinds, `eval_split`), in place of `eval.dataset`."""
+    subset: str | None = None
+    """A Hub dataset's configuration (its folder of files, e.g. GSM8K's `main`); null: its only one, or `data/`."""
+    split: str = "train"
+    """The split `train_files` take from a `save_to_disk` directory or a Hub dataset."""
+    eval_split: str = "test"
+    """The split `eval_files` take from a `save_to_disk` directory or a Hub dataset."""
+    revision: str | None = None
+    """A Hub dataset's branch, tag or commit in the cache (null: `main`)."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages `{role, content}`."""
     answer_key: str | None = "answer"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from single_controller.data import hub
 from single_controller.data.tokenizer import NoChatTemplate, RunTokenizer
 from single_controller.types import Prompt
 
@@ -68,6 +69,55 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise DatasetError(f"{p}: row {n} is a {type(row).__name__}, not an object with columns")
     return rows
+
+
+def dataset_records(entry: str, data_cfg, split: str) -> list[dict[str, Any]]:
+    """Every row of one entry of `data.train_files` / `eval_files`: a file; a `datasets` `save_to_disk`
+    directory (its `split`); or a Hub dataset repo id in the local cache (`data.subset`, `split`)."""
+    p = Path(entry)
+    if p.is_file():
+        return read_records(p)
+    if p.is_dir():
+        return _saved_dataset(p, split)
+    if hub.is_repo_id(entry) and p.suffix.lower() not in SUFFIXES:  # `data/train.jsonl` is a missing file
+        try:
+            snapshot = hub.resolve_repo(entry, data_cfg.revision, kind="dataset")
+        except hub.HubNameError as e:
+            raise DatasetError(str(e)) from None
+        return [row for f in _hub_split_files(snapshot, entry, data_cfg.subset, split) for row in read_records(f)]
+    return read_records(p)  # the error a missing file gets
+
+
+def _saved_dataset(directory: Path, split: str) -> list[dict[str, Any]]:
+    """The rows of a `Dataset.save_to_disk` directory (a `DatasetDict`'s: its `split`), read with pyarrow."""
+    if (directory / "dataset_dict.json").is_file():
+        directory = directory / split
+        if not directory.is_dir():
+            raise DatasetError(f"{directory.parent}: a saved DatasetDict without a {split!r} split")
+    state = directory / "state.json"
+    if not state.is_file():
+        raise DatasetError(f"{directory}: a directory, but not a `datasets` save_to_disk one (no state.json)")
+    import pyarrow as pa
+
+    rows: list[dict[str, Any]] = []
+    for f in json.loads(state.read_text())["_data_files"]:
+        with pa.memory_map(str(directory / f["filename"])) as source:
+            rows += pa.ipc.open_stream(source).read_all().to_pylist()
+    return rows
+
+
+def _hub_split_files(snapshot: Path, name: str, subset: str | None, split: str) -> list[Path]:
+    """A cached Hub dataset's files of `split`, as the Hub lays out parquet conversions and most
+    uploads: `<subset>/<split>-*`, `<subset>/<split>/*`, `data/<split>-*`, `<split>-*`."""
+    folders = [snapshot / subset] if subset else [snapshot / "data", snapshot]
+    for folder in folders:
+        found = sorted(f for pattern in (f"{split}-*", f"{split}/*", f"{split}.*") for f in folder.glob(pattern))
+        found = [f for f in found if f.suffix in SUFFIXES]
+        if found:
+            return found
+    subsets = sorted(d.name for d in snapshot.iterdir() if d.is_dir() and d.name != "data")
+    hint = f" (data.subset: one of {subsets})" if subsets and not subset else ""
+    raise DatasetError(f"Hub dataset {name!r} has no {split!r} split files in {folders[0]}{hint}")
 
 
 def _messages(value: Any, where: str) -> list[dict[str, Any]] | None:
@@ -166,9 +216,9 @@ def _mapped(fn, row: Mapping[str, Any], where: str) -> Mapping[str, Any]:
 
 
 def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None, what: str) -> LoadedPrompts:
-    """The prompts of `files` in order (ids unique over all of them), overlong ones dropped or refused,
-    each row through `data.map` first. `tokenizer=None` checks the rows (columns, prompt shapes, ids)
-    without rendering them."""
+    """The prompts of `files` (`dataset_records`: the split of `what`, train or eval) in order (ids
+    unique over all of them), overlong ones dropped or refused, each row through `data.map` first.
+    `tokenizer=None` checks the rows (columns, prompt shapes, ids) without rendering them."""
     from single_controller.data.tasks import check_unique_prompt_ids
 
     prompts: list[Prompt] = []
@@ -176,7 +226,8 @@ def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None,
     limit = data_cfg.max_prompt_tokens
     fn = row_map(data_cfg.map)
     for f in files:
-        for n, record in enumerate(read_records(f), 1):
+        split = data_cfg.eval_split if what == "data.eval_files" else data_cfg.split
+        for n, record in enumerate(dataset_records(f, data_cfg, split), 1):
             where = f"{what} {f}, row {n}"
             row = record if fn is None else _mapped(fn, record, where)
             p = _row_prompt(row, data_cfg, tokenizer, where, f"{Path(f).stem}-{n:06d}")

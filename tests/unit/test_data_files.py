@@ -265,3 +265,53 @@ def test_a_user_map_runs_on_every_row_before_ids_are_checked_and_its_errors_name
         file_prompts([f], DataConfig(map="no_such_module:fn"), bpe, "data.train_files")
     with pytest.raises(DatasetError, match=r"row 1: data.map failed on this row: TypeError"):
         file_prompts([f], DataConfig(map=f"{here}:GSM8K_ROWS.__getitem__"), bpe, "data.train_files")
+
+
+def _gsm8k_cache(root, commit="c" * 40):
+    """A Hub cache holding openai/gsm8k as the Hub stores it: parquet files of each split per subset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "datasets--openai--gsm8k"
+    for subset in ("main", "socratic"):
+        (repo / "snapshots" / commit / subset).mkdir(parents=True)
+        for split, rows in (("train", GSM8K_ROWS), ("test", GSM8K_ROWS[:1])):
+            path = repo / "snapshots" / commit / subset / f"{split}-00000-of-00001.parquet"
+            pq.write_table(pa.Table.from_pylist(rows), path)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo
+
+
+def test_a_hub_dataset_name_reads_its_subsets_split_from_the_local_cache(tmp_path, bpe, monkeypatch):
+    """data.train_files: [openai/gsm8k] (issue #54 trap 1), offline from a cache laid out on disk:
+    data.subset picks the folder, data.split / eval_split the files; an ambiguous subset, a missing
+    split and a name not in the cache are refused saying what to do."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    _gsm8k_cache(tmp_path / "hub")
+    cfg = DataConfig(map="gsm8k", subset="main")
+    train = file_prompts(["openai/gsm8k"], cfg, bpe, "data.train_files").prompts
+    assert [p.answer for p in train] == ["7", "2400"] and train[0].prompt_id == "gsm8k-000001"
+    assert [p.answer for p in file_prompts(["openai/gsm8k"], cfg, bpe, "data.eval_files").prompts] == ["7"]
+    with pytest.raises(DatasetError, match=r"data.subset: one of \['main', 'socratic'\]"):
+        file_prompts(["openai/gsm8k"], DataConfig(map="gsm8k"), bpe, "data.train_files")
+    with pytest.raises(DatasetError, match="no 'validation' split"):
+        file_prompts(["openai/gsm8k"], DataConfig(map="gsm8k", subset="main", split="validation"), bpe, "x")
+    with pytest.raises(DatasetError, match=r"huggingface-cli download openai/other --repo-type dataset"):
+        file_prompts(["openai/other"], cfg, bpe, "data.train_files")
+    with pytest.raises(DatasetError, match="does not exist"):  # a file name, not a repo id
+        file_prompts(["data/train.jsonl"], cfg, bpe, "data.train_files")
+
+
+def test_a_save_to_disk_directory_is_read_by_split(tmp_path, bpe):
+    datasets = pytest.importorskip("datasets")
+    rows = {k: [r[k] for r in GSM8K_ROWS] for k in ("question", "answer")}
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows).select([1])}
+    ).save_to_disk(str(tmp_path / "saved"))
+    got = file_prompts([str(tmp_path / "saved")], DataConfig(map="gsm8k"), bpe, "data.eval_files").prompts
+    assert [p.answer for p in got] == ["2400"]
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
+    got = file_prompts([str(tmp_path / "one")], DataConfig(map="gsm8k"), bpe, "data.train_files").prompts
+    assert [p.answer for p in got] == ["7", "2400"]
