@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from single_controller.backends import registry
-from single_controller.backends.common.colocation import generation_on_gpu, training_on_gpu
+from single_controller.backends.common.colocation import colocated_on_gpu, generation_on_gpu, training_on_gpu
 from single_controller.config.problems import ConfigError, Problem
 from single_controller.config.schema import Config, env_enabled, prompts_from_data, rollout_max_new_tokens
 from single_controller.data import hf_model, hub
@@ -29,10 +29,13 @@ Check = Callable[[Config], list[Problem]]
 
 
 def environment_problems(cfg: Config) -> list[Problem]:
-    """Every problem `CHECKS` finds; the Megatron checks only when megatron-core is installed."""
+    """Every problem `CHECKS` finds; the Megatron checks only when megatron-core is installed, the
+    GPU count (`roles_fit_the_gpus`) only when the chosen backends are."""
     out = [p for check in CHECKS for p in check(cfg)]
     if cfg.backend.trainer == "megatron" and not any(p.paths == ("backend.trainer",) for p in out):
         out += [p for check in MEGATRON_CHECKS for p in check(cfg)]
+    if not any(p.paths in (("backend.trainer",), ("backend.generation",)) for p in out):
+        out += roles_fit_the_gpus(cfg)  # only for backends that are installed
     return out
 
 
@@ -227,20 +230,33 @@ def megatron_cpu_emulation_without_cuda(cfg: Config) -> list[Problem]:
     ]
 
 
-def megatron_ranks_fit_the_gpus(cfg: Config) -> list[Problem]:
-    """On GPUs and a local cluster, one GPU per rank (an attached cluster places ranks itself)."""
-    ranks = cfg.backend.num_trainer_ranks
-    if cfg.megatron.cpu_emulation or cfg.ray.address is not None:
+def roles_fit_the_gpus(cfg: Config) -> list[Problem]:
+    """On a local cluster, every role's GPUs fit the visible ones: a trainer rank on a GPU takes one,
+    a vLLM worker on a GPU one, both colocated share them (an attached cluster places them itself)."""
+    if cfg.ray.address is not None:
         return []
+    b = cfg.backend
+    trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
+    engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
+    shared = colocated_on_gpu(cfg)
+    need = max(trainer, engines) if shared else trainer + engines
     gpus = _visible_gpus()
-    if ranks <= gpus:
+    if need <= gpus:
         return []
+    roles = [f"{trainer} {b.trainer} trainer rank(s)"] * bool(trainer) + [f"{engines} vLLM worker(s)"] * bool(engines)
+    fix = "lower the counts, attach to a larger cluster (ray.address)"
+    if trainer and engines and not shared and engines < gpus <= trainer:
+        fix = (
+            f"the trainer alone takes every GPU and leaves none to the generation workers: e.g. "
+            f"backend.num_trainer_ranks={gpus - engines} for {engines} vLLM worker(s), or {fix}"
+        )
+    if b.trainer == "megatron" and trainer:
+        fix += ", or megatron.cpu_emulation=true on a CPU-only machine (tests and demos)"
     return [
         Problem(
-            ("backend.num_trainer_ranks", "megatron.cpu_emulation"),
-            f"backend.num_trainer_ranks = {ranks} Megatron ranks need one GPU each, but the local "
-            f"cluster has {gpus}; lower the rank count, attach to a larger cluster (ray.address), "
-            "or set megatron.cpu_emulation=true on a CPU-only machine (tests and demos)",
+            ("backend.num_trainer_ranks", "backend.num_generation_workers", "megatron.cpu_emulation"),
+            f"{' and '.join(roles)} need {need} GPU(s) ({'shared: colocated' if shared else 'one each'}), but "
+            f"the local cluster has {gpus}; {fix}",
         )
     ]
 
@@ -249,7 +265,6 @@ MEGATRON_CHECKS: tuple[Check, ...] = (
     megatron_needs_a_model_directory,
     megatron_tensor_parallel_fits_the_model,
     megatron_cpu_emulation_without_cuda,
-    megatron_ranks_fit_the_gpus,
 )
 
 

@@ -111,7 +111,31 @@ def test_more_ranks_than_gpus_is_refused_before_start(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(CPU_CFG, ["megatron.cpu_emulation=false"])
     (problem,) = _megatron_problems(cfg)
-    assert "2 Megatron ranks need one GPU each, but the local cluster has 0" in problem.message
+    assert "2 megatron trainer rank(s) need 2 GPU(s) (one each), but the local cluster has 0" in problem.message
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        # issue #54 trap 5: 8 GPUs all to Megatron leave the vLLM worker none
+        (["backend.num_trainer_ranks=8", "megatron.data_parallel_size=8"], "the trainer alone takes every GPU"),
+        (
+            ["backend.num_trainer_ranks=7", "megatron.data_parallel_size=7", "backend.num_generation_workers=2"],
+            "need 9 GPU(s)",
+        ),
+    ],
+)
+def test_every_roles_gpus_count_against_the_visible_ones(monkeypatch, overrides, says):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    gpu = ["megatron.cpu_emulation=false", "backend.generation=vllm", "vllm.device=cuda", "model.path=/m"]
+    base = [*gpu, "megatron.tensor_parallel_size=1"]
+    from single_controller.preflight.environment import roles_fit_the_gpus
+
+    (problem,) = roles_fit_the_gpus(load_config(CPU_CFG, [*base, *overrides]))
+    assert says in problem.message and "vLLM worker(s)" in problem.message, problem.message
+    fits = load_config(CPU_CFG, [*base, "backend.num_trainer_ranks=7", "megatron.data_parallel_size=7"])
+    assert roles_fit_the_gpus(fits) == []
 
 
 def test_cpu_emulation_is_refused_where_cuda_is_visible(monkeypatch):
