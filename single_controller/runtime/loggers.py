@@ -135,8 +135,15 @@ class WandbLogger:
         if not id_file.is_file():
             id_file.write_text(secrets.token_hex(8) + "\n", encoding="utf-8")
         self._wandb = wandb
+        mode = os.environ.get("WANDB_MODE", "offline")
+        if "WANDB_MODE" not in os.environ:  # issue #54: never silently offline
+            log.warning(
+                "run.loggers: wandb logs offline to %s/wandb (WANDB_MODE is not set); set WANDB_MODE=online to "
+                "sync it as it runs, or `wandb sync` that directory later",
+                run_dir.path,
+            )
         self._run = wandb.init(
-            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]  # wandb checks it
+            mode=mode,  # type: ignore[arg-type]  # wandb checks it
             dir=str(run_dir.path),
             project=cfg.run.wandb_project or cfg.run.name,
             name=run_dir.path.name,

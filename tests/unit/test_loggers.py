@@ -127,3 +127,30 @@ def test_records_with_a_sample_are_written_plotted_resumed_and_printed_as_one_li
     out = io.StringIO()
     ConsoleReporter(4, progress_bar=False, stream=out).step(records[1])
     assert out.getvalue() == "step 1/4 | reward 0.500\n"
+
+
+@pytest.mark.parametrize("mode", [None, "online"])
+def test_wandb_offline_by_default_says_so_once(tmp_path, monkeypatch, caplog, mode):
+    """Issue #54 trap 3: W&B is offline unless WANDB_MODE says otherwise; that is said, not silent."""
+    import sys
+    import types
+
+    from single_controller.runtime import loggers as loggers_module
+    from single_controller.runtime.run_dir import RunDirectory
+
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or object(), Settings=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    if mode is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", mode)
+    cfg = load_config(None, ["run.loggers=[jsonl,wandb]", f"run.output_dir={tmp_path}"])
+    with RunDirectory(cfg) as run_dir, caplog.at_level(logging.WARNING, logger="single_controller.runtime.loggers"):
+        loggers_module.WandbLogger(cfg, run_dir)
+    assert calls[0]["mode"] == (mode or "offline")
+    said = [r.getMessage() for r in caplog.records if "offline" in r.getMessage()]
+    if mode is None:
+        assert len(said) == 1 and "set WANDB_MODE=online" in said[0]
+    else:
+        assert said == []
