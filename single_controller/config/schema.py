@@ -183,6 +183,10 @@ class RewardConfig:
     serves the calls after it."""
     max_workers: PositiveInt = 4
     """Threads of a generation worker's reward pool (calls of groups and functions run side by side)."""
+    trl_completions: bool = False
+    """Pass completions to `module:function` rewards as TRL does: for a prompt of chat messages, each
+    completion is `[{"role": "assistant", "content": text}]` (so `completion[0]["content"]` ports as is);
+    for a string prompt, the text. false: always the text. Built-ins always get the text."""
     overlong_buffer: Count = 0
     """DAPO's soft overlong punishment: a completion of L tokens longer than rollout.max_new_tokens - overlong_buffer
     gets overlong_penalty x (max_new_tokens - overlong_buffer - L) / overlong_buffer added to its reward (from 0 at

@@ -35,7 +35,7 @@ from single_controller.data.verifiers import extract_answer, math_verify, reason
 from single_controller.preflight.loader import ConfigError, load_config
 from single_controller.protocols import RewardFailed
 from single_controller.runtime.run_dir import RunDirectory
-from single_controller.types import GenerationRequest, GenerationResult, SamplingParams
+from single_controller.types import GenerationRequest, GenerationResult, Prompt, SamplingParams
 from tests.helpers.sim import assert_clean_end, make_cfg, run_sim
 
 torch.set_num_threads(1)
@@ -406,3 +406,26 @@ def test_the_digit_builtins_match_the_task_rewards():
     assert scored.parts["exact_match"] == (1.0, 0.0, 0.0)
     assert scored.rewards == tuple(positional_match_reward(p, t) + (t == p.answer) for t in texts)
     scorer.close()
+
+
+def trl_style_reward(prompts, completions, answer, **_):
+    """A reward written for TRL's conversational data: reads completion[0]["content"]."""
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+
+
+def test_trl_completions_hand_chat_prompts_completions_as_messages_to_user_functions():
+    """reward.trl_completions (issue #54 item 4): with a chat-message prompt, a `module:function`
+    reward gets each completion as [{"role": "assistant", "content": text}], as TRL passes it; a
+    built-in beside it still gets the text; a string prompt's completions stay text."""
+    chat = Prompt("c", (1, 2), "42", raw_prompt=[{"role": "user", "content": "6 x 7?"}])
+    functions = (RewardFunctionConfig(f"{__name__}:trl_style_reward"), RewardFunctionConfig("exact_match"))
+    scorer = RewardScorer.from_config(
+        RewardConfig(functions=functions, trl_completions=True), positional_match_reward, worker="w", decode=str
+    )
+    scored = scorer.score(GroupToScore(chat, ["42", "41"], [[], []], "g"))
+    assert scored.parts == {"trl_style_reward": (1.0, 0.0), "exact_match": (1.0, 0.0)}
+    plain = RewardScorer.from_config(RewardConfig(functions=functions), positional_match_reward, worker="w", decode=str)
+    with pytest.raises(RewardFailed, match="trl_style_reward"):  # off: the text, which has no [0]["content"]
+        plain.score(GroupToScore(chat, ["42", "41"], [[], []], "g"))
+    scorer.close()
+    plain.close()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from single_controller.config.schema import RewardConfig
-from single_controller.data.rewards import RewardFn, reward_functions
+from single_controller.data.rewards import BUILTINS, RewardFn, reward_functions
 from single_controller.protocols import RewardFailed
 from single_controller.types import Prompt
 
@@ -118,11 +118,13 @@ class RewardScorer:
         inline: bool = False,
         timeout_s: float = 30.0,
         max_workers: int = 4,
+        trl_completions: bool = False,
     ):
         if inline and (len(functions) != 1 or functions[0].form != "legacy"):
             raise ValueError("only one per-completion reward function can be called inline")
         self.functions, self.worker, self.decode, self.inline = tuple(functions), worker, decode, inline
         self.timeout_s, self.max_workers = timeout_s, max_workers
+        self.trl_completions = trl_completions  # `reward.trl_completions`
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # one batch at a time: it alone bounds the calls running at once
         self.timeouts = 0  # calls abandoned at their deadline (each replaced the pool)
@@ -142,6 +144,7 @@ class RewardScorer:
             inline=inline,
             timeout_s=reward.timeout_s,
             max_workers=reward.max_workers,
+            trl_completions=reward.trl_completions,
         )
 
     def close(self) -> None:
@@ -161,7 +164,7 @@ class RewardScorer:
         """One entry per group: its `Scored`, or the `RewardFailed` that ends it alone."""
         if self.inline:
             return [self._inline(g) for g in groups]
-        calls = [_Pending(i, f, g.prompt, self._arguments(g)) for i, g in enumerate(groups) for f in self.functions]
+        calls = [_Pending(i, f, g.prompt, self._arguments(g, f)) for i, g in enumerate(groups) for f in self.functions]
         with self._lock:
             self._run(calls)
         by_group: list[list[_Pending]] = [[] for _ in groups]
@@ -183,16 +186,23 @@ class RewardScorer:
         raw = g.prompt.raw_prompt
         return (raw if isinstance(raw, str) else self.decode(g.prompt.token_ids), g.texts[0], rewards[0])
 
+    def _completions(self, g: GroupToScore, f: RewardFn) -> list:
+        conversational = isinstance(g.prompt.raw_prompt, list)
+        if self.trl_completions and conversational and f.form == "batched" and f.spec not in BUILTINS:
+            return [[{"role": "assistant", "content": t}] for t in g.texts]
+        return list(g.texts)
+
     # -- the pool ----------------------------------------------------------------------------------
-    def _arguments(self, g: GroupToScore) -> dict[str, list]:
-        """The keyword arguments of one batched call: every value a list over the G completions (a
-        dataset column named like one of the arguments given here is shadowed by it)."""
+    def _arguments(self, g: GroupToScore, f: RewardFn) -> dict[str, list]:
+        """The keyword arguments of one batched call of `f`: every value a list over the G completions
+        (a dataset column named like one of the arguments given here is shadowed by it). With
+        `trl_completions`, a user function of a chat prompt gets each completion as TRL gives it."""
         n, p = len(g.texts), g.prompt
         prompt = p.raw_prompt if p.raw_prompt is not None else self.decode(p.token_ids)
         kwargs: dict[str, list] = {k: [v] * n for k, v in p.columns.items()}
         kwargs.update(
             prompts=[prompt] * n,
-            completions=list(g.texts),
+            completions=self._completions(g, f),
             answer=[p.answer] * n,
             completion_ids=[ids.tolist() if hasattr(ids, "tolist") else list(ids) for ids in g.completion_ids],
             prompt_id=[p.prompt_id] * n,
