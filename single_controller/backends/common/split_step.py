@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -280,8 +280,22 @@ class SplitStep:
             )
         return True
 
-    def update_applied(self, st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> None:
-        """`st`'s update under way took its optimizer step (not the last: the step stays open)."""
+    def apply_update(
+        self,
+        st: OpenStep,
+        start: Callable[[], StepStart],
+        apply: Callable[[OpenStep, str], tuple[StepSums, float, float]],
+    ) -> None:
+        """Apply `st`'s update under way (not its last: the step stays open): `start()`, the engine's
+        copy of the step's start, first (once), then `apply`, the engine's optimizer step ->
+        (sums, grad norm, lr). A failure leaves the step failed: only an abort closes it."""
+        try:
+            if st.start is None:
+                st.start = start()
+            sums, grad_norm, lr = apply(st, f"update {st.update} of step {st.step}")
+        except BaseException as e:
+            self.mark_failed(f"{type(e).__name__}: {e}")
+            raise
         st.next_update(step_metrics(st, sums, grad_norm, lr=lr))
 
     def finished(self, st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -> dict[str, float]:

@@ -267,16 +267,13 @@ class MegatronTrainerCore:
         return self.steps.finished(st, totals, grad_norm, lr=lr)
 
     def _next_update(self, st: OpenStep) -> None:
-        """Apply the update under way of a step with several (a copy of the step's start first)."""
-        try:
-            if st.start is None:
-                with self._mc():
-                    st.start = StepStart(self.params, self.params, _inner_optimizers(self.optimizer))
-            totals, grad_norm, lr = self._apply(st, f"update {st.update} of step {st.step}")
-        except BaseException as e:
-            self.steps.mark_failed(f"{type(e).__name__}: {e}")
-            raise
-        self.steps.update_applied(st, totals, grad_norm, lr=lr)
+        """Apply the update under way of a step with several (`SplitStep.apply_update`)."""
+
+        def start() -> StepStart:
+            with self._mc():
+                return StepStart(self.params, self.params, _inner_optimizers(self.optimizer))
+
+        self.steps.apply_update(st, start, self._apply)
         self._zero_grads()
 
     def _apply(self, st: OpenStep, what: str) -> tuple[StepSums, float, float]:

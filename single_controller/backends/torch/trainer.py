@@ -183,16 +183,11 @@ class TrainerCore:
         return self.steps.finished(st, totals, grad_norm, lr=lr)
 
     def _next_update(self, st: OpenStep) -> None:
-        """Apply the update under way of a step with several: a copy of the step's start first (once),
-        then its optimizer step; the next update accumulates from zero gradients."""
-        try:
-            if st.start is None:
-                st.start = StepStart(self.params, (), [self.optimizer], settle=self._settle)
-            totals, grad_norm, lr = self._apply(st, f"update {st.update} of step {st.step}")
-        except BaseException as e:
-            self.steps.mark_failed(f"{type(e).__name__}: {e}")
-            raise
-        self.steps.update_applied(st, totals, grad_norm, lr=lr)
+        """Apply the update under way of a step with several (`SplitStep.apply_update`); the next one
+        accumulates from zero gradients."""
+        self.steps.apply_update(
+            st, lambda: StepStart(self.params, (), [self.optimizer], settle=self._settle), self._apply
+        )
         self._zero_grads()
 
     def _settle(self) -> None:
