@@ -141,7 +141,7 @@ async def _fill(state: RunState, cur: _Step) -> bool:
             return True
         else:
             update, room = _update_of(state, len(cur.groups))
-            picked = await _wait_selectable(state, cur.number, room)
+            picked = await _wait_selectable(state, cur.number, room, need - len(cur.groups))
             if not picked:
                 return bool(cur.chunks) and not state.stop.abandon_open_step
             if not state.stop.abandon_open_step:
@@ -357,13 +357,14 @@ def _chunk(state: RunState, step: int, index: int, groups: list[GroupRecord], up
     return TrainChunk(step, index, tuple(keys), tuple(lengths), TRAIN_ROW_FIELDS, tuple(advantages), update)
 
 
-async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupRecord]:
+async def _wait_selectable(state: RunState, step: int, need: int, rest: int | None = None) -> list[GroupRecord]:
     """Wait for at least min(min_groups_per_chunk, need) selectable groups, or for none to be able to
-    arrive (then return what there is, possibly nothing). Evicts what can never train first."""
+    arrive (then return what there is, possibly nothing); returns at most `need`. Evicts what can
+    never train first. `rest`: the groups the step still lacks (more than `need` with several updates)."""
     # In a pool (or colocated in turns) a step is selected whole: its train slots (the device) are
     # asked for only once it can train to the end, never held while its groups are still generated.
     pooled = state.hooks.before_train is not None
-    want = need if pooled else min(state.cfg.train.min_groups_per_chunk, need)
+    want = max(need, rest or 0) if pooled else min(state.cfg.train.min_groups_per_chunk, need)
     waited_from = None
     while True:
         if state.stop.abandon_open_step:
@@ -374,7 +375,9 @@ async def _wait_selectable(state: RunState, step: int, need: int) -> list[GroupR
             await _evict(state, stale, step)
             continue
         picked = state.sampler.select_from(ready, step, need)
-        if len(picked) >= want or _no_more_can_arrive(state):
+        # `want` may exceed `need` (a pooled step's rest): then all of it must be selectable
+        enough = len(picked) >= min(want, need) and state.sampler.selectable(ready, step) >= want
+        if enough or _no_more_can_arrive(state):
             if waited_from is not None and picked:
                 newest = max(_t_committed(g) for g in picked)
                 state.counters.select_latency_s.append(max(0.0, state.clock() - max(newest, waited_from)))

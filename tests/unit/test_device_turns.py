@@ -5,6 +5,7 @@ with those weights); nothing generates while a step is open, every prompt trains
 staleness bound holds."""
 
 import asyncio
+import dataclasses
 
 from replay.storage import InMemoryRowStorage
 from single_controller.backends.sim import sim_prompts, sim_workers
@@ -126,3 +127,16 @@ async def test_a_step_whose_groups_were_all_ready_trains_on_without_a_handover()
     assert trainer.implicit_onloads == 0
     await assert_clean_end(ctl, trainer, storage)
     assert max(r["train/staleness_max"] for r in summary.history) <= cfg.sampler.max_staleness_versions
+
+
+async def test_a_step_of_several_updates_takes_the_device_only_once_all_its_groups_are_ready():
+    """train.updates_per_step with turns: the device goes to training only once the whole step can
+    train (not its first update's groups: the rest could then never be generated, the engine asleep),
+    and each step then trains its updates in turn."""
+    cfg = turns_cfg(steps=4)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, updates_per_step=2))
+    ctl, gens, trainer, storage, summary, violations = await run_turns(cfg)
+    assert violations == [] and summary.steps == 4
+    for step, updates in trainer.updates.items():
+        assert [len({k.rsplit("_g", 1)[0] for k in keys}) for keys in updates] == [2, 2], (step, updates)
+    await assert_clean_end(ctl, trainer, storage)
