@@ -230,20 +230,34 @@ def megatron_cpu_emulation_without_cuda(cfg: Config) -> list[Problem]:
     ]
 
 
+def gpu_split(cfg: Config) -> tuple[str, int] | None:
+    """How the run's roles take GPUs, in words, and how many GPUs that is; None: no role on a GPU. A
+    trainer rank on a GPU takes one, a vLLM worker on a GPU one; colocated, they share them."""
+    b = cfg.backend
+    trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
+    engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
+    if not trainer and not engines:
+        return None
+    shared = colocated_on_gpu(cfg)
+    roles = [f"{trainer} {b.trainer} trainer rank(s)"] * bool(trainer) + [f"{engines} vLLM worker(s)"] * bool(engines)
+    need = max(trainer, engines) if shared else trainer + engines
+    return f"{' and '.join(roles)} need {need} GPU(s) ({'shared: colocated' if shared else 'one each'})", need
+
+
 def roles_fit_the_gpus(cfg: Config) -> list[Problem]:
-    """On a local cluster, every role's GPUs fit the visible ones: a trainer rank on a GPU takes one,
-    a vLLM worker on a GPU one, both colocated share them (an attached cluster places them itself)."""
-    if cfg.ray.address is not None:
+    """On a local cluster, every role's GPUs (`gpu_split`) fit the visible ones (an attached cluster
+    places them itself)."""
+    split = gpu_split(cfg)
+    if cfg.ray.address is not None or split is None:
+        return []
+    said, need = split
+    gpus = _visible_gpus()
+    if need <= gpus:
         return []
     b = cfg.backend
     trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
     engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
     shared = colocated_on_gpu(cfg)
-    need = max(trainer, engines) if shared else trainer + engines
-    gpus = _visible_gpus()
-    if need <= gpus:
-        return []
-    roles = [f"{trainer} {b.trainer} trainer rank(s)"] * bool(trainer) + [f"{engines} vLLM worker(s)"] * bool(engines)
     fix = "lower the counts, attach to a larger cluster (ray.address)"
     if trainer and engines and not shared and engines < gpus <= trainer:
         fix = (
@@ -255,8 +269,7 @@ def roles_fit_the_gpus(cfg: Config) -> list[Problem]:
     return [
         Problem(
             ("backend.num_trainer_ranks", "backend.num_generation_workers", "megatron.cpu_emulation"),
-            f"{' and '.join(roles)} need {need} GPU(s) ({'shared: colocated' if shared else 'one each'}), but "
-            f"the local cluster has {gpus}; {fix}",
+            f"{said}, but the local cluster has {gpus}; {fix}",
         )
     ]
 

@@ -136,10 +136,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.config is None:
         raise _UsageError("sc-grpo config: give a CONFIG file (or --reference)")
+    from single_controller.preflight.environment import gpu_split
     from single_controller.preflight.loader import environment_problems
 
     cfg = _load(args)
     sys.stdout.write(config_to_yaml(cfg))
+    split = gpu_split(cfg)
+    if split is not None:
+        print(f"sc-grpo config: GPUs: {split[0]}", file=sys.stderr)
     # The config is valid; what this machine lacks for it (packages, the model directory) is what
     # `sc-grpo run` would refuse here: said on stderr, without failing (a config for another machine
     # is still a valid config).

@@ -206,3 +206,13 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys):
         "give a benchmark NAME: overlap, reference, storage, scale, embedded, startup, sync, trl, eval" in err
         and "ARGS" not in err.splitlines()[-1]
     )
+
+
+def test_config_reports_the_gpu_split_of_a_gpu_config(capsys):
+    """Issue #54 acceptance 3: `sc-grpo config` says how the roles take GPUs (nothing for a CPU run)."""
+    megatron = str(ROOT / "configs/megatron_cpu.yaml")
+    gpu = ["megatron.cpu_emulation=false", "backend.generation=vllm", "vllm.device=cuda", "model.path=/m"]
+    split = ["backend.num_trainer_ranks=7", "megatron.data_parallel_size=7", "megatron.tensor_parallel_size=1"]
+    assert cli.main(["config", megatron, *gpu, *split]) == 0
+    err = capsys.readouterr().err
+    assert "GPUs: 7 megatron trainer rank(s) and 1 vLLM worker(s) need 8 GPU(s) (one each)" in err
