@@ -712,6 +712,10 @@ class EnvConfig:
     e.g. `http://127.0.0.1:8765`; exclusive with `fn`. Checked reachable before start-up."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment class (`fn`); sent with each reset over HTTP (`url`)."""
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """JSON tool schemas (e.g. `{type: function, function: {name, description, parameters}}`) handed to the
+    chat template as `tools=` when prompts of chat messages (or templated strings) are rendered, so the
+    policy sees the tools the way its template shows them. Empty: none."""
     max_turns: PositiveInt = 4
     """Policy turns per episode at most; an episode still running after them ends with
     `truncated_reward` (an outcome of the policy, not an error)."""

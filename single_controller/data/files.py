@@ -132,8 +132,8 @@ def _messages(value: Any, where: str) -> list[dict[str, Any]] | None:
     raise DatasetError(f"{where}: the prompt is a {type(value).__name__}; expected a string or a list of messages")
 
 
-def render_prompt(value: Any, data_cfg, tokenizer: RunTokenizer, where: str) -> list[int]:
-    """Token ids of one prompt as the config says (chat template or raw)."""
+def render_prompt(value: Any, data_cfg, tokenizer: RunTokenizer, where: str, tools: Any = None) -> list[int]:
+    """Token ids of one prompt as the config says (chat template, with `tools` (`env.tools`), or raw)."""
     messages = _messages(value, where)
     if messages is None and not data_cfg.chat_template:
         return tokenizer.encode_prompt(value)
@@ -142,7 +142,7 @@ def render_prompt(value: Any, data_cfg, tokenizer: RunTokenizer, where: str) -> 
     if data_cfg.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": data_cfg.system_prompt}, *messages]
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=True)
+        return tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
     except NoChatTemplate as e:
         raise DatasetError(f"{where}: {e}") from None
 
@@ -154,7 +154,7 @@ def _column(row: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _row_prompt(
-    row: Mapping[str, Any], data_cfg, tokenizer: RunTokenizer | None, where: str, default_id: str
+    row: Mapping[str, Any], data_cfg, tokenizer: RunTokenizer | None, where: str, default_id: str, tools: Any = None
 ) -> Prompt:
     raw = _column(row, data_cfg.prompt_key, where)
     answer = "" if data_cfg.answer_key is None else _column(row, data_cfg.answer_key, where)
@@ -165,7 +165,7 @@ def _row_prompt(
         _messages(raw, where)
         ids: list[int] = []
     else:
-        ids = render_prompt(raw, data_cfg, tokenizer, where)
+        ids = render_prompt(raw, data_cfg, tokenizer, where, tools)
     return Prompt(pid, tuple(ids), answer if isinstance(answer, str) else json.dumps(answer), raw, columns)
 
 
@@ -215,7 +215,9 @@ def _mapped(fn, row: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     return out
 
 
-def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None, what: str) -> LoadedPrompts:
+def file_prompts(
+    files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None, what: str, tools: Any = None
+) -> LoadedPrompts:
     """The prompts of `files` (`dataset_records`: the split of `what`, train or eval) in order (ids
     unique over all of them), overlong ones dropped or refused, each row through `data.map` first.
     `tokenizer=None` checks the rows (columns, prompt shapes, ids) without rendering them."""
@@ -230,7 +232,7 @@ def file_prompts(files: Sequence[str], data_cfg, tokenizer: RunTokenizer | None,
         for n, record in enumerate(dataset_records(f, data_cfg, split), 1):
             where = f"{what} {f}, row {n}"
             row = record if fn is None else _mapped(fn, record, where)
-            p = _row_prompt(row, data_cfg, tokenizer, where, f"{Path(f).stem}-{n:06d}")
+            p = _row_prompt(row, data_cfg, tokenizer, where, f"{Path(f).stem}-{n:06d}", tools)
             if limit is not None and len(p.token_ids) > limit:
                 if data_cfg.overlong_prompts == "error":
                     raise DatasetError(

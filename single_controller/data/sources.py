@@ -38,7 +38,7 @@ def train_prompts(cfg) -> LoadedPrompts:
         return rg_prompts(dataclasses.replace(cfg, data=data_limits(cfg)), load_tokenizer(cfg.model.path), "train")
     if cfg.data.train_files:
         tokenizer = load_tokenizer(cfg.model.path)
-        return file_prompts(cfg.data.train_files, data_limits(cfg), tokenizer, "data.train_files")
+        return file_prompts(cfg.data.train_files, data_limits(cfg), tokenizer, "data.train_files", cfg.env.tools)
     from single_controller.data.tasks import check_unique_prompt_ids, load_task
 
     pool = list(load_task(cfg.task.name)(cfg.task.num_prompts, cfg.task.num_digits, cfg.seed))
@@ -54,7 +54,7 @@ def eval_prompts(cfg) -> list[Prompt]:
         return loaded.prompts[: cfg.eval.num_prompts]
     if cfg.data.eval_files:
         tokenizer = load_tokenizer(cfg.model.path)
-        loaded = file_prompts(cfg.data.eval_files, data_limits(cfg), tokenizer, "data.eval_files")
+        loaded = file_prompts(cfg.data.eval_files, data_limits(cfg), tokenizer, "data.eval_files", cfg.env.tools)
         return loaded.prompts[: cfg.eval.num_prompts]
     from single_controller.data.tasks import load_eval_prompts
 

@@ -62,7 +62,7 @@ class CharTokenizer:
     def has_chat_template(self) -> bool:
         return False
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
         raise NoChatTemplate(
             "the character tokenizer of the embedded model has no chat template: give string prompts with "
             "data.chat_template=false, or a model directory whose tokenizer has one (`sc-grpo init-model`)"

@@ -39,7 +39,9 @@ class RunTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -85,7 +87,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> list[int]:
+        """The template's text of `messages` as token ids; `tools` (JSON schemas: `env.tools`) reach
+        the template as its `tools` variable."""
         if not self.has_chat_template:
             raise NoChatTemplate(
                 f"the tokenizer in {self.path!r} has no chat template (tokenizer_config.json has no "
@@ -93,7 +99,10 @@ class HFTokenizer:
                 "directory whose tokenizer has one (`sc-grpo init-model` writes one)"
             )
         text = self.tok.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            [dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools else None,
         )
         return self.encode(str(text))  # the template writes the special tokens itself
 

@@ -310,7 +310,7 @@ def dataset_files(cfg: Config) -> list[Problem]:
         if not files:
             continue
         try:
-            file_prompts(files, cfg.data, _tokenizer_if_available(cfg), key)
+            file_prompts(files, cfg.data, _tokenizer_if_available(cfg), key, cfg.env.tools)
         except (ValueError, OSError, ImportError) as e:  # DatasetError, a duplicate id, an unreadable file
             out.append(Problem((key,), f"{key}: {e}"))
     return out

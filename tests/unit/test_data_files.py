@@ -315,3 +315,22 @@ def test_a_save_to_disk_directory_is_read_by_split(tmp_path, bpe):
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
     got = file_prompts([str(tmp_path / "one")], DataConfig(map="gsm8k"), bpe, "data.train_files").prompts
     assert [p.answer for p in got] == ["7", "2400"]
+
+
+def test_env_tools_reach_the_chat_template_as_its_tools(tmp_path):
+    """env.tools (issue #54 item 4): the JSON tool schemas are the template's `tools` when prompts are
+    rendered, so the policy sees them as its template writes tools; without them, nothing changes."""
+    d = tmp_path / "tok"
+    write_bpe_tokenizer(d, 300)
+    tok = load_tokenizer(str(d))
+    tok.tok.chat_template = (
+        "{% if tools %}TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "find", "parameters": {}}}]
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "answer": "x"}])
+    (with_tools,) = file_prompts([f], DataConfig(), tok, "data.train_files", tools).prompts
+    (plain,) = file_prompts([f], DataConfig(), tok, "data.train_files").prompts
+    assert tok.decode(with_tools.token_ids).startswith("TOOLS lookup") and "TOOLS" not in tok.decode(plain.token_ids)
+    cfg = load_config(None, ["env.tools=[{type: function, function: {name: lookup}}]"])
+    assert cfg.env.tools[0]["function"]["name"] == "lookup"
