@@ -51,12 +51,14 @@ def _per_step(ctl) -> dict[int, list[str]]:
 DETERMINISTIC_KEYS = ("rollout/reward_mean", "rollout/success_rate", "rollout/groups", "train/rows", "train/loss")
 
 
+@pytest.mark.parametrize("updates", [1, 3], ids=["one_update", "three_updates"])
 @pytest.mark.parametrize("history", [False, True], ids=["ledger_in_memory", "prompt_history_file"])
-async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, history):
-    full_cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 0, "at_exit": False})
+async def test_resumed_sim_run_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, history, updates):
+    train = {"updates_per_step": updates}  # several updates per step: the same steps, the same prompts
+    full_cfg = make_cfg(steps=9, P=3, G=2, L=1, checkpoint={"every_steps": 0, "at_exit": False}, train=train)
     ctl_a, trainer_a, storage_a, _ = await _run_with_dir(full_cfg, tmp_path / "a")
     # The same run "crashes" after step 5 with its last checkpoint at step 4, then resumes.
-    first = make_cfg(steps=5, P=3, G=2, L=1, checkpoint={"every_steps": 4, "at_exit": False})
+    first = make_cfg(steps=5, P=3, G=2, L=1, checkpoint={"every_steps": 4, "at_exit": False}, train=train)
     ctl_b1, _, storage_b1, s1 = await _run_with_dir(first, tmp_path / "b", history=history)
     assert s1.checkpoint.step == 4
     saved = read_controller_state(latest_checkpoint(tmp_path / "b"))
