@@ -20,7 +20,16 @@ NAMES = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir() and not p.name.s
 
 
 def test_the_examples_are_there_and_listed():
-    assert NAMES == ["chat_model", "custom_dataset", "custom_reward", "gpu", "hf_model", "math_verify", "reasoning_gym"]
+    assert NAMES == [
+        "chat_model",
+        "custom_dataset",
+        "custom_reward",
+        "gpu",
+        "gsm8k",
+        "hf_model",
+        "math_verify",
+        "reasoning_gym",
+    ]
     listed = (EXAMPLES / "README.md").read_text()
     for name in NAMES:
         config = EXAMPLES / name / "config.yaml"
@@ -72,3 +81,29 @@ def test_math_verify_example_data_scores_its_own_solutions_right_and_wrong_answe
     assert math_verify([r["prompt"] for r in rows], [r["solution"] for r in rows], gold) == [1.0] * 300
     wrong = [f"\\boxed{{{a} + 1}}" for a in gold]  # another number
     assert math_verify([r["prompt"] for r in rows], wrong, gold) == [0.0] * 300
+
+
+@pytest.mark.parametrize(
+    "config, split",
+    [
+        ("config.yaml", "1 torch trainer rank(s) and 1 vLLM worker(s) need 1 GPU(s) (shared: colocated)"),
+        ("two_gpu.yaml", "1 fsdp trainer rank(s) and 1 vLLM worker(s) need 2 GPU(s) (one each)"),
+        ("eight_gpu.yaml", "6 fsdp trainer rank(s) and 2 vLLM worker(s) need 8 GPU(s) (one each)"),
+    ],
+)
+def test_the_gsm8k_recipe_states_its_gpu_split_and_refuses_every_gpu_to_the_trainer(config, split, monkeypatch):
+    """Issue #54 acceptance 3: `sc-grpo config` reports each recipe config's GPU split; on its GPUs it
+    fits, and the 8-GPU config with every GPU given to the trainer is refused, naming the workers left out."""
+    import torch
+
+    from single_controller.preflight.environment import gpu_split, roles_fit_the_gpus
+
+    path = str(EXAMPLES / "gsm8k" / config)
+    cfg = load_config(path, [])
+    assert gpu_split(cfg) == (split, int(split.split(" need ")[1].split()[0]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu_split(cfg)[1])
+    assert roles_fit_the_gpus(cfg) == []
+    if config == "eight_gpu.yaml":
+        (problem,) = roles_fit_the_gpus(load_config(path, ["backend.num_trainer_ranks=8"]))
+        assert "leaves none to the generation workers" in problem.message
