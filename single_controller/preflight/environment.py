@@ -230,15 +230,21 @@ def megatron_cpu_emulation_without_cuda(cfg: Config) -> list[Problem]:
     ]
 
 
+def _gpu_roles(cfg: Config) -> tuple[int, int, bool]:
+    """(trainer ranks on GPUs, vLLM workers on GPUs, whether they share them: colocated)."""
+    b = cfg.backend
+    trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
+    engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
+    return trainer, engines, colocated_on_gpu(cfg)
+
+
 def gpu_split(cfg: Config) -> tuple[str, int] | None:
     """How the run's roles take GPUs, in words, and how many GPUs that is; None: no role on a GPU. A
     trainer rank on a GPU takes one, a vLLM worker on a GPU one; colocated, they share them."""
     b = cfg.backend
-    trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
-    engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
+    trainer, engines, shared = _gpu_roles(cfg)
     if not trainer and not engines:
         return None
-    shared = colocated_on_gpu(cfg)
     roles = [f"{trainer} {b.trainer} trainer rank(s)"] * bool(trainer) + [f"{engines} vLLM worker(s)"] * bool(engines)
     need = max(trainer, engines) if shared else trainer + engines
     return f"{' and '.join(roles)} need {need} GPU(s) ({'shared: colocated' if shared else 'one each'})", need
@@ -254,17 +260,14 @@ def roles_fit_the_gpus(cfg: Config) -> list[Problem]:
     gpus = _visible_gpus()
     if need <= gpus:
         return []
-    b = cfg.backend
-    trainer = b.num_trainer_ranks if training_on_gpu(cfg) else 0
-    engines = b.num_generation_workers if generation_on_gpu(cfg) else 0
-    shared = colocated_on_gpu(cfg)
+    trainer, engines, shared = _gpu_roles(cfg)
     fix = "lower the counts, attach to a larger cluster (ray.address)"
     if trainer and engines and not shared and engines < gpus <= trainer:
         fix = (
             f"the trainer alone takes every GPU and leaves none to the generation workers: e.g. "
             f"backend.num_trainer_ranks={gpus - engines} for {engines} vLLM worker(s), or {fix}"
         )
-    if b.trainer == "megatron" and trainer:
+    if cfg.backend.trainer == "megatron" and trainer:
         fix += ", or megatron.cpu_emulation=true on a CPU-only machine (tests and demos)"
     return [
         Problem(

@@ -47,6 +47,7 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
     """POOL.yaml and its runs' configs, checked together; `ConfigError` lists every problem."""
     import yaml
 
+    from single_controller.preflight.environment import with_cached_model
     from single_controller.preflight.loader import load_config
 
     problems: list[str] = []
@@ -77,7 +78,7 @@ def load_pool(path: str | os.PathLike) -> PoolSpec:
             if "resume" in entry:
                 runs.append(_resumed(str(entry["resume"]), overrides))
             else:
-                runs.append(load_config(entry["config"], overrides))
+                runs.append(with_cached_model(load_config(entry["config"], overrides)))
             resumes.append(entry.get("resume"))
         except (ConfigError, OSError) as e:
             problems.append(f"runs[{i}] ({entry.get('config') or entry['resume']}): {e}")

@@ -69,6 +69,16 @@ def _sim_run(name: str, gen: str, train: str, *more: str) -> dict:
             ],
             r"rollout.sleep_level=2 with vLLM on the CPU",
         ),
+        (  # a Hub repo id its run would load: resolved from the local cache as `sc-grpo run` does
+            {"slots": 1},
+            [
+                {
+                    "config": str(ROOT / "configs/embedded.yaml"),
+                    "overrides": ["pool.gen_slots=[0]", "pool.train_slots=[0]", "model.path=no-org/not-cached"],
+                }
+            ],
+            r"huggingface-cli download no-org/not-cached",
+        ),
     ],
 )
 def test_a_pool_that_cannot_run_is_refused_before_anything_starts(tmp_path, top, runs, problem):

@@ -436,8 +436,9 @@ def reference_kl_rows(
     no-grad forwards of the reference in passes of at most `micro_batch_tokens`; in row order."""
     lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
     out = [0.0] * len(lengths)
-    for idx in token_passes(lengths, micro_batch_tokens):
-        part = select_rows(rows, idx)
+    passes = token_passes(lengths, micro_batch_tokens)
+    for idx in passes:
+        part = rows if len(passes) == 1 else select_rows(rows, idx)
         with torch.no_grad(), _autocast(reference, autocast):
             ref, valid = token_logprobs(
                 reference, part["prompt_ids"], part["response_ids"], temperature, share_prefixes
@@ -565,19 +566,26 @@ def step_metrics(st: OpenStep, sums: StepSums, grad_norm: float, *, lr: float) -
 
 # A step of several updates reports these summed over its updates, these as their largest, the rest
 # (loss, grad norm, fractions, means) as their mean over the updates.
-_SUMMED = ("train/tokens", "train/sequences", "train/microbatches", "train/passes", "train/bytes_read")
+_SUMMED = (
+    "train/tokens",
+    "train/sequences",
+    "train/microbatches",
+    "train/passes",
+    "train/bytes_read",
+    "train/mismatch_tokens",
+)
 _LARGEST = ("train/is_weight_max", "train/step_s")  # step_s: each update's is counted from the step's begin
 
 
 def of_updates(updates: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """A step's metrics from its updates' (`step_metrics` each); one update: its own. With several,
-    `train/updates` says how many and the mismatch is summed over them like a count."""
+    `train/updates` says how many."""
     if len(updates) == 1:
         return dict(updates[0])
     out: dict[str, float] = {}
     for k in updates[0]:
         values = [u[k] for u in updates if k in u]
-        if k in _SUMMED or k == "train/mismatch_tokens":
+        if k in _SUMMED:
             out[k] = float(sum(values))
         elif k in _LARGEST:
             out[k] = max(values)

@@ -70,7 +70,7 @@ class TrainerCore:
         bucket_bytes: int = 4 << 20,
         max_steps: int | None = None,
         compute_dtype: torch.dtype | None = None,
-        keep_reference: bool | None = None,
+        keep_reference: bool = False,
     ):
         self.policy = policy
         p0 = next(policy.parameters())
@@ -89,7 +89,7 @@ class TrainerCore:
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         # Frozen copy of the initial weights for a KL penalty (in the loss: train.kl_coef; in the reward:
         # `keep_reference`), only when there is one (before any wrapping).
-        keep = cfg.kl_coef > 0 if keep_reference is None else keep_reference or cfg.kl_coef > 0
+        keep = bool(keep_reference) or cfg.kl_coef > 0
         self.reference = copy.deepcopy(policy).requires_grad_(False) if keep else None
         self._ddp: nn.parallel.DistributedDataParallel | None = None
         self._forward: nn.Module = self._wrap(policy, process_group)
